@@ -1,1 +1,13 @@
+//! The worker: the seed CNN on burn, CIFAR-10, data-parallel training over the collective,
+//! crash-safe checkpoints, evaluation and prediction.
 
+pub mod checkpoint;
+pub mod cifar;
+pub mod device;
+mod error;
+pub mod eval;
+pub mod model;
+pub mod sampler;
+pub mod train;
+
+pub use error::{Result, TrainError};

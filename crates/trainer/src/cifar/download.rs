@@ -1,0 +1,152 @@
+//! Fetching the official binary archive when the data directory holds no data set.
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use md5::{Digest, Md5};
+
+use super::{BIN_DIR, Layout};
+use crate::error::{IoContext, Result, TrainError};
+
+pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
+pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
+
+#[derive(Debug, Clone)]
+pub struct DownloadOptions {
+    pub enabled: bool,
+    pub url: String,
+    /// Expected MD5 of the archive, lower-case hex.
+    pub md5: String,
+}
+
+impl Default for DownloadOptions {
+    fn default() -> Self {
+        DownloadOptions {
+            enabled: true,
+            url: OFFICIAL_URL.into(),
+            md5: OFFICIAL_MD5.into(),
+        }
+    }
+}
+
+/// Returns the data set in `dir`, downloading and extracting the archive first if there is none.
+/// Safe against concurrent callers sharing `dir` (nodes on a shared volume): each works in
+/// files of its own and the final rename is atomic.
+pub fn ensure_dataset(dir: &Path, opts: &DownloadOptions, progress: bool) -> Result<Layout> {
+    if let Some(layout) = Layout::locate(dir) {
+        return Ok(layout);
+    }
+    if !opts.enabled {
+        return Err(TrainError::BadData {
+            path: dir.to_path_buf(),
+            problem: format!(
+                "no CIFAR-10 data here (looked for data_batch_1.bin or data_batch_1, also under {BIN_DIR}/): put the data set there, or drop --no-download to fetch it"
+            ),
+        });
+    }
+    std::fs::create_dir_all(dir).at(dir)?;
+    let pid = std::process::id();
+    let part = dir.join(format!(".cifar-10-binary.tar.gz.{pid}.part"));
+    let result = fetch(&opts.url, &part, progress).and_then(|md5| {
+        if md5 != opts.md5.to_ascii_lowercase() {
+            return Err(TrainError::Download {
+                url: opts.url.clone(),
+                problem: format!(
+                    "MD5 of the archive is {md5}, expected {}: the file is corrupt or not CIFAR-10; the partial file was removed, try again",
+                    opts.md5
+                ),
+            });
+        }
+        extract(&part, dir)
+    });
+    let _ = std::fs::remove_file(&part);
+    result?;
+    Layout::locate(dir).ok_or_else(|| TrainError::BadData {
+        path: dir.to_path_buf(),
+        problem: format!("the archive from {} held no CIFAR-10 batches", opts.url),
+    })
+}
+
+/// Streams `url` into `dest`, returning the MD5 of what was written.
+fn fetch(url: &str, dest: &Path, progress: bool) -> Result<String> {
+    let fail = |problem: String| TrainError::Download {
+        url: url.to_string(),
+        problem,
+    };
+    let client = reqwest::blocking::Client::builder()
+        .timeout(None)
+        .connect_timeout(std::time::Duration::from_secs(30))
+        .build()
+        .map_err(|e| fail(e.to_string()))?;
+    let mut response = client.get(url).send().map_err(|e| {
+        fail(format!(
+            "{e} (no network? pass --download-url to use a mirror)"
+        ))
+    })?;
+    if !response.status().is_success() {
+        return Err(fail(format!("server answered {}", response.status())));
+    }
+    let total = response.content_length();
+    let bar = if progress {
+        indicatif::ProgressBar::new(total.unwrap_or(0))
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "downloading CIFAR-10 {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut file = std::fs::File::create(dest).at(dest)?;
+    let mut md5 = Md5::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut written = 0u64;
+    loop {
+        let n = response
+            .read(&mut buf)
+            .map_err(|e| fail(format!("connection broke after {written} bytes: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        md5.update(&buf[..n]);
+        file.write_all(&buf[..n]).at(dest)?;
+        written += n as u64;
+        bar.set_position(written);
+    }
+    file.sync_all().at(dest)?;
+    bar.finish_and_clear();
+    if let Some(total) = total
+        && total != written
+    {
+        return Err(fail(format!("got {written} of {total} bytes")));
+    }
+    Ok(format!("{:x}", md5.finalize()))
+}
+
+fn extract(archive: &Path, dir: &Path) -> Result<()> {
+    let staging = dir.join(format!(".extract.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let file = std::fs::File::open(archive).at(archive)?;
+    // `unpack` refuses entries that would land outside `staging` (absolute paths, `..`).
+    let unpacked = tar::Archive::new(flate2::read::GzDecoder::new(file))
+        .unpack(&staging)
+        .map_err(|e| TrainError::BadData {
+            path: archive.to_path_buf(),
+            problem: format!("cannot extract: {e}"),
+        });
+    let moved = unpacked.and_then(|()| {
+        let target = dir.join(BIN_DIR);
+        match std::fs::rename(staging.join(BIN_DIR), &target) {
+            Ok(()) => Ok(()),
+            // Another node on the same volume finished first.
+            Err(_) if Layout::locate(dir).is_some() => Ok(()),
+            Err(e) => Err(TrainError::BadData {
+                path: archive.to_path_buf(),
+                problem: format!("archive has no {BIN_DIR}/ folder ({e})"),
+            }),
+        }
+    });
+    let _ = std::fs::remove_dir_all(&staging);
+    moved
+}

@@ -1,0 +1,317 @@
+//! The seed CNN, and its parameters as flat `f32` buffers with PyTorch's names.
+//!
+//! Invariant: parameters are always listed in the order of [`SeedCnn`]'s fields, which is the
+//! order of the seed's `nn.Sequential`; flat buffers, checkpoints and the all-reduce rely on it.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::cifar::NUM_CLASSES;
+
+/// Conv(3→32) ReLU, Conv(32→64) ReLU, MaxPool2, BatchNorm(64), Conv(64→128) ReLU,
+/// Conv(128→128) ReLU, MaxPool2, BatchNorm(128), Conv(128→256) ReLU, Conv(256→256) ReLU,
+/// MaxPool2, BatchNorm(256), Flatten, Linear(4096→512) ReLU, Linear(512→10).
+/// Field names carry the index of the layer in the seed's `nn.Sequential`.
+#[derive(Module, Debug)]
+pub struct SeedCnn {
+    conv0: Conv2d,
+    conv2: Conv2d,
+    bn5: BatchNorm,
+    conv6: Conv2d,
+    conv8: Conv2d,
+    bn11: BatchNorm,
+    conv12: Conv2d,
+    conv14: Conv2d,
+    bn17: BatchNorm,
+    fc19: Linear,
+    fc21: Linear,
+    pool: MaxPool2d,
+}
+
+fn conv(i: usize, o: usize, device: &Device) -> Conv2d {
+    Conv2dConfig::new([i, o], [3, 3])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init(device)
+}
+
+impl SeedCnn {
+    pub fn new(device: &Device) -> Self {
+        SeedCnn {
+            conv0: conv(3, 32, device),
+            conv2: conv(32, 64, device),
+            bn5: BatchNormConfig::new(64).init(device),
+            conv6: conv(64, 128, device),
+            conv8: conv(128, 128, device),
+            bn11: BatchNormConfig::new(128).init(device),
+            conv12: conv(128, 256, device),
+            conv14: conv(256, 256, device),
+            bn17: BatchNormConfig::new(256).init(device),
+            fc19: LinearConfig::new(4096, 512).init(device),
+            fc21: LinearConfig::new(512, NUM_CLASSES).init(device),
+            pool: MaxPool2dConfig::new([2, 2]).init(),
+        }
+    }
+
+    /// `[batch, 3, 32, 32]` → logits `[batch, 10]`.
+    pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
+        let x = relu(self.conv0.forward(x));
+        let x = relu(self.conv2.forward(x));
+        let x = self.bn5.forward(self.pool.forward(x));
+        let x = relu(self.conv6.forward(x));
+        let x = relu(self.conv8.forward(x));
+        let x = self.bn11.forward(self.pool.forward(x));
+        let x = relu(self.conv12.forward(x));
+        let x = relu(self.conv14.forward(x));
+        let x = self.bn17.forward(self.pool.forward(x));
+        let x: Tensor<2> = x.flatten(1, 3);
+        self.fc21.forward(relu(self.fc19.forward(x)))
+    }
+}
+
+/// One named tensor of the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// burn's path, e.g. `fc19.weight`.
+    pub path: String,
+    pub shape: Vec<usize>,
+    /// Trained by the optimizer (false for BatchNorm running statistics).
+    pub trainable: bool,
+}
+
+impl Entry {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// PyTorch's name in the seed's `nn.Sequential`: `conv12.weight` → `network.12.weight`,
+    /// `bn5.gamma` → `network.5.weight`.
+    pub fn torch_name(&self) -> String {
+        let (module, field) = self.path.split_once('.').unwrap_or((&self.path, ""));
+        let index: String = module.chars().filter(|c| c.is_ascii_digit()).collect();
+        let field = match field {
+            "gamma" => "weight",
+            "beta" => "bias",
+            other => other,
+        };
+        format!("network.{index}.{field}")
+    }
+
+    /// burn stores Linear weights as `[in, out]`, PyTorch as `[out, in]`.
+    pub fn is_linear_weight(&self) -> bool {
+        self.path.starts_with("fc") && self.path.ends_with(".weight")
+    }
+}
+
+/// The model's tensors as flat buffers, in field order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub entries: Vec<Entry>,
+    /// Trainable parameters, concatenated.
+    pub params: Vec<f32>,
+    /// Buffers (BatchNorm running mean and variance), concatenated.
+    pub buffers: Vec<f32>,
+}
+
+impl Snapshot {
+    /// `(entry, values)` for every tensor in order, parameters and buffers interleaved as in the
+    /// model.
+    pub fn tensors(&self) -> Vec<(&Entry, &[f32])> {
+        let (mut p, mut b) = (0, 0);
+        self.entries
+            .iter()
+            .map(|e| {
+                let n = e.numel();
+                if e.trainable {
+                    p += n;
+                    (e, &self.params[p - n..p])
+                } else {
+                    b += n;
+                    (e, &self.buffers[b - n..b])
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Default)]
+struct Path(Vec<String>);
+
+impl Path {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn leaf(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+fn is_buffer(path: &str) -> bool {
+    path.ends_with("running_mean") || path.ends_with("running_var")
+}
+
+struct Reader {
+    path: Path,
+    snapshot: Snapshot,
+    /// Read only the buffers (the cheap per-step sync of BatchNorm statistics).
+    buffers_only: bool,
+}
+
+impl ModuleVisitor for Reader {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let path = self.path.leaf();
+        let trainable = !is_buffer(&path);
+        if self.buffers_only && trainable {
+            return;
+        }
+        let tensor = param.val();
+        let shape = tensor.shape().dims::<D>().to_vec();
+        let values = to_vec(tensor);
+        if trainable {
+            self.snapshot.params.extend(values);
+        } else {
+            self.snapshot.buffers.extend(values);
+        }
+        self.snapshot.entries.push(Entry {
+            path,
+            shape,
+            trainable,
+        });
+    }
+}
+
+pub(crate) fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("a float tensor converts to f32")
+}
+
+/// Reads every tensor of `model`.
+pub fn snapshot(model: &SeedCnn) -> Snapshot {
+    let mut reader = Reader {
+        path: Path::default(),
+        snapshot: Snapshot {
+            entries: Vec::new(),
+            params: Vec::new(),
+            buffers: Vec::new(),
+        },
+        buffers_only: false,
+    };
+    model.visit(&mut reader);
+    reader.snapshot
+}
+
+/// Reads only the BatchNorm running statistics.
+pub fn buffers(model: &SeedCnn) -> Vec<f32> {
+    let mut reader = Reader {
+        path: Path::default(),
+        snapshot: Snapshot {
+            entries: Vec::new(),
+            params: Vec::new(),
+            buffers: Vec::new(),
+        },
+        buffers_only: true,
+    };
+    model.visit(&mut reader);
+    reader.snapshot.buffers
+}
+
+struct Writer<'a> {
+    path: Path,
+    params: Option<&'a [f32]>,
+    buffers: &'a [f32],
+}
+
+impl ModuleMapper for Writer<'_> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let trainable = !is_buffer(&self.path.leaf());
+        let source = if trainable {
+            &mut self.params
+        } else {
+            &mut Some(self.buffers)
+        };
+        let Some(values) = source.as_mut() else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let (mine, rest) = values.split_at(n);
+        *values = rest;
+        if !trainable {
+            self.buffers = rest;
+        }
+        let device = tensor.device();
+        let require_grad = tensor.is_require_grad();
+        let mut fresh = Tensor::<D>::from_data(TensorData::new(mine.to_vec(), shape), &device);
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Replaces the model's parameters (when given) and buffers with flat buffers laid out as
+/// [`snapshot`] produces them.
+pub fn load(model: SeedCnn, params: Option<&[f32]>, buffers: &[f32]) -> SeedCnn {
+    model.map(&mut Writer {
+        path: Path::default(),
+        params,
+        buffers,
+    })
+}
+
+/// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
+/// gradient contribute zeros, so every rank's buffer has the same layout.
+pub fn gradients(model: &SeedCnn, grads: &burn::tensor::Gradients, out: &mut Vec<f32>) {
+    struct Grads<'a> {
+        path: Path,
+        grads: &'a burn::tensor::Gradients,
+        out: &'a mut Vec<f32>,
+    }
+    impl ModuleVisitor for Grads<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if is_buffer(&self.path.leaf()) {
+                return;
+            }
+            let tensor = param.val();
+            match tensor.grad(self.grads) {
+                Some(g) => self.out.extend(to_vec(g)),
+                None => self
+                    .out
+                    .extend(std::iter::repeat_n(0.0, tensor.shape().num_elements())),
+            }
+        }
+    }
+    out.clear();
+    model.visit(&mut Grads {
+        path: Path::default(),
+        grads,
+        out,
+    });
+}

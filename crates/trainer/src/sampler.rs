@@ -1,0 +1,137 @@
+//! Distributed sampling with torch's `DistributedSampler` semantics (shuffle by seed + epoch,
+//! pad to a multiple of the world size, rank `r` takes every world-size-th index starting at
+//! `r`), plus a position inside the epoch so training can resume mid-epoch at any world size.
+//!
+//! Invariant: after `k` steps of batch `b` on a world of `w`, exactly the first
+//! `min(k*b*w, remaining)` indices of the epoch's remaining order have been consumed, whatever
+//! `w` is. That is what makes re-sharding after a restart lose and repeat nothing.
+
+/// The epoch's order of `n` samples, a permutation fixed by `seed` and `epoch`.
+pub fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut rng = SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// Where one rank stands in one epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank's indices for the rest of the epoch, in order.
+    pub indices: Vec<usize>,
+    pub batch_size: usize,
+    /// Samples of the epoch consumed before this shard started (global count).
+    pub start: usize,
+    pub world_size: usize,
+    /// Samples in the whole epoch.
+    pub epoch_len: usize,
+}
+
+impl Shard {
+    /// Rank `rank`'s share of epoch `epoch` from position `consumed` on.
+    pub fn new(
+        n: usize,
+        seed: u64,
+        epoch: usize,
+        consumed: usize,
+        world_size: usize,
+        rank: usize,
+        batch_size: usize,
+    ) -> Shard {
+        assert!(world_size > 0 && rank < world_size && batch_size > 0);
+        let order = epoch_order(n, seed, epoch);
+        let rest = &order[consumed.min(n)..];
+        let per_rank = rest.len().div_ceil(world_size);
+        let indices = (0..per_rank)
+            .map(|k| rest[(k * world_size + rank) % rest.len()])
+            .collect();
+        Shard {
+            indices,
+            batch_size,
+            start: consumed.min(n),
+            world_size,
+            epoch_len: n,
+        }
+    }
+
+    /// Steps left in the epoch (the last batch may be short).
+    pub fn steps(&self) -> usize {
+        self.indices.len().div_ceil(self.batch_size)
+    }
+
+    pub fn batch(&self, step: usize) -> &[usize] {
+        let lo = (step * self.batch_size).min(self.indices.len());
+        let hi = ((step + 1) * self.batch_size).min(self.indices.len());
+        &self.indices[lo..hi]
+    }
+
+    /// The epoch position (global samples consumed) once `steps_done` steps of this shard ran.
+    pub fn position_after(&self, steps_done: usize) -> usize {
+        (self.start + steps_done * self.batch_size * self.world_size).min(self.epoch_len)
+    }
+}
+
+/// splitmix64: tiny, fast and fixed forever, so an epoch's order never changes between releases.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn the_order_depends_on_seed_and_epoch_only() {
+        assert_eq!(epoch_order(100, 1, 3), epoch_order(100, 1, 3));
+        assert_ne!(epoch_order(100, 1, 3), epoch_order(100, 1, 4));
+        assert_ne!(epoch_order(100, 1, 3), epoch_order(100, 2, 3));
+        let mut sorted = epoch_order(100, 1, 3);
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+    }
+
+    proptest! {
+        #[test]
+        fn shards_are_disjoint_equal_and_cover_the_epoch(n in 1usize..300, world in 1usize..6, batch in 1usize..40, seed in any::<u64>()) {
+            let shards: Vec<Shard> = (0..world).map(|r| Shard::new(n, seed, 0, 0, world, r, batch)).collect();
+            let len = shards[0].indices.len();
+            prop_assert!(shards.iter().all(|s| s.indices.len() == len), "equal shards");
+            prop_assert_eq!(len, n.div_ceil(world));
+            let all: HashSet<usize> = shards.iter().flat_map(|s| s.indices.iter().copied()).collect();
+            prop_assert_eq!(all.len(), n, "every sample is used");
+            if n % world == 0 {
+                prop_assert_eq!(shards.iter().map(|s| s.indices.len()).sum::<usize>(), n, "no padding when it divides");
+            }
+        }
+
+        #[test]
+        fn resuming_at_another_world_size_neither_loses_nor_repeats(
+            n in 1usize..400, w1 in 1usize..5, w2 in 1usize..5, batch in 1usize..20, seed in any::<u64>(), cut in 0usize..50,
+        ) {
+            // Run `cut` steps at world w1, then the rest of the epoch at world w2.
+            let first: Vec<Shard> = (0..w1).map(|r| Shard::new(n, seed, 2, 0, w1, r, batch)).collect();
+            let steps = cut.min(first[0].steps());
+            let mut seen: Vec<usize> = first.iter().flat_map(|s| (0..steps).flat_map(|k| s.batch(k).to_vec())).collect();
+            let position = first[0].position_after(steps);
+            let second: Vec<Shard> = (0..w2).map(|r| Shard::new(n, seed, 2, position, w2, r, batch)).collect();
+            seen.extend(second.iter().flat_map(|s| s.indices.iter().copied()));
+            let distinct: HashSet<usize> = seen.iter().copied().collect();
+            prop_assert_eq!(distinct.len(), n, "nothing lost");
+            // Repeats come only from padding: at most world-1 per phase.
+            prop_assert!(seen.len() <= n + (w1 - 1) + (w2 - 1), "{} samples for {}", seen.len(), n);
+        }
+    }
+}

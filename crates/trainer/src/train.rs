@@ -1,0 +1,462 @@
+//! Data-parallel training: every rank runs the same model on its shard of each batch,
+//! gradients are averaged with the ring all-reduce, and every rank applies the same update.
+//!
+//! Invariant: after every step all ranks hold bit-identical parameters and BatchNorm buffers
+//! (same start from rank 0's broadcast, same averaged gradients, same arithmetic, buffers
+//! re-broadcast from rank 0 as PyTorch DDP does).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Int, Tensor, TensorData};
+use collective::{ProcessGroup, World};
+
+use crate::checkpoint::{Progress, load_checkpoint, save_checkpoint, save_model};
+use crate::cifar::{DownloadOptions, Split, ensure_dataset};
+use crate::device::{set_cpu_threads, training_device};
+use crate::error::{Result, TrainError};
+use crate::eval::{Confusion, evaluate, inference_model};
+use crate::model::{SeedCnn, Snapshot, buffers, gradients, load, snapshot, to_vec};
+use crate::sampler::Shard;
+
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub data: PathBuf,
+    pub download: DownloadOptions,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub print_freq: usize,
+    pub model_file: PathBuf,
+    pub checkpoint_file: PathBuf,
+    /// Also checkpoint every this many steps (besides every epoch end).
+    pub checkpoint_every: Option<u64>,
+    pub seed: u64,
+    pub threads: usize,
+    /// Evaluate on the test set after training.
+    pub evaluate: bool,
+    /// Show progress bars (download) on a terminal.
+    pub progress: bool,
+}
+
+/// What the trainer tells its caller as it goes; only the caller prints.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Resumed {
+        epoch: usize,
+        position: usize,
+        global_step: u64,
+        saved_world_size: usize,
+    },
+    /// Mean loss over the last `print_freq` steps (seed format: `[epoch, iter] loss`).
+    Loss {
+        epoch: usize,
+        iter: usize,
+        loss: f32,
+        images_per_sec: f64,
+    },
+    CheckpointSaved {
+        global_step: u64,
+        epoch: usize,
+        position: usize,
+    },
+    EpochDone {
+        epoch: usize,
+        seconds: f64,
+    },
+    ModelSaved {
+        path: PathBuf,
+    },
+    Evaluated(Confusion),
+    /// Every rank: its step count and a fingerprint of its weights, equal on all ranks.
+    Finished {
+        global_step: u64,
+        fingerprint: u32,
+    },
+    Warning(String),
+}
+
+/// Trains on the world described by `world`, calling `report` on the way.
+pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
+    validate(cfg)?;
+    set_cpu_threads(cfg.threads);
+    let mut group = ProcessGroup::join(world)?;
+    let (rank, world_size) = (group.rank(), group.world_size());
+
+    // One download per node; the others wait at the barrier.
+    let ensured = if world.local_rank == 0 {
+        ensure_dataset(&cfg.data, &cfg.download, cfg.progress && rank == 0).map(|_| ())
+    } else {
+        Ok(())
+    };
+    group.barrier()?;
+    ensured?;
+    let layout = ensure_dataset(
+        &cfg.data,
+        &DownloadOptions {
+            enabled: false,
+            ..cfg.download.clone()
+        },
+        false,
+    )?;
+    let dataset = layout.load(Split::Train)?;
+    if dataset.is_empty() {
+        return Err(TrainError::BadData {
+            path: layout.dir().to_path_buf(),
+            problem: "the training set is empty".into(),
+        });
+    }
+
+    let device = training_device();
+    device.seed(cfg.seed);
+    let mut model = SeedCnn::new(&device);
+    let template = snapshot(&model);
+    let mut state = TrainState::fresh(cfg, &template, world_size, dataset.len());
+    let resumed = if rank == 0 {
+        state.resume(cfg, &template, report)?
+    } else {
+        false
+    };
+
+    // Rank 0's state (fresh or resumed) becomes everyone's.
+    let mut header = state.header(resumed);
+    group.broadcast(&mut header, 0)?;
+    let resumed = state.apply_header(&header);
+    group.broadcast(&mut state.params, 0)?;
+    group.broadcast(&mut state.buffers, 0)?;
+    if resumed {
+        group.broadcast(&mut state.momentum, 0)?;
+    }
+    model = load(model, Some(&state.params), &state.buffers);
+
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    let mut grads_flat = Vec::with_capacity(state.params.len() + 1);
+    let mut last_checkpoint_step = state.progress.global_step;
+    while state.progress.epoch < cfg.epochs {
+        let epoch = state.progress.epoch;
+        let epoch_start = Instant::now();
+        let shard = Shard::new(
+            dataset.len(),
+            cfg.seed,
+            epoch,
+            state.progress.position,
+            world_size,
+            rank,
+            cfg.batch_size,
+        );
+        // Steps of this epoch already taken before the shard started (for the seed's counter).
+        let steps_before = state
+            .progress
+            .position
+            .div_ceil(cfg.batch_size * world_size);
+        let (mut running_loss, mut window, mut window_start, mut window_images) =
+            (0.0f64, 0usize, Instant::now(), 0usize);
+        for step in 0..shard.steps() {
+            let batch = shard.batch(step);
+            dataset.fill_batch(batch, &mut pixels, &mut labels);
+            let x = Tensor::<4>::from_data(
+                TensorData::new(pixels.clone(), [batch.len(), 3, 32, 32]),
+                &device,
+            );
+            let y = Tensor::<1, Int>::from_data(
+                TensorData::new(labels.clone(), [batch.len()]),
+                &device,
+            );
+            let loss = loss_fn.forward(model.forward(x), y);
+            let grads = loss.backward();
+            gradients(&model, &grads, &mut grads_flat);
+            grads_flat.push(to_vec(loss)[0]);
+            group.all_reduce_mean(&mut grads_flat)?;
+            let mean_loss = grads_flat.pop().unwrap_or(f32::NAN);
+            let global_step = state.progress.global_step + 1;
+            if !mean_loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss {
+                    value: mean_loss,
+                    epoch: epoch + 1,
+                    step: steps_before + step + 1,
+                    global_step,
+                });
+            }
+            state.sgd_step(cfg, &grads_flat);
+            state.buffers = buffers(&model);
+            group.broadcast(&mut state.buffers, 0)?;
+            model = load(model, Some(&state.params), &state.buffers);
+            state.progress.global_step = global_step;
+            state.progress.position = shard.position_after(step + 1);
+
+            running_loss += mean_loss as f64;
+            window += 1;
+            window_images += batch.len() * world_size;
+            let iter = steps_before + step + 1;
+            if rank == 0 && cfg.print_freq > 0 && iter % cfg.print_freq == 0 {
+                let images_per_sec = window_images as f64 / window_start.elapsed().as_secs_f64();
+                report(Event::Loss {
+                    epoch: epoch + 1,
+                    iter,
+                    loss: (running_loss / window as f64) as f32,
+                    images_per_sec,
+                });
+                (running_loss, window, window_start, window_images) = (0.0, 0, Instant::now(), 0);
+            }
+            let due = cfg
+                .checkpoint_every
+                .is_some_and(|n| n > 0 && global_step - last_checkpoint_step >= n);
+            if due && step + 1 < shard.steps() {
+                state.checkpoint(cfg, &template, rank, report)?;
+                last_checkpoint_step = global_step;
+            }
+        }
+        state.progress.epoch += 1;
+        state.progress.position = 0;
+        state.checkpoint(cfg, &template, rank, report)?;
+        last_checkpoint_step = state.progress.global_step;
+        if rank == 0 {
+            report(Event::EpochDone {
+                epoch: epoch + 1,
+                seconds: epoch_start.elapsed().as_secs_f64(),
+            });
+        }
+    }
+
+    if rank == 0 {
+        save_model(
+            &cfg.model_file,
+            &state.snapshot(&template),
+            state.progress.global_step,
+        )?;
+        report(Event::ModelSaved {
+            path: cfg.model_file.clone(),
+        });
+    }
+    if cfg.evaluate {
+        let test = layout.load(Split::Test)?;
+        let mine: Vec<usize> = (rank..test.len()).step_by(world_size).collect();
+        let model = inference_model(&state.params, &state.buffers);
+        let mut counts = evaluate(&model, &test, &mine, 500).to_f32();
+        group.all_reduce_sum(&mut counts)?;
+        if rank == 0 {
+            report(Event::Evaluated(Confusion::from_f32(&counts)));
+        }
+    }
+    group.barrier()?;
+    report(Event::Finished {
+        global_step: state.progress.global_step,
+        fingerprint: state.fingerprint(),
+    });
+    Ok(())
+}
+
+fn validate(cfg: &TrainConfig) -> Result<()> {
+    let positive = |name: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(TrainError::Config(format!(
+                "{name} must be a positive number, got {v}"
+            )))
+        }
+    };
+    if cfg.batch_size == 0 {
+        return Err(TrainError::Config(
+            "--batch-size must be at least 1, got 0".into(),
+        ));
+    }
+    positive("--learning-rate", cfg.learning_rate)?;
+    if !(0.0..1.0).contains(&cfg.momentum) {
+        return Err(TrainError::Config(format!(
+            "--momentum must be in [0, 1), got {}",
+            cfg.momentum
+        )));
+    }
+    if !(cfg.weight_decay.is_finite() && cfg.weight_decay >= 0.0) {
+        return Err(TrainError::Config(format!(
+            "--weight-decay must be zero or positive, got {}",
+            cfg.weight_decay
+        )));
+    }
+    Ok(())
+}
+
+/// Everything a checkpoint holds, as flat buffers.
+struct TrainState {
+    progress: Progress,
+    params: Vec<f32>,
+    buffers: Vec<f32>,
+    momentum: Vec<f32>,
+}
+
+impl TrainState {
+    fn fresh(
+        cfg: &TrainConfig,
+        template: &Snapshot,
+        world_size: usize,
+        dataset_len: usize,
+    ) -> Self {
+        TrainState {
+            progress: Progress {
+                epoch: 0,
+                position: 0,
+                global_step: 0,
+                seed: cfg.seed,
+                world_size,
+                dataset_len,
+                batch_size: cfg.batch_size,
+                learning_rate: cfg.learning_rate,
+                momentum: cfg.momentum,
+                weight_decay: cfg.weight_decay,
+            },
+            params: template.params.clone(),
+            buffers: template.buffers.clone(),
+            momentum: vec![0.0; template.params.len()],
+        }
+    }
+
+    /// Rank 0: loads the checkpoint if there is one, refusing one that cannot belong to this run.
+    fn resume(
+        &mut self,
+        cfg: &TrainConfig,
+        template: &Snapshot,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<bool> {
+        let Some(ckpt) = load_checkpoint(&cfg.checkpoint_file, template)? else {
+            return Ok(false);
+        };
+        let saved = &ckpt.progress;
+        let mismatch = |what: &str, saved: String, now: String| TrainError::BadCheckpoint {
+            path: cfg.checkpoint_file.clone(),
+            problem: format!(
+                "was written for {what} {saved}, this run has {now}; it was not used: pass another --checkpoint-file (or --out) to start afresh"
+            ),
+        };
+        if saved.dataset_len != self.progress.dataset_len {
+            return Err(mismatch(
+                "a training set of",
+                saved.dataset_len.to_string(),
+                self.progress.dataset_len.to_string(),
+            ));
+        }
+        if saved.seed != cfg.seed {
+            return Err(mismatch(
+                "seed",
+                saved.seed.to_string(),
+                cfg.seed.to_string(),
+            ));
+        }
+        for (name, was, now) in [
+            ("batch size", saved.batch_size as f64, cfg.batch_size as f64),
+            ("learning rate", saved.learning_rate, cfg.learning_rate),
+            ("momentum", saved.momentum, cfg.momentum),
+            ("weight decay", saved.weight_decay, cfg.weight_decay),
+        ] {
+            if was != now {
+                report(Event::Warning(format!(
+                    "checkpoint was trained with {name} {was}, continuing with {now}"
+                )));
+            }
+        }
+        report(Event::Resumed {
+            epoch: saved.epoch,
+            position: saved.position,
+            global_step: saved.global_step,
+            saved_world_size: saved.world_size,
+        });
+        let world_size = self.progress.world_size;
+        self.progress = Progress {
+            world_size,
+            batch_size: cfg.batch_size,
+            learning_rate: cfg.learning_rate,
+            momentum: cfg.momentum,
+            weight_decay: cfg.weight_decay,
+            ..ckpt.progress
+        };
+        self.params = ckpt.params;
+        self.buffers = ckpt.buffers;
+        self.momentum = ckpt.momentum;
+        Ok(true)
+    }
+
+    /// The position as floats for the broadcast: each integer in exact 16-bit pieces.
+    fn header(&self, resumed: bool) -> Vec<f32> {
+        let mut h = vec![resumed as u8 as f32];
+        for v in [
+            self.progress.epoch as u64,
+            self.progress.position as u64,
+            self.progress.global_step,
+        ] {
+            h.extend([(v >> 32) & 0xffff, (v >> 16) & 0xffff, v & 0xffff].map(|p| p as f32));
+        }
+        h
+    }
+
+    fn apply_header(&mut self, h: &[f32]) -> bool {
+        let v = |i: usize| ((h[i] as u64) << 32) | ((h[i + 1] as u64) << 16) | h[i + 2] as u64;
+        self.progress.epoch = v(1) as usize;
+        self.progress.position = v(4) as usize;
+        self.progress.global_step = v(7);
+        h[0] != 0.0
+    }
+
+    /// PyTorch's SGD: d = g + wd·p; buf = d on the first step, else momentum·buf + d; p -= lr·buf.
+    fn sgd_step(&mut self, cfg: &TrainConfig, grads: &[f32]) {
+        let (lr, mu, wd) = (
+            cfg.learning_rate as f32,
+            cfg.momentum as f32,
+            cfg.weight_decay as f32,
+        );
+        let first = self.progress.global_step == 0;
+        for ((p, b), g) in self
+            .params
+            .iter_mut()
+            .zip(self.momentum.iter_mut())
+            .zip(grads)
+        {
+            let d = g + wd * *p;
+            *b = if first || mu == 0.0 { d } else { mu * *b + d };
+            *p -= lr * *b;
+        }
+    }
+
+    fn snapshot(&self, template: &Snapshot) -> Snapshot {
+        Snapshot {
+            entries: template.entries.clone(),
+            params: self.params.clone(),
+            buffers: self.buffers.clone(),
+        }
+    }
+
+    fn checkpoint(
+        &self,
+        cfg: &TrainConfig,
+        template: &Snapshot,
+        rank: usize,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<()> {
+        if rank != 0 {
+            return Ok(());
+        }
+        save_checkpoint(
+            &cfg.checkpoint_file,
+            &self.snapshot(template),
+            &self.momentum,
+            &self.progress,
+        )?;
+        report(Event::CheckpointSaved {
+            global_step: self.progress.global_step,
+            epoch: self.progress.epoch,
+            position: self.progress.position,
+        });
+        Ok(())
+    }
+
+    fn fingerprint(&self) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        for v in self.params.iter().chain(&self.buffers) {
+            h.update(&v.to_le_bytes());
+        }
+        h.finalize()
+    }
+}
