@@ -146,6 +146,12 @@ impl World {
     }
 }
 
+/// Whether the launcher's own environment sets `name` (torchrun keeps a user's OMP_NUM_THREADS).
+#[allow(clippy::disallowed_methods)] // the one place that reads the environment
+pub fn is_set(name: &str) -> bool {
+    std::env::var_os(name).is_some()
+}
+
 fn parse_u32(name: &'static str, value: &str) -> Result<u32, WorldError> {
     value.trim().parse().map_err(|_| WorldError::Invalid {
         name,

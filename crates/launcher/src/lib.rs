@@ -1,1 +1,165 @@
+//! The launcher: torchrun's job for one node. Spawns the workers with torchrun's environment,
+//! multiplexes their output line by line, watches them, and when one fails stops the rest and
+//! reports the first failure. Knows nothing of burn; it launches any program.
+//!
+//! Invariant: every worker runs in its own process group and dies with the launcher
+//! (`PR_SET_PDEATHSIG`), so no worker outlives `trainctl run`, whatever happens to it.
 
+pub mod output;
+mod report;
+mod supervise;
+
+pub use report::{ExitKind, Failure, Outcome};
+pub use supervise::launch;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// One node's launch, resolved: every value is final (the CLI did the parsing and defaults).
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub nproc_per_node: u32,
+    pub nnodes: u32,
+    pub node_rank: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub run_id: String,
+    pub token: String,
+    pub max_restarts: u32,
+    pub log_dir: Option<PathBuf>,
+    /// Time between SIGTERM and SIGKILL when stopping workers.
+    pub grace: Duration,
+    pub monitor_interval: Duration,
+    /// Program and arguments of every worker.
+    pub program: Vec<OsString>,
+    /// Extra environment for every worker (after torchrun's variables).
+    pub extra_env: Vec<(String, String)>,
+}
+
+/// A worker the launcher started.
+#[derive(Debug, Clone, Copy)]
+pub struct Started {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub pid: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("cannot start worker {rank} ({program}): {source}")]
+    Spawn {
+        rank: u32,
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    LogDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot find a free port: {0}")]
+    NoFreePort(std::io::Error),
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// A TCP port nobody listens on right now (torchrun's `--standalone` does the same).
+pub fn free_port() -> Result<u16, LaunchError> {
+    std::net::TcpListener::bind(("0.0.0.0", 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(LaunchError::NoFreePort)
+}
+
+/// A random identifier: run ids for standalone jobs and job tokens.
+pub fn random_id(bytes: usize) -> String {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    (0..bytes)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect()
+}
+
+/// The environment of worker `local_rank`, with torchrun's names.
+pub fn worker_env(
+    spec: &LaunchSpec,
+    local_rank: u32,
+    restart_count: u32,
+    omp_is_set: bool,
+) -> Vec<(String, String)> {
+    use collective::world::vars;
+    let rank = spec.node_rank * spec.nproc_per_node + local_rank;
+    let world_size = spec.nnodes * spec.nproc_per_node;
+    let mut env: Vec<(String, String)> = [
+        (vars::RANK, rank.to_string()),
+        (vars::LOCAL_RANK, local_rank.to_string()),
+        (vars::WORLD_SIZE, world_size.to_string()),
+        (vars::LOCAL_WORLD_SIZE, spec.nproc_per_node.to_string()),
+        (vars::GROUP_RANK, spec.node_rank.to_string()),
+        (vars::ROLE_RANK, rank.to_string()),
+        (vars::ROLE_WORLD_SIZE, world_size.to_string()),
+        ("ROLE_NAME", "default".to_string()),
+        (vars::MASTER_ADDR, spec.master_addr.clone()),
+        (vars::MASTER_PORT, spec.master_port.to_string()),
+        (vars::RUN_ID, spec.run_id.clone()),
+        (vars::RESTART_COUNT, restart_count.to_string()),
+        (vars::MAX_RESTARTS, spec.max_restarts.to_string()),
+        // Workers host their own store, as PyTorch's do under torchrun's static rendezvous.
+        ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
+        (vars::JOB_TOKEN, spec.token.clone()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if spec.nproc_per_node > 1 && !omp_is_set {
+        env.push((vars::OMP_NUM_THREADS.to_string(), "1".to_string()));
+    }
+    env.extend(spec.extra_env.iter().cloned());
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> LaunchSpec {
+        LaunchSpec {
+            nproc_per_node: 2,
+            nnodes: 3,
+            node_rank: 1,
+            master_addr: "node0".into(),
+            master_port: 29500,
+            run_id: "job".into(),
+            token: "tok".into(),
+            max_restarts: 0,
+            log_dir: None,
+            grace: Duration::from_secs(1),
+            monitor_interval: Duration::from_millis(100),
+            program: vec!["true".into()],
+            extra_env: vec![],
+        }
+    }
+
+    #[test]
+    fn worker_environment_follows_torchrun() {
+        let env: std::collections::HashMap<_, _> =
+            worker_env(&spec(), 1, 0, false).into_iter().collect();
+        assert_eq!(env["RANK"], "3");
+        assert_eq!(env["LOCAL_RANK"], "1");
+        assert_eq!(env["WORLD_SIZE"], "6");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["GROUP_RANK"], "1");
+        assert_eq!(env["MASTER_ADDR"], "node0");
+        assert_eq!(env["TORCHELASTIC_RUN_ID"], "job");
+        assert_eq!(env["OMP_NUM_THREADS"], "1");
+        let env: std::collections::HashMap<_, _> =
+            worker_env(&spec(), 0, 0, true).into_iter().collect();
+        assert!(
+            !env.contains_key("OMP_NUM_THREADS"),
+            "a user's OMP_NUM_THREADS is kept"
+        );
+    }
+}

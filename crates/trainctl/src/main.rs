@@ -1,1 +1,63 @@
-fn main() {}
+//! `trainctl`: elastic data-parallel training, from a laptop to a cluster.
+//!
+//! Exit codes: 0 success; 1 the job failed (a worker, the data, a checkpoint...); 2 bad
+//! command line; 130 interrupted (Ctrl-C or SIGTERM).
+
+mod commands;
+mod output;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "trainctl",
+    version,
+    about = "Elastic data-parallel training: launcher, trainer and evaluation in one binary"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Launch workers on this node, as torchrun does (same flags, same worker environment).
+    Run(commands::run::Args),
+    /// Train the seed CNN on CIFAR-10 (one worker; launch several with `trainctl run`).
+    Train(commands::train::Args),
+    /// Accuracy of a saved model on the CIFAR-10 test set, overall and per class.
+    Eval(commands::eval::Args),
+    /// Classify PNG or JPEG images with a saved model.
+    Predict(commands::predict::Args),
+    /// CIFAR-10 data: fetch the official archive, or write a small synthetic set.
+    #[command(subcommand)]
+    Data(commands::data::Command),
+    /// Measure a training step and the all-reduce on this machine.
+    Bench(commands::bench::Args),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => commands::run::run(args),
+        Command::Train(args) => commands::train::run(args),
+        Command::Eval(args) => commands::eval::run(args),
+        Command::Predict(args) => commands::predict::run(args),
+        Command::Data(cmd) => commands::data::run(cmd),
+        Command::Bench(args) => commands::bench::run(args),
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            output::error(&e);
+            std::process::exit(1);
+        }
+    }
+}

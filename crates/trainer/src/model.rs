@@ -56,6 +56,18 @@ impl SeedCnn {
         }
     }
 
+    /// Folds the BatchNorm statistics of the last forward pass into the running state.
+    ///
+    /// burn's `RunningState` keeps a forward's update aside (per thread) and applies it only
+    /// at the next forward; visitors and mappers see the stale value, and a value mapped in
+    /// would be overwritten by the pending update. Every read or write of buffers settles first.
+    fn settle(&self) {
+        for bn in [&self.bn5, &self.bn11, &self.bn17] {
+            bn.running_mean.value_sync();
+            bn.running_var.value_sync();
+        }
+    }
+
     /// `[batch, 3, 32, 32]` → logits `[batch, 10]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
         let x = relu(self.conv0.forward(x));
@@ -201,6 +213,7 @@ pub(crate) fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 
 /// Reads every tensor of `model`.
 pub fn snapshot(model: &SeedCnn) -> Snapshot {
+    model.settle();
     let mut reader = Reader {
         path: Path::default(),
         snapshot: Snapshot {
@@ -216,6 +229,7 @@ pub fn snapshot(model: &SeedCnn) -> Snapshot {
 
 /// Reads only the BatchNorm running statistics.
 pub fn buffers(model: &SeedCnn) -> Vec<f32> {
+    model.settle();
     let mut reader = Reader {
         path: Path::default(),
         snapshot: Snapshot {
@@ -273,6 +287,7 @@ impl ModuleMapper for Writer<'_> {
 /// Replaces the model's parameters (when given) and buffers with flat buffers laid out as
 /// [`snapshot`] produces them.
 pub fn load(model: SeedCnn, params: Option<&[f32]>, buffers: &[f32]) -> SeedCnn {
+    model.settle();
     model.map(&mut Writer {
         path: Path::default(),
         params,
@@ -314,4 +329,32 @@ pub fn gradients(model: &SeedCnn, grads: &burn::tensor::Gradients, out: &mut Vec
         grads,
         out,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::training_device;
+
+    #[test]
+    fn buffers_read_after_a_forward_are_current_and_loads_stick() {
+        let device = training_device();
+        let model = SeedCnn::new(&device);
+        let before = buffers(&model);
+        let x = Tensor::<4>::ones([2, 3, 32, 32], &device);
+        let _ = model.forward(x.clone());
+        let after = buffers(&model);
+        assert_ne!(
+            before, after,
+            "the forward's statistics are visible at once"
+        );
+
+        let wanted: Vec<f32> = (0..after.len()).map(|i| i as f32).collect();
+        let model = load(model, None, &wanted);
+        assert_eq!(
+            buffers(&model),
+            wanted,
+            "a loaded value is not overwritten by a pending update"
+        );
+    }
 }

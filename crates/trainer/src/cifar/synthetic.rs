@@ -1,5 +1,5 @@
 //! Small CIFAR-format data sets with structure a CNN learns in a few steps: each class has its
-//! own colour and stripe orientation, under noise. Written in both official layouts and as an
+//! own pair of colour (which channels are lit) and stripe orientation, under noise. Written in both official layouts and as an
 //! archive shaped like the official binary one.
 
 use std::io::Write;
@@ -27,7 +27,9 @@ pub fn generate(n: usize, seed: u64) -> Dataset {
             let base = if (class >> channel) & 1 == 1 { 170 } else { 60 };
             for y in 0..32 {
                 for x in 0..32 {
-                    let stripe = match class % 4 {
+                    // Colours repeat after 8 classes; the orientation tells 8 and 9 apart.
+                    let orientation = if class >= 8 { class - 6 } else { class % 2 };
+                    let stripe = match orientation {
                         0 => y % 8 < 4,
                         1 => x % 8 < 4,
                         2 => (x + y) % 8 < 4,

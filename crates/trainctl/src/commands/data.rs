@@ -1,0 +1,66 @@
+//! `trainctl data`: get CIFAR-10 onto disk.
+
+use std::path::PathBuf;
+
+use trainer::cifar::{DownloadOptions, ensure_dataset, synthetic};
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Download and verify the official binary archive unless the data is already there.
+    Fetch {
+        #[arg(long, default_value = "./data")]
+        data: PathBuf,
+        #[arg(long, default_value = trainer::cifar::OFFICIAL_URL)]
+        download_url: String,
+        #[arg(long, default_value = trainer::cifar::OFFICIAL_MD5)]
+        download_md5: String,
+    },
+    /// Write a small synthetic data set in CIFAR-10's binary layout (for trying things out).
+    Synth {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        train: usize,
+        #[arg(long, default_value_t = 200)]
+        test: usize,
+        /// Write the python (pickle) layout instead.
+        #[arg(long)]
+        python: bool,
+    },
+}
+
+pub fn run(cmd: Command) -> anyhow::Result<i32> {
+    match cmd {
+        Command::Fetch {
+            data,
+            download_url,
+            download_md5,
+        } => {
+            let opts = DownloadOptions {
+                enabled: true,
+                url: download_url,
+                md5: download_md5,
+            };
+            let layout = ensure_dataset(&data, &opts, true)?;
+            println!("CIFAR-10 ready in {}", layout.dir().display());
+        }
+        Command::Synth {
+            out,
+            train,
+            test,
+            python,
+        } => {
+            let (tr, te) = (synthetic::generate(train, 1), synthetic::generate(test, 2));
+            if python {
+                synthetic::write_python(&out, &tr, &te)?;
+            } else {
+                synthetic::write_binary(&out, &tr, &te)?;
+            }
+            println!(
+                "wrote {train} training and {test} test images to {}",
+                out.display()
+            );
+        }
+    }
+    Ok(0)
+}

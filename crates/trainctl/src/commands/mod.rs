@@ -1,0 +1,8 @@
+//! One file per subcommand: parse, call the library, report.
+
+pub mod bench;
+pub mod data;
+pub mod eval;
+pub mod predict;
+pub mod run;
+pub mod train;

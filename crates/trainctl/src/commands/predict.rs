@@ -1,0 +1,36 @@
+//! `trainctl predict`: classify images.
+
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model file (safetensors with the seed's PyTorch names).
+    #[arg(long)]
+    model: PathBuf,
+    /// PNG or JPEG images of any size.
+    #[arg(required = true)]
+    images: Vec<PathBuf>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    let model = trainer::eval::load_model_file(&args.model)?;
+    let paths: Vec<&std::path::Path> = args.images.iter().map(|p| p.as_path()).collect();
+    for (path, prediction) in args
+        .images
+        .iter()
+        .zip(trainer::eval::predict(&model, &paths)?)
+    {
+        let top: Vec<String> = prediction
+            .top
+            .iter()
+            .map(|(c, p)| format!("{c} {:.1} %", p * 100.0))
+            .collect();
+        println!(
+            "{}: {} ({})",
+            path.display(),
+            prediction.top[0].0,
+            top.join(", ")
+        );
+    }
+    Ok(0)
+}

@@ -1,0 +1,57 @@
+//! Everything trainctl prints for the user goes through here.
+
+use trainer::train::Event;
+
+pub fn error(e: &anyhow::Error) {
+    eprintln!("error: {e:#}");
+}
+
+pub fn warn(msg: &str) {
+    eprintln!("warning: {msg}");
+}
+
+/// Prints a training event the way the seed jobs print theirs.
+pub fn train_event(rank: u32, event: trainer::train::Event) {
+    match event {
+        Event::Resumed {
+            epoch,
+            position,
+            global_step,
+            saved_world_size,
+        } => println!(
+            "resuming from checkpoint: epoch {}, {position} samples into it, step {global_step} (saved at world size {saved_world_size})",
+            epoch + 1
+        ),
+        Event::Loss {
+            epoch,
+            iter,
+            loss,
+            images_per_sec,
+        } => {
+            println!("[{epoch}, {iter:5}] loss: {loss:.3}");
+            tracing::info!(images_per_sec, "throughput");
+        }
+        Event::CheckpointSaved {
+            global_step,
+            epoch,
+            position,
+        } => {
+            println!(
+                "checkpoint saved at step {global_step} (epoch {}, {position} samples in)",
+                epoch + 1
+            )
+        }
+        Event::EpochDone { epoch, seconds } => println!("epoch {epoch} done in {seconds:.1} s"),
+        Event::ModelSaved { path } => println!("model saved to {}", path.display()),
+        Event::Evaluated(confusion) => print!("{}", confusion.report()),
+        Event::Finished {
+            global_step,
+            fingerprint,
+        } => {
+            println!(
+                "rank {rank} finished after {global_step} steps; weights fingerprint {fingerprint:08x}"
+            )
+        }
+        Event::Warning(msg) => warn(&msg),
+    }
+}

@@ -1,0 +1,134 @@
+//! Getting the data: download from a local HTTP server, MD5 checks, missing data.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+
+use md5::{Digest, Md5};
+use trainer::cifar::synthetic;
+
+use crate::support::*;
+
+/// Serves `body` to every GET on 127.0.0.1 until the test ends; returns the URL.
+fn serve(body: Vec<u8>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "http://{}/cifar-10-binary.tar.gz",
+        listener.local_addr().unwrap()
+    );
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let header = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: application/gzip\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(header.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    url
+}
+
+fn archive() -> (Vec<u8>, String) {
+    let bytes = synthetic::binary_archive(&synthetic::generate(50, 1), &synthetic::generate(20, 2))
+        .unwrap();
+    let md5 = format!("{:x}", Md5::digest(&bytes));
+    (bytes, md5)
+}
+
+#[test]
+fn missing_data_is_downloaded_verified_and_extracted() {
+    let (bytes, md5) = archive();
+    let url = serve(bytes);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = run_ok(trainctl().args([
+        "data",
+        "fetch",
+        "--data",
+        data.to_str().unwrap(),
+        "--download-url",
+        &url,
+        "--download-md5",
+        &md5,
+    ]));
+    assert!(text(&out.stdout).contains("cifar-10-batches-bin"));
+    assert!(data.join("cifar-10-batches-bin/data_batch_1.bin").is_file());
+    let leftovers: Vec<_> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        leftovers,
+        ["cifar-10-batches-bin"],
+        "no temporary files left behind"
+    );
+
+    // Training finds the extracted layout under the data directory.
+    run_ok(
+        trainctl()
+            .args([
+                "train",
+                "--data",
+                data.to_str().unwrap(),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "25",
+                "--threads",
+                "1",
+                "--no-download",
+                "--out",
+            ])
+            .arg(dir.path()),
+    );
+}
+
+#[test]
+fn an_archive_with_the_wrong_md5_is_refused() {
+    let (bytes, _) = archive();
+    let url = serve(bytes);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let out = trainctl()
+        .args([
+            "train",
+            "--data",
+            data.to_str().unwrap(),
+            "--download-url",
+            &url,
+            "--out",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("MD5") && err.contains(trainer::cifar::OFFICIAL_MD5),
+        "{err}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&data).unwrap().collect();
+    assert!(
+        leftovers.is_empty(),
+        "nothing half-downloaded is kept: {leftovers:?}"
+    );
+}
+
+#[test]
+fn missing_data_without_download_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = trainctl()
+        .args(["train", "--no-download", "--data"])
+        .arg(dir.path().join("nothing"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("no CIFAR-10 data") && err.contains("--no-download"),
+        "{err}"
+    );
+}

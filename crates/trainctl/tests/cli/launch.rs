@@ -1,0 +1,261 @@
+//! The launcher with arbitrary programs: environment contract, failures, signals.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::support::*;
+
+const ENV_NAMES: &str = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS OMP_NUM_THREADS";
+
+fn env_script() -> String {
+    ENV_NAMES
+        .split(' ')
+        .map(|n| format!("echo {n}=${n};"))
+        .collect()
+}
+
+/// `rank -> {NAME: value}` from `[rank]:NAME=value` lines.
+fn env_by_rank(out: &str) -> HashMap<u32, HashMap<String, String>> {
+    let mut map: HashMap<u32, HashMap<String, String>> = HashMap::new();
+    for line in out.lines() {
+        let Some((rank, rest)) = line.strip_prefix('[').and_then(|l| l.split_once("]:")) else {
+            continue;
+        };
+        let Some((k, v)) = rest.split_once('=') else {
+            continue;
+        };
+        map.entry(rank.parse().unwrap())
+            .or_default()
+            .insert(k.into(), v.into());
+    }
+    map
+}
+
+#[test]
+fn workers_get_torchruns_environment() {
+    let out = run_ok(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        &env_script(),
+    ]));
+    let env = env_by_rank(&text(&out.stdout));
+    assert_eq!(env.len(), 3);
+    for (rank, vars) in &env {
+        assert_eq!(vars["RANK"], rank.to_string());
+        assert_eq!(vars["LOCAL_RANK"], rank.to_string());
+        assert_eq!(vars["WORLD_SIZE"], "3");
+        assert_eq!(vars["LOCAL_WORLD_SIZE"], "3");
+        assert_eq!(vars["GROUP_RANK"], "0");
+        assert_eq!(vars["MASTER_ADDR"], "127.0.0.1");
+        assert_eq!(vars["TORCHELASTIC_RUN_ID"], "local");
+        assert_eq!(vars["TORCHELASTIC_RESTART_COUNT"], "0");
+        assert_eq!(vars["TORCHELASTIC_MAX_RESTARTS"], "2");
+        assert_eq!(vars["OMP_NUM_THREADS"], "1");
+        assert_eq!(vars["MASTER_PORT"], env[&0]["MASTER_PORT"]);
+        assert_ne!(
+            vars["MASTER_PORT"], "29500",
+            "--standalone picks a free port"
+        );
+    }
+}
+
+#[test]
+fn flags_read_their_pet_twins() {
+    let out = run_ok(
+        trainctl()
+            .env("PET_NPROC_PER_NODE", "2")
+            .env("PET_NNODES", "2")
+            .env("PET_NODE_RANK", "1")
+            .env("PET_MASTER_ADDR", "node-zero")
+            .env("PET_MASTER_PORT", "23456")
+            .env("PET_RDZV_ID", "job-7")
+            .env("TRAINCTL_JOB_TOKEN", "s")
+            .args(["run", "--", "sh", "-c", &env_script()]),
+    );
+    let env = env_by_rank(&text(&out.stdout));
+    assert_eq!(
+        env.keys()
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>(),
+        [2, 3].into()
+    );
+    assert_eq!(env[&3]["WORLD_SIZE"], "4");
+    assert_eq!(env[&3]["LOCAL_RANK"], "1");
+    assert_eq!(env[&3]["GROUP_RANK"], "1");
+    assert_eq!(env[&3]["MASTER_ADDR"], "node-zero");
+    assert_eq!(env[&3]["MASTER_PORT"], "23456");
+    assert_eq!(env[&3]["TORCHELASTIC_RUN_ID"], "job-7");
+}
+
+#[test]
+fn a_failing_worker_stops_the_others_and_is_reported() {
+    let script = r#"if [ "$RANK" = 1 ]; then echo "about to fail" >&2; sleep 0.5; exit 3; fi; exec sleep 60"#;
+    let mut run = Running::start(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--grace-period",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
+    let status = run.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(1));
+    let out = run.output();
+    assert!(out.contains("root cause (first failure)"), "{out}");
+    assert!(
+        out.contains("rank       : 1 (local rank 1, node 0)"),
+        "{out}"
+    );
+    assert!(out.contains("exit       : exit code 3"), "{out}");
+    assert!(
+        out.contains("    [1]:about to fail") || out.contains("    about to fail"),
+        "stderr tail in the report: {out}"
+    );
+    for (_, pid) in worker_pids(&run.seen) {
+        assert!(!alive(pid), "worker {pid} outlived the launcher");
+    }
+}
+
+#[test]
+fn a_killed_training_worker_stops_the_job_with_a_report() {
+    let job = Job::new(2000, 10);
+    let mut run = Running::start(
+        trainctl()
+            .args([
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "train",
+                "--data",
+            ])
+            .arg(job.data())
+            .args([
+                "--epochs",
+                "20",
+                "--batch-size",
+                "16",
+                "--print-freq",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+            ])
+            .arg(job.path("runs")),
+    );
+    run.wait_for_line(Duration::from_secs(120), |l| l.contains("] loss: "));
+    let pids = worker_pids(&run.seen);
+    let (_, victim) = pids.iter().find(|(rank, _)| *rank == 1).copied().unwrap();
+    kill(Pid::from_raw(victim), Signal::SIGKILL).unwrap();
+    let status = run.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1));
+    let out = run.output();
+    assert!(out.contains("rank       : 1"), "{out}");
+    assert!(out.contains("signal 9 (SIGKILL)"), "{out}");
+    assert!(out.contains(&format!("pid        : {victim}")), "{out}");
+    for (_, pid) in pids {
+        assert!(!alive(pid), "worker {pid} outlived the launcher");
+    }
+}
+
+#[test]
+fn ctrl_c_stops_every_worker() {
+    let mut run = Running::start(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--grace-period",
+        "5",
+        "--",
+        "sh",
+        "-c",
+        "echo ready; exec sleep 60",
+    ]));
+    run.wait_for_line(Duration::from_secs(20), |l| l.ends_with("]:ready"));
+    run.wait_for_line(Duration::from_secs(20), |l| l.ends_with("]:ready"));
+    let pids = worker_pids(&run.seen);
+    assert_eq!(pids.len(), 2);
+    kill(Pid::from_raw(run.child.id() as i32), Signal::SIGINT).unwrap();
+    let status = run.wait(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(130));
+    for (_, pid) in pids {
+        assert!(!alive(pid), "worker {pid} outlived the launcher");
+    }
+}
+
+#[test]
+fn a_worker_with_the_wrong_token_is_refused() {
+    let job = Job::new(64, 10);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let worker = |rank: &str, token: &str| {
+        let mut cmd = trainctl();
+        cmd.args(["train", "--data"])
+            .arg(job.data())
+            .args(["--epochs", "1", "--threads", "1", "--out"])
+            .arg(job.path("runs"))
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("TRAINCTL_JOB_TOKEN", token)
+            .env("TRAINCTL_COLLECTIVE_TIMEOUT", "5");
+        Running::start(&mut cmd)
+    };
+    let mut leader = worker("0", "right");
+    let mut intruder = worker("1", "wrong");
+    assert_eq!(intruder.wait(Duration::from_secs(30)).code(), Some(1));
+    assert!(
+        intruder.output().contains("job token mismatch"),
+        "{}",
+        intruder.output()
+    );
+    // Rank 0 never gets a peer and gives up within its timeout instead of hanging.
+    assert_eq!(leader.wait(Duration::from_secs(30)).code(), Some(1));
+    assert!(
+        leader.output().contains("did not answer") || leader.output().contains("lost"),
+        "{}",
+        leader.output()
+    );
+}
+
+#[test]
+fn bad_flags_get_clear_errors() {
+    for (args, expect) in [
+        (
+            vec!["run", "--nproc-per-node", "zero", "--", "true"],
+            "--nproc-per-node",
+        ),
+        (vec!["run", "--nnodes", "1:4", "--", "true"], "elastic"),
+        (
+            vec!["run", "--nnodes", "2", "--node-rank", "2", "--", "true"],
+            "--node-rank 2",
+        ),
+    ] {
+        let out = trainctl().args(&args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            text(&out.stderr).contains(expect),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}

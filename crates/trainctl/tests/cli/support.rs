@@ -1,0 +1,210 @@
+//! Helpers: temporary jobs, the binary, output capture and waiting with deadlines.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use trainer::cifar::synthetic;
+
+pub fn trainctl() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainctl"));
+    cmd.env_remove("RUST_LOG");
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TRAINCTL_JOB_TOKEN",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A temporary directory with a small learnable data set in `data/`.
+pub struct Job {
+    pub dir: tempfile::TempDir,
+}
+
+impl Job {
+    pub fn new(train: usize, test: usize) -> Job {
+        let dir = tempfile::tempdir().unwrap();
+        synthetic::write_binary(
+            &dir.path().join("data"),
+            &synthetic::generate(train, 1),
+            &synthetic::generate(test, 2),
+        )
+        .unwrap();
+        Job { dir }
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.path().join(rel)
+    }
+
+    pub fn data(&self) -> PathBuf {
+        self.path("data")
+    }
+}
+
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A running process whose stdout and stderr lines arrive on a channel as they are written.
+pub struct Running {
+    pub child: Child,
+    lines: Receiver<String>,
+    pub seen: Vec<String>,
+}
+
+impl Running {
+    pub fn start(cmd: &mut Command) -> Running {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = channel();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Running {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until a line satisfies `pred`, failing the test after `timeout`.
+    pub fn wait_for_line(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if pred(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "no matching line within {timeout:?}; output so far:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Waits for the process to exit, failing the test after `timeout`; returns the exit status
+    /// and drains the remaining output into `seen`.
+    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(500)) {
+                    self.seen.push(line);
+                }
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "still running after {timeout:?}; output:\n{}",
+                    self.seen.join("\n")
+                );
+            }
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn output(&self) -> String {
+        self.seen.join("\n")
+    }
+}
+
+/// Pids of the workers, from the launcher's "started rank R (pid P)" lines.
+pub fn worker_pids(lines: &[String]) -> Vec<(u32, i32)> {
+    lines
+        .iter()
+        .filter_map(|l| {
+            let rest = l.split("started rank ").nth(1)?;
+            let (rank, rest) = rest.split_once(" (pid ")?;
+            Some((rank.parse().ok()?, rest.trim_end_matches(')').parse().ok()?))
+        })
+        .collect()
+}
+
+/// Whether a process with this pid exists (a zombie counts as gone: it runs nothing).
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.split(") ").nth(1).is_some_and(|s| s.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Waits until `cond` holds, failing after `timeout`.
+pub fn eventually(timeout: Duration, what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `[epoch, iter] loss: x` lines, in order.
+pub fn losses(output: &str) -> Vec<f32> {
+    output
+        .lines()
+        .filter_map(|l| l.split("loss: ").nth(1)?.trim().parse().ok())
+        .collect()
+}
+
+/// `(rank, steps, fingerprint)` from every "rank R finished after N steps; weights fingerprint F".
+pub fn finished(output: &str) -> Vec<(u32, u64, String)> {
+    output
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("rank ").nth(1)?;
+            let (rank, rest) = rest.split_once(" finished after ")?;
+            let (steps, rest) = rest.split_once(" steps; weights fingerprint ")?;
+            Some((
+                rank.parse().ok()?,
+                steps.parse().ok()?,
+                rest.trim().to_string(),
+            ))
+        })
+        .collect()
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.is_file() && std::fs::metadata(p).map(|m| m.len() > 0).unwrap_or(false)
+}

@@ -1,0 +1,271 @@
+//! Training through `trainctl run`: learning, agreement between ranks, checkpoints, resume.
+
+use std::time::Duration;
+
+use crate::support::*;
+
+fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
+    train_args_lr(job, out, epochs, "0.01")
+}
+
+fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
+    [
+        "train",
+        "--data",
+        job.data().to_str().unwrap(),
+        "--epochs",
+        &epochs.to_string(),
+        "--batch-size",
+        "32",
+        "--print-freq",
+        "1",
+        "--learning-rate",
+        lr,
+        "--seed",
+        "7",
+        "--threads",
+        "1",
+        "--out",
+        job.path(out).to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[test]
+fn two_local_workers_learn_agree_and_save_an_evaluable_model() {
+    let job = Job::new(320, 100);
+    let logs = job.path("logs");
+    let out = run_ok(
+        trainctl()
+            .args([
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--log-dir",
+                logs.to_str().unwrap(),
+            ])
+            .args(train_args(&job, "runs", 3)),
+    );
+    let stdout = text(&out.stdout);
+
+    let loss = losses(&stdout);
+    assert_eq!(
+        loss.len(),
+        3 * 5,
+        "one loss line per step (320 images / 2 ranks / 32):\n{stdout}"
+    );
+    let (first, last) = (
+        loss[..3].iter().sum::<f32>(),
+        loss[loss.len() - 3..].iter().sum::<f32>(),
+    );
+    assert!(last < first * 0.8, "loss must fall: {loss:?}");
+
+    let finished = finished(&stdout);
+    assert_eq!(finished.len(), 2, "{stdout}");
+    assert_eq!(finished[0].1, 15);
+    assert_eq!(
+        finished[0].2, finished[1].2,
+        "ranks must end with identical weights"
+    );
+
+    let model = job.path("runs/local/model.safetensors");
+    assert!(exists(&model) && exists(&job.path("runs/local/checkpoint.ckpt")));
+    assert!(
+        stdout
+            .lines()
+            .all(|l| l.starts_with("[0]:") || l.starts_with("[1]:")),
+        "{stdout}"
+    );
+    assert!(exists(&logs.join("local/attempt_0/0/stdout.log")));
+    assert!(logs.join("local/attempt_0/1/stderr.log").is_file());
+
+    // The training run's own evaluation and `trainctl eval` agree on the same model and data.
+    let trained_report: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("[0]:"))
+        .filter(|l| l.starts_with("Accuracy"))
+        .collect();
+    assert_eq!(trained_report.len(), 11, "{stdout}");
+    let eval = text(
+        &run_ok(trainctl().args([
+            "eval",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            job.data().to_str().unwrap(),
+        ]))
+        .stdout,
+    );
+    assert_eq!(eval.lines().collect::<Vec<_>>(), trained_report);
+    assert!(eval.contains("Accuracy for class: plane is"), "{eval}");
+}
+
+#[test]
+fn an_interrupted_run_resumes_and_takes_the_same_steps() {
+    let job = Job::new(256, 20);
+    let mut args = train_args(&job, "a", 2);
+    args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
+    let whole = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(&args),
+        )
+        .stdout,
+    );
+    let expected = finished(&whole);
+    assert_eq!(expected.len(), 2, "{whole}");
+
+    let mut args_b = train_args(&job, "b", 2);
+    args_b.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
+    let mut first = Running::start(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(&args_b),
+    );
+    first.wait_for_line(Duration::from_secs(120), |l| {
+        l.contains("checkpoint saved at step 4")
+    });
+    let pids = worker_pids(&first.seen);
+    // The launcher dies without a chance to clean up; its workers must die with it.
+    first.child.kill().unwrap();
+    first.wait(Duration::from_secs(10));
+    for (_, pid) in &pids {
+        eventually(Duration::from_secs(10), "orphaned workers to die", || {
+            !alive(*pid)
+        });
+    }
+
+    let resumed = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(&args_b),
+        )
+        .stdout,
+    );
+    assert!(resumed.contains("resuming from checkpoint"), "{resumed}");
+    let got = finished(&resumed);
+    assert_eq!(
+        got.iter().map(|f| f.1).collect::<Vec<_>>(),
+        expected.iter().map(|f| f.1).collect::<Vec<_>>()
+    );
+    assert!(
+        losses(&resumed).len() < losses(&whole).len(),
+        "the resumed run must not start over"
+    );
+    assert_eq!(
+        got[0].2, expected[0].2,
+        "resuming is exact: same weights as the uninterrupted run"
+    );
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_reported_not_used() {
+    let job = Job::new(64, 10);
+    let ckpt = job.path("ckpt");
+    std::fs::write(&ckpt, b"TRAINCTL-CKPT\0v1 but then garbage").unwrap();
+    let out = trainctl()
+        .args(train_args(&job, "r", 1))
+        .args(["--checkpoint-file", ckpt.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("checkpoint") && err.contains("not used"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(&ckpt).unwrap(),
+        b"TRAINCTL-CKPT\0v1 but then garbage",
+        "the file is left alone"
+    );
+}
+
+#[test]
+fn a_diverging_run_stops_and_names_the_step() {
+    let job = Job::new(128, 10);
+    let out = trainctl()
+        .args(train_args_lr(&job, "r", 3, "1e12"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("loss is") && err.contains("step") && err.contains("--learning-rate"),
+        "{err}"
+    );
+}
+
+#[test]
+fn python_layout_trains_and_predict_classifies_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    run_ok(trainctl().args([
+        "data",
+        "synth",
+        "--python",
+        "--train",
+        "64",
+        "--test",
+        "20",
+        "--out",
+        data.to_str().unwrap(),
+    ]));
+    let model = dir.path().join("m.safetensors");
+    run_ok(trainctl().args([
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--threads",
+        "1",
+        "--model-file",
+        model.to_str().unwrap(),
+        "--out",
+        dir.path().to_str().unwrap(),
+    ]));
+    // An image of another size, in both formats.
+    let img = image::RgbImage::from_fn(50, 40, |x, y| {
+        image::Rgb([(x * 5) as u8, (y * 6) as u8, 128])
+    });
+    let png = dir.path().join("a.png");
+    let jpg = dir.path().join("b.jpg");
+    img.save(&png).unwrap();
+    img.save(&jpg).unwrap();
+    let out = text(
+        &run_ok(
+            trainctl()
+                .args(["predict", "--model", model.to_str().unwrap()])
+                .arg(&png)
+                .arg(&jpg),
+        )
+        .stdout,
+    );
+    assert_eq!(out.lines().count(), 2, "{out}");
+    assert!(
+        out.lines().all(|l| l.matches(" %").count() == 3),
+        "top-3 per image: {out}"
+    );
+
+    let bad = dir.path().join("bad.png");
+    std::fs::write(&bad, b"not an image").unwrap();
+    let out = trainctl()
+        .args(["predict", "--model", model.to_str().unwrap()])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("bad.png"),
+        "{}",
+        text(&out.stderr)
+    );
+}
