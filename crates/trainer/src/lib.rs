@@ -1,6 +1,7 @@
 //! The worker: the seed CNN on burn, CIFAR-10, data-parallel training over the collective,
 //! crash-safe checkpoints, evaluation and prediction.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cifar;
 pub mod device;

@@ -70,7 +70,7 @@ pub enum Event {
     ModelSaved {
         path: PathBuf,
     },
-    Evaluated(Confusion),
+    Evaluated(Box<Confusion>),
     /// Every rank: its step count and a fingerprint of its weights, equal on all ranks.
     Finished {
         global_step: u64,
@@ -192,7 +192,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             window += 1;
             window_images += batch.len() * world_size;
             let iter = steps_before + step + 1;
-            if rank == 0 && cfg.print_freq > 0 && iter % cfg.print_freq == 0 {
+            if rank == 0 && cfg.print_freq > 0 && iter.is_multiple_of(cfg.print_freq) {
                 let images_per_sec = window_images as f64 / window_start.elapsed().as_secs_f64();
                 report(Event::Loss {
                     epoch: epoch + 1,
@@ -239,7 +239,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         let mut counts = evaluate(&model, &test, &mine, 500).to_f32();
         group.all_reduce_sum(&mut counts)?;
         if rank == 0 {
-            report(Event::Evaluated(Confusion::from_f32(&counts)));
+            report(Event::Evaluated(Box::new(Confusion::from_f32(&counts))));
         }
     }
     group.barrier()?;

@@ -1,5 +1,72 @@
-pub fn run(_args: Args) -> anyhow::Result<i32> {
+//! `trainctl bench`: training-step and all-reduce figures for docs/PERFORMANCE.md.
+//!
+//! The CPU thread pool can be sized once per process, so each thread count runs in a child
+//! `trainctl bench --step-only`.
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Thread counts to time a training step with.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
+    threads: Vec<usize>,
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    /// Timed steps per thread count (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// World sizes for the all-reduce.
+    #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
+    ranks: Vec<usize>,
+    #[arg(long, default_value_t = 20)]
+    repeats: usize,
+    /// Internal: time the step in this process with this many threads.
+    #[arg(long, hide = true)]
+    step_only: Option<usize>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<i32> {
+    if let Some(threads) = args.step_only {
+        let t = trainer::bench::training_step(threads, args.batch_size, args.steps);
+        println!("{}", serde_json::to_string(&t)?);
+        return Ok(0);
+    }
+    let exe = std::env::current_exe().context("cannot find the trainctl executable")?;
+    for threads in &args.threads {
+        let out = Command::new(&exe)
+            .args([
+                "bench",
+                "--step-only",
+                &threads.to_string(),
+                "--batch-size",
+                &args.batch_size.to_string(),
+                "--steps",
+                &args.steps.to_string(),
+            ])
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "step benchmark with {threads} threads failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+    }
+    let floats = trainer::model::snapshot(&trainer::model::SeedCnn::new(
+        &trainer::device::inference_device(),
+    ))
+    .params
+    .len();
+    for ranks in &args.ranks {
+        let t = trainer::bench::all_reduce(*ranks, floats, args.repeats)?;
+        println!("{}", serde_json::to_string(&t)?);
+    }
+    let copy = trainer::bench::loopback_copy(floats * 4, args.repeats)?;
+    println!(
+        "{}",
+        serde_json::json!({ "loopback_tcp_copy_bytes": floats * 4, "gbytes_per_s": copy })
+    );
     Ok(0)
 }
-#[derive(clap::Args)]
-pub struct Args {}

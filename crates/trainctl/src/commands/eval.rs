@@ -28,6 +28,6 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let test = ensure_dataset(&args.data, &opts, true)?.load(Split::Test)?;
     let all: Vec<usize> = (0..test.len()).collect();
     let confusion = trainer::eval::evaluate(&model, &test, &all, args.batch_size);
-    crate::output::train_event(0, trainer::train::Event::Evaluated(confusion));
+    crate::output::train_event(0, trainer::train::Event::Evaluated(Box::new(confusion)));
     Ok(0)
 }

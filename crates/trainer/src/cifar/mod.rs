@@ -127,7 +127,7 @@ impl Layout {
 /// Binary layout: records of one label byte and 3072 pixel bytes.
 pub fn parse_binary(bytes: &[u8]) -> Result<Dataset, String> {
     const RECORD: usize = 1 + IMAGE_BYTES;
-    if bytes.is_empty() || bytes.len() % RECORD != 0 {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(RECORD) {
         return Err(format!(
             "{} bytes is not a whole number of {RECORD}-byte CIFAR-10 records (truncated or corrupt; an official batch is {} bytes): delete it to download again",
             bytes.len(),

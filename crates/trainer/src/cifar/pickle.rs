@@ -288,7 +288,7 @@ pub fn unpickle(data: &[u8]) -> Result<Value, String> {
 }
 
 fn pairs(items: Vec<Value>) -> Result<Vec<(Value, Value)>, String> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err("odd number of items for a dict".into());
     }
     let mut out = Vec::with_capacity(items.len() / 2);

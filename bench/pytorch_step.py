@@ -1,0 +1,108 @@
+"""The seed CNN's training step in PyTorch, timed the way `trainctl bench` times trainctl's.
+
+Usage: python bench/pytorch_step.py [--threads 1,2] [--batch-size 128] [--steps 5]
+Prints one JSON line per thread count. Also times gloo's all-reduce of the same gradient size
+with --allreduce-ranks (processes on 127.0.0.1), for the side-by-side in docs/PERFORMANCE.md.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+
+def seed_cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.BatchNorm2d(64),
+        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.BatchNorm2d(128),
+        nn.Conv2d(128, 256, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.BatchNorm2d(256),
+        nn.Flatten(),
+        nn.Linear(4096, 512), nn.ReLU(),
+        nn.Linear(512, 10),
+    )
+
+
+def step_times(threads, batch_size, steps):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = seed_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+    x = torch.randn(batch_size, 3, 32, 32)
+    y = torch.randint(0, 10, (batch_size,))
+    times = []
+    for i in range(steps + 1):
+        t = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+        if i > 0:
+            times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    return {"impl": "pytorch", "torch": torch.__version__, "threads": threads,
+            "batch_size": batch_size, "steps": steps, "step_s": step,
+            "images_per_s": batch_size / step}
+
+
+def allreduce_worker(rank, ranks, port, floats, repeats, out):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    buf = torch.ones(floats)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t)
+    if rank == 0:
+        med = statistics.median(times[1:])
+        out.put({"impl": "pytorch-gloo", "ranks": ranks, "floats": floats, "repeats": repeats,
+                 "median_s": med, "bus_gbytes_per_s": 2 * (ranks - 1) / ranks * floats * 4 / med / 1e9})
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--allreduce-ranks", default="2,4")
+    p.add_argument("--repeats", type=int, default=20)
+    a = p.parse_args()
+    for t in a.threads.split(","):
+        print(json.dumps(step_times(int(t), a.batch_size, a.steps)), flush=True)
+    floats = sum(p.numel() for p in seed_cnn().parameters())
+    import socket
+    import torch.multiprocessing as mp
+    for ranks in [int(r) for r in a.allreduce_ranks.split(",") if r]:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=allreduce_worker, args=(r, ranks, port, floats, a.repeats, out)) for r in range(ranks)]
+        for proc in procs:
+            proc.start()
+        result = out.get(timeout=300)
+        for proc in procs:
+            proc.join(timeout=60)
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

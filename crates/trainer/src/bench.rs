@@ -1,0 +1,186 @@
+//! Measurements behind `trainctl bench`: one training step of the seed CNN, split into its
+//! parts, and the ring all-reduce against a plain loopback TCP copy.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Int, Tensor, TensorData};
+use collective::{ProcessGroup, World};
+
+use crate::cifar::synthetic;
+use crate::device::{set_cpu_threads, training_device};
+use crate::model::{SeedCnn, buffers, gradients, load, snapshot, to_vec};
+
+/// Median seconds of each part of a training step.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepTimes {
+    pub threads: usize,
+    pub batch_size: usize,
+    pub steps: usize,
+    pub step_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub gradients_out_s: f64,
+    pub update_s: f64,
+    pub images_per_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `steps` training steps (after one warm-up) with `threads` CPU threads: the same work
+/// as a step of `trainctl train` minus the all-reduce.
+pub fn training_step(threads: usize, batch_size: usize, steps: usize) -> StepTimes {
+    set_cpu_threads(threads);
+    let device = training_device();
+    let data = synthetic::generate(batch_size, 3);
+    let indices: Vec<usize> = (0..batch_size).collect();
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    data.fill_batch(&indices, &mut pixels, &mut labels);
+    let mut model = SeedCnn::new(&device);
+    let mut params = snapshot(&model).params;
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let mut grads_flat = Vec::new();
+    let mut parts: [Vec<f64>; 5] = Default::default();
+    for i in 0..steps + 1 {
+        let t0 = Instant::now();
+        let x = Tensor::<4>::from_data(
+            TensorData::new(pixels.clone(), [batch_size, 3, 32, 32]),
+            &device,
+        );
+        let y = Tensor::<1, Int>::from_data(TensorData::new(labels.clone(), [batch_size]), &device);
+        let loss = loss_fn.forward(model.forward(x), y);
+        let loss_value = to_vec(loss.clone())[0];
+        let t1 = Instant::now();
+        let grads = loss.backward();
+        let t2 = Instant::now();
+        gradients(&model, &grads, &mut grads_flat);
+        let t3 = Instant::now();
+        for (p, g) in params.iter_mut().zip(&grads_flat) {
+            *p -= 1e-3 * g;
+        }
+        let bufs = buffers(&model);
+        model = load(model, Some(&params), &bufs);
+        let t4 = Instant::now();
+        assert!(loss_value.is_finite());
+        if i > 0 {
+            for (slot, d) in parts
+                .iter_mut()
+                .zip([t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3])
+            {
+                slot.push(d.as_secs_f64());
+            }
+        }
+    }
+    let [step, forward, backward, out, update] = parts.map(median);
+    StepTimes {
+        threads,
+        batch_size,
+        steps,
+        step_s: step,
+        forward_s: forward,
+        backward_s: backward,
+        gradients_out_s: out,
+        update_s: update,
+        images_per_s: batch_size as f64 / step,
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AllReduceTimes {
+    pub ranks: usize,
+    pub floats: usize,
+    pub repeats: usize,
+    pub median_s: f64,
+    /// NCCL's bus bandwidth: 2(n-1)/n · bytes / time, comparable across world sizes.
+    pub bus_gbytes_per_s: f64,
+}
+
+/// Times the ring all-reduce of `floats` values across `ranks` threads on 127.0.0.1.
+pub fn all_reduce(
+    ranks: usize,
+    floats: usize,
+    repeats: usize,
+) -> Result<AllReduceTimes, collective::CollectiveError> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let handles: Vec<_> = (0..ranks)
+        .map(|rank| {
+            std::thread::spawn(move || -> Result<Vec<f64>, collective::CollectiveError> {
+                let world = World {
+                    rank: rank as u32,
+                    world_size: ranks as u32,
+                    local_rank: rank as u32,
+                    local_world_size: ranks as u32,
+                    master_port: port,
+                    run_id: "bench".into(),
+                    ..World::single()
+                };
+                let mut group = ProcessGroup::join(&world)?;
+                let mut buf = vec![1.0f32; floats];
+                let mut times = Vec::new();
+                for _ in 0..repeats + 1 {
+                    group.barrier()?;
+                    let t = Instant::now();
+                    group.all_reduce_sum(&mut buf)?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                Ok(times[1..].to_vec())
+            })
+        })
+        .collect();
+    let mut rank0 = Vec::new();
+    for (i, h) in handles.into_iter().enumerate() {
+        let times = h
+            .join()
+            .map_err(|_| collective::CollectiveError::PeerLost("a bench rank panicked".into()))??;
+        if i == 0 {
+            rank0 = times;
+        }
+    }
+    let median_s = median(rank0);
+    let bytes = (floats * 4) as f64;
+    Ok(AllReduceTimes {
+        ranks,
+        floats,
+        repeats,
+        median_s,
+        bus_gbytes_per_s: 2.0 * (ranks as f64 - 1.0) / ranks as f64 * bytes / median_s / 1e9,
+    })
+}
+
+/// GB/s of a plain copy of `bytes` through one loopback TCP connection: the ceiling the ring
+/// works under on this machine.
+pub fn loopback_copy(bytes: usize, repeats: usize) -> std::io::Result<f64> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; bytes];
+        for _ in 0..repeats + 1 {
+            s.read_exact(&mut buf)?;
+            s.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let buf = vec![7u8; bytes];
+    let mut times = Vec::new();
+    let mut ack = [0u8; 1];
+    for _ in 0..repeats + 1 {
+        let t = Instant::now();
+        s.write_all(&buf)?;
+        s.read_exact(&mut ack)?;
+        times.push(t.elapsed());
+    }
+    reader
+        .join()
+        .map_err(|_| std::io::Error::other("reader panicked"))??;
+    let t = median(times[1..].iter().map(Duration::as_secs_f64).collect());
+    Ok(bytes as f64 / t / 1e9)
+}
