@@ -125,7 +125,9 @@ fn a_failing_worker_stops_the_others_and_is_reported() {
         out.contains("    [1]:about to fail") || out.contains("    about to fail"),
         "stderr tail in the report: {out}"
     );
-    for (_, pid) in worker_pids(&run.seen) {
+    let pids = worker_pids(&run.seen);
+    assert_eq!(pids.len(), 3, "{out}");
+    for (_, pid) in pids {
         assert!(!alive(pid), "worker {pid} outlived the launcher");
     }
 }
@@ -158,7 +160,7 @@ fn a_killed_training_worker_stops_the_job_with_a_report() {
             .arg(job.path("runs")),
     );
     run.wait_for_line(Duration::from_secs(120), |l| l.contains("] loss: "));
-    let pids = worker_pids(&run.seen);
+    let pids = run.wait_for_workers(2, Duration::from_secs(20));
     let (_, victim) = pids.iter().find(|(rank, _)| *rank == 1).copied().unwrap();
     kill(Pid::from_raw(victim), Signal::SIGKILL).unwrap();
     let status = run.wait(Duration::from_secs(60));
@@ -188,8 +190,7 @@ fn ctrl_c_stops_every_worker() {
     ]));
     run.wait_for_line(Duration::from_secs(20), |l| l.ends_with("]:ready"));
     run.wait_for_line(Duration::from_secs(20), |l| l.ends_with("]:ready"));
-    let pids = worker_pids(&run.seen);
-    assert_eq!(pids.len(), 2);
+    let pids = run.wait_for_workers(2, Duration::from_secs(20));
     kill(Pid::from_raw(run.child.id() as i32), Signal::SIGINT).unwrap();
     let status = run.wait(Duration::from_secs(20));
     assert_eq!(status.code(), Some(130));

@@ -5,4 +5,5 @@ mod support;
 
 mod data;
 mod launch;
+mod pytorch;
 mod training;

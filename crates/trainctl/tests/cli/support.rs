@@ -121,6 +121,15 @@ impl Running {
         }
     }
 
+    /// Waits until the launcher has reported `n` started workers; returns `(rank, pid)`s.
+    /// (stdout and stderr arrive on separate threads, so their lines may come in any order.)
+    pub fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> Vec<(u32, i32)> {
+        while worker_pids(&self.seen).len() < n {
+            self.wait_for_line(timeout, |l| l.contains("started rank"));
+        }
+        worker_pids(&self.seen)
+    }
+
     /// Waits for the process to exit, failing the test after `timeout`; returns the exit status
     /// and drains the remaining output into `seen`.
     pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {

@@ -129,7 +129,7 @@ fn an_interrupted_run_resumes_and_takes_the_same_steps() {
     first.wait_for_line(Duration::from_secs(120), |l| {
         l.contains("checkpoint saved at step 4")
     });
-    let pids = worker_pids(&first.seen);
+    let pids = first.wait_for_workers(2, Duration::from_secs(20));
     // The launcher dies without a chance to clean up; its workers must die with it.
     first.child.kill().unwrap();
     first.wait(Duration::from_secs(10));

@@ -1,0 +1,50 @@
+//! A real PyTorch DDP script under `trainctl run`: the environment contract is torchrun's.
+//!
+//! Needs a Python with torch: `TRAINCTL_TEST_PYTHON`, or `bench/.venv` (made by `bench/run.sh`).
+//! Without one the test says so loudly and passes, since PyTorch is a multi-GB download that the
+//! default suite does not make.
+
+use std::path::PathBuf;
+
+use crate::support::*;
+
+#[allow(clippy::disallowed_methods)] // a test knob, not the worker contract
+fn python_with_torch() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("TRAINCTL_TEST_PYTHON").map(PathBuf::from),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/.venv/bin/python")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        std::process::Command::new(p)
+            .args(["-c", "import torch.distributed"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+#[test]
+fn a_pytorch_ddp_script_runs_under_trainctl() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED a_pytorch_ddp_script_runs_under_trainctl: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/ddp_allreduce.py");
+    let out = run_ok(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+            .arg(python)
+            .arg(script),
+    );
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("[0]:ddp rank 0/2 local 0 sum 3"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[1]:ddp rank 1/2 local 1 sum 3"),
+        "{stdout}"
+    );
+}
