@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x bench/.venv/bin/python ] || ! bench/.venv/bin/python -c "import torch" 2>/dev/null; then
   python3 -m venv bench/.venv
-  bench/.venv/bin/pip install --quiet torch
+  bench/.venv/bin/pip install --quiet torch safetensors numpy
 fi
 cargo build --locked --quiet
 echo "# machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"

@@ -358,3 +358,42 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod batchnorm_tests {
+    use super::*;
+    use crate::device::training_device;
+
+    /// After many forwards on one batch the running statistics are that batch's statistics, so
+    /// inference (running statistics) and training (batch statistics) agree on it.
+    #[test]
+    fn inference_matches_training_once_running_stats_converge() {
+        let device = training_device();
+        let model = SeedCnn::new(&device);
+        let data = crate::cifar::synthetic::generate(16, 5);
+        let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+        data.fill_batch(&(0..16).collect::<Vec<_>>(), &mut pixels, &mut labels);
+        let x = Tensor::<4>::from_data(TensorData::new(pixels.clone(), [16, 3, 32, 32]), &device);
+        let mut train_logits = Vec::new();
+        for _ in 0..60 {
+            train_logits = to_vec(model.forward(x.clone()));
+        }
+        let snap = snapshot(&model);
+        let inference = crate::eval::inference_model(&snap.params, &snap.buffers);
+        let xi = Tensor::<4>::from_data(
+            TensorData::new(pixels, [16, 3, 32, 32]),
+            &crate::device::inference_device(),
+        );
+        let eval_logits = to_vec(inference.forward(xi));
+        let worst = train_logits
+            .iter()
+            .zip(&eval_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let scale = train_logits.iter().map(|a| a.abs()).fold(0.0f32, f32::max);
+        assert!(
+            worst < 0.05 * scale.max(1.0),
+            "train and inference logits differ by {worst} (scale {scale})"
+        );
+    }
+}

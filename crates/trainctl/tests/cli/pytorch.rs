@@ -16,7 +16,7 @@ fn python_with_torch() -> Option<PathBuf> {
     ];
     candidates.into_iter().flatten().find(|p| {
         std::process::Command::new(p)
-            .args(["-c", "import torch.distributed"])
+            .args(["-c", "import torch.distributed, safetensors"])
             .output()
             .is_ok_and(|o| o.status.success())
     })
@@ -46,5 +46,53 @@ fn a_pytorch_ddp_script_runs_under_trainctl() {
     assert!(
         stdout.contains("[1]:ddp rank 1/2 local 1 sum 3"),
         "{stdout}"
+    );
+}
+
+#[test]
+fn pytorch_loads_the_model_file_into_the_seed_network() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED pytorch_loads_the_model_file_into_the_seed_network: no Python with torch and safetensors (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let job = Job::new(320, 50);
+    let model = job.path("m.safetensors");
+    run_ok(
+        trainctl()
+            .args(["train", "--data"])
+            .arg(job.data())
+            .args([
+                "--epochs",
+                "3",
+                "--batch-size",
+                "32",
+                "--threads",
+                "1",
+                "--no-eval",
+                "--model-file",
+            ])
+            .arg(&model)
+            .arg("--out")
+            .arg(job.path("runs")),
+    );
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = run_ok(
+        std::process::Command::new(python)
+            .arg(root.join("tests/cli/fixtures/load_in_pytorch.py"))
+            .arg(&model)
+            .arg(job.data().join("data_batch_1.bin"))
+            .arg(root.join("../../bench")),
+    );
+    let stdout = text(&out.stdout);
+    let accuracy: f64 = stdout
+        .split("accuracy ")
+        .nth(1)
+        .and_then(|s| s.trim().trim_end_matches(" %").parse().ok())
+        .unwrap();
+    assert!(
+        accuracy > 50.0,
+        "PyTorch computes with the loaded weights what trainctl learned: {stdout}"
     );
 }

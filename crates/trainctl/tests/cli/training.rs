@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::support::*;
 
 fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
-    train_args_lr(job, out, epochs, "0.01")
+    train_args_lr(job, out, epochs, "0.001")
 }
 
 fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
