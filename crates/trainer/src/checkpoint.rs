@@ -75,17 +75,22 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
+/// `values` as a `rows × cols` row-major matrix, transposed.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = values[r * cols + c];
+        }
+    }
+    t
+}
+
 /// PyTorch's layout of one tensor: linear weights transposed to `[out, in]`.
 fn to_torch(entry: &Entry, values: &[f32]) -> (Vec<usize>, Vec<f32>) {
     if entry.is_linear_weight() {
         let (rows, cols) = (entry.shape[0], entry.shape[1]);
-        let mut t = vec![0.0; values.len()];
-        for r in 0..rows {
-            for c in 0..cols {
-                t[c * rows + r] = values[r * cols + c];
-            }
-        }
-        (vec![cols, rows], t)
+        (vec![cols, rows], transpose(values, rows, cols))
     } else {
         (entry.shape.clone(), values.to_vec())
     }
@@ -93,14 +98,7 @@ fn to_torch(entry: &Entry, values: &[f32]) -> (Vec<usize>, Vec<f32>) {
 
 fn from_torch(entry: &Entry, values: &[f32]) -> Vec<f32> {
     if entry.is_linear_weight() {
-        let (rows, cols) = (entry.shape[0], entry.shape[1]);
-        let mut t = vec![0.0; values.len()];
-        for r in 0..rows {
-            for c in 0..cols {
-                t[r * cols + c] = values[c * rows + r];
-            }
-        }
-        t
+        transpose(values, entry.shape[1], entry.shape[0])
     } else {
         values.to_vec()
     }

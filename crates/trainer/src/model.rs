@@ -211,8 +211,7 @@ pub(crate) fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-/// Reads every tensor of `model`.
-pub fn snapshot(model: &SeedCnn) -> Snapshot {
+fn read(model: &SeedCnn, buffers_only: bool) -> Snapshot {
     model.settle();
     let mut reader = Reader {
         path: Path::default(),
@@ -221,26 +220,20 @@ pub fn snapshot(model: &SeedCnn) -> Snapshot {
             params: Vec::new(),
             buffers: Vec::new(),
         },
-        buffers_only: false,
+        buffers_only,
     };
     model.visit(&mut reader);
     reader.snapshot
 }
 
+/// Reads every tensor of `model`.
+pub fn snapshot(model: &SeedCnn) -> Snapshot {
+    read(model, false)
+}
+
 /// Reads only the BatchNorm running statistics.
 pub fn buffers(model: &SeedCnn) -> Vec<f32> {
-    model.settle();
-    let mut reader = Reader {
-        path: Path::default(),
-        snapshot: Snapshot {
-            entries: Vec::new(),
-            params: Vec::new(),
-            buffers: Vec::new(),
-        },
-        buffers_only: true,
-    };
-    model.visit(&mut reader);
-    reader.snapshot.buffers
+    read(model, true).buffers
 }
 
 struct Writer<'a> {
