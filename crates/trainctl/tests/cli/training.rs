@@ -269,3 +269,56 @@ fn python_layout_trains_and_predict_classifies_images() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn two_launchers_form_one_static_job() {
+    // torchrun's static multi-node mode: two nodes (here both on 127.0.0.1), one worker each.
+    let job = Job::new(128, 20);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let node = |rank: &str| {
+        let mut cmd = trainctl();
+        cmd.args([
+            "run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+        ])
+        .args([
+            "--master-port",
+            &port.to_string(),
+            "--rdzv-id",
+            "static-job",
+        ])
+        .env("TRAINCTL_JOB_TOKEN", "shared-secret")
+        .args(train_args(&job, &format!("node{rank}"), 1))
+        .arg("--no-eval");
+        Running::start(&mut cmd)
+    };
+    let (mut a, mut b) = (node("0"), node("1"));
+    assert!(a.wait(Duration::from_secs(120)).success(), "{}", a.output());
+    assert!(b.wait(Duration::from_secs(120)).success(), "{}", b.output());
+    let (fa, fb) = (finished(&a.output()), finished(&b.output()));
+    assert_eq!(
+        (fa.len(), fb.len()),
+        (1, 1),
+        "{}\n{}",
+        a.output(),
+        b.output()
+    );
+    assert_eq!((fa[0].0, fb[0].0), (0, 1));
+    assert_eq!(fa[0].1, 2, "128 images / (2 ranks x 32) = 2 steps");
+    assert_eq!(fa[0].2, fb[0].2, "both nodes end with identical weights");
+    assert!(
+        exists(&job.path("node0/static-job/model.safetensors")),
+        "rank 0 saves the model"
+    );
+}
