@@ -10,6 +10,21 @@ pub fn warn(msg: &str) {
     eprintln!("warning: {msg}");
 }
 
+pub fn launching(spec: &launcher::LaunchSpec) {
+    eprintln!(
+        "trainctl run: run id {}, {} worker(s) on this node, world size {}, store at {}:{}",
+        spec.run_id,
+        spec.nproc_per_node,
+        spec.nnodes * spec.nproc_per_node,
+        spec.master_addr,
+        spec.master_port
+    );
+}
+
+pub fn worker_started(w: launcher::Started) {
+    eprintln!("trainctl run: started rank {} (pid {})", w.rank, w.pid);
+}
+
 /// Prints a training event the way the seed jobs print theirs.
 pub fn train_event(rank: u32, event: trainer::train::Event) {
     match event {

@@ -82,6 +82,8 @@ pub enum Event {
 /// Trains on the world described by `world`, calling `report` on the way.
 pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
     validate(cfg)?;
+    let _span =
+        tracing::info_span!("worker", rank = world.rank, restart = world.restart_count).entered();
     set_cpu_threads(cfg.threads);
     let mut group = ProcessGroup::join(world)?;
     let (rank, world_size) = (group.rank(), group.world_size());
@@ -138,6 +140,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     let mut last_checkpoint_step = state.progress.global_step;
     while state.progress.epoch < cfg.epochs {
         let epoch = state.progress.epoch;
+        let _epoch_span = tracing::info_span!("epoch", epoch = epoch + 1).entered();
         let epoch_start = Instant::now();
         let shard = Shard::new(
             dataset.len(),

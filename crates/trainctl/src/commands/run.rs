@@ -158,16 +158,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     };
     let stdout: launcher::output::Sink = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: launcher::output::Sink = Arc::new(Mutex::new(std::io::stderr()));
-    eprintln!(
-        "trainctl run: run id {}, {} worker(s) on this node, world size {}, store at {}:{}",
-        spec.run_id,
-        spec.nproc_per_node,
-        spec.nnodes * spec.nproc_per_node,
-        spec.master_addr,
-        spec.master_port
-    );
-    let mut started =
-        |w: launcher::Started| eprintln!("trainctl run: started rank {} (pid {})", w.rank, w.pid);
+    crate::output::launching(&spec);
+    let mut started = crate::output::worker_started;
     match launcher::launch(&spec, stdout, stderr.clone(), &mut started)? {
         Outcome::Succeeded => Ok(0),
         Outcome::Failed(failure) => {
