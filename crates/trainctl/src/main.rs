@@ -45,6 +45,18 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run(_)) {
+        // `trainctl eval ... | head` ends quietly, as Unix tools do, instead of panicking on
+        // EPIPE. The launcher keeps ignoring SIGPIPE: it must outlive a closed stdout long
+        // enough to stop its workers.
+        // SAFETY: called before any thread is spawned.
+        unsafe {
+            let _ = nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGPIPE,
+                nix::sys::signal::SigHandler::SigDfl,
+            );
+        }
+    }
     let result = match cli.command {
         Command::Run(args) => commands::run::run(args),
         Command::Train(args) => commands::train::run(args),
