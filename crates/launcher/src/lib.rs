@@ -26,6 +26,7 @@ pub struct LaunchSpec {
     pub master_port: u16,
     pub run_id: String,
     pub token: String,
+    /// Times the whole group of this node is restarted after a failure.
     pub max_restarts: u32,
     pub log_dir: Option<PathBuf>,
     /// Time between SIGTERM and SIGKILL when stopping workers.
@@ -43,6 +44,17 @@ pub struct Started {
     pub rank: u32,
     pub local_rank: u32,
     pub pid: u32,
+}
+
+/// What the launcher tells its caller while it runs.
+#[derive(Debug, Clone)]
+pub enum LaunchEvent {
+    Started(Started),
+    /// The group failed and is being started again (`restart_count` of `max_restarts`).
+    Restarting {
+        failure: Failure,
+        restart_count: u32,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

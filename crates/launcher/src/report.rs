@@ -29,8 +29,10 @@ pub struct Failure {
     pub node_rank: u32,
     pub pid: u32,
     pub exit: ExitKind,
-    /// Since the launch started.
+    /// Since this attempt started.
     pub after: Duration,
+    /// Restarts before the attempt this failure ended.
+    pub restart_count: u32,
     pub stderr_tail: Vec<String>,
     pub log_file: Option<std::path::PathBuf>,
 }
@@ -54,7 +56,12 @@ impl fmt::Display for Failure {
         )?;
         writeln!(f, "  pid        : {}", self.pid)?;
         writeln!(f, "  exit       : {}", self.exit)?;
-        writeln!(f, "  after      : {:.1} s", self.after.as_secs_f64())?;
+        writeln!(
+            f,
+            "  after      : {:.1} s (restart count {})",
+            self.after.as_secs_f64(),
+            self.restart_count
+        )?;
         if let Some(log) = &self.log_file {
             writeln!(f, "  log        : {}", log.display())?;
         }

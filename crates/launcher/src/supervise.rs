@@ -12,7 +12,7 @@ use nix::unistd::Pid;
 
 use crate::output::{Sink, Tail, pump};
 use crate::report::{ExitKind, Failure, Outcome};
-use crate::{LaunchError, LaunchSpec, Started, worker_env};
+use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
 struct Worker {
     rank: u32,
@@ -56,13 +56,14 @@ const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGHUP,
 ];
 
-/// Runs the workers of this node to completion and says how it ended; `started` hears of each
-/// worker as it starts.
+/// Runs the workers of this node to completion and says how it ended; `events` hears of each
+/// worker started and of each restart. A failed group is restarted whole, with
+/// TORCHELASTIC_RESTART_COUNT one higher, up to `spec.max_restarts` times.
 pub fn launch(
     spec: &LaunchSpec,
     stdout: Sink,
     stderr: Sink,
-    started: &mut dyn FnMut(Started),
+    events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let received = Arc::new(AtomicUsize::new(0));
     let mut handlers = Vec::new();
@@ -77,7 +78,28 @@ pub fn launch(
         .map_err(LaunchError::Signals)?;
         handlers.push(id);
     }
-    let result = run_workers(spec, stdout, stderr, &received, started);
+    let mut restart_count = 0;
+    let result = loop {
+        match run_workers(
+            spec,
+            restart_count,
+            stdout.clone(),
+            stderr.clone(),
+            &received,
+            events,
+        ) {
+            Ok(Outcome::Failed(failure))
+                if restart_count < spec.max_restarts && received.load(Ordering::SeqCst) == 0 =>
+            {
+                restart_count += 1;
+                events(LaunchEvent::Restarting {
+                    failure,
+                    restart_count,
+                });
+            }
+            other => break other,
+        }
+    };
     for id in handlers {
         signal_hook::low_level::unregister(id);
     }
@@ -86,13 +108,13 @@ pub fn launch(
 
 fn run_workers(
     spec: &LaunchSpec,
+    restart_count: u32,
     stdout: Sink,
     stderr: Sink,
     received: &AtomicUsize,
-    started: &mut dyn FnMut(Started),
+    events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let start = Instant::now();
-    let restart_count = 0;
     let attempt_dir = spec.log_dir.as_ref().map(|d| {
         d.join(&spec.run_id)
             .join(format!("attempt_{restart_count}"))
@@ -108,11 +130,11 @@ fn run_workers(
             &stderr,
         ) {
             Ok(w) => {
-                started(Started {
+                events(LaunchEvent::Started(Started {
                     rank: w.rank,
                     local_rank: w.local_rank,
                     pid: w.child.id(),
-                });
+                }));
                 workers.push(w);
             }
             Err(e) => {
@@ -141,6 +163,7 @@ fn run_workers(
                         pid: w.child.id(),
                         exit,
                         after: start.elapsed(),
+                        restart_count,
                         stderr_tail: Vec::new(),
                         log_file: w.stderr_log.clone(),
                     });

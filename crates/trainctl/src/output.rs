@@ -21,8 +21,19 @@ pub fn launching(spec: &launcher::LaunchSpec) {
     );
 }
 
-pub fn worker_started(w: launcher::Started) {
-    eprintln!("trainctl run: started rank {} (pid {})", w.rank, w.pid);
+pub fn launch_event(event: launcher::LaunchEvent) {
+    match event {
+        launcher::LaunchEvent::Started(w) => {
+            eprintln!("trainctl run: started rank {} (pid {})", w.rank, w.pid)
+        }
+        launcher::LaunchEvent::Restarting {
+            failure,
+            restart_count,
+        } => eprintln!(
+            "trainctl run: rank {} (pid {}) failed with {}; restarting all workers (restart {restart_count})",
+            failure.rank, failure.pid, failure.exit
+        ),
+    }
 }
 
 /// Prints a training event the way the seed jobs print theirs.

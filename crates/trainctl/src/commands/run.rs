@@ -31,7 +31,8 @@ pub struct Args {
     /// Job id: names the output folder and must match across nodes.
     #[arg(long = "rdzv-id", alias = "run-id", env = "PET_RDZV_ID")]
     run_id: Option<String>,
-    /// Restarts allowed (passed to workers as TORCHELASTIC_MAX_RESTARTS).
+    /// Restarts of the whole group after a worker fails (single node); workers resume from
+    /// their checkpoint. Passed to workers as TORCHELASTIC_MAX_RESTARTS.
     #[arg(long, env = "PET_MAX_RESTARTS", default_value_t = 0)]
     max_restarts: u32,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
@@ -117,6 +118,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     } else {
         (args.master_addr.clone(), args.master_port)
     };
+    if nnodes > 1 && args.max_restarts > 0 {
+        bail!(
+            "--max-restarts {} with --nnodes {nnodes}: restarting a static multi-node job needs every node to restart together, which takes the elastic agent; use --max-restarts 0",
+            args.max_restarts
+        );
+    }
     let run_id = args.run_id.clone().unwrap_or_else(|| {
         if nnodes == 1 {
             "local".into()
@@ -159,8 +166,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let stdout: launcher::output::Sink = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: launcher::output::Sink = Arc::new(Mutex::new(std::io::stderr()));
     crate::output::launching(&spec);
-    let mut started = crate::output::worker_started;
-    match launcher::launch(&spec, stdout, stderr.clone(), &mut started)? {
+    let mut events = crate::output::launch_event;
+    match launcher::launch(&spec, stdout, stderr.clone(), &mut events)? {
         Outcome::Succeeded => Ok(0),
         Outcome::Failed(failure) => {
             let mut err = stderr.lock().unwrap_or_else(|p| p.into_inner());

@@ -250,6 +250,10 @@ fn bad_flags_get_clear_errors() {
             vec!["run", "--nnodes", "2", "--node-rank", "2", "--", "true"],
             "--node-rank 2",
         ),
+        (
+            vec!["run", "--nnodes", "2", "--max-restarts", "1", "--", "true"],
+            "--max-restarts 1",
+        ),
     ] {
         let out = trainctl().args(&args).output().unwrap();
         assert_eq!(out.status.code(), Some(1), "{args:?}");
@@ -259,4 +263,64 @@ fn bad_flags_get_clear_errors() {
             text(&out.stderr)
         );
     }
+}
+
+#[test]
+fn a_failed_group_is_restarted_up_to_max_restarts() {
+    // Rank 1 fails on the first two attempts and succeeds on the third.
+    let script = r#"if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" -lt 2 ]; then exit 3; fi; echo "done at restart $TORCHELASTIC_RESTART_COUNT""#;
+    let out = run_ok(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(
+        stderr.contains("failed with exit code 3; restarting all workers (restart 1)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("(restart 2)"), "{stderr}");
+    assert!(
+        stdout.contains("[0]:done at restart 2") && stdout.contains("[1]:done at restart 2"),
+        "{stdout}"
+    );
+    assert_eq!(
+        worker_pids(&stderr.lines().map(String::from).collect::<Vec<_>>()).len(),
+        6,
+        "3 attempts of 2 workers"
+    );
+
+    // One restart allowed, two needed: the job fails and the report says which attempt.
+    let out = trainctl()
+        .args([
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("(restart 1)") && !stderr.contains("(restart 2)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("root cause") && stderr.contains("(restart count 1)"),
+        "{stderr}"
+    );
 }

@@ -322,3 +322,46 @@ fn two_launchers_form_one_static_job() {
         "rank 0 saves the model"
     );
 }
+
+#[test]
+fn a_killed_worker_is_restarted_and_the_job_resumes_where_it_was() {
+    let job = Job::new(256, 20);
+    let mut args = train_args(&job, "r", 2);
+    args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
+    let mut run = Running::start(
+        trainctl()
+            .args([
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+            ])
+            .args(&args),
+    );
+    run.wait_for_line(Duration::from_secs(120), |l| {
+        l.contains("checkpoint saved at step 2")
+    });
+    let pids = run.wait_for_workers(2, Duration::from_secs(20));
+    let (_, victim) = pids.iter().find(|(rank, _)| *rank == 1).copied().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(
+        run.wait(Duration::from_secs(180)).success(),
+        "{}",
+        run.output()
+    );
+    let out = run.output();
+    assert!(out.contains("restarting all workers (restart 1)"), "{out}");
+    assert!(out.contains("resuming from checkpoint"), "{out}");
+    // 256 images / (2 ranks x 32) = 4 steps an epoch, 2 epochs: the restart lost nothing and
+    // repeated nothing beyond the last checkpoint.
+    let done = finished(&out);
+    assert_eq!(done.len(), 2, "{out}");
+    assert!(done.iter().all(|(_, steps, _)| *steps == 8), "{out}");
+    assert_eq!(done[0].2, done[1].2);
+}
