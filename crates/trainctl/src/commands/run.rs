@@ -44,6 +44,9 @@ pub struct Args {
     /// Seconds a worker gets to exit after SIGTERM before SIGKILL.
     #[arg(long, env = "TRAINCTL_GRACE_PERIOD", default_value_t = 5.0)]
     grace_period: f64,
+    /// Seconds after which a silent or vanished peer is an error in the workers' collective.
+    #[arg(long, env = "TRAINCTL_COLLECTIVE_TIMEOUT")]
+    collective_timeout: Option<f64>,
     /// Shared secret of the job's connections (default: random for one node; set it for several).
     #[arg(long, env = "TRAINCTL_JOB_TOKEN", hide_env_values = true)]
     job_token: Option<String>,
@@ -161,7 +164,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         monitor_interval: seconds("--monitor-interval", args.monitor_interval)?
             .max(Duration::from_millis(10)),
         program,
-        extra_env: vec![],
+        extra_env: match args.collective_timeout {
+            Some(t) if t.is_finite() && t > 0.0 => {
+                vec![("TRAINCTL_COLLECTIVE_TIMEOUT".into(), t.to_string())]
+            }
+            Some(t) => bail!("--collective-timeout must be a positive number of seconds, got {t}"),
+            None => vec![],
+        },
     };
     let stdout: launcher::output::Sink = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: launcher::output::Sink = Arc::new(Mutex::new(std::io::stderr()));

@@ -324,3 +324,38 @@ fn a_failed_group_is_restarted_up_to_max_restarts() {
         "{stderr}"
     );
 }
+
+#[test]
+fn a_port_in_use_is_reported_with_what_to_do() {
+    let job = Job::new(64, 10);
+    let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = trainctl()
+        .args([
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            &port,
+            "--collective-timeout",
+            "10",
+            "train",
+            "--data",
+        ])
+        .arg(job.data())
+        .args(["--epochs", "1", "--threads", "1", "--out"])
+        .arg(job.path("runs"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("rank       : 0"),
+        "rank 0 hosts the store and is the root cause: {err}"
+    );
+    assert!(
+        err.contains(&format!("cannot listen on 0.0.0.0:{port}"))
+            && err.contains("--master-port 0"),
+        "{err}"
+    );
+}
