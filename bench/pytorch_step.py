@@ -57,6 +57,34 @@ def step_times(threads, batch_size, steps):
             "images_per_s": batch_size / step}
 
 
+CONV_LAYERS = [("network.0", 3, 32, 32), ("network.2", 32, 64, 32), ("network.6", 64, 128, 16),
+               ("network.8", 128, 128, 16), ("network.12", 128, 256, 8), ("network.14", 256, 256, 8)]
+
+
+def layer_times(batch_size, repeats):
+    """Each convolution alone, as `trainctl bench --layers` times it (1 thread)."""
+    torch.set_num_threads(1)
+    out = []
+    for name, c_in, c_out, size in CONV_LAYERS:
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        x = torch.ones(batch_size, c_in, size, size, requires_grad=True)
+        fwd, bwd = [], []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            y = conv(x)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            if i > 0:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        f, b = statistics.median(fwd), statistics.median(bwd)
+        flops = 2 * batch_size * size * size * c_out * c_in * 9
+        out.append({"impl": "pytorch", "layer": name, "input": [batch_size, c_in, size, size], "c_out": c_out,
+                    "forward_s": f, "backward_s": b, "gflops_per_s": 3 * flops / (f + b) / 1e9})
+    return out
+
+
 def allreduce_worker(rank, ranks, port, floats, repeats, out):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -82,7 +110,12 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--allreduce-ranks", default="2,4")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--layers", action="store_true", help="time each convolution alone instead")
     a = p.parse_args()
+    if a.layers:
+        for row in layer_times(a.batch_size, a.steps):
+            print(json.dumps(row), flush=True)
+        return 0
     for t in a.threads.split(","):
         print(json.dumps(step_times(int(t), a.batch_size, a.steps)), flush=True)
     floats = sum(p.numel() for p in seed_cnn().parameters())

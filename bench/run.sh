@@ -13,3 +13,7 @@ echo "# trainctl"
 target/debug/trainctl bench "$@"
 echo "# pytorch"
 bench/.venv/bin/python bench/pytorch_step.py
+echo "# trainctl, each convolution alone (1 thread)"
+target/debug/trainctl bench --layers
+echo "# pytorch, each convolution alone (1 thread)"
+bench/.venv/bin/python bench/pytorch_step.py --layers

@@ -184,3 +184,71 @@ pub fn loopback_copy(bytes: usize, repeats: usize) -> std::io::Result<f64> {
     let t = median(times[1..].iter().map(Duration::as_secs_f64).collect());
     Ok(bytes as f64 / t / 1e9)
 }
+
+/// Forward and backward time of one 3×3 convolution of the seed CNN, at its place in the
+/// network (input `[batch, c_in, size, size]`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LayerTimes {
+    pub layer: String,
+    pub input: [usize; 4],
+    pub c_out: usize,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// Forward and backward GFLOP/s (2·MACs, backward counted as twice the forward).
+    pub gflops_per_s: f64,
+}
+
+/// The seed CNN's convolutions: (name, c_in, c_out, spatial size).
+pub const CONV_LAYERS: [(&str, usize, usize, usize); 6] = [
+    ("network.0", 3, 32, 32),
+    ("network.2", 32, 64, 32),
+    ("network.6", 64, 128, 16),
+    ("network.8", 128, 128, 16),
+    ("network.12", 128, 256, 8),
+    ("network.14", 256, 256, 8),
+];
+
+/// Times each convolution alone (median of `repeats` after one warm-up).
+pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<LayerTimes> {
+    use burn::nn::PaddingConfig2d;
+    use burn::nn::conv::Conv2dConfig;
+    set_cpu_threads(threads);
+    let device = training_device();
+    CONV_LAYERS
+        .iter()
+        .map(|&(name, c_in, c_out, size)| {
+            let conv = Conv2dConfig::new([c_in, c_out], [3, 3])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+                .init(&device);
+            let x = Tensor::<4>::ones([batch_size, c_in, size, size], &device).require_grad();
+            let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+            for i in 0..repeats + 1 {
+                let t0 = Instant::now();
+                let y = conv.forward(x.clone());
+                let _ = to_vec(y.clone().slice([0..1, 0..1, 0..1, 0..1]));
+                let t1 = Instant::now();
+                let grads = y.sum().backward();
+                let _ = conv
+                    .weight
+                    .val()
+                    .grad(&grads)
+                    .map(|g| to_vec(g.slice([0..1, 0..1, 0..1, 0..1])));
+                let t2 = Instant::now();
+                if i > 0 {
+                    fwd.push((t1 - t0).as_secs_f64());
+                    bwd.push((t2 - t1).as_secs_f64());
+                }
+            }
+            let (forward_s, backward_s) = (median(fwd), median(bwd));
+            let flops = 2.0 * (batch_size * size * size * c_out * c_in * 9) as f64;
+            LayerTimes {
+                layer: name.to_string(),
+                input: [batch_size, c_in, size, size],
+                c_out,
+                forward_s,
+                backward_s,
+                gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
+            }
+        })
+        .collect()
+}

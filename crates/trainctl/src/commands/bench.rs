@@ -22,12 +22,21 @@ pub struct Args {
     ranks: Vec<usize>,
     #[arg(long, default_value_t = 20)]
     repeats: usize,
+    /// Time each convolution layer alone instead (forward, backward, GFLOP/s), at 1 thread.
+    #[arg(long)]
+    layers: bool,
     /// Internal: time the step in this process with this many threads.
     #[arg(long, hide = true)]
     step_only: Option<usize>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    if args.layers {
+        for t in trainer::bench::conv_layers(1, args.batch_size, args.steps) {
+            println!("{}", serde_json::to_string(&t)?);
+        }
+        return Ok(0);
+    }
     if let Some(threads) = args.step_only {
         let t = trainer::bench::training_step(threads, args.batch_size, args.steps);
         println!("{}", serde_json::to_string(&t)?);
