@@ -65,17 +65,19 @@ impl ProcessGroup {
 
         let next_rank = (rank + 1) % n;
         let prev_rank = (rank + n - 1) % n;
-        let next_addr = String::from_utf8(store.get(&key(next_rank))?).map_err(|_| {
-            CollectiveError::Wire(WireError::Malformed("peer address is not UTF-8".into()))
-        })?;
+        let published = store.get(&key(next_rank))?;
+        let next_addr: SocketAddr = std::str::from_utf8(&published)
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| {
+                CollectiveError::Wire(WireError::Malformed(format!(
+                    "rank {next_rank} published {:?}, not an ip:port address",
+                    String::from_utf8_lossy(&published)
+                )))
+            })?;
         let mut next = crate::store::connect_with_retry(
-            next_addr
-                .rsplit_once(':')
-                .map_or(&next_addr[..], |(h, _)| h),
-            next_addr
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.parse().ok())
-                .unwrap_or(0),
+            &next_addr.ip().to_string(),
+            next_addr.port(),
             world.timeout,
         )?;
         configure(&next, world.timeout)?;

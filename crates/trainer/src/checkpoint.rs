@@ -89,8 +89,10 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// PyTorch's layout of one tensor: linear weights transposed to `[out, in]`.
 fn to_torch(entry: &Entry, values: &[f32]) -> (Vec<usize>, Vec<f32>) {
     if entry.is_linear_weight() {
-        let (rows, cols) = (entry.shape[0], entry.shape[1]);
-        (vec![cols, rows], transpose(values, rows, cols))
+        (
+            entry.torch_shape(),
+            transpose(values, entry.shape[0], entry.shape[1]),
+        )
     } else {
         (entry.shape.clone(), values.to_vec())
     }
@@ -165,7 +167,7 @@ fn decode(
         let view = tensors
             .tensor(&name)
             .map_err(|_| format!("has no tensor {name} (not a seed-CNN model?)"))?;
-        let expected = to_torch(entry, &vec![0.0; entry.numel()]).0;
+        let expected = entry.torch_shape();
         if view.dtype() != Dtype::F32 || view.shape() != expected {
             return Err(format!(
                 "tensor {name} is {:?} {:?}, expected F32 {expected:?}",

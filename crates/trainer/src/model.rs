@@ -112,6 +112,15 @@ impl Entry {
         format!("network.{index}.{field}")
     }
 
+    /// The shape PyTorch gives this tensor (Linear weights transposed).
+    pub fn torch_shape(&self) -> Vec<usize> {
+        if self.is_linear_weight() {
+            vec![self.shape[1], self.shape[0]]
+        } else {
+            self.shape.clone()
+        }
+    }
+
     /// burn stores Linear weights as `[in, out]`, PyTorch as `[out, in]`.
     pub fn is_linear_weight(&self) -> bool {
         self.path.starts_with("fc") && self.path.ends_with(".weight")
@@ -250,23 +259,18 @@ impl ModuleMapper for Writer<'_> {
         self.path.exit();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let trainable = !is_buffer(&self.path.leaf());
-        let source = if trainable {
-            &mut self.params
+        let values: &mut &[f32] = if is_buffer(&self.path.leaf()) {
+            &mut self.buffers
         } else {
-            &mut Some(self.buffers)
-        };
-        let Some(values) = source.as_mut() else {
-            return param;
+            match self.params.as_mut() {
+                Some(params) => params,
+                None => return param,
+            }
         };
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
-        let n = shape.num_elements();
-        let (mine, rest) = values.split_at(n);
+        let (mine, rest) = values.split_at(shape.num_elements());
         *values = rest;
-        if !trainable {
-            self.buffers = rest;
-        }
         let device = tensor.device();
         let require_grad = tensor.is_require_grad();
         let mut fresh = Tensor::<D>::from_data(TensorData::new(mine.to_vec(), shape), &device);

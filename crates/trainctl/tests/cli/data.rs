@@ -92,20 +92,18 @@ fn an_archive_with_the_wrong_md5_is_refused() {
     let url = serve(bytes);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let out = trainctl()
-        .args([
-            "train",
-            "--data",
-            data.to_str().unwrap(),
-            "--download-url",
-            &url,
-            "--out",
-        ])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = text(&out.stderr);
+    let err = run_failing(
+        trainctl()
+            .args([
+                "train",
+                "--data",
+                data.to_str().unwrap(),
+                "--download-url",
+                &url,
+                "--out",
+            ])
+            .arg(dir.path()),
+    );
     assert!(
         err.contains("MD5") && err.contains(trainer::cifar::OFFICIAL_MD5),
         "{err}"
@@ -120,13 +118,11 @@ fn an_archive_with_the_wrong_md5_is_refused() {
 #[test]
 fn missing_data_without_download_says_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
-    let out = trainctl()
-        .args(["train", "--no-download", "--data"])
-        .arg(dir.path().join("nothing"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = text(&out.stderr);
+    let err = run_failing(
+        trainctl()
+            .args(["train", "--no-download", "--data"])
+            .arg(dir.path().join("nothing")),
+    );
     assert!(
         err.contains("no CIFAR-10 data") && err.contains("--no-download"),
         "{err}"

@@ -202,11 +202,7 @@ fn ctrl_c_stops_every_worker() {
 #[test]
 fn a_worker_with_the_wrong_token_is_refused() {
     let job = Job::new(64, 10);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = launcher::free_port().unwrap();
     let worker = |rank: &str, token: &str| {
         let mut cmd = trainctl();
         cmd.args(["train", "--data"])
@@ -255,13 +251,8 @@ fn bad_flags_get_clear_errors() {
             "--max-restarts 1",
         ),
     ] {
-        let out = trainctl().args(&args).output().unwrap();
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
-        assert!(
-            text(&out.stderr).contains(expect),
-            "{args:?}: {}",
-            text(&out.stderr)
-        );
+        let err = run_failing(trainctl().args(&args));
+        assert!(err.contains(expect), "{args:?}: {err}");
     }
 }
 
@@ -298,23 +289,18 @@ fn a_failed_group_is_restarted_up_to_max_restarts() {
     );
 
     // One restart allowed, two needed: the job fails and the report says which attempt.
-    let out = trainctl()
-        .args([
-            "run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = text(&out.stderr);
+    let stderr = run_failing(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
     assert!(
         stderr.contains("(restart 1)") && !stderr.contains("(restart 2)"),
         "{stderr}"
@@ -330,25 +316,23 @@ fn a_port_in_use_is_reported_with_what_to_do() {
     let job = Job::new(64, 10);
     let taken = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
-    let out = trainctl()
-        .args([
-            "run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            &port,
-            "--collective-timeout",
-            "10",
-            "train",
-            "--data",
-        ])
-        .arg(job.data())
-        .args(["--epochs", "1", "--threads", "1", "--out"])
-        .arg(job.path("runs"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = text(&out.stderr);
+    let err = run_failing(
+        trainctl()
+            .args([
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                &port,
+                "--collective-timeout",
+                "10",
+                "train",
+                "--data",
+            ])
+            .arg(job.data())
+            .args(["--epochs", "1", "--threads", "1", "--out"])
+            .arg(job.path("runs")),
+    );
     assert!(
         err.contains("rank       : 0"),
         "rank 0 hosts the store and is the root cause: {err}"

@@ -62,6 +62,19 @@ pub fn run_ok(cmd: &mut Command) -> Output {
     out
 }
 
+/// Runs `cmd`, which must fail with exit code 1 (the job failed), and returns its stderr.
+pub fn run_failing(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{cmd:?}\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text(&out.stderr)
+}
+
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }

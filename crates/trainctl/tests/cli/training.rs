@@ -168,13 +168,11 @@ fn a_corrupt_checkpoint_is_reported_not_used() {
     let job = Job::new(64, 10);
     let ckpt = job.path("ckpt");
     std::fs::write(&ckpt, b"TRAINCTL-CKPT\0v1 but then garbage").unwrap();
-    let out = trainctl()
-        .args(train_args(&job, "r", 1))
-        .args(["--checkpoint-file", ckpt.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = text(&out.stderr);
+    let err = run_failing(
+        trainctl()
+            .args(train_args(&job, "r", 1))
+            .args(["--checkpoint-file", ckpt.to_str().unwrap()]),
+    );
     assert!(
         err.contains("checkpoint") && err.contains("not used"),
         "{err}"
@@ -189,12 +187,7 @@ fn a_corrupt_checkpoint_is_reported_not_used() {
 #[test]
 fn a_diverging_run_stops_and_names_the_step() {
     let job = Job::new(128, 10);
-    let out = trainctl()
-        .args(train_args_lr(&job, "r", 3, "1e12"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
-    let err = text(&out.stderr);
+    let err = run_failing(trainctl().args(train_args_lr(&job, "r", 3, "1e12")));
     assert!(
         err.contains("loss is") && err.contains("step") && err.contains("--learning-rate"),
         "{err}"
@@ -257,28 +250,19 @@ fn python_layout_trains_and_predict_classifies_images() {
 
     let bad = dir.path().join("bad.png");
     std::fs::write(&bad, b"not an image").unwrap();
-    let out = trainctl()
-        .args(["predict", "--model", model.to_str().unwrap()])
-        .arg(&bad)
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("bad.png"),
-        "{}",
-        text(&out.stderr)
+    let err = run_failing(
+        trainctl()
+            .args(["predict", "--model", model.to_str().unwrap()])
+            .arg(&bad),
     );
+    assert!(err.contains("bad.png"), "{err}");
 }
 
 #[test]
 fn two_launchers_form_one_static_job() {
     // torchrun's static multi-node mode: two nodes (here both on 127.0.0.1), one worker each.
     let job = Job::new(128, 20);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = launcher::free_port().unwrap();
     let node = |rank: &str| {
         let mut cmd = trainctl();
         cmd.args([
