@@ -1,0 +1,389 @@
+//! Drives the state machine against a backend: joining a round, watching it, reporting a
+//! failure or the end of the job. A heartbeat thread with its own connection keeps this node
+//! alive from the moment the rendezvous is opened until it is dropped.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use collective::store::StoreServer;
+
+use crate::backend::{Backend, C10d, Etcd, Read};
+use crate::state::{self, AfterFailure, JoinStep, Node, State, WatchStep};
+use crate::{Assignment, BackendKind, Closed, Config, RendezvousError};
+
+/// How joining ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Joined {
+    Assigned(Assignment),
+    /// The job is over: nothing to join.
+    Closed(Closed),
+    /// `stop` said so.
+    Stopped,
+}
+
+/// What a check of the running round found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Watch {
+    Healthy,
+    /// The round is over: stop the workers and join again.
+    Restart(String),
+    Closed(Closed),
+}
+
+pub struct Rendezvous {
+    cfg: Config,
+    me: Node,
+    backend: Box<dyn Backend>,
+    round: u64,
+    heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+    /// The c10d store, when this agent hosts it; dropped last.
+    server: Option<StoreServer>,
+}
+
+/// A fresh id for this agent: unique across hosts and restarts.
+fn node_id() -> String {
+    let host = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "node".into());
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    let salt: u32 = rand::random();
+    format!("{host}-{}-{salt:08x}", std::process::id())
+}
+
+/// The address of this host on the route to `host:port` (no packet is sent).
+fn route_address(host: &str, port: u16) -> Option<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let target = (host, port).to_socket_addrs().ok()?.next()?;
+    let bind: std::net::SocketAddr = if target.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let socket = std::net::UdpSocket::bind(bind).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip())
+}
+
+impl Rendezvous {
+    /// Connects to (or hosts) the store and starts heartbeats. `local_addr` is where this
+    /// node's workers can be reached (default: this host's address on the route to the store);
+    /// `port` the port its rank-0 worker would host the workers' store on.
+    pub fn open(
+        cfg: Config,
+        kind: &BackendKind,
+        nproc: u32,
+        local_addr: Option<String>,
+        port: u16,
+    ) -> Result<Self, RendezvousError> {
+        let (mut backend, server, route): (Box<dyn Backend>, _, _) = match kind {
+            BackendKind::C10d {
+                host,
+                port,
+                token,
+                is_host,
+            } => {
+                let (mut c, server) =
+                    C10d::open(host, *port, &cfg.run_id, token, *is_host, cfg.store_timeout)?;
+                let ip = c.local_ip().ok();
+                (Box::new(c), server, ip)
+            }
+            BackendKind::Etcd { url } => {
+                let hostport = url
+                    .split("://")
+                    .last()
+                    .unwrap_or(url)
+                    .split('/')
+                    .next()
+                    .unwrap_or("");
+                let (h, p) = hostport.rsplit_once(':').unwrap_or((hostport, "2379"));
+                let ip = route_address(h.trim_matches(['[', ']']), p.parse().unwrap_or(2379));
+                (
+                    Box::new(Etcd::open(url, &cfg.run_id, cfg.store_timeout)?),
+                    None,
+                    ip,
+                )
+            }
+        };
+        let addr = local_addr
+            .or_else(|| route.map(|ip| ip.to_string()))
+            .unwrap_or_else(|| "127.0.0.1".into());
+        let me = Node {
+            id: node_id(),
+            addr,
+            port,
+            nproc,
+        };
+        // The first heartbeat before anything else: a node is alive before it joins.
+        let mut beats = backend.reconnect()?;
+        beats.heartbeat(&me.id, cfg.heartbeat_timeout)?;
+        backend.alive()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (stop, id, every, ttl) = (
+                stop.clone(),
+                me.id.clone(),
+                cfg.heartbeat,
+                cfg.heartbeat_timeout,
+            );
+            std::thread::Builder::new()
+                .name("rdzv-heartbeat".into())
+                .spawn(move || heartbeats(beats, &id, every, ttl, &stop))?
+        };
+        Ok(Rendezvous {
+            cfg,
+            me,
+            backend,
+            round: 0,
+            heartbeat: Some((stop, thread)),
+            server,
+        })
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.me.id
+    }
+
+    /// This node as the others see it.
+    pub fn node(&self) -> &Node {
+        &self.me
+    }
+
+    pub fn describe(&self) -> String {
+        let hosted = if self.server.is_some() {
+            " (hosted by this agent)"
+        } else {
+            ""
+        };
+        format!("{}{hosted}", self.backend.describe())
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The port this node's rank-0 worker hosts the workers' store on, if it is rank 0.
+    pub fn set_port(&mut self, port: u16) {
+        self.me.port = port;
+    }
+
+    fn read(&mut self) -> Result<(Read, BTreeSet<String>), RendezvousError> {
+        let read = self.backend.read()?;
+        let mut alive = self.backend.alive()?;
+        // This agent is alive by definition, even if its heartbeat is late.
+        alive.insert(self.me.id.clone());
+        Ok((read, alive))
+    }
+
+    /// Joins the next round and waits for it to complete, for the job to be over, or for
+    /// `stop`. Store errors are retried until the join timeout.
+    pub fn join(&mut self, stop: &dyn Fn() -> bool) -> Result<Joined, RendezvousError> {
+        let started = Instant::now();
+        let mut last_call: Option<(u64, Instant)> = None;
+        let mut last_error = None;
+        let mut seen: Option<State> = None;
+        loop {
+            if stop() {
+                return Ok(Joined::Stopped);
+            }
+            match self.read() {
+                Ok((read, alive)) => {
+                    last_error = None;
+                    let limits = self.cfg.limits;
+                    let over = match &read.state {
+                        Some(s) if s.last_call_due(limits) => {
+                            let since = match last_call {
+                                Some((round, since)) if round == s.round => since,
+                                _ => {
+                                    let now = Instant::now();
+                                    last_call = Some((s.round, now));
+                                    now
+                                }
+                            };
+                            since.elapsed() >= self.cfg.last_call_timeout
+                        }
+                        _ => false,
+                    };
+                    let step =
+                        state::join_step(read.state.as_ref(), &self.me, &alive, limits, over);
+                    seen = read.state;
+                    match step {
+                        JoinStep::Write(next) => {
+                            match self.backend.write(read.token.as_deref(), &next) {
+                                // Written or lost the race: either way, read again at once.
+                                Ok(_) => continue,
+                                Err(e) => last_error = Some(e),
+                            }
+                        }
+                        JoinStep::Wait => {}
+                        JoinStep::Assigned(a) => {
+                            self.round = a.round;
+                            return Ok(Joined::Assigned(a));
+                        }
+                        JoinStep::Closed(c) => return Ok(Joined::Closed(c)),
+                    }
+                }
+                Err(e) => {
+                    if last_error.is_none() {
+                        tracing::warn!(error = %e, "rendezvous store unreachable; retrying");
+                    }
+                    last_error = Some(e);
+                }
+            }
+            if started.elapsed() >= self.cfg.join_timeout {
+                if let Some(e) = last_error {
+                    return Err(e);
+                }
+                return Err(RendezvousError::JoinTimeout {
+                    run_id: self.cfg.run_id.clone(),
+                    waited: self.cfg.join_timeout,
+                    joined: seen.as_ref().map_or(0, |s| s.participants.len()),
+                    min: self.cfg.limits.min,
+                    round: seen.as_ref().map_or(0, |s| s.round),
+                });
+            }
+            std::thread::sleep(self.cfg.poll);
+        }
+    }
+
+    /// Checks the round this node's workers run in. An error means the store could not be
+    /// asked; the workers may well go on.
+    pub fn watch(&mut self) -> Result<Watch, RendezvousError> {
+        loop {
+            let (read, alive) = self.read()?;
+            match state::watch_step(
+                read.state.as_ref(),
+                &self.me.id,
+                self.round,
+                &alive,
+                self.cfg.limits,
+            ) {
+                WatchStep::Healthy => return Ok(Watch::Healthy),
+                WatchStep::Restart(reason) => return Ok(Watch::Restart(reason)),
+                WatchStep::Closed(c) => return Ok(Watch::Closed(c)),
+                WatchStep::Reopen(next, reason) => {
+                    if self.backend.write(read.token.as_deref(), &next)? {
+                        return Ok(Watch::Restart(reason));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A worker of this node failed. Returns `Ok(None)` to restart at the next round, or the
+    /// end of the job when `max_restarts` is exceeded (or someone else already ended it).
+    pub fn worker_failed(
+        &mut self,
+        counted: bool,
+        report: &str,
+        max_restarts: u32,
+    ) -> Result<Option<Closed>, RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let (read, alive) = self.read()?;
+            let (write, result) = match state::fail_step(
+                read.state.as_ref(),
+                self.round,
+                counted,
+                report,
+                max_restarts,
+                &alive,
+            ) {
+                AfterFailure::Restart(w) => (w, None),
+                AfterFailure::GiveUp(w, closed) => (w, Some(closed)),
+            };
+            match write {
+                None => return Ok(result),
+                Some(next) if self.backend.write(read.token.as_deref(), &next)? => {
+                    return Ok(result);
+                }
+                Some(_) if Instant::now() > deadline => {
+                    return Err(RendezvousError::Store {
+                        endpoint: self.backend.describe(),
+                        problem: "could not record the failure (too much contention)".into(),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// This node's workers are done: the job is over. `report` is the root cause on failure.
+    pub fn close(&mut self, succeeded: bool, report: Option<&str>) -> Result<(), RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let read = self.backend.read()?;
+            let Some(next) = state::close_step(read.state.as_ref(), succeeded, report) else {
+                return Ok(());
+            };
+            if self.backend.write(read.token.as_deref(), &next)? {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(RendezvousError::Store {
+                    endpoint: self.backend.describe(),
+                    problem: "could not close the rendezvous (too much contention)".into(),
+                });
+            }
+        }
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        if let Some((stop, thread)) = self.heartbeat.take() {
+            stop.store(true, Ordering::SeqCst);
+            let _ = thread.join();
+        }
+        // Keep the store up a moment for agents still finishing their last calls to it.
+        if self.server.is_some() {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// Beats every `every` until `stop`, then says this node left.
+fn heartbeats(
+    mut backend: Box<dyn Backend>,
+    id: &str,
+    every: Duration,
+    ttl: Duration,
+    stop: &AtomicBool,
+) {
+    let mut failing = false;
+    let mut next = Instant::now() + every;
+    while !stop.load(Ordering::SeqCst) {
+        if Instant::now() >= next {
+            next = Instant::now() + every;
+            match backend.heartbeat(id, ttl) {
+                Ok(()) if failing => {
+                    tracing::warn!("rendezvous heartbeats reach the store again");
+                    failing = false;
+                }
+                Ok(()) => {}
+                Err(e) if !failing => {
+                    tracing::warn!(error = %e, "heartbeat failed; retrying");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20).min(every));
+    }
+    if let Err(e) = backend.forget(id) {
+        tracing::debug!(error = %e, "could not say goodbye to the store");
+    }
+}

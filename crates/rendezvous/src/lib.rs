@@ -1,0 +1,57 @@
+//! Rendezvous: how the agents of an elastic job find each other, agree on who is in each round,
+//! notice a node that died, and admit a node that arrives.
+//!
+//! `state` is the pure state machine; `backend` the stores it lives in (`c10d`: a store hosted
+//! by the agent at the endpoint, nothing else to run; `etcd`: etcd's v3 API); `handler::
+//! Rendezvous` drives the machine against a backend, with a heartbeat thread keeping this node
+//! alive. Knows nothing of workers or burn: the launcher's agent uses it.
+
+pub mod backend;
+mod conf;
+mod handler;
+pub mod state;
+
+pub use conf::{ConfError, Config, parse_conf};
+pub use handler::{Joined, Rendezvous, Watch};
+pub use state::{Assignment, Closed, Limits};
+
+use std::time::Duration;
+
+/// The backends, as `--rdzv-backend` names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendKind {
+    /// trainctl's store, hosted by the agent whose host is the endpoint.
+    C10d {
+        host: String,
+        port: u16,
+        token: String,
+        /// `Some(true)`: this agent must host; `Some(false)`: never; `None`: decide.
+        is_host: Option<bool>,
+    },
+    /// etcd's v3 API (JSON gateway) at `url` (`http://host:port`).
+    Etcd { url: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RendezvousError {
+    #[error("rendezvous store at {endpoint}: {problem}")]
+    Store { endpoint: String, problem: String },
+    #[error(
+        "the rendezvous record at {key} is not a trainctl record ({problem}); use another --rdzv-id, or delete the key"
+    )]
+    BadRecord { key: String, problem: String },
+    #[error(
+        "rendezvous of run {run_id:?} did not complete within {waited:?}: {joined} of at least {min} node(s) joined (round {round}); start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise join_timeout in --rdzv-conf"
+    )]
+    JoinTimeout {
+        run_id: String,
+        waited: Duration,
+        joined: usize,
+        min: u32,
+        round: u64,
+    },
+    #[error(transparent)]
+    Collective(#[from] collective::CollectiveError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}

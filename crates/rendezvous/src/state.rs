@@ -1,0 +1,402 @@
+//! The rendezvous state machine: plain data and pure functions, no I/O.
+//!
+//! One record per run id holds the whole rendezvous. Every agent reads it, decides with the
+//! functions here what the next record should be, and writes it with compare-and-set; a lost
+//! race just means reading again. Liveness is not in the record: the backend says which nodes
+//! are alive (store liveness keys or etcd leases), so no clock is ever compared across hosts.
+//!
+//! A round goes `Joining` → `Running`; any agent may reopen a running round (a node lost, a
+//! worker failed, a node waiting to join), which starts the next round in `Joining`. `Closed`
+//! is final for the job.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+/// One agent (node) of the job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    /// Unique per agent process: `hostname-pid-random`.
+    pub id: String,
+    /// Where this node's rank-0 worker would host the workers' store.
+    pub addr: String,
+    pub port: u16,
+    /// Workers this agent runs.
+    pub nproc: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    Joining,
+    Running,
+    Closed { succeeded: bool },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    /// Bumped by every write, so no two records are ever equal (compare-and-set by value).
+    pub version: u64,
+    pub round: u64,
+    pub phase: Phase,
+    /// In join order; once `Running`, node rank = index.
+    pub participants: Vec<Node>,
+    /// Nodes of the previous round (and those that waited for it): when all of them that are
+    /// still alive have joined, the round completes without waiting for the last call.
+    pub expected: Vec<String>,
+    /// Nodes that arrived while a round was running: admitted at the next round.
+    pub waiting: Vec<Node>,
+    /// Restarts caused by worker failures (TORCHELASTIC_RESTART_COUNT).
+    pub failures: u32,
+    pub last_failed_round: Option<u64>,
+    /// The first failure of the job, as its agent reported it.
+    pub root_cause: Option<String>,
+    /// Why the current round was opened.
+    pub reason: Option<String>,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State {
+            version: 0,
+            round: 0,
+            phase: Phase::Joining,
+            participants: Vec::new(),
+            expected: Vec::new(),
+            waiting: Vec::new(),
+            failures: 0,
+            last_failed_round: None,
+            root_cause: None,
+            reason: None,
+        }
+    }
+}
+
+/// The smallest and largest number of nodes (`--nnodes MIN:MAX`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub min: u32,
+    pub max: u32,
+}
+
+/// This node's place in a completed round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    pub round: u64,
+    pub node_rank: u32,
+    pub nnodes: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    pub world_size: u32,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub restart_count: u32,
+    pub nodes: Vec<String>,
+}
+
+/// The job is over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Closed {
+    pub succeeded: bool,
+    pub root_cause: Option<String>,
+}
+
+/// What an agent that wants to join does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JoinStep {
+    /// Write this record (compare-and-set against the one read), then read again.
+    Write(State),
+    /// Nothing to do yet: read again after a while.
+    Wait,
+    Assigned(Assignment),
+    Closed(Closed),
+}
+
+/// What an agent whose workers run in `round` does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchStep {
+    Healthy,
+    /// Write this record, which reopens the round for `reason`, then restart.
+    Reopen(State, String),
+    /// The round is over (reopened by someone, or this node was dropped): restart.
+    Restart(String),
+    Closed(Closed),
+}
+
+impl State {
+    fn written(mut self) -> State {
+        self.version += 1;
+        self
+    }
+
+    fn is_participant(&self, id: &str) -> bool {
+        self.participants.iter().any(|n| n.id == id)
+    }
+
+    fn closed(&self) -> Option<Closed> {
+        match self.phase {
+            Phase::Closed { succeeded } => Some(Closed {
+                succeeded,
+                root_cause: self.root_cause.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The next round, open for joining, expecting every live node of this one.
+    fn reopened(&self, reason: String, alive: &BTreeSet<String>) -> State {
+        let expected = self
+            .participants
+            .iter()
+            .chain(&self.waiting)
+            .map(|n| n.id.clone())
+            .filter(|id| alive.contains(id))
+            .collect();
+        State {
+            round: self.round + 1,
+            phase: Phase::Joining,
+            participants: Vec::new(),
+            expected,
+            waiting: Vec::new(),
+            reason: Some(reason),
+            ..self.clone()
+        }
+        .written()
+    }
+
+    /// `me`'s place, if the round is running with it.
+    pub fn assignment(&self, me: &str) -> Option<Assignment> {
+        if self.phase != Phase::Running {
+            return None;
+        }
+        let node_rank = self.participants.iter().position(|n| n.id == me)?;
+        let rank_offset = self.participants[..node_rank].iter().map(|n| n.nproc).sum();
+        let master = self.participants.first()?;
+        Some(Assignment {
+            round: self.round,
+            node_rank: node_rank as u32,
+            nnodes: self.participants.len() as u32,
+            rank_offset,
+            world_size: self.participants.iter().map(|n| n.nproc).sum(),
+            master_addr: master.addr.clone(),
+            master_port: master.port,
+            restart_count: self.failures,
+            nodes: self.participants.iter().map(|n| n.id.clone()).collect(),
+        })
+    }
+
+    /// Whether a joining round with enough participants may complete now, without a last call:
+    /// it is full, or every live node it expects has joined.
+    fn complete_without_last_call(&self, limits: Limits, alive: &BTreeSet<String>) -> bool {
+        let n = self.participants.len() as u32;
+        n >= limits.max
+            || (n >= limits.min
+                && !self.expected.is_empty()
+                && self
+                    .expected
+                    .iter()
+                    .all(|id| !alive.contains(id) || self.is_participant(id)))
+    }
+
+    /// Whether the last call may start: a joining round with at least MIN participants.
+    pub fn last_call_due(&self, limits: Limits) -> bool {
+        self.phase == Phase::Joining && self.participants.len() as u32 >= limits.min
+    }
+}
+
+/// One step of joining. `state` is the record read (`None`: no rendezvous yet), `alive` the
+/// nodes the backend reports alive (`me` among them), `last_call_over` whether this agent's
+/// last-call timer for `state`'s round has run out.
+pub fn join_step(
+    state: Option<&State>,
+    me: &Node,
+    alive: &BTreeSet<String>,
+    limits: Limits,
+    last_call_over: bool,
+) -> JoinStep {
+    let Some(state) = state else {
+        return JoinStep::Write(
+            State {
+                participants: vec![me.clone()],
+                ..State::default()
+            }
+            .written(),
+        );
+    };
+    let live = |n: &Node| alive.contains(&n.id);
+    match state.phase {
+        Phase::Closed { .. } => {
+            // A closed record whose nodes are all gone is a finished job's: a new job with the
+            // same run id starts over instead of being told it is over.
+            if state.participants.iter().any(|n| n.id != me.id && live(n)) {
+                JoinStep::Closed(state.closed().unwrap_or(Closed {
+                    succeeded: false,
+                    root_cause: None,
+                }))
+            } else {
+                JoinStep::Write(
+                    State {
+                        version: state.version,
+                        round: state.round + 1,
+                        participants: vec![me.clone()],
+                        reason: Some("a new job with this run id".into()),
+                        ..State::default()
+                    }
+                    .written(),
+                )
+            }
+        }
+        Phase::Running => {
+            if let Some(a) = state.assignment(&me.id) {
+                return JoinStep::Assigned(a);
+            }
+            if let Some(dead) = state.participants.iter().find(|n| !live(n)) {
+                return JoinStep::Write(state.reopened(format!("node {} is gone", dead.id), alive));
+            }
+            let mut next = state.clone();
+            next.waiting.retain(|n| live(n) && n.id != me.id);
+            next.waiting.push(me.clone());
+            if next.waiting == state.waiting {
+                JoinStep::Wait
+            } else {
+                JoinStep::Write(next.written())
+            }
+        }
+        Phase::Joining => {
+            let mut next = state.clone();
+            next.participants.retain(|n| live(n) || n.id == me.id);
+            next.waiting.retain(|n| live(n) && n.id != me.id);
+            if !next.is_participant(&me.id) && (next.participants.len() as u32) < limits.max {
+                next.participants.push(me.clone());
+            }
+            if next != *state {
+                return JoinStep::Write(next.written());
+            }
+            if !state.is_participant(&me.id) {
+                // The round is full: wait for it to start, then wait for the next.
+                return JoinStep::Wait;
+            }
+            if state.complete_without_last_call(limits, alive)
+                || (state.last_call_due(limits) && last_call_over)
+            {
+                let mut next = state.clone();
+                next.phase = Phase::Running;
+                return JoinStep::Write(next.written());
+            }
+            JoinStep::Wait
+        }
+    }
+}
+
+/// One check of a running round by a node whose workers run in `round`.
+pub fn watch_step(
+    state: Option<&State>,
+    me: &str,
+    round: u64,
+    alive: &BTreeSet<String>,
+    limits: Limits,
+) -> WatchStep {
+    let Some(state) = state else {
+        return WatchStep::Restart("the rendezvous record vanished".into());
+    };
+    if let Some(closed) = state.closed() {
+        return WatchStep::Closed(closed);
+    }
+    if state.round != round || state.phase != Phase::Running || !state.is_participant(me) {
+        return WatchStep::Restart(
+            state
+                .reason
+                .clone()
+                .unwrap_or_else(|| format!("round {round} is over")),
+        );
+    }
+    if let Some(dead) = state.participants.iter().find(|n| !alive.contains(&n.id)) {
+        let reason = format!("node {} is gone (no heartbeat)", dead.id);
+        return WatchStep::Reopen(state.reopened(reason.clone(), alive), reason);
+    }
+    let newcomers: Vec<&str> = state
+        .waiting
+        .iter()
+        .filter(|n| alive.contains(&n.id))
+        .map(|n| n.id.as_str())
+        .collect();
+    if !newcomers.is_empty() && (state.participants.len() as u32) < limits.max {
+        let reason = format!("node(s) {} waiting to join", newcomers.join(", "));
+        return WatchStep::Reopen(state.reopened(reason.clone(), alive), reason);
+    }
+    WatchStep::Healthy
+}
+
+/// What follows a worker failure on this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// Restart at the next round (after writing the record, if any).
+    Restart(Option<State>),
+    /// Too many failures: the job is over (after writing the record, if any).
+    GiveUp(Option<State>, Closed),
+}
+
+/// A worker of this node failed in `round`. `counted` failures (not a peer that vanished)
+/// count against `max_restarts`, once per round however many nodes report one.
+pub fn fail_step(
+    state: Option<&State>,
+    round: u64,
+    counted: bool,
+    report: &str,
+    max_restarts: u32,
+    alive: &BTreeSet<String>,
+) -> AfterFailure {
+    let Some(state) = state else {
+        return AfterFailure::Restart(None);
+    };
+    if let Some(closed) = state.closed() {
+        return AfterFailure::GiveUp(None, closed);
+    }
+    let mut next = state.clone();
+    if counted {
+        if next.last_failed_round.is_none_or(|r| r < round) {
+            next.failures += 1;
+            next.last_failed_round = Some(round);
+        }
+        if next.root_cause.is_none() {
+            next.root_cause = Some(report.to_string());
+        }
+    }
+    if next.failures > max_restarts {
+        next.phase = Phase::Closed { succeeded: false };
+        let closed = next.closed();
+        return AfterFailure::GiveUp(
+            Some(next.written()),
+            closed.unwrap_or(Closed {
+                succeeded: false,
+                root_cause: None,
+            }),
+        );
+    }
+    if next.round == round && next.phase == Phase::Running {
+        let reason = format!("a worker failed: {}", report.lines().next().unwrap_or(""));
+        next = next.reopened(reason, alive);
+        return AfterFailure::Restart(Some(next));
+    }
+    if next == *state {
+        AfterFailure::Restart(None)
+    } else {
+        AfterFailure::Restart(Some(next.written()))
+    }
+}
+
+/// This node's workers all finished: the job is over (a no-op if it already is).
+pub fn close_step(state: Option<&State>, succeeded: bool, report: Option<&str>) -> Option<State> {
+    let state = state.cloned().unwrap_or_default();
+    if state.closed().is_some() {
+        return None;
+    }
+    let mut next = state;
+    next.phase = Phase::Closed { succeeded };
+    if next.root_cause.is_none() {
+        next.root_cause = report.map(str::to_string);
+    }
+    Some(next.written())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,285 @@
+use super::*;
+use proptest::prelude::*;
+
+fn node(id: &str) -> Node {
+    Node {
+        id: id.into(),
+        addr: format!("{id}.example"),
+        port: 1000,
+        nproc: 2,
+    }
+}
+
+fn alive(ids: &[&str]) -> BTreeSet<String> {
+    ids.iter().map(|s| s.to_string()).collect()
+}
+
+const LIMITS: Limits = Limits { min: 2, max: 3 };
+
+/// Plays `join_step` for `id` against `state` until it waits or is assigned.
+fn join(state: &mut Option<State>, id: &str, live: &BTreeSet<String>, last_call: bool) -> JoinStep {
+    for _ in 0..10 {
+        match join_step(state.as_ref(), &node(id), live, LIMITS, last_call) {
+            JoinStep::Write(next) => *state = Some(next),
+            other => return other,
+        }
+    }
+    panic!("join_step for {id} kept writing");
+}
+
+fn assigned(step: JoinStep) -> Assignment {
+    match step {
+        JoinStep::Assigned(a) => a,
+        other => panic!("expected an assignment, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_round_completes_at_min_after_the_last_call_and_ranks_follow_join_order() {
+    let live = alive(&["a", "b"]);
+    let mut state = None;
+    assert_eq!(join(&mut state, "a", &live, false), JoinStep::Wait);
+    assert_eq!(
+        join(&mut state, "b", &live, false),
+        JoinStep::Wait,
+        "at MIN the last call starts, it does not end"
+    );
+    let b = assigned(join(&mut state, "b", &live, true));
+    let a = assigned(join(&mut state, "a", &live, false));
+    assert_eq!((a.node_rank, a.rank_offset), (0, 0));
+    assert_eq!((b.node_rank, b.rank_offset), (1, 2));
+    assert_eq!((a.nnodes, a.world_size), (2, 4));
+    assert_eq!(b.master_addr, "a.example");
+}
+
+#[test]
+fn a_full_round_completes_at_once_and_late_nodes_wait() {
+    let live = alive(&["a", "b", "c", "d"]);
+    let mut state = None;
+    join(&mut state, "a", &live, false);
+    join(&mut state, "b", &live, false);
+    let c = assigned(join(&mut state, "c", &live, false));
+    assert_eq!(c.nnodes, 3);
+    assert_eq!(join(&mut state, "d", &live, true), JoinStep::Wait);
+    let s = state.as_ref().unwrap();
+    assert_eq!(s.waiting.len(), 1, "d waits for the next round");
+    assert_eq!(
+        watch_step(Some(s), "a", s.round, &live, LIMITS),
+        WatchStep::Healthy,
+        "a full job does not restart for a spare node"
+    );
+}
+
+fn running(ids: &[&str]) -> Option<State> {
+    let live = alive(ids);
+    let mut state = None;
+    for id in ids {
+        join(&mut state, id, &live, false);
+    }
+    let last = ids[ids.len() - 1];
+    assigned(join(&mut state, last, &live, true));
+    state
+}
+
+#[test]
+fn a_new_node_reopens_the_round_and_the_next_one_completes_without_a_last_call() {
+    let mut state = running(&["a", "b"]);
+    let live = alive(&["a", "b", "c"]);
+    assert_eq!(join(&mut state, "c", &live, false), JoinStep::Wait);
+    let round = state.as_ref().unwrap().round;
+    let WatchStep::Reopen(next, reason) = watch_step(state.as_ref(), "a", round, &live, LIMITS)
+    else {
+        panic!("a waiting node must reopen the round");
+    };
+    assert!(reason.contains("c waiting"), "{reason}");
+    state = Some(next);
+    assert!(matches!(
+        watch_step(state.as_ref(), "b", round, &live, LIMITS),
+        WatchStep::Restart(_)
+    ));
+    join(&mut state, "c", &live, false);
+    join(&mut state, "a", &live, false);
+    let b = assigned(join(&mut state, "b", &live, false));
+    assert_eq!((b.nnodes, b.round), (3, round + 1));
+    assert_eq!(b.restart_count, 0, "a membership change is not a failure");
+}
+
+#[test]
+fn a_lost_node_reopens_the_round_and_the_survivors_go_on_at_once() {
+    let mut state = running(&["a", "b", "c"]);
+    let round = state.as_ref().unwrap().round;
+    let live = alive(&["a", "c"]);
+    let WatchStep::Reopen(next, reason) = watch_step(state.as_ref(), "c", round, &live, LIMITS)
+    else {
+        panic!("a lost node must reopen the round");
+    };
+    assert!(reason.contains("node b is gone"), "{reason}");
+    state = Some(next);
+    join(&mut state, "c", &live, false);
+    let a = assigned(join(&mut state, "a", &live, false));
+    assert_eq!((a.nnodes, a.node_rank), (2, 1), "c joined first this time");
+}
+
+#[test]
+fn below_min_the_survivor_waits() {
+    let mut state = running(&["a", "b"]);
+    let live = alive(&["a"]);
+    let round = state.as_ref().unwrap().round;
+    let WatchStep::Reopen(next, _) = watch_step(state.as_ref(), "a", round, &live, LIMITS) else {
+        panic!("reopen expected");
+    };
+    state = Some(next);
+    assert_eq!(join(&mut state, "a", &live, true), JoinStep::Wait);
+}
+
+#[test]
+fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
+    let state = running(&["a", "b"]);
+    let live = alive(&["a", "b"]);
+    let round = state.as_ref().unwrap().round;
+    let AfterFailure::Restart(Some(s1)) =
+        fail_step(state.as_ref(), round, true, "rank 1 died", 1, &live)
+    else {
+        panic!("first failure restarts");
+    };
+    assert_eq!(s1.failures, 1);
+    let AfterFailure::Restart(s2) = fail_step(Some(&s1), round, true, "rank 3 died", 1, &live)
+    else {
+        panic!("second report of the same round restarts too");
+    };
+    let s2 = s2.unwrap_or(s1);
+    assert_eq!(s2.failures, 1, "one failure per round");
+    assert_eq!(s2.root_cause.as_deref(), Some("rank 1 died"));
+    // A peer that vanished is not counted.
+    let AfterFailure::Restart(s3) = fail_step(Some(&s2), round + 1, false, "peer lost", 1, &live)
+    else {
+        panic!("restart");
+    };
+    let s3 = s3.unwrap_or(s2);
+    assert_eq!(s3.failures, 1);
+    // The next counted one exceeds --max-restarts 1: the job is over, with the first cause.
+    let AfterFailure::GiveUp(Some(s4), closed) =
+        fail_step(Some(&s3), round + 2, true, "rank 0 died", 1, &live)
+    else {
+        panic!("exceeding max restarts ends the job");
+    };
+    assert_eq!(closed.root_cause.as_deref(), Some("rank 1 died"));
+    assert!(!closed.succeeded);
+    assert!(matches!(
+        watch_step(Some(&s4), "b", round + 2, &live, LIMITS),
+        WatchStep::Closed(_)
+    ));
+}
+
+#[test]
+fn a_closed_job_is_final_while_its_nodes_live_and_forgotten_once_they_are_gone() {
+    let state = running(&["a", "b"]);
+    let closed = close_step(state.as_ref(), true, None).unwrap();
+    assert_eq!(
+        close_step(Some(&closed), false, None),
+        None,
+        "closing twice is a no-op"
+    );
+    let late = join_step(
+        Some(&closed),
+        &node("c"),
+        &alive(&["b", "c"]),
+        LIMITS,
+        false,
+    );
+    assert!(matches!(
+        late,
+        JoinStep::Closed(Closed {
+            succeeded: true,
+            ..
+        })
+    ));
+    // Everyone of that job is gone: the run id starts a new job, not an error.
+    let JoinStep::Write(fresh) =
+        join_step(Some(&closed), &node("c"), &alive(&["c"]), LIMITS, false)
+    else {
+        panic!("a stale closed record must not block a new job");
+    };
+    assert_eq!(fresh.phase, Phase::Joining);
+    assert_eq!(fresh.participants, vec![node("c")]);
+    assert!(fresh.version > closed.version && fresh.round > closed.round);
+}
+
+#[test]
+fn a_stale_running_record_of_a_crashed_job_is_reopened_by_a_newcomer() {
+    let state = running(&["a", "b"]);
+    let live = alive(&["c"]);
+    let JoinStep::Write(next) = join_step(state.as_ref(), &node("c"), &live, LIMITS, false) else {
+        panic!("must reopen");
+    };
+    assert_eq!(next.phase, Phase::Joining);
+    assert!(next.expected.is_empty(), "dead nodes are not expected");
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Join(usize, bool),
+    Watch(usize),
+    Fail(bool),
+    Close(bool),
+    Die(usize),
+    Revive(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..5usize, any::<bool>()).prop_map(|(n, l)| Op::Join(n, l)),
+        2 => (0..5usize).prop_map(Op::Watch),
+        1 => any::<bool>().prop_map(Op::Fail),
+        1 => any::<bool>().prop_map(Op::Close),
+        1 => (0..5usize).prop_map(Op::Die),
+        1 => (0..5usize).prop_map(Op::Revive),
+    ]
+}
+
+proptest! {
+    /// Whatever agents do in whatever order, every record written keeps the invariants.
+    #[test]
+    fn invariants_hold_under_any_interleaving(ops in proptest::collection::vec(op(), 1..80)) {
+        let ids = ["n0", "n1", "n2", "n3", "n4"];
+        let mut live: BTreeSet<String> = ids.iter().map(|s| s.to_string()).collect();
+        let mut state: Option<State> = None;
+        let mut version = 0;
+        for op in ops {
+            let round = state.as_ref().map_or(0, |s| s.round);
+            let write = match op {
+                Op::Join(n, l) => match join_step(state.as_ref(), &node(ids[n]), &live, LIMITS, l) {
+                    JoinStep::Write(s) => Some(s),
+                    _ => None,
+                },
+                Op::Watch(n) => match watch_step(state.as_ref(), ids[n], round, &live, LIMITS) {
+                    WatchStep::Reopen(s, _) => Some(s),
+                    _ => None,
+                },
+                Op::Fail(counted) => match fail_step(state.as_ref(), round, counted, "x", 3, &live) {
+                    AfterFailure::Restart(s) | AfterFailure::GiveUp(s, _) => s,
+                },
+                Op::Close(ok) => close_step(state.as_ref(), ok, None),
+                Op::Die(n) => { live.remove(ids[n]); None }
+                Op::Revive(n) => { live.insert(ids[n].to_string()); None }
+            };
+            if let Some(s) = write {
+                prop_assert!(s.version > version, "versions only grow");
+                version = s.version;
+                prop_assert!(s.round >= round, "rounds never go back");
+                prop_assert!(s.participants.len() as u32 <= LIMITS.max);
+                let unique: BTreeSet<_> = s.participants.iter().map(|n| &n.id).collect();
+                prop_assert_eq!(unique.len(), s.participants.len(), "no node twice");
+                prop_assert!(s.waiting.iter().all(|w| !s.participants.contains(w)));
+                if s.phase == Phase::Running {
+                    prop_assert!(s.participants.len() as u32 >= LIMITS.min);
+                    let ranks: Vec<u32> = s.participants.iter()
+                        .filter_map(|n| s.assignment(&n.id).map(|a| a.node_rank)).collect();
+                    prop_assert_eq!(ranks, (0..s.participants.len() as u32).collect::<Vec<_>>());
+                }
+                prop_assert!(s.failures <= 4, "never counted past max_restarts + 1");
+                state = Some(s);
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Real agents' rendezvous over a real store: trainctl's c10d store on loopback, and a real
+//! etcd server (started here, on free ports).
+
+use std::time::Duration;
+
+use rendezvous::{BackendKind, Config, Joined, Limits, Rendezvous, Watch};
+
+fn config(run_id: &str) -> Config {
+    let mut cfg = Config::new(run_id, Limits { min: 2, max: 3 });
+    cfg.last_call_timeout = Duration::from_millis(300);
+    cfg.heartbeat = Duration::from_millis(200);
+    cfg.heartbeat_timeout = Duration::from_secs(2);
+    cfg.join_timeout = Duration::from_secs(30);
+    cfg
+}
+
+fn open(kind: &BackendKind, run_id: &str) -> Rendezvous {
+    Rendezvous::open(config(run_id), kind, 1, None, 40000).expect("open rendezvous")
+}
+
+fn join_all(agents: Vec<Rendezvous>) -> Vec<(Rendezvous, rendezvous::Assignment)> {
+    let handles: Vec<_> = agents
+        .into_iter()
+        .map(|mut a| {
+            std::thread::spawn(move || match a.join(&|| false).expect("join") {
+                Joined::Assigned(x) => (a, x),
+                other => panic!("expected an assignment, got {other:?}"),
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn scenario(kind: BackendKind) {
+    let run = format!("r{}", rand_suffix());
+    let first = open(&kind, &run);
+    let agents = vec![first, open(&kind, &run), open(&kind, &run)];
+    let joined = join_all(agents);
+    let mut ranks: Vec<u32> = joined.iter().map(|(_, a)| a.node_rank).collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2]);
+    let round = joined[0].1.round;
+    assert!(
+        joined
+            .iter()
+            .all(|(_, a)| a.round == round && a.nnodes == 3 && a.world_size == 3)
+    );
+
+    // One agent leaves (keep the host of a c10d store: it is agent 0).
+    let mut agents: Vec<Rendezvous> = joined.into_iter().map(|(r, _)| r).collect();
+    let leaver = agents.pop().unwrap();
+    drop(leaver);
+    for a in agents.iter_mut() {
+        testkit::eventually(
+            "the survivors to see the round end",
+            Duration::from_secs(10),
+            || matches!(a.watch().expect("watch"), Watch::Restart(_)),
+        );
+    }
+    let joined = join_all(agents);
+    assert!(joined.iter().all(|(_, a)| a.nnodes == 2 && a.round > round));
+
+    // The job ends; a late agent is told so while the job's agents live.
+    let mut agents: Vec<Rendezvous> = joined.into_iter().map(|(r, _)| r).collect();
+    agents[1].close(true, None).unwrap();
+    let mut late = open(&kind, &run);
+    match late.join(&|| false).unwrap() {
+        Joined::Closed(c) => assert!(c.succeeded),
+        other => panic!("a finished job must say so, got {other:?}"),
+    }
+    assert!(matches!(agents[0].watch().unwrap(), Watch::Closed(_)));
+    drop(late);
+    if matches!(kind, BackendKind::Etcd { .. }) {
+        // The store outlives the job: once its agents are gone, the run id is free again.
+        drop(agents);
+        let (a, b) = (open(&kind, &run), open(&kind, &run));
+        let again = join_all(vec![a, b]);
+        assert!(
+            again.iter().all(|(_, x)| x.nnodes == 2),
+            "a reused run id starts a new job"
+        );
+    }
+}
+
+fn rand_suffix() -> u32 {
+    std::process::id()
+        ^ (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos())
+}
+
+#[test]
+fn c10d_rounds_losses_and_the_end_of_the_job() {
+    let port = testkit::free_port();
+    scenario(BackendKind::C10d {
+        host: "127.0.0.1".into(),
+        port,
+        token: "t".into(),
+        is_host: None,
+    });
+}
+
+#[test]
+fn etcd_rounds_losses_the_end_of_the_job_and_a_reused_run_id() {
+    let etcd = testkit::EtcdServer::start();
+    scenario(BackendKind::Etcd { url: etcd.url() });
+}
+
+#[test]
+fn a_join_that_cannot_complete_times_out_with_what_to_do() {
+    let port = testkit::free_port();
+    let kind = BackendKind::C10d {
+        host: "127.0.0.1".into(),
+        port,
+        token: "t".into(),
+        is_host: None,
+    };
+    let mut cfg = config("lonely");
+    cfg.join_timeout = Duration::from_millis(500);
+    let mut r = Rendezvous::open(cfg, &kind, 1, None, 1).unwrap();
+    let err = r.join(&|| false).unwrap_err().to_string();
+    assert!(err.contains("1 of at least 2 node(s) joined"), "{err}");
+    assert!(err.contains("--rdzv-endpoint"), "{err}");
+}
+
+#[test]
+fn a_garbage_record_is_refused_not_trusted() {
+    let etcd = testkit::EtcdServer::start();
+    let http = reqwest::blocking::Client::new();
+    use base64::Engine;
+    let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+    http.post(format!("{}/v3/kv/put", etcd.url()))
+        .body(format!(
+            r#"{{"key":"{}","value":"{}"}}"#,
+            b64(b"/trainctl/junk/state"),
+            b64(b"\x00\xffnot json")
+        ))
+        .send()
+        .unwrap()
+        .error_for_status()
+        .unwrap();
+    let mut r = Rendezvous::open(
+        config("junk"),
+        &BackendKind::Etcd { url: etcd.url() },
+        1,
+        None,
+        1,
+    )
+    .unwrap();
+    let err = r.watch().unwrap_err().to_string();
+    assert!(
+        err.contains("/trainctl/junk/state is not a trainctl record"),
+        "{err}"
+    );
+}
