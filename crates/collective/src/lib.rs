@@ -17,6 +17,11 @@ pub use world::World;
 
 use std::time::Duration;
 
+/// Exit code of a worker whose peer vanished (its connection closed): the failure is somebody
+/// else's, so the elastic agent restarts without counting it against `--max-restarts`
+/// (EX_TEMPFAIL: "try again").
+pub const EXIT_PEER_LOST: i32 = 75;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
     #[error(

@@ -12,6 +12,7 @@ pub mod vars {
     pub const WORLD_SIZE: &str = "WORLD_SIZE";
     pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
     pub const GROUP_RANK: &str = "GROUP_RANK";
+    pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
     pub const ROLE_RANK: &str = "ROLE_RANK";
     pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
     pub const MASTER_ADDR: &str = "MASTER_ADDR";

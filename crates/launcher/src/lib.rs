@@ -5,10 +5,13 @@
 //! Invariant: every worker runs in its own process group and dies with the launcher
 //! (`PR_SET_PDEATHSIG`), so no worker outlives `trainctl run`, whatever happens to it.
 
+mod agent;
 pub mod output;
 mod report;
 mod supervise;
 
+pub use agent::run_elastic;
+pub use rendezvous;
 pub use report::{ExitKind, Failure, Outcome};
 pub use supervise::launch;
 
@@ -22,6 +25,9 @@ pub struct LaunchSpec {
     pub nproc_per_node: u32,
     pub nnodes: u32,
     pub node_rank: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    pub world_size: u32,
     pub master_addr: String,
     pub master_port: u16,
     pub run_id: String,
@@ -55,6 +61,21 @@ pub enum LaunchEvent {
         failure: Failure,
         restart_count: u32,
     },
+    /// The agent joins the next rendezvous round.
+    Joining {
+        node: String,
+    },
+    /// A round completed with this node in it.
+    Joined(rendezvous::Assignment),
+    /// The round was reopened by another node (a node lost, one arriving, a failure there).
+    Reopened {
+        reason: String,
+    },
+    /// The job finished before this agent joined.
+    JobAlreadyOver,
+    /// The rendezvous store cannot be reached; the workers go on.
+    StoreUnreachable(String),
+    StoreBack,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +97,8 @@ pub enum LaunchError {
     NoFreePort(std::io::Error),
     #[error("cannot install signal handlers: {0}")]
     Signals(std::io::Error),
+    #[error(transparent)]
+    Rendezvous(#[from] rendezvous::RendezvousError),
 }
 
 /// A TCP port nobody listens on right now (torchrun's `--standalone` does the same).
@@ -103,14 +126,15 @@ pub fn worker_env(
     omp_is_set: bool,
 ) -> Vec<(String, String)> {
     use collective::world::vars;
-    let rank = spec.node_rank * spec.nproc_per_node + local_rank;
-    let world_size = spec.nnodes * spec.nproc_per_node;
+    let rank = spec.rank_offset + local_rank;
+    let world_size = spec.world_size;
     let mut env: Vec<(String, String)> = [
         (vars::RANK, rank.to_string()),
         (vars::LOCAL_RANK, local_rank.to_string()),
         (vars::WORLD_SIZE, world_size.to_string()),
         (vars::LOCAL_WORLD_SIZE, spec.nproc_per_node.to_string()),
         (vars::GROUP_RANK, spec.node_rank.to_string()),
+        (vars::GROUP_WORLD_SIZE, spec.nnodes.to_string()),
         (vars::ROLE_RANK, rank.to_string()),
         (vars::ROLE_WORLD_SIZE, world_size.to_string()),
         ("ROLE_NAME", "default".to_string()),
@@ -142,6 +166,8 @@ mod tests {
             nproc_per_node: 2,
             nnodes: 3,
             node_rank: 1,
+            rank_offset: 2,
+            world_size: 6,
             master_addr: "node0".into(),
             master_port: 29500,
             run_id: "job".into(),

@@ -43,6 +43,8 @@ pub enum Outcome {
     Failed(Failure),
     /// Stopped by a signal to the launcher (Ctrl-C, SIGTERM).
     Interrupted(i32),
+    /// The elastic job failed; the root cause as the first failing node reported it.
+    JobFailed(String),
 }
 
 impl fmt::Display for Failure {

@@ -56,6 +56,47 @@ const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGHUP,
 ];
 
+/// SIGINT, SIGTERM and SIGHUP, recorded instead of obeyed while installed.
+pub(crate) struct StopSignals {
+    received: Arc<AtomicUsize>,
+    handlers: Vec<signal_hook::SigId>,
+}
+
+impl StopSignals {
+    pub(crate) fn install() -> Result<Self, LaunchError> {
+        let received = Arc::new(AtomicUsize::new(0));
+        let mut handlers = Vec::new();
+        for sig in STOP_SIGNALS {
+            let received = received.clone();
+            // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
+            let id = unsafe {
+                signal_hook::low_level::register(sig, move || {
+                    received.store(sig as usize, Ordering::SeqCst)
+                })
+            }
+            .map_err(LaunchError::Signals)?;
+            handlers.push(id);
+        }
+        Ok(StopSignals { received, handlers })
+    }
+
+    /// The signal received, if any.
+    pub(crate) fn received(&self) -> Option<i32> {
+        match self.received.load(Ordering::SeqCst) {
+            0 => None,
+            sig => Some(sig as i32),
+        }
+    }
+}
+
+impl Drop for StopSignals {
+    fn drop(&mut self) {
+        for id in self.handlers.drain(..) {
+            signal_hook::low_level::unregister(id);
+        }
+    }
+}
+
 /// Runs the workers of this node to completion and says how it ended; `events` hears of each
 /// worker started and of each restart. A failed group is restarted whole, with
 /// TORCHELASTIC_RESTART_COUNT one higher, up to `spec.max_restarts` times.
@@ -65,149 +106,168 @@ pub fn launch(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
-    let received = Arc::new(AtomicUsize::new(0));
-    let mut handlers = Vec::new();
-    for sig in STOP_SIGNALS {
-        let received = received.clone();
-        // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
-        let id = unsafe {
-            signal_hook::low_level::register(sig, move || {
-                received.store(sig as usize, Ordering::SeqCst)
-            })
-        }
-        .map_err(LaunchError::Signals)?;
-        handlers.push(id);
-    }
+    let signals = StopSignals::install()?;
     let mut restart_count = 0;
-    let result = loop {
-        match run_workers(
+    loop {
+        let mut group = Group::spawn(
             spec,
             restart_count,
-            stdout.clone(),
-            stderr.clone(),
-            &received,
-            events,
-        ) {
-            Ok(Outcome::Failed(failure))
-                if restart_count < spec.max_restarts && received.load(Ordering::SeqCst) == 0 =>
-            {
-                restart_count += 1;
-                events(LaunchEvent::Restarting {
-                    failure,
-                    restart_count,
-                });
-            }
-            other => break other,
-        }
-    };
-    for id in handlers {
-        signal_hook::low_level::unregister(id);
-    }
-    result
-}
-
-fn run_workers(
-    spec: &LaunchSpec,
-    restart_count: u32,
-    stdout: Sink,
-    stderr: Sink,
-    received: &AtomicUsize,
-    events: &mut dyn FnMut(LaunchEvent),
-) -> Result<Outcome, LaunchError> {
-    let start = Instant::now();
-    let attempt_dir = spec.log_dir.as_ref().map(|d| {
-        d.join(&spec.run_id)
-            .join(format!("attempt_{restart_count}"))
-    });
-    let mut workers: Vec<Worker> = Vec::new();
-    for local_rank in 0..spec.nproc_per_node {
-        match spawn(
-            spec,
-            local_rank,
-            restart_count,
-            attempt_dir.as_deref(),
+            restart_count.into(),
             &stdout,
             &stderr,
-        ) {
-            Ok(w) => {
-                events(LaunchEvent::Started(Started {
-                    rank: w.rank,
-                    local_rank: w.local_rank,
-                    pid: w.child.id(),
-                }));
-                workers.push(w);
+            events,
+        )?;
+        let failure = loop {
+            if let Some(sig) = signals.received() {
+                group.stop(spec.grace);
+                return Ok(Outcome::Interrupted(sig));
             }
-            Err(e) => {
-                stop_all(&mut workers, spec.grace);
-                return Err(e);
+            match group.poll() {
+                Status::Running => std::thread::sleep(spec.monitor_interval),
+                Status::Succeeded => {
+                    group.stop(spec.grace);
+                    return Ok(Outcome::Succeeded);
+                }
+                Status::Failed(f) => break group.stop_failed(spec.grace, f),
+            }
+        };
+        if restart_count >= spec.max_restarts || signals.received().is_some() {
+            return Ok(Outcome::Failed(failure));
+        }
+        restart_count += 1;
+        events(LaunchEvent::Restarting {
+            failure,
+            restart_count,
+        });
+    }
+}
+
+/// What a group of workers is doing.
+pub(crate) enum Status {
+    Running,
+    Succeeded,
+    /// The first worker that failed.
+    Failed(Failure),
+}
+
+/// This node's workers of one attempt.
+pub(crate) struct Group {
+    workers: Vec<Worker>,
+    start: Instant,
+    restart_count: u32,
+    node_rank: u32,
+}
+
+impl Group {
+    /// Starts every local worker of `spec`; `attempt` names the log folder.
+    pub(crate) fn spawn(
+        spec: &LaunchSpec,
+        restart_count: u32,
+        attempt: u64,
+        stdout: &Sink,
+        stderr: &Sink,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> Result<Group, LaunchError> {
+        let attempt_dir = spec
+            .log_dir
+            .as_ref()
+            .map(|d| d.join(&spec.run_id).join(format!("attempt_{attempt}")));
+        let mut group = Group {
+            workers: Vec::new(),
+            start: Instant::now(),
+            restart_count,
+            node_rank: spec.node_rank,
+        };
+        for local_rank in 0..spec.nproc_per_node {
+            match spawn(
+                spec,
+                local_rank,
+                restart_count,
+                attempt_dir.as_deref(),
+                stdout,
+                stderr,
+            ) {
+                Ok(w) => {
+                    events(LaunchEvent::Started(Started {
+                        rank: w.rank,
+                        local_rank: w.local_rank,
+                        pid: w.child.id(),
+                    }));
+                    group.workers.push(w);
+                }
+                Err(e) => {
+                    stop_all(&mut group.workers, spec.grace);
+                    return Err(e);
+                }
             }
         }
+        Ok(group)
     }
 
-    let mut first_failure: Option<Failure> = None;
-    let outcome = loop {
-        let sig = received.load(Ordering::SeqCst);
-        if sig != 0 {
-            break Outcome::Interrupted(sig as i32);
-        }
+    pub(crate) fn poll(&mut self) -> Status {
         let mut running = 0;
-        for w in workers.iter_mut() {
+        for w in self.workers.iter_mut() {
             match w.poll().cloned() {
                 None => running += 1,
                 Some(ExitKind::Code(0)) => {}
-                Some(exit) if first_failure.is_none() => {
-                    first_failure = Some(Failure {
+                Some(exit) => {
+                    return Status::Failed(Failure {
                         rank: w.rank,
                         local_rank: w.local_rank,
-                        node_rank: spec.node_rank,
+                        node_rank: self.node_rank,
                         pid: w.child.id(),
                         exit,
-                        after: start.elapsed(),
-                        restart_count,
+                        after: self.start.elapsed(),
+                        restart_count: self.restart_count,
                         stderr_tail: Vec::new(),
                         log_file: w.stderr_log.clone(),
                     });
                 }
-                Some(_) => {}
             }
-        }
-        if let Some(failure) = first_failure.take() {
-            break Outcome::Failed(failure);
         }
         if running == 0 {
-            break Outcome::Succeeded;
+            Status::Succeeded
+        } else {
+            Status::Running
         }
-        std::thread::sleep(spec.monitor_interval);
-    };
-    stop_all(&mut workers, spec.grace);
-    // Output pumps end when the pipes close; a grandchild that keeps a pipe open must not hold
-    // the launcher, so wait for them only briefly.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    for w in workers.iter_mut() {
-        for pump in std::mem::take(&mut w.pumps) {
-            while !pump.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            if pump.is_finished() {
-                let _ = pump.join();
+    }
+
+    /// Stops every worker still running and collects their output.
+    pub(crate) fn stop(mut self, grace: Duration) {
+        self.halt(grace);
+    }
+
+    /// [`Group::stop`] after `failure`, whose report gets the worker's last lines of stderr.
+    pub(crate) fn stop_failed(mut self, grace: Duration, mut failure: Failure) -> Failure {
+        self.halt(grace);
+        if let Some(w) = self.workers.iter().find(|w| w.rank == failure.rank) {
+            failure.stderr_tail = w
+                .tail
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .cloned()
+                .collect();
+        }
+        failure
+    }
+
+    fn halt(&mut self, grace: Duration) {
+        stop_all(&mut self.workers, grace);
+        // Output pumps end when the pipes close; a grandchild that keeps a pipe open must not
+        // hold the launcher, so wait for them only briefly.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for w in self.workers.iter_mut() {
+            for pump in std::mem::take(&mut w.pumps) {
+                while !pump.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                if pump.is_finished() {
+                    let _ = pump.join();
+                }
             }
         }
     }
-    Ok(match outcome {
-        Outcome::Failed(mut failure) => {
-            if let Some(w) = workers.iter().find(|w| w.rank == failure.rank) {
-                failure.stderr_tail = w
-                    .tail
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .cloned()
-                    .collect();
-            }
-            Outcome::Failed(failure)
-        }
-        other => other,
-    })
 }
 
 fn spawn(
@@ -218,7 +278,7 @@ fn spawn(
     stdout: &Sink,
     stderr: &Sink,
 ) -> Result<Worker, LaunchError> {
-    let rank = spec.node_rank * spec.nproc_per_node + local_rank;
+    let rank = spec.rank_offset + local_rank;
     let program = spec.program.first().cloned().unwrap_or_default();
     let mut cmd = Command::new(&program);
     cmd.args(&spec.program[1..])

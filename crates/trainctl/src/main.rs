@@ -27,6 +27,8 @@ enum Command {
     Train(commands::train::Args),
     /// Accuracy of a saved model on the CIFAR-10 test set, overall and per class.
     Eval(commands::eval::Args),
+    /// Verify a checkpoint and show where its training stands.
+    Checkpoint(commands::checkpoint::Args),
     /// Classify PNG or JPEG images with a saved model.
     Predict(commands::predict::Args),
     /// CIFAR-10 data: fetch the official archive, or write a small synthetic set.
@@ -62,6 +64,7 @@ fn main() {
         Command::Train(args) => commands::train::run(args),
         Command::Eval(args) => commands::eval::run(args),
         Command::Predict(args) => commands::predict::run(args),
+        Command::Checkpoint(args) => commands::checkpoint::run(args),
         Command::Data(cmd) => commands::data::run(cmd),
         Command::Bench(args) => commands::bench::run(args),
     };

@@ -29,6 +29,11 @@ pub struct Progress {
     pub position: usize,
     /// Optimizer steps taken since the start of training.
     pub global_step: u64,
+    /// Samples trained on since the start of training, across all ranks and restarts (each
+    /// restart goes back to the checkpoint, this count with it): `epochs × data-set size` at
+    /// the end exactly when no sample was skipped or trained twice.
+    #[serde(default)]
+    pub samples_seen: u64,
     pub seed: u64,
     pub world_size: usize,
     pub dataset_len: usize,
@@ -291,6 +296,7 @@ mod tests {
             epoch: 3,
             position: 1280,
             global_step: 77,
+            samples_seen: 9_000,
             seed: 5,
             world_size: 2,
             dataset_len: 50_000,

@@ -74,6 +74,8 @@ pub enum Event {
     /// Every rank: its step count and a fingerprint of its weights, equal on all ranks.
     Finished {
         global_step: u64,
+        samples_seen: u64,
+        world_size: usize,
         fingerprint: u32,
     },
     Warning(String),
@@ -190,6 +192,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             model = load(model, Some(&state.params), &state.buffers);
             state.progress.global_step = global_step;
             state.progress.position = shard.position_after(step + 1);
+            state.progress.samples_seen +=
+                (shard.position_after(step + 1) - shard.position_after(step)) as u64;
 
             running_loss += mean_loss as f64;
             window += 1;
@@ -248,6 +252,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     group.barrier()?;
     report(Event::Finished {
         global_step: state.progress.global_step,
+        samples_seen: state.progress.samples_seen,
+        world_size,
         fingerprint: state.fingerprint(),
     });
     Ok(())
@@ -304,6 +310,7 @@ impl TrainState {
                 epoch: 0,
                 position: 0,
                 global_step: 0,
+                samples_seen: 0,
                 seed: cfg.seed,
                 world_size,
                 dataset_len,
@@ -389,6 +396,7 @@ impl TrainState {
             self.progress.epoch as u64,
             self.progress.position as u64,
             self.progress.global_step,
+            self.progress.samples_seen,
         ] {
             h.extend([(v >> 32) & 0xffff, (v >> 16) & 0xffff, v & 0xffff].map(|p| p as f32));
         }
@@ -400,6 +408,7 @@ impl TrainState {
         self.progress.epoch = v(1) as usize;
         self.progress.position = v(4) as usize;
         self.progress.global_step = v(7);
+        self.progress.samples_seen = v(10);
         h[0] != 0.0
     }
 

@@ -1,6 +1,7 @@
 //! One file per subcommand: parse, call the library, report.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod data;
 pub mod eval;
 pub mod predict;

@@ -1,4 +1,5 @@
-//! `trainctl run`: torchrun's standalone and static multi-node modes.
+//! `trainctl run`: torchrun's standalone and static modes, and the elastic agent
+//! (`--rdzv-backend c10d|etcd`, `--nnodes MIN:MAX`).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -6,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use launcher::rendezvous::{self, BackendKind, Limits};
 use launcher::{LaunchSpec, Outcome};
 
 #[derive(clap::Args)]
@@ -16,9 +18,25 @@ pub struct Args {
     /// Workers on this node: a number, or `auto`/`cpu` for one per CPU core.
     #[arg(long, env = "PET_NPROC_PER_NODE", default_value = "1")]
     nproc_per_node: String,
-    /// Number of nodes (`N`, or `N:N`; elastic `MIN:MAX` ranges need the rendezvous).
+    /// Number of nodes: `N`, or `MIN:MAX` for an elastic job.
     #[arg(long, env = "PET_NNODES", default_value = "1")]
     nnodes: String,
+    /// Rendezvous: `static` (fixed nodes, --node-rank and --master-addr), `c10d` (a store
+    /// hosted by the agent at the endpoint) or `etcd` (etcd's v3 API). Default: c10d when
+    /// --rdzv-endpoint or a MIN:MAX range is given, else static.
+    #[arg(long, env = "PET_RDZV_BACKEND", value_parser = ["static", "c10d", "etcd", "etcd-v2"])]
+    rdzv_backend: Option<String>,
+    /// HOST[:PORT] of the rendezvous store (c10d: default port 29400; etcd: 2379, or a URL).
+    #[arg(long, env = "PET_RDZV_ENDPOINT")]
+    rdzv_endpoint: Option<String>,
+    /// Rendezvous settings, `key=value,...`: join_timeout (600), last_call_timeout (1),
+    /// close_timeout (10), heartbeat (0.5), heartbeat_timeout (2), timeout (3), is_host.
+    #[arg(long, env = "PET_RDZV_CONF", default_value = "")]
+    rdzv_conf: String,
+    /// Address other nodes reach this node's workers at (default: this host's address on the
+    /// route to the rendezvous store).
+    #[arg(long, env = "PET_LOCAL_ADDR")]
+    local_addr: Option<String>,
     /// This node's rank among the nodes.
     #[arg(long, env = "PET_NODE_RANK", default_value_t = 0)]
     node_rank: u32,
@@ -31,8 +49,9 @@ pub struct Args {
     /// Job id: names the output folder and must match across nodes.
     #[arg(long = "rdzv-id", alias = "run-id", env = "PET_RDZV_ID")]
     run_id: Option<String>,
-    /// Restarts of the whole group after a worker fails (single node); workers resume from
-    /// their checkpoint. Passed to workers as TORCHELASTIC_MAX_RESTARTS.
+    /// Restarts after a worker fails; workers resume from their checkpoint. Elastic jobs count
+    /// failures across all nodes (a lost or new node is not a failure). Passed to workers as
+    /// TORCHELASTIC_MAX_RESTARTS.
     #[arg(long, env = "PET_MAX_RESTARTS", default_value_t = 0)]
     max_restarts: u32,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
@@ -81,25 +100,64 @@ fn parse_nproc(v: &str) -> anyhow::Result<u32> {
     }
 }
 
-fn parse_nnodes(v: &str) -> anyhow::Result<u32> {
+fn parse_nnodes(v: &str) -> anyhow::Result<Limits> {
     let (min, max) = v.split_once(':').unwrap_or((v, v));
     let parse = |s: &str| s.trim().parse::<u32>().ok().filter(|&n| n > 0);
     match (parse(min), parse(max)) {
-        (Some(a), Some(b)) if a == b => Ok(a),
-        (Some(_), Some(_)) => bail!(
-            "--nnodes {v}: elastic ranges need the elastic agent, which this version lacks; give a fixed node count"
-        ),
-        _ => bail!("--nnodes must be a positive number (or N:N), got {v:?}"),
+        (Some(min), Some(max)) if min <= max => Ok(Limits { min, max }),
+        (Some(min), Some(max)) => {
+            bail!("--nnodes {v}: MIN ({min}) is larger than MAX ({max}); write MIN:MAX")
+        }
+        _ => bail!("--nnodes must be a positive number or MIN:MAX, got {v:?}"),
     }
+}
+
+/// HOST and PORT of `--rdzv-endpoint`, with `default_port` when none is given.
+fn split_endpoint(endpoint: &str, default_port: u16) -> anyhow::Result<(String, u16)> {
+    let endpoint = endpoint.trim();
+    let (host, port) = match endpoint.rsplit_once(':') {
+        // A bare IPv6 address has colons but no port.
+        Some((h, p)) if !h.is_empty() && !(h.contains(':') && !h.ends_with(']')) => {
+            let port = p.parse::<u16>().with_context(|| {
+                format!("--rdzv-endpoint {endpoint:?}: port {p:?} is not a number from 0 to 65535")
+            })?;
+            (h, port)
+        }
+        _ => (endpoint, default_port),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        bail!("--rdzv-endpoint {endpoint:?}: no host; give HOST[:PORT]");
+    }
+    Ok((host.to_string(), port))
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let nproc_per_node = parse_nproc(&args.nproc_per_node)?;
-    let nnodes = if args.standalone {
-        1
+    let limits = if args.standalone {
+        Limits { min: 1, max: 1 }
     } else {
         parse_nnodes(&args.nnodes)?
     };
+    let backend = match args.rdzv_backend.as_deref() {
+        Some("etcd-v2") => bail!(
+            "--rdzv-backend etcd-v2: trainctl speaks etcd's v3 API only (no --enable-v2 needed); use --rdzv-backend etcd"
+        ),
+        Some(b) => b,
+        None if args.standalone => "static",
+        None if args.rdzv_endpoint.is_some() || limits.min != limits.max => "c10d",
+        None => "static",
+    };
+    if backend != "static" {
+        return run_elastic(&args, nproc_per_node, limits, backend);
+    }
+    if limits.min != limits.max {
+        bail!(
+            "--nnodes {}: a MIN:MAX range needs an elastic rendezvous; add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT]",
+            args.nnodes
+        );
+    }
+    let nnodes = limits.max;
     if args.node_rank >= nnodes {
         bail!(
             "--node-rank {} is not below --nnodes {nnodes}",
@@ -134,28 +192,58 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             "none".into()
         }
     });
-    let token = match args.job_token.clone() {
+    let token = job_token(&args, nnodes == 1, &run_id);
+    let spec = LaunchSpec {
+        nnodes,
+        node_rank: args.node_rank,
+        rank_offset: args.node_rank * nproc_per_node,
+        world_size: nnodes * nproc_per_node,
+        master_addr,
+        master_port,
+        ..worker_spec(&args, nproc_per_node, run_id, token)?
+    };
+    let (stdout, stderr) = sinks();
+    crate::output::launching(&spec);
+    let mut events = crate::output::launch_event;
+    let outcome = launcher::launch(&spec, stdout, stderr.clone(), &mut events)?;
+    Ok(finish(outcome, &stderr))
+}
+
+/// The job token: given, random for a job of one node, else derived from the run id.
+fn job_token(args: &Args, single_node: bool, run_id: &str) -> String {
+    match args.job_token.clone() {
         Some(t) => t,
-        None if nnodes == 1 => launcher::random_id(16),
+        None if single_node => launcher::random_id(16),
         None => {
             crate::output::warn(
                 "several nodes and no --job-token: using one derived from the run id; set TRAINCTL_JOB_TOKEN to a shared secret",
             );
             format!("run:{run_id}")
         }
-    };
+    }
+}
+
+/// What every node's workers share, static or elastic: program, timings, logs.
+fn worker_spec(
+    args: &Args,
+    nproc_per_node: u32,
+    run_id: String,
+    token: String,
+) -> anyhow::Result<LaunchSpec> {
     let mut program = args.command.clone();
     if program.first().is_some_and(|c| c == "train") {
         let exe = std::env::current_exe()
             .context("cannot find the trainctl executable to start workers")?;
         program.insert(0, exe.into_os_string());
     }
-    let spec = LaunchSpec {
+    Ok(LaunchSpec {
         nproc_per_node,
-        nnodes,
-        node_rank: args.node_rank,
-        master_addr,
-        master_port,
+        nnodes: 1,
+        node_rank: 0,
+        rank_offset: 0,
+        world_size: nproc_per_node,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
         run_id,
         token,
         max_restarts: args.max_restarts,
@@ -171,23 +259,89 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Some(t) => bail!("--collective-timeout must be a positive number of seconds, got {t}"),
             None => vec![],
         },
-    };
-    let stdout: launcher::output::Sink = Arc::new(Mutex::new(std::io::stdout()));
-    let stderr: launcher::output::Sink = Arc::new(Mutex::new(std::io::stderr()));
-    crate::output::launching(&spec);
-    let mut events = crate::output::launch_event;
-    match launcher::launch(&spec, stdout, stderr.clone(), &mut events)? {
-        Outcome::Succeeded => Ok(0),
+    })
+}
+
+fn sinks() -> (launcher::output::Sink, launcher::output::Sink) {
+    (
+        Arc::new(Mutex::new(std::io::stdout())),
+        Arc::new(Mutex::new(std::io::stderr())),
+    )
+}
+
+/// Reports how the job ended; returns the exit code.
+fn finish(outcome: Outcome, stderr: &launcher::output::Sink) -> i32 {
+    let mut err = stderr.lock().unwrap_or_else(|p| p.into_inner());
+    match outcome {
+        Outcome::Succeeded => 0,
         Outcome::Failed(failure) => {
-            let mut err = stderr.lock().unwrap_or_else(|p| p.into_inner());
             let _ = write!(err, "trainctl run: {failure}");
-            Ok(1)
+            1
+        }
+        Outcome::JobFailed(root_cause) => {
+            let _ = writeln!(
+                err,
+                "trainctl run: the job failed; root cause (first failure):"
+            );
+            let _ = write!(err, "{root_cause}");
+            1
         }
         Outcome::Interrupted(sig) => {
+            drop(err);
             crate::output::warn(&format!(
                 "interrupted by signal {sig}; all workers were stopped"
             ));
-            Ok(128 + sig)
+            128 + sig
         }
     }
+}
+
+/// `--rdzv-backend c10d|etcd`: this node's elastic agent.
+fn run_elastic(
+    args: &Args,
+    nproc_per_node: u32,
+    limits: Limits,
+    backend: &str,
+) -> anyhow::Result<i32> {
+    let run_id = args.run_id.clone().unwrap_or_else(|| "none".into());
+    let token = job_token(args, limits.max == 1, &run_id);
+    let mut cfg = rendezvous::Config::new(&run_id, limits);
+    let is_host = rendezvous::parse_conf(&mut cfg, &args.rdzv_conf)?;
+    let endpoint = match (&args.rdzv_endpoint, limits.max) {
+        (Some(e), _) => e.clone(),
+        (None, 1) => "127.0.0.1".into(),
+        (None, _) => bail!(
+            "--rdzv-backend {backend} with several nodes needs --rdzv-endpoint HOST[:PORT]: the address every node can reach the store at"
+        ),
+    };
+    let kind = match backend {
+        "etcd" => {
+            let url = if endpoint.contains("://") {
+                endpoint.clone()
+            } else {
+                let (host, port) = split_endpoint(&endpoint, 2379)?;
+                format!("http://{host}:{port}")
+            };
+            BackendKind::Etcd { url }
+        }
+        _ => {
+            let (host, port) = split_endpoint(&endpoint, 29400)?;
+            BackendKind::C10d {
+                host,
+                port,
+                token: token.clone(),
+                is_host,
+            }
+        }
+    };
+    let spec = worker_spec(args, nproc_per_node, run_id, token)?;
+    let mut rdzv =
+        rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone(), 0)
+            .with_context(|| format!("cannot reach the rendezvous at {endpoint}"))?;
+    crate::output::agent_starting(&spec, &rdzv);
+    let (stdout, stderr) = sinks();
+    let mut events = crate::output::launch_event;
+    let outcome = launcher::run_elastic(&spec, &mut rdzv, stdout, stderr.clone(), &mut events)?;
+    drop(rdzv);
+    Ok(finish(outcome, &stderr))
 }

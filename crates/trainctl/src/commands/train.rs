@@ -3,7 +3,8 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use collective::World;
+use collective::{CollectiveError, World};
+use trainer::TrainError;
 use trainer::cifar::DownloadOptions;
 use trainer::train::TrainConfig;
 
@@ -88,8 +89,16 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         progress: std::io::stderr().is_terminal(),
     };
     let rank = world.rank;
-    trainer::train::train(&cfg, &world, &mut |event| {
+    match trainer::train::train(&cfg, &world, &mut |event| {
         crate::output::train_event(rank, event)
-    })?;
-    Ok(0)
+    }) {
+        Ok(()) => Ok(0),
+        // A vanished peer is that peer's failure: say so with the exit code, so an elastic
+        // agent restarts without counting it against --max-restarts.
+        Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
+            crate::output::error(&anyhow::Error::new(e));
+            Ok(collective::EXIT_PEER_LOST)
+        }
+        Err(e) => Err(e.into()),
+    }
 }

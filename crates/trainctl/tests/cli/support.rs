@@ -218,10 +218,11 @@ pub fn finished(output: &str) -> Vec<(u32, u64, String)> {
             let rest = l.split("rank ").nth(1)?;
             let (rank, rest) = rest.split_once(" finished after ")?;
             let (steps, rest) = rest.split_once(" steps; weights fingerprint ")?;
+            let fingerprint = rest.split_whitespace().next()?;
             Some((
                 rank.parse().ok()?,
                 steps.parse().ok()?,
-                rest.trim().to_string(),
+                fingerprint.to_string(),
             ))
         })
         .collect()

@@ -1,0 +1,128 @@
+//! The elastic agent: one per node, it joins the rendezvous, runs this node's workers at the
+//! world size of the round, and starts them again at the next round when a worker fails, a
+//! node is lost or a node arrives, until the job succeeds or `--max-restarts` failures.
+//!
+//! Its loop polls three sources every monitor interval: the stop signals, the local workers,
+//! and the rendezvous record (whose heartbeats run on their own thread).
+
+use std::time::{Duration, Instant};
+
+use rendezvous::{Joined, Rendezvous, Watch};
+
+use crate::output::Sink;
+use crate::report::{ExitKind, Outcome};
+use crate::supervise::{Group, Status, StopSignals};
+use crate::{LaunchError, LaunchEvent, LaunchSpec};
+
+/// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
+/// grace, max restarts); the rendezvous decides ranks, world size and the master address.
+pub fn run_elastic(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    stdout: Sink,
+    stderr: Sink,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Outcome, LaunchError> {
+    let signals = StopSignals::install()?;
+    loop {
+        rdzv.set_port(crate::free_port()?);
+        events(LaunchEvent::Joining {
+            node: rdzv.node_id().to_string(),
+        });
+        let assignment = match rdzv.join(&|| signals.received().is_some())? {
+            Joined::Assigned(a) => a,
+            Joined::Stopped => {
+                return Ok(Outcome::Interrupted(signals.received().unwrap_or(15)));
+            }
+            Joined::Closed(c) if c.succeeded => {
+                events(LaunchEvent::JobAlreadyOver);
+                return Ok(Outcome::Succeeded);
+            }
+            Joined::Closed(c) => return Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
+        };
+        events(LaunchEvent::Joined(assignment.clone()));
+        let round_spec = LaunchSpec {
+            nnodes: assignment.nnodes,
+            node_rank: assignment.node_rank,
+            rank_offset: assignment.rank_offset,
+            world_size: assignment.world_size,
+            master_addr: assignment.master_addr.clone(),
+            master_port: assignment.master_port,
+            ..spec.clone()
+        };
+        let mut group = Group::spawn(
+            &round_spec,
+            assignment.restart_count,
+            assignment.round,
+            &stdout,
+            &stderr,
+            events,
+        )?;
+        // The job was closed by another node that finished: our workers finish too, no restart.
+        let mut closing = false;
+        let mut store_down_since: Option<Instant> = None;
+        loop {
+            if let Some(sig) = signals.received() {
+                group.stop(spec.grace);
+                return Ok(Outcome::Interrupted(sig));
+            }
+            match group.poll() {
+                Status::Running => {}
+                Status::Succeeded => {
+                    group.stop(spec.grace);
+                    if let Err(e) = rdzv.close(true, None) {
+                        events(LaunchEvent::StoreUnreachable(e.to_string()));
+                    }
+                    return Ok(Outcome::Succeeded);
+                }
+                Status::Failed(failure) => {
+                    let failure = group.stop_failed(spec.grace, failure);
+                    let report = format!("on node {}: {failure}", rdzv.node_id());
+                    if closing {
+                        return Ok(Outcome::Failed(failure));
+                    }
+                    let counted = failure.exit != ExitKind::Code(collective::EXIT_PEER_LOST);
+                    match rdzv.worker_failed(counted, &report, spec.max_restarts)? {
+                        None => {
+                            events(LaunchEvent::Restarting {
+                                failure,
+                                restart_count: assignment.restart_count + counted as u32,
+                            });
+                            break;
+                        }
+                        Some(closed) => {
+                            return Ok(Outcome::JobFailed(closed.root_cause.unwrap_or(report)));
+                        }
+                    }
+                }
+            }
+            if !closing {
+                match rdzv.watch() {
+                    Ok(Watch::Healthy) => {
+                        if store_down_since.take().is_some() {
+                            events(LaunchEvent::StoreBack);
+                        }
+                    }
+                    Ok(Watch::Restart(reason)) => {
+                        group.stop(spec.grace);
+                        events(LaunchEvent::Reopened { reason });
+                        break;
+                    }
+                    Ok(Watch::Closed(c)) if c.succeeded => closing = true,
+                    Ok(Watch::Closed(c)) => {
+                        group.stop(spec.grace);
+                        return Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default()));
+                    }
+                    Err(e) => {
+                        // The workers do not need the store while they train: let them go on.
+                        if store_down_since.is_none() {
+                            store_down_since = Some(Instant::now());
+                            events(LaunchEvent::StoreUnreachable(e.to_string()));
+                        }
+                    }
+                }
+            }
+            std::thread::sleep(spec.monitor_interval.max(Duration::from_millis(10)));
+        }
+    }
+}
