@@ -124,7 +124,7 @@ pub enum WatchStep {
 
 impl State {
     fn written(mut self) -> State {
-        self.version += 1;
+        self.version = self.version.saturating_add(1);
         self
     }
 
@@ -152,7 +152,7 @@ impl State {
             .filter(|id| alive.contains(id))
             .collect();
         State {
-            round: self.round + 1,
+            round: self.round.saturating_add(1),
             phase: Phase::Joining,
             participants: Vec::new(),
             expected,
@@ -169,14 +169,16 @@ impl State {
             return None;
         }
         let node_rank = self.participants.iter().position(|n| n.id == me)?;
-        let rank_offset = self.participants[..node_rank].iter().map(|n| n.nproc).sum();
+        // Saturating: a record is read from the network and may hold any numbers.
+        let total = |nodes: &[Node]| nodes.iter().fold(0u32, |a, n| a.saturating_add(n.nproc));
+        let rank_offset = total(&self.participants[..node_rank]);
         let master = self.participants.first()?;
         Some(Assignment {
             round: self.round,
             node_rank: node_rank as u32,
             nnodes: self.participants.len() as u32,
             rank_offset,
-            world_size: self.participants.iter().map(|n| n.nproc).sum(),
+            world_size: total(&self.participants),
             master_addr: master.addr.clone(),
             master_port: master.port,
             restart_count: self.failures,
@@ -236,7 +238,7 @@ pub fn join_step(
                 JoinStep::Write(
                     State {
                         version: state.version,
-                        round: state.round + 1,
+                        round: state.round.saturating_add(1),
                         participants: vec![me.clone()],
                         reason: Some("a new job with this run id".into()),
                         ..State::default()
@@ -354,7 +356,7 @@ pub fn fail_step(
     let mut next = state.clone();
     if counted {
         if next.last_failed_round.is_none_or(|r| r < round) {
-            next.failures += 1;
+            next.failures = next.failures.saturating_add(1);
             next.last_failed_round = Some(round);
         }
         if next.root_cause.is_none() {

@@ -63,6 +63,15 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Restarting {
             failure,
             restart_count,
+        } if failure.exit == launcher::ExitKind::Code(collective::EXIT_PEER_LOST) => eprintln!(
+            "trainctl run: rank {} (pid {}) lost a peer (exit code {}); restarting all workers (not counted as a failure: restart count stays {restart_count})",
+            failure.rank,
+            failure.pid,
+            collective::EXIT_PEER_LOST
+        ),
+        LaunchEvent::Restarting {
+            failure,
+            restart_count,
         } => eprintln!(
             "trainctl run: rank {} (pid {}) failed with {}; restarting all workers (restart {restart_count})",
             failure.rank, failure.pid, failure.exit

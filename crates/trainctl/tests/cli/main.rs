@@ -1,9 +1,11 @@
 //! End-to-end tests: the real `trainctl` binary, real worker processes, real TCP on 127.0.0.1,
-//! small generated CIFAR-format data sets.
+//! small generated CIFAR-format data sets; hosts as network namespaces and a real etcd server
+//! for the elastic agent.
 
 mod support;
 
 mod data;
+mod elastic;
 mod launch;
 mod pytorch;
 mod training;

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Failover figures of the elastic agent, for docs/PERFORMANCE.md.
+
+For each backend (c10d, etcd) and several runs, on this machine's loopback:
+  - fresh: two agents started -> first training step done;
+  - kill:  one of three agents killed (SIGKILL) mid-epoch -> survivors' round complete,
+           workers started, first training step done at the new world size;
+  - join:  a third agent started while two train -> first step done at world size 3.
+Prints each run and the medians. Usage: bench/failover.py [--runs N] [--trainctl PATH]
+Needs `etcd` on PATH (scripts/test installs Debian's etcd-server).
+"""
+import argparse
+import os
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    """A `trainctl run` whose output lines arrive, timestamped, on a shared queue."""
+
+    def __init__(self, name, cmd, cwd, lines):
+        self.name = name
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+
+    def _pump(self, lines):
+        for line in self.proc.stdout:
+            lines.put((time.monotonic(), self.name, line.rstrip("\n")))
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def wait_for(lines, pred, timeout=120.0):
+    """The time of the first line satisfying pred(name, line)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no matching line")
+        t, name, line = lines.get(timeout=left)
+        if pred(name, line):
+            return t
+
+
+def is_step(line):
+    return "] loss:" in line
+
+
+class Job:
+    def __init__(self, trainctl, backend, workdir, etcd_url):
+        self.trainctl, self.backend, self.workdir = trainctl, backend, workdir
+        self.run = 0
+        self.etcd_url = etcd_url
+
+    def agent_cmd(self, run_id, endpoint):
+        return [
+            self.trainctl, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
+            "--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint,
+            "--rdzv-id", run_id, "--job-token", "bench",
+            "train", "--data", "data", "--out", "runs", "--epochs", "100",
+            "--batch-size", "8", "--threads", "1", "--print-freq", "1", "--no-eval",
+        ]
+
+    def start(self, n):
+        self.run += 1
+        run_id = f"{self.backend}-{os.getpid()}-{self.run}"
+        endpoint = self.etcd_url if self.backend == "etcd" else f"127.0.0.1:{free_port()}"
+        lines = queue.Queue()
+        t0 = time.monotonic()
+        agents = [
+            Agent(f"a{i}", self.agent_cmd(run_id, endpoint), self.workdir, lines)
+            for i in range(n)
+        ]
+        return agents, lines, t0, (run_id, endpoint)
+
+    def fresh(self):
+        agents, lines, t0, _ = self.start(2)
+        try:
+            return {"first step": wait_for(lines, lambda n, l: is_step(l)) - t0}
+        finally:
+            for a in agents:
+                a.kill()
+
+    def kill(self):
+        agents, lines, _, _ = self.start(3)
+        try:
+            wait_for(lines, lambda n, l: "world size 3" in l and "round" in l)
+            for _ in range(3):
+                wait_for(lines, lambda n, l: is_step(l))
+            # Kill an agent that does not host the c10d store (the first one may).
+            victim = agents[2]
+            t0 = time.monotonic()
+            victim.kill()
+            t_round = wait_for(lines, lambda n, l: "of 2," in l and "round" in l)
+            t_started = wait_for(lines, lambda n, l: "started rank" in l)
+            t_step = wait_for(lines, lambda n, l: is_step(l))
+            return {
+                "new round": t_round - t0,
+                "workers started": t_started - t0,
+                "first step": t_step - t0,
+            }
+        finally:
+            for a in agents:
+                a.kill()
+
+    def join(self):
+        agents, lines, _, (run_id, endpoint) = self.start(2)
+        try:
+            wait_for(lines, lambda n, l: "world size 2" in l and "round" in l)
+            for _ in range(3):
+                wait_for(lines, lambda n, l: is_step(l))
+            t0 = time.monotonic()
+            agents.append(Agent("late", self.agent_cmd(run_id, endpoint), self.workdir, lines))
+            t_round = wait_for(lines, lambda n, l: "of 3," in l and "round" in l)
+            t_step = wait_for(lines, lambda n, l: is_step(l))
+            return {"new round": t_round - t0, "first step": t_step - t0}
+        finally:
+            for a in agents:
+                a.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--trainctl", default="target/debug/trainctl")
+    args = ap.parse_args()
+    trainctl = os.path.abspath(args.trainctl)
+    work = tempfile.mkdtemp(prefix="failover-")
+    etcd = None
+    try:
+        subprocess.run([trainctl, "data", "synth", "--out", f"{work}/data",
+                        "--train", "960", "--test", "16"], check=True, capture_output=True)
+        etcd_bin = shutil.which("etcd")
+        if etcd_bin is None:
+            sys.exit("etcd not found: run scripts/test once (it installs etcd-server)")
+        cport, pport = free_port(), free_port()
+        etcd = subprocess.Popen(
+            [etcd_bin, "--data-dir", f"{work}/etcd",
+             "--listen-client-urls", f"http://127.0.0.1:{cport}",
+             "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+             "--initial-cluster", f"default=http://127.0.0.1:{pport}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2)
+        for backend in ["c10d", "etcd"]:
+            job = Job(trainctl, backend, work, f"http://127.0.0.1:{cport}")
+            for scenario in ["fresh", "kill", "join"]:
+                runs = [getattr(job, scenario)() for _ in range(args.runs)]
+                for key in runs[0]:
+                    values = [r[key] for r in runs]
+                    print(f"{backend:5} {scenario:6} {key:16} median {statistics.median(values):6.2f} s"
+                          f"  runs: {' '.join(f'{v:.2f}' for v in values)}", flush=True)
+    finally:
+        if etcd:
+            etcd.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+//! The elastic agent across real hosts: network namespaces on one bridge (198.18.0.0/24), one
+//! agent per host, a real etcd server on its own host for the etcd backend. Every scenario
+//! trains a small generated set to the end and checks that the job finished, that the final
+//! checkpoint verifies, that exactly `epochs × data-set size` samples were trained (nothing
+//! skipped, nothing trained twice beyond the last checkpoint) and that the model evaluates.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use testkit::{EtcdServer, Network};
+
+use crate::support::*;
+
+const TRAIN_IMAGES: u64 = 320;
+const EPOCHS: u64 = 2;
+/// Long enough for a slow CI machine running several scenarios at once.
+const JOB_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Store {
+    C10d,
+    Etcd,
+}
+
+struct Cluster {
+    job: Job,
+    store: Store,
+    endpoint: String,
+    run_id: String,
+    agents: Vec<Running>,
+    etcd: Option<EtcdServer>,
+    // Dropped last: the namespaces outlive every process started in them.
+    net: Network,
+}
+
+impl Cluster {
+    /// Four hosts: host 0 runs etcd (etcd backend), hosts 1-3 run agents; the c10d store is
+    /// hosted by the agent of host 1. `None` (after a loud message) where namespaces are refused.
+    fn new(store: Store, name: &str) -> Option<Cluster> {
+        let net = match Network::create(4) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!(
+                    "SKIPPED {name}: this kernel or user cannot create network namespaces ({e})"
+                );
+                return None;
+            }
+        };
+        let (etcd, endpoint) = match store {
+            Store::Etcd => {
+                let etcd = EtcdServer::start_at(Some(net.host(0)), &net.addr(0), 2379, 2380);
+                let url = etcd.url();
+                (Some(etcd), url)
+            }
+            Store::C10d => (None, format!("{}:29400", net.addr(1))),
+        };
+        Some(Cluster {
+            job: Job::new(TRAIN_IMAGES as usize, 64),
+            store,
+            endpoint,
+            run_id: name.to_string(),
+            agents: Vec::new(),
+            etcd,
+            net,
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        match self.store {
+            Store::C10d => "c10d",
+            Store::Etcd => "etcd",
+        }
+    }
+
+    fn command(&self, host: usize, max_restarts: u32) -> Command {
+        let mut cmd = self.net.command(host, env!("CARGO_BIN_EXE_trainctl"));
+        for var in [
+            "RUST_LOG",
+            "RANK",
+            "WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.current_dir(self.job.dir.path())
+            .args(["run", "--nnodes", "2:3", "--nproc-per-node", "1"])
+            .args(["--rdzv-backend", self.backend()])
+            .args(["--rdzv-endpoint", &self.endpoint])
+            .args(["--rdzv-id", &self.run_id])
+            .args(["--rdzv-conf", "last_call_timeout=0.5"])
+            .args(["--job-token", "elastic-test"])
+            .args(["--max-restarts", &max_restarts.to_string()])
+            .args(["--collective-timeout", "20"])
+            .args(["train", "--data", "data", "--out", "runs"])
+            .args(["--epochs", &EPOCHS.to_string(), "--batch-size", "16"])
+            .args([
+                "--threads",
+                "1",
+                "--print-freq",
+                "2",
+                "--checkpoint-every",
+                "2",
+            ])
+            .arg("--no-eval");
+        cmd
+    }
+
+    fn start(&mut self, host: usize, max_restarts: u32) -> usize {
+        let agent = Running::start(&mut self.command(host, max_restarts));
+        self.agents.push(agent);
+        self.agents.len() - 1
+    }
+
+    fn checkpoint(&self) -> PathBuf {
+        self.job
+            .path("runs")
+            .join(&self.run_id)
+            .join("checkpoint.ckpt")
+    }
+
+    /// Waits until training has written a checkpoint at `step` or later.
+    fn wait_for_step(&self, step: u64) {
+        testkit::eventually(&format!("a checkpoint at step {step}"), JOB_TIMEOUT, || {
+            self.progress()
+                .is_some_and(|p| p["global_step"].as_u64() >= Some(step))
+        });
+    }
+
+    fn progress(&self) -> Option<serde_json::Value> {
+        let out = trainctl()
+            .arg("checkpoint")
+            .arg(self.checkpoint())
+            .arg("--json")
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    fn kill(&mut self, agent: usize) {
+        let _ = self.agents[agent].child.kill();
+        let _ = self.agents[agent].child.wait();
+    }
+
+    /// Waits for `agent` to exit 0; returns its output.
+    fn succeeds(&mut self, agent: usize) -> String {
+        let status = self.agents[agent].wait(JOB_TIMEOUT);
+        let out = self.agents[agent].output();
+        assert!(status.success(), "agent {agent} failed: {status}\n{out}");
+        out
+    }
+
+    /// The job's end as the issue defines it: finished, checkpoint verifies, every sample of
+    /// every epoch trained exactly once, final model evaluates; `world_size` at the end.
+    fn verify_finished(&self, outputs: &[String], world_size: usize) {
+        let p = self.progress().expect("the final checkpoint verifies");
+        assert_eq!(p["epoch"].as_u64(), Some(EPOCHS), "{p}");
+        assert_eq!(
+            p["samples_seen"].as_u64(),
+            Some(EPOCHS * TRAIN_IMAGES),
+            "samples trained must add up to epochs × data set: {p}"
+        );
+        let all = outputs.join("\n");
+        let fingerprints: std::collections::BTreeSet<_> =
+            finished(&all).into_iter().map(|(_, _, f)| f).collect();
+        assert_eq!(
+            fingerprints.len(),
+            1,
+            "every rank ends with the same weights:\n{all}"
+        );
+        assert!(
+            all.contains(&format!(
+                "(world size {world_size}, {} samples",
+                EPOCHS * TRAIN_IMAGES
+            )),
+            "expected the job to end at world size {world_size}:\n{all}"
+        );
+        let model = self
+            .job
+            .path("runs")
+            .join(&self.run_id)
+            .join("model.safetensors");
+        let eval = run_ok(
+            trainctl()
+                .arg("eval")
+                .arg("--model")
+                .arg(&model)
+                .arg("--data")
+                .arg(self.job.data()),
+        );
+        assert!(
+            text(&eval.stdout).contains("Accuracy"),
+            "{}",
+            text(&eval.stdout)
+        );
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for a in self.agents.iter_mut() {
+            let _ = a.child.kill();
+            let _ = a.child.wait();
+        }
+    }
+}
+
+/// Pids of the workers an agent said it started.
+fn workers_of(agent: &Running) -> Vec<i32> {
+    worker_pids(&agent.seen)
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect()
+}
+
+fn agent_lost(store: Store, name: &str, cut_link: bool) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 0)).collect();
+    c.wait_for_step(2);
+    let lost = agents[2];
+    if cut_link {
+        c.net.cut(3);
+    } else {
+        c.kill(lost);
+    }
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    assert!(
+        outputs.iter().all(|o| o
+            .lines()
+            .any(|l| l.contains("round ") && l.contains(" of 2, "))),
+        "the survivors must go on at a new round of 2 nodes:\n{}",
+        outputs.join("\n")
+    );
+    c.verify_finished(&outputs, 2);
+    if !cut_link {
+        let _ = c.agents[lost].wait(Duration::from_secs(5));
+        for pid in workers_of(&c.agents[lost]) {
+            eventually(
+                Duration::from_secs(10),
+                "the killed agent's workers to die",
+                || !alive(pid),
+            );
+        }
+    }
+}
+
+fn agent_added(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let first = [c.start(1, 0), c.start(2, 0)];
+    c.wait_for_step(2);
+    let late = c.start(3, 0);
+    let mut outputs: Vec<String> = first.iter().map(|&a| c.succeeds(a)).collect();
+    outputs.push(c.succeeds(late));
+    assert!(
+        outputs.iter().any(|o| o.contains("waiting to join")),
+        "the newcomer must be admitted at a new round:\n{}",
+        outputs.join("\n")
+    );
+    c.verify_finished(&outputs, 3);
+}
+
+fn worker_killed(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents = [c.start(1, 1), c.start(2, 1)];
+    c.agents[agents[1]].wait_for_workers(1, JOB_TIMEOUT);
+    c.wait_for_step(2);
+    let victim = workers_of(&c.agents[agents[1]])[0];
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
+    // Restart 1 of 1: both agents start again with TORCHELASTIC_RESTART_COUNT=1.
+    for &a in &agents {
+        c.agents[a].wait_for_line(JOB_TIMEOUT, |l| l.contains("restart count 1, store at"));
+    }
+    c.agents[agents[0]].wait_for_workers(2, JOB_TIMEOUT);
+    c.agents[agents[1]].wait_for_workers(2, JOB_TIMEOUT);
+    // A second failure exceeds --max-restarts 1: the job ends, both agents report the root
+    // cause, which is the first failure.
+    let second = *workers_of(&c.agents[agents[0]]).last().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(second),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
+    for &a in &agents {
+        let status = c.agents[a].wait(JOB_TIMEOUT);
+        let out = c.agents[a].output();
+        assert_eq!(status.code(), Some(1), "{out}");
+        assert!(out.contains("root cause (first failure)"), "{out}");
+        assert!(
+            out.contains(&format!("pid        : {victim}")) && out.contains("SIGKILL"),
+            "the root cause is the first worker killed (pid {victim}):\n{out}"
+        );
+    }
+    let p = c
+        .progress()
+        .expect("the checkpoint survives the failed job");
+    assert!(
+        p["epoch"].as_u64() < Some(EPOCHS),
+        "the job did not finish: {p}"
+    );
+}
+
+#[test]
+fn c10d_agent_killed_mid_epoch_the_others_finish() {
+    agent_lost(Store::C10d, "c10d-kill", false);
+}
+
+#[test]
+fn c10d_link_cut_mid_epoch_the_others_finish() {
+    agent_lost(Store::C10d, "c10d-cut", true);
+}
+
+#[test]
+fn c10d_agent_added_mid_run_joins_at_the_next_round() {
+    agent_added(Store::C10d, "c10d-add");
+}
+
+#[test]
+fn c10d_worker_killed_restarts_until_max_restarts() {
+    worker_killed(Store::C10d, "c10d-worker");
+}
+
+#[test]
+fn etcd_agent_killed_mid_epoch_the_others_finish() {
+    agent_lost(Store::Etcd, "etcd-kill", false);
+}
+
+#[test]
+fn etcd_link_cut_mid_epoch_the_others_finish() {
+    agent_lost(Store::Etcd, "etcd-cut", true);
+}
+
+#[test]
+fn etcd_agent_added_mid_run_joins_at_the_next_round() {
+    agent_added(Store::Etcd, "etcd-add");
+}
+
+#[test]
+fn etcd_worker_killed_restarts_until_max_restarts() {
+    worker_killed(Store::Etcd, "etcd-worker");
+}
+
+#[test]
+fn etcd_restarted_mid_run_training_goes_on() {
+    let Some(mut c) = Cluster::new(Store::Etcd, "etcd-restart") else {
+        return;
+    };
+    let agents = [c.start(1, 0), c.start(2, 0)];
+    c.wait_for_step(2);
+    c.etcd
+        .as_mut()
+        .expect("etcd")
+        .restart(Duration::from_secs(1));
+    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
+    c.verify_finished(&outputs, 2);
+}
