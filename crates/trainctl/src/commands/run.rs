@@ -181,7 +181,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     };
     if nnodes > 1 && args.max_restarts > 0 {
         bail!(
-            "--max-restarts {} with --nnodes {nnodes}: restarting a static multi-node job needs every node to restart together, which takes the elastic agent; use --max-restarts 0",
+            "--max-restarts {} with --nnodes {nnodes} and a static rendezvous: every node must restart together, which is the elastic agent's job; add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] (or use --max-restarts 0)",
             args.max_restarts
         );
     }

@@ -241,7 +241,56 @@ fn bad_flags_get_clear_errors() {
             vec!["run", "--nproc-per-node", "zero", "--", "true"],
             "--nproc-per-node",
         ),
-        (vec!["run", "--nnodes", "1:4", "--", "true"], "elastic"),
+        (
+            vec!["run", "--nnodes", "1:4", "--", "true"],
+            "needs --rdzv-endpoint HOST[:PORT]",
+        ),
+        (
+            vec!["run", "--nnodes", "3:2", "--", "true"],
+            "MIN (3) is larger",
+        ),
+        (
+            vec!["run", "--rdzv-backend", "etcd-v2", "--", "true"],
+            "etcd's v3 API only",
+        ),
+        (
+            vec![
+                "run",
+                "--nnodes",
+                "1:2",
+                "--rdzv-endpoint",
+                "h:http",
+                "--",
+                "true",
+            ],
+            "port \"http\" is not a number",
+        ),
+        (
+            vec![
+                "run",
+                "--nnodes",
+                "1:2",
+                "--rdzv-endpoint",
+                "127.0.0.1:1",
+                "--rdzv-conf",
+                "join_timeout=soon",
+                "--",
+                "true",
+            ],
+            "join_timeout=\"soon\"",
+        ),
+        (
+            vec![
+                "run",
+                "--rdzv-backend",
+                "static",
+                "--nnodes",
+                "1:2",
+                "--",
+                "true",
+            ],
+            "needs an elastic rendezvous",
+        ),
         (
             vec!["run", "--nnodes", "2", "--node-rank", "2", "--", "true"],
             "--node-rank 2",
