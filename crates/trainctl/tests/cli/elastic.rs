@@ -364,3 +364,54 @@ fn etcd_restarted_mid_run_training_goes_on() {
     let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
     c.verify_finished(&outputs, 2);
 }
+
+/// A rank that hangs (SIGSTOP) inside the collective is a timeout on its peers, which is a
+/// failure: the group restarts at the next round instead of hanging, and the job finishes.
+#[test]
+fn a_hung_rank_is_a_timeout_and_a_restart_not_a_hang() {
+    let job = Job::new(TRAIN_IMAGES as usize, 64);
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let agent = || {
+        let mut cmd = trainctl();
+        cmd.current_dir(job.dir.path())
+            .args(["run", "--nnodes", "2", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "hang"])
+            .args(["--max-restarts", "1", "--collective-timeout", "3"])
+            .args(["--grace-period", "1", "--job-token", "t"])
+            .args(["train", "--data", "data", "--out", "runs", "--no-eval"])
+            .args(["--epochs", "4", "--batch-size", "16"])
+            .args([
+                "--threads",
+                "1",
+                "--print-freq",
+                "1",
+                "--checkpoint-every",
+                "2",
+            ]);
+        Running::start(&mut cmd)
+    };
+    let (mut a, mut b) = (agent(), agent());
+    b.wait_for_workers(1, JOB_TIMEOUT);
+    let hung = workers_of(&b)[0];
+    let ckpt = job.path("runs").join("hang").join("checkpoint.ckpt");
+    eventually(JOB_TIMEOUT, "a first checkpoint", || ckpt.is_file());
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(hung), nix::sys::signal::SIGSTOP).unwrap();
+    for r in [&mut a, &mut b] {
+        let status = r.wait(JOB_TIMEOUT);
+        assert!(status.success(), "{}", r.output());
+        assert!(
+            r.output().contains("restart count 1, store at"),
+            "{}",
+            r.output()
+        );
+    }
+    let all = format!("{}\n{}", a.output(), b.output());
+    assert!(
+        all.contains("did not answer within"),
+        "the hang must surface as a timeout:\n{all}"
+    );
+    assert!(!alive(hung), "the hung worker was killed");
+    let out = run_ok(trainctl().arg("checkpoint").arg(&ckpt).arg("--json"));
+    let p: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(p["samples_seen"].as_u64(), Some(4 * TRAIN_IMAGES), "{p}");
+}
