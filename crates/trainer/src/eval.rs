@@ -163,6 +163,19 @@ pub fn predict(model: &SeedCnn, images: &[&Path]) -> Result<Vec<Prediction>> {
         .collect())
 }
 
+/// Reads and verifies a checkpoint (envelope, checksum, tensor names and shapes) and returns
+/// where its training stands.
+pub fn inspect_checkpoint(path: &Path) -> Result<crate::checkpoint::Progress> {
+    let template = snapshot(&SeedCnn::new(&inference_device()));
+    match crate::checkpoint::load_checkpoint(path, &template)? {
+        Some(ckpt) => Ok(ckpt.progress),
+        None => Err(crate::TrainError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no checkpoint there"),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,18 +200,5 @@ mod tests {
             "{report}"
         );
         assert_eq!(Confusion::from_f32(&c.to_f32()), c);
-    }
-}
-
-/// Reads and verifies a checkpoint (envelope, checksum, tensor names and shapes) and returns
-/// where its training stands.
-pub fn inspect_checkpoint(path: &Path) -> Result<crate::checkpoint::Progress> {
-    let template = snapshot(&SeedCnn::new(&inference_device()));
-    match crate::checkpoint::load_checkpoint(path, &template)? {
-        Some(ckpt) => Ok(ckpt.progress),
-        None => Err(crate::TrainError::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no checkpoint there"),
-        }),
     }
 }

@@ -117,7 +117,7 @@ fn split_endpoint(endpoint: &str, default_port: u16) -> anyhow::Result<(String, 
     let endpoint = endpoint.trim();
     let (host, port) = match endpoint.rsplit_once(':') {
         // A bare IPv6 address has colons but no port.
-        Some((h, p)) if !h.is_empty() && !(h.contains(':') && !h.ends_with(']')) => {
+        Some((h, p)) if !h.is_empty() && (!h.contains(':') || h.ends_with(']')) => {
             let port = p.parse::<u16>().with_context(|| {
                 format!("--rdzv-endpoint {endpoint:?}: port {p:?} is not a number from 0 to 65535")
             })?;
