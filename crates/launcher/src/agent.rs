@@ -73,6 +73,7 @@ pub fn run_elastic(
                     if let Err(e) = rdzv.close(true, None) {
                         events(LaunchEvent::StoreUnreachable(e.to_string()));
                     }
+                    rdzv.linger();
                     return Ok(Outcome::Succeeded);
                 }
                 Status::Failed(failure) => {

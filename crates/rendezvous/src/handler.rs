@@ -342,15 +342,29 @@ impl Rendezvous {
     }
 }
 
+impl Rendezvous {
+    /// After the job succeeded: an agent that hosts the store keeps it up until every other
+    /// agent has left (up to the close timeout), so they finish without losing their store.
+    pub fn linger(&mut self) {
+        if self.server.is_none() {
+            return;
+        }
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        while Instant::now() < deadline {
+            match self.backend.alive() {
+                Ok(alive) if alive.iter().all(|id| *id == self.me.id) => return,
+                Ok(_) => std::thread::sleep(self.cfg.poll),
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 impl Drop for Rendezvous {
     fn drop(&mut self) {
         if let Some((stop, thread)) = self.heartbeat.take() {
             stop.store(true, Ordering::SeqCst);
             let _ = thread.join();
-        }
-        // Keep the store up a moment for agents still finishing their last calls to it.
-        if self.server.is_some() {
-            std::thread::sleep(Duration::from_millis(200));
         }
     }
 }
