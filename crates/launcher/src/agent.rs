@@ -23,6 +23,21 @@ pub fn run_elastic(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
+    let outcome = run_rounds(spec, rdzv, stdout, stderr, events)?;
+    if !matches!(outcome, Outcome::Interrupted(_)) {
+        // The job is over: if this agent hosts the store, the others still need it to learn so.
+        rdzv.linger();
+    }
+    Ok(outcome)
+}
+
+fn run_rounds(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    stdout: Sink,
+    stderr: Sink,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
     loop {
         rdzv.set_port(crate::free_port()?);
@@ -73,7 +88,6 @@ pub fn run_elastic(
                     if let Err(e) = rdzv.close(true, None) {
                         events(LaunchEvent::StoreUnreachable(e.to_string()));
                     }
-                    rdzv.linger();
                     return Ok(Outcome::Succeeded);
                 }
                 Status::Failed(failure) => {
@@ -83,15 +97,20 @@ pub fn run_elastic(
                         return Ok(Outcome::Failed(failure));
                     }
                     let counted = failure.exit != ExitKind::Code(collective::EXIT_PEER_LOST);
-                    match rdzv.worker_failed(counted, &report, spec.max_restarts)? {
-                        None => {
+                    match rdzv.worker_failed(counted, &report, spec.max_restarts) {
+                        // Without the store no round can follow: this failure is the report.
+                        Err(e) => {
+                            events(LaunchEvent::StoreUnreachable(e.to_string()));
+                            return Ok(Outcome::Failed(failure));
+                        }
+                        Ok(None) => {
                             events(LaunchEvent::Restarting {
                                 failure,
                                 restart_count: assignment.restart_count + counted as u32,
                             });
                             break;
                         }
-                        Some(closed) => {
+                        Ok(Some(closed)) => {
                             return Ok(Outcome::JobFailed(closed.root_cause.unwrap_or(report)));
                         }
                     }

@@ -343,8 +343,8 @@ impl Rendezvous {
 }
 
 impl Rendezvous {
-    /// After the job succeeded: an agent that hosts the store keeps it up until every other
-    /// agent has left (up to the close timeout), so they finish without losing their store.
+    /// Once the job is over: an agent that hosts the store keeps it up until every other agent
+    /// has left (up to the close timeout), so they learn how the job ended.
     pub fn linger(&mut self) {
         if self.server.is_none() {
             return;
