@@ -78,59 +78,78 @@ fn route_address(host: &str, port: u16) -> Option<std::net::IpAddr> {
     Some(socket.local_addr().ok()?.ip())
 }
 
+/// A store connection, a second one for heartbeats, the server if this agent hosts it, and
+/// this host's address on the route to the store.
+type Connected = (
+    Box<dyn Backend>,
+    Box<dyn Backend>,
+    Option<StoreServer>,
+    Option<std::net::IpAddr>,
+);
+
+/// Connects and sends node `id`'s first heartbeat: a node is alive before it joins.
+fn connect(cfg: &Config, kind: &BackendKind, id: &str) -> Result<Connected, RendezvousError> {
+    let (backend, server, route): (Box<dyn Backend>, _, _) = match kind {
+        BackendKind::C10d {
+            host,
+            port,
+            token,
+            is_host,
+        } => {
+            let (mut c, server) =
+                C10d::open(host, *port, &cfg.run_id, token, *is_host, cfg.store_timeout)?;
+            let ip = c.local_ip().ok();
+            (Box::new(c), server, ip)
+        }
+        BackendKind::Etcd { url } => {
+            let etcd = Etcd::open(url, &cfg.run_id, cfg.store_timeout)?;
+            let ip = etcd
+                .host_port()
+                .and_then(|(h, p)| route_address(h.trim_matches(['[', ']']), p));
+            (Box::new(etcd), None, ip)
+        }
+    };
+    let mut beats = backend.reconnect()?;
+    beats.heartbeat(id, cfg.heartbeat_timeout)?;
+    Ok((backend, beats, server, route))
+}
+
 impl Rendezvous {
     /// Connects to (or hosts) the store and starts heartbeats. `local_addr` is where this
-    /// node's workers can be reached (default: this host's address on the route to the store);
-    /// `port` the port its rank-0 worker would host the workers' store on.
+    /// node's workers can be reached (default: this host's address on the route to the store).
+    /// A store that is not up yet (its host agent or etcd still starting) is waited for, up to
+    /// the join timeout.
     pub fn open(
         cfg: Config,
         kind: &BackendKind,
         nproc: u32,
         local_addr: Option<String>,
-        port: u16,
     ) -> Result<Self, RendezvousError> {
-        let (mut backend, server, route): (Box<dyn Backend>, _, _) = match kind {
-            BackendKind::C10d {
-                host,
-                port,
-                token,
-                is_host,
-            } => {
-                let (mut c, server) =
-                    C10d::open(host, *port, &cfg.run_id, token, *is_host, cfg.store_timeout)?;
-                let ip = c.local_ip().ok();
-                (Box::new(c), server, ip)
-            }
-            BackendKind::Etcd { url } => {
-                let hostport = url
-                    .split("://")
-                    .last()
-                    .unwrap_or(url)
-                    .split('/')
-                    .next()
-                    .unwrap_or("");
-                let (h, p) = hostport.rsplit_once(':').unwrap_or((hostport, "2379"));
-                let ip = route_address(h.trim_matches(['[', ']']), p.parse().unwrap_or(2379));
-                (
-                    Box::new(Etcd::open(url, &cfg.run_id, cfg.store_timeout)?),
-                    None,
-                    ip,
-                )
+        let id = node_id();
+        let started = Instant::now();
+        let mut warned = false;
+        let (backend, beats, server, route) = loop {
+            match connect(&cfg, kind, &id) {
+                Ok(connected) => break connected,
+                Err(e) if started.elapsed() < cfg.join_timeout => {
+                    if !warned {
+                        tracing::warn!(error = %e, "rendezvous store not reachable yet; waiting");
+                        warned = true;
+                    }
+                    std::thread::sleep(cfg.poll.max(Duration::from_millis(200)));
+                }
+                Err(e) => return Err(e),
             }
         };
-        let addr = local_addr
-            .or_else(|| route.map(|ip| ip.to_string()))
-            .unwrap_or_else(|| "127.0.0.1".into());
         let me = Node {
-            id: node_id(),
-            addr,
-            port,
+            id,
+            addr: local_addr
+                .or_else(|| route.map(|ip| ip.to_string()))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            // Picked before each join (`set_port`).
+            port: 0,
             nproc,
         };
-        // The first heartbeat before anything else: a node is alive before it joins.
-        let mut beats = backend.reconnect()?;
-        beats.heartbeat(&me.id, cfg.heartbeat_timeout)?;
-        backend.alive()?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (stop, id, every, ttl) = (
@@ -155,11 +174,6 @@ impl Rendezvous {
 
     pub fn node_id(&self) -> &str {
         &self.me.id
-    }
-
-    /// This node as the others see it.
-    pub fn node(&self) -> &Node {
-        &self.me
     }
 
     pub fn describe(&self) -> String {

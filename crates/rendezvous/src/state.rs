@@ -228,8 +228,11 @@ pub fn join_step(
     match state.phase {
         Phase::Closed { .. } => {
             // A closed record whose nodes are all gone is a finished job's: a new job with the
-            // same run id starts over instead of being told it is over.
-            if state.participants.iter().any(|n| n.id != me.id && live(n)) {
+            // same run id starts over instead of being told it is over. Unless this node was in
+            // it: then it is this node's job that ended (the others finished before it looked).
+            if state.is_participant(&me.id)
+                || state.participants.iter().any(|n| n.id != me.id && live(n))
+            {
                 JoinStep::Closed(state.closed().unwrap_or(Closed {
                     succeeded: false,
                     root_cause: None,

@@ -15,7 +15,7 @@ fn config(run_id: &str) -> Config {
 }
 
 fn open(kind: &BackendKind, run_id: &str) -> Rendezvous {
-    Rendezvous::open(config(run_id), kind, 1, None, 40000).expect("open rendezvous")
+    Rendezvous::open(config(run_id), kind, 1, None).expect("open rendezvous")
 }
 
 fn join_all(agents: Vec<Rendezvous>) -> Vec<(Rendezvous, rendezvous::Assignment)> {
@@ -118,7 +118,7 @@ fn a_join_that_cannot_complete_times_out_with_what_to_do() {
     };
     let mut cfg = config("lonely");
     cfg.join_timeout = Duration::from_millis(500);
-    let mut r = Rendezvous::open(cfg, &kind, 1, None, 1).unwrap();
+    let mut r = Rendezvous::open(cfg, &kind, 1, None).unwrap();
     let err = r.join(&|| false).unwrap_err().to_string();
     assert!(err.contains("1 of at least 2 node(s) joined"), "{err}");
     assert!(err.contains("--rdzv-endpoint"), "{err}");
@@ -145,7 +145,6 @@ fn a_garbage_record_is_refused_not_trusted() {
         &BackendKind::Etcd { url: etcd.url() },
         1,
         None,
-        1,
     )
     .unwrap();
     let err = r.watch().unwrap_err().to_string();

@@ -60,7 +60,12 @@ impl C10d {
     fn client(&mut self) -> Result<&mut StoreClient, RendezvousError> {
         if self.client.is_none() {
             let c = StoreClient::connect(&self.host, self.port, &self.hello, self.timeout)
-                .map_err(|e| self.error(e))?;
+                .map_err(|e| match e {
+                    collective::CollectiveError::Connect { last_error, .. } => self.error(format!(
+                        "no store answers ({last_error}): start the agent on the endpoint's host, which hosts the c10d store, or check --rdzv-endpoint"
+                    )),
+                    other => self.error(other),
+                })?;
             self.client = Some(c);
         }
         self.client.as_mut().ok_or_else(|| RendezvousError::Store {

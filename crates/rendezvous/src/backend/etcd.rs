@@ -18,6 +18,7 @@ use crate::state::State;
 
 pub struct Etcd {
     url: String,
+    run_id: String,
     prefix: String,
     timeout: Duration,
     http: reqwest::blocking::Client,
@@ -28,6 +29,12 @@ pub struct Etcd {
 impl Etcd {
     pub fn open(url: &str, run_id: &str, timeout: Duration) -> Result<Etcd, RendezvousError> {
         let url = url.trim_end_matches('/').to_string();
+        if reqwest::Url::parse(&url).is_err() {
+            return Err(RendezvousError::Store {
+                endpoint: url,
+                problem: "not a URL: give --rdzv-endpoint HOST[:PORT] or http://HOST:PORT".into(),
+            });
+        }
         let http = reqwest::blocking::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
@@ -38,11 +45,18 @@ impl Etcd {
             })?;
         Ok(Etcd {
             prefix: format!("/trainctl/{run_id}/"),
+            run_id: run_id.to_string(),
             url,
             timeout,
             http,
             lease: None,
         })
+    }
+
+    /// Host and port of the endpoint, to find this host's address on the route to it.
+    pub fn host_port(&self) -> Option<(String, u16)> {
+        let url = reqwest::Url::parse(&self.url).ok()?;
+        Some((url.host_str()?.to_string(), url.port_or_known_default()?))
     }
 
     fn error(&self, problem: impl std::fmt::Display) -> RendezvousError {
@@ -216,11 +230,7 @@ impl Backend for Etcd {
     }
 
     fn reconnect(&self) -> Result<Box<dyn Backend>, RendezvousError> {
-        let run_id = self
-            .prefix
-            .trim_start_matches("/trainctl/")
-            .trim_end_matches('/');
-        Ok(Box::new(Etcd::open(&self.url, run_id, self.timeout)?))
+        Ok(Box::new(Etcd::open(&self.url, &self.run_id, self.timeout)?))
     }
 }
 

@@ -206,6 +206,23 @@ fn a_closed_job_is_final_while_its_nodes_live_and_forgotten_once_they_are_gone()
 }
 
 #[test]
+fn a_node_that_was_in_the_closed_job_is_told_it_is_over_even_when_the_others_left() {
+    let state = running(&["a", "b"]);
+    let closed = close_step(state.as_ref(), true, None).unwrap();
+    let step = join_step(Some(&closed), &node("a"), &alive(&["a"]), LIMITS, false);
+    assert!(
+        matches!(
+            step,
+            JoinStep::Closed(Closed {
+                succeeded: true,
+                ..
+            })
+        ),
+        "{step:?}"
+    );
+}
+
+#[test]
 fn a_stale_running_record_of_a_crashed_job_is_reopened_by_a_newcomer() {
     let state = running(&["a", "b"]);
     let live = alive(&["c"]);

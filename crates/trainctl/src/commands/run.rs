@@ -336,7 +336,7 @@ fn run_elastic(
     };
     let spec = worker_spec(args, nproc_per_node, run_id, token)?;
     let mut rdzv =
-        rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone(), 0)
+        rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
             .with_context(|| format!("cannot reach the rendezvous at {endpoint}"))?;
     crate::output::agent_starting(&spec, &rdzv);
     let (stdout, stderr) = sinks();
