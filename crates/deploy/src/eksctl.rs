@@ -1,0 +1,241 @@
+//! eksctl's `ClusterConfig` (eksctl.io/v1alpha5) for a preset, and the eksctl command lines.
+//!
+//! The config has a system node group (CPU; kube-system, metrics-server, controllers) and a
+//! worker node group (EFA where the instance has it, in the capacity reservation's zone and
+//! subnet when there is one). OIDC is on, and the nodes may use EBS, EFS and FSx.
+
+use serde_json::{Value, json};
+
+use crate::config::{Project, is_aws_id};
+
+/// Why a cluster cannot be rendered as asked.
+#[derive(Debug, thiserror::Error)]
+#[error("{problem}; {hint}")]
+pub struct ClusterConfigError {
+    pub problem: String,
+    pub hint: String,
+}
+
+fn refuse(problem: impl Into<String>, hint: impl Into<String>) -> ClusterConfigError {
+    ClusterConfigError {
+        problem: problem.into(),
+        hint: hint.into(),
+    }
+}
+
+pub const WORKER_GROUP: &str = "workers";
+pub const SYSTEM_GROUP: &str = "system";
+/// Label on every node, `system` or `worker`: the jobs' nodeSelector uses it.
+pub const ROLE_LABEL: &str = "trainctl.dev/role";
+
+/// The ClusterConfig document for `project`.
+pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
+    let c = &project.cluster;
+    let worker = c.instance_type;
+    let zones = &c.availability_zones;
+    for z in zones {
+        if !z.starts_with(&c.region) {
+            return Err(refuse(
+                format!("availability zone {z} is not in region {}", c.region),
+                format!("give zones of {} (e.g. {}a) with --az", c.region, c.region),
+            ));
+        }
+    }
+    if c.preset.needs_capacity_reservation() && c.capacity_reservation_id.is_none() {
+        return Err(refuse(
+            format!(
+                "preset {} takes its {} nodes from an on-demand capacity reservation",
+                c.preset.name(),
+                worker.name
+            ),
+            "give its id with --capacity-reservation-id cr-... and its zone first in --az",
+        ));
+    }
+    if let Some(id) = &c.capacity_reservation_id {
+        if !is_aws_id(id, "cr-") {
+            return Err(refuse(
+                format!("capacity reservation id {id:?} is not an id"),
+                "ids look like cr-0123456789abcdef0 (aws ec2 describe-capacity-reservations)",
+            ));
+        }
+        if zones.is_empty() {
+            return Err(refuse(
+                "a capacity reservation lives in one availability zone",
+                "give that zone first in --az",
+            ));
+        }
+    }
+    if worker.supports_efa() && zones.is_empty() {
+        return Err(refuse(
+            format!("{} nodes use EFA, which needs one availability zone", worker.name),
+            format!(
+                "give the workers' zone first in --az (e.g. --az {r}a,{r}b)",
+                r = c.region
+            ),
+        ));
+    }
+
+    let mut doc = json!({
+        "apiVersion": "eksctl.io/v1alpha5",
+        "kind": "ClusterConfig",
+        "metadata": {
+            "name": c.name,
+            "region": c.region,
+            "version": c.version,
+            "tags": { "app.kubernetes.io/managed-by": "trainctl" },
+        },
+        "iam": { "withOIDC": true },
+        "addons": [
+            { "name": "vpc-cni" },
+            { "name": "coredns" },
+            { "name": "kube-proxy" },
+            { "name": "eks-pod-identity-agent" },
+            { "name": "metrics-server" },
+            { "name": "aws-efs-csi-driver", "useDefaultPodIdentityAssociations": true },
+        ],
+    });
+
+    // Where the worker group goes: one zone when EFA or a reservation pins it.
+    let pinned_zone = (worker.supports_efa() || c.capacity_reservation_id.is_some())
+        .then(|| zones[0].clone());
+    let mut worker_subnet = None;
+    match &c.existing_vpc {
+        Some(vpc) => {
+            if !is_aws_id(vpc, "vpc-") {
+                return Err(refuse(
+                    format!("--existing-vpc {vpc:?} is not a VPC id"),
+                    "ids look like vpc-0123456789abcdef0",
+                ));
+            }
+            if c.private_subnets.is_empty() {
+                return Err(refuse(
+                    "an existing VPC needs its private subnets",
+                    "give them with --private-subnets subnet-...,subnet-... (one per --az)",
+                ));
+            }
+            if let Some(bad) = c.private_subnets.iter().find(|s| !is_aws_id(s, "subnet-")) {
+                return Err(refuse(
+                    format!("{bad:?} is not a subnet id"),
+                    "ids look like subnet-0123456789abcdef0",
+                ));
+            }
+            if !zones.is_empty() && zones.len() != c.private_subnets.len() {
+                return Err(refuse(
+                    format!(
+                        "{} availability zones for {} private subnets",
+                        zones.len(),
+                        c.private_subnets.len()
+                    ),
+                    "give one zone per subnet, in the same order, with --az",
+                ));
+            }
+            let mut private = serde_json::Map::new();
+            for (i, subnet) in c.private_subnets.iter().enumerate() {
+                let key = zones
+                    .get(i)
+                    .cloned()
+                    .unwrap_or_else(|| format!("private-{}", i + 1));
+                private.insert(key, json!({ "id": subnet }));
+            }
+            doc["vpc"] = json!({ "id": vpc, "subnets": { "private": private } });
+            if pinned_zone.is_some() {
+                worker_subnet = Some(c.private_subnets[0].clone());
+            }
+        }
+        None => {
+            if !c.private_subnets.is_empty() {
+                return Err(refuse(
+                    "--private-subnets without --existing-vpc",
+                    "give the VPC they belong to with --existing-vpc vpc-...",
+                ));
+            }
+            if zones.len() == 1 {
+                return Err(refuse(
+                    "a new VPC needs at least two availability zones (EKS's control plane spans two)",
+                    format!(
+                        "add a second zone: --az {},{}",
+                        zones[0],
+                        other_zone(&zones[0])
+                    ),
+                ));
+            }
+            if !zones.is_empty() {
+                doc["availabilityZones"] = json!(zones);
+            }
+        }
+    }
+
+    let system = json!({
+        "name": SYSTEM_GROUP,
+        "instanceType": c.system_instance_type.name,
+        "desiredCapacity": 1,
+        "minSize": 1,
+        "maxSize": 2,
+        "privateNetworking": true,
+        "labels": { ROLE_LABEL: "system" },
+        "iam": { "withAddonPolicies": { "ebs": true, "efs": true, "cloudWatch": true } },
+    });
+    let mut workers = json!({
+        "name": WORKER_GROUP,
+        "instanceType": worker.name,
+        "desiredCapacity": c.nodes,
+        "minSize": 0,
+        "maxSize": c.nodes,
+        "privateNetworking": true,
+        "volumeSize": if worker.gpus > 0 { 500 } else { 100 },
+        "labels": { ROLE_LABEL: "worker" },
+        "iam": { "withAddonPolicies": { "ebs": true, "efs": true, "fsx": true, "cloudWatch": true } },
+    });
+    if worker.supports_efa() {
+        workers["efaEnabled"] = json!(true);
+    }
+    if let Some(subnet) = worker_subnet {
+        workers["subnets"] = json!([subnet]);
+    } else if let Some(zone) = &pinned_zone {
+        workers["availabilityZones"] = json!([zone]);
+    }
+    if let Some(id) = &c.capacity_reservation_id {
+        workers["capacityReservation"] =
+            json!({ "capacityReservationTarget": { "capacityReservationID": id } });
+    }
+    if worker.gpus > 0 {
+        // Only GPU pods land on GPU nodes; the device plugin tolerates this taint.
+        workers["taints"] = json!([{ "key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule" }]);
+    }
+    doc["managedNodeGroups"] = json!([system, workers]);
+    Ok(doc)
+}
+
+fn other_zone(zone: &str) -> String {
+    let (base, last) = zone.split_at(zone.len().saturating_sub(1));
+    let next = if last == "a" { "b" } else { "a" };
+    format!("{base}{next}")
+}
+
+/// The eksctl command lines for `cluster create|delete`, with the config written to `file`.
+pub fn create_command(file: &str) -> Vec<String> {
+    ["eksctl", "create", "cluster", "-f", file]
+        .map(String::from)
+        .to_vec()
+}
+
+pub fn delete_command(project: &Project) -> Vec<String> {
+    vec![
+        "eksctl".into(),
+        "delete".into(),
+        "cluster".into(),
+        "--name".into(),
+        project.cluster.name.clone(),
+        "--region".into(),
+        project.cluster.region.clone(),
+        "--wait".into(),
+    ]
+}
+
+/// `cluster addons`: creates the config's EKS add-ons (metrics-server, the EFS CSI driver...)
+/// that the cluster does not have yet.
+pub fn addons_command(file: &str) -> Vec<String> {
+    ["eksctl", "create", "addon", "-f", file]
+        .map(String::from)
+        .to_vec()
+}

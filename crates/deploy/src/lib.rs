@@ -1,0 +1,15 @@
+//! trainctl on Kubernetes and EKS.
+//!
+//! - [`config`]: `trainctl.toml`, `TRAINCTL_*` and flags, layered and checked;
+//! - [`catalog`]: EC2 instance types and the cluster presets;
+//! - [`eksctl`]: eksctl's ClusterConfig and command lines;
+//! - [`manifests`]: the Kubernetes objects (storage, data, training, test and doctor jobs);
+//! - [`kube_api`]: applying them and watching jobs through the Kubernetes API (kube-rs);
+//! - [`doctor`]: the in-cluster checks of `trainctl doctor check`.
+//!
+//! Nothing here shells out to kubectl. eksctl is run (or its command printed) only by the CLI.
+
+pub mod catalog;
+pub mod config;
+pub mod eksctl;
+pub mod manifests;
