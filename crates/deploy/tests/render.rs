@@ -1,0 +1,373 @@
+//! Every rendered object: snapshot-tested (insta), and validated against the real schemas
+//! (eksctl's JSON Schema; the PyTorchJob CRD's openAPIV3Schema) copied into `schemas/`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use deploy::config::{Layers, Project, Resolved};
+use deploy::{eksctl, manifests};
+use serde_json::Value;
+
+fn project(flags: &[(&'static str, &str)]) -> Project {
+    let no_env = |_: &str| None;
+    let layers = Layers {
+        flags: flags.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+        env: &no_env,
+        file: None,
+    };
+    let resolved = Resolved::resolve(&layers).expect("resolves");
+    Project::from_resolved(&resolved).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn schema_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("schemas")
+}
+
+fn eksctl_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| {
+        let text =
+            std::fs::read_to_string(schema_dir().join("eksctl-clusterconfig-v1alpha5.schema.json"))
+                .unwrap();
+        let mut schema: Value = serde_json::from_str(&text).unwrap();
+        // eksctl's references name Go packages (`#/definitions/github.com|aws|...`); `|` is not
+        // allowed in a URI, so it is percent-encoded (the pointer decodes it back).
+        encode_refs(&mut schema);
+        jsonschema::validator_for(&schema).unwrap()
+    })
+}
+
+fn encode_refs(schema: &mut Value) {
+    match schema {
+        Value::Object(map) => {
+            for (k, v) in map.iter_mut() {
+                match v {
+                    Value::String(r) if k == "$ref" => *r = r.replace('|', "%7C"),
+                    v => encode_refs(v),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(encode_refs),
+        _ => {}
+    }
+}
+
+/// The API server prunes fields a structural schema does not name; refusing them instead
+/// makes a misspelt or misplaced field fail here rather than vanish on apply.
+fn close_objects(schema: &mut Value) {
+    match schema {
+        Value::Object(map) => {
+            let open = map.contains_key("x-kubernetes-preserve-unknown-fields")
+                || map.contains_key("additionalProperties");
+            if map.contains_key("properties") && !open {
+                map.insert("additionalProperties".into(), Value::Bool(false));
+            }
+            for v in map.values_mut() {
+                close_objects(v);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(close_objects),
+        _ => {}
+    }
+}
+
+fn pytorchjob_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| {
+        let text = std::fs::read_to_string(schema_dir().join("kubeflow.org_pytorchjobs.yaml"))
+            .unwrap();
+        let crd: Value = serde_saphyr::from_str(&text).unwrap();
+        let version = crd["spec"]["versions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "v1")
+            .expect("the CRD serves v1");
+        let mut schema = version["schema"]["openAPIV3Schema"].clone();
+        close_objects(&mut schema);
+        // metadata is `type: object` in the CRD; the API server checks it as ObjectMeta.
+        jsonschema::validator_for(&schema).unwrap()
+    })
+}
+
+fn assert_valid(validator: &jsonschema::Validator, doc: &Value, what: &str) {
+    let errors: Vec<String> = validator
+        .iter_errors(doc)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .collect();
+    assert!(errors.is_empty(), "{what} is invalid:\n{}", errors.join("\n"));
+}
+
+fn cluster_case(name: &str, flags: &[(&'static str, &str)]) {
+    let doc = eksctl::cluster_config(&project(flags)).unwrap_or_else(|e| panic!("{e}"));
+    assert_valid(eksctl_validator(), &doc, name);
+    insta::assert_snapshot!(name, manifests::to_yaml(&[doc]));
+}
+
+#[test]
+fn cluster_presets_render_valid_eksctl_configs() {
+    cluster_case("cluster_cpu", &[]);
+    cluster_case(
+        "cluster_g4dn_new_vpc",
+        &[
+            ("cluster.preset", "g4dn"),
+            ("cluster.availability_zones", "us-west-2b,us-west-2a"),
+        ],
+    );
+    cluster_case(
+        "cluster_g4dn_existing_vpc",
+        &[
+            ("cluster.preset", "g4dn"),
+            ("cluster.existing_vpc", "vpc-0abc"),
+            ("cluster.private_subnets", "subnet-0aaa,subnet-0bbb"),
+            ("cluster.availability_zones", "us-west-2a,us-west-2b"),
+        ],
+    );
+    cluster_case(
+        "cluster_p4de_odcr_new_vpc",
+        &[
+            ("cluster.preset", "p4de-odcr"),
+            ("cluster.region", "us-east-2"),
+            ("cluster.capacity_reservation_id", "cr-0123456789abcdef0"),
+            ("cluster.availability_zones", "us-east-2b,us-east-2a"),
+        ],
+    );
+    cluster_case(
+        "cluster_p4de_odcr_existing_vpc",
+        &[
+            ("cluster.preset", "p4de-odcr"),
+            ("cluster.region", "us-east-2"),
+            ("cluster.capacity_reservation_id", "cr-0123456789abcdef0"),
+            ("cluster.existing_vpc", "vpc-0abc"),
+            ("cluster.private_subnets", "subnet-0bbb,subnet-0aaa"),
+            ("cluster.availability_zones", "us-east-2b,us-east-2a"),
+        ],
+    );
+    cluster_case(
+        "cluster_p5",
+        &[
+            ("cluster.preset", "p5"),
+            ("cluster.availability_zones", "us-west-2c,us-west-2a"),
+            ("cluster.nodes", "4"),
+        ],
+    );
+}
+
+#[test]
+fn odcr_subnet_and_zone_match_the_reservation() {
+    let p = project(&[
+        ("cluster.preset", "p4de-odcr"),
+        ("cluster.region", "us-east-2"),
+        ("cluster.capacity_reservation_id", "cr-0123456789abcdef0"),
+        ("cluster.existing_vpc", "vpc-0abc"),
+        ("cluster.private_subnets", "subnet-0bbb,subnet-0aaa"),
+        ("cluster.availability_zones", "us-east-2b,us-east-2a"),
+    ]);
+    let doc = eksctl::cluster_config(&p).unwrap();
+    let workers = &doc["managedNodeGroups"][1];
+    assert_eq!(workers["subnets"], serde_json::json!(["subnet-0bbb"]));
+    assert_eq!(doc["vpc"]["subnets"]["private"]["us-east-2b"]["id"], "subnet-0bbb");
+    assert_eq!(
+        workers["capacityReservation"]["capacityReservationTarget"]["capacityReservationID"],
+        "cr-0123456789abcdef0"
+    );
+    assert_eq!(workers["efaEnabled"], true);
+    assert_eq!(doc["iam"]["withOIDC"], true);
+}
+
+#[test]
+fn impossible_clusters_are_refused_with_what_to_do() {
+    let refuse = |flags: &[(&'static str, &str)]| {
+        eksctl::cluster_config(&project(flags))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refuse(&[("cluster.preset", "p4de-odcr")]);
+    assert!(e.contains("--capacity-reservation-id"), "{e}");
+    let e = refuse(&[("cluster.preset", "g4dn")]);
+    assert!(e.contains("EFA, which needs one availability zone"), "{e}");
+    let e = refuse(&[("cluster.availability_zones", "us-west-2a")]);
+    assert!(e.contains("--az us-west-2a,us-west-2b"), "{e}");
+    let e = refuse(&[("cluster.availability_zones", "eu-west-1a,eu-west-1b")]);
+    assert!(e.contains("not in region us-west-2"), "{e}");
+    let e = refuse(&[
+        ("cluster.existing_vpc", "vpc-1"),
+        ("cluster.private_subnets", "subnet-1"),
+        ("cluster.availability_zones", "us-west-2a,us-west-2b"),
+    ]);
+    assert!(e.contains("2 availability zones for 1 private subnets"), "{e}");
+    let e = refuse(&[("cluster.existing_vpc", "vpc-1")]);
+    assert!(e.contains("--private-subnets"), "{e}");
+}
+
+#[test]
+fn storage_renders_a_class_a_volume_and_a_read_write_many_claim() {
+    let efs = manifests::storage(&project(&[("storage.efs", "fs-0123abcd")])).unwrap();
+    insta::assert_snapshot!("storage_efs", manifests::to_yaml(&efs));
+    let fsx = manifests::storage(&project(&[(
+        "storage.fsx",
+        "fs-0123abcd,fs-0123abcd.fsx.us-west-2.amazonaws.com,abcdefgh",
+    )]))
+    .unwrap();
+    insta::assert_snapshot!("storage_fsx", manifests::to_yaml(&fsx));
+    for docs in [&efs, &fsx] {
+        let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+        assert_eq!(kinds, ["StorageClass", "PersistentVolume", "PersistentVolumeClaim"]);
+        assert_eq!(docs[2]["spec"]["accessModes"][0], "ReadWriteMany");
+        assert_eq!(docs[2]["spec"]["volumeName"], docs[1]["metadata"]["name"]);
+        assert_eq!(docs[1]["spec"]["storageClassName"], docs[0]["metadata"]["name"]);
+    }
+    let e = manifests::storage(&project(&[])).unwrap_err().to_string();
+    assert!(e.contains("--efs FS_ID"), "{e}");
+}
+
+#[test]
+fn indexed_training_job() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    insta::assert_snapshot!("job_indexed", manifests::to_yaml(&docs));
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["Secret", "Service", "Job"]);
+    let job = &docs[2];
+    assert_eq!(job["spec"]["completionMode"], "Indexed");
+    assert_eq!(job["spec"]["completions"], 2);
+    let pod = &job["spec"]["template"]["spec"];
+    // Pod 0's stable name is NAME-0.NAME: the Service is the pods' subdomain.
+    assert_eq!(pod["subdomain"], docs[1]["metadata"]["name"]);
+    assert_eq!(docs[1]["spec"]["clusterIP"], "None");
+    assert_eq!(docs[1]["spec"]["publishNotReadyAddresses"], true);
+    let args: Vec<&str> = pod["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let joined = args.join(" ");
+    assert!(
+        joined.contains("--rdzv-endpoint cifar10-0.cifar10:29400"),
+        "{joined}"
+    );
+    assert!(joined.contains("train --data /data/cifar10 --out /data/runs --epochs 10 --batch-size 128 --lr 0.001"), "{joined}");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        pod["nodeSelector"]["node.kubernetes.io/instance-type"],
+        "c5.4xlarge"
+    );
+    let volumes = pod["volumes"].as_array().unwrap();
+    assert!(volumes.iter().any(|v| v["emptyDir"]["medium"] == "Memory"));
+    assert!(volumes
+        .iter()
+        .any(|v| v["persistentVolumeClaim"]["claimName"] == "trainctl-data"));
+    assert!(job["spec"]["ttlSecondsAfterFinished"].as_i64().unwrap() > 0);
+}
+
+#[test]
+fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
+    let p = project(&[
+        ("cluster.preset", "g4dn"),
+        ("storage.efs", "fs-1"),
+        ("job.nproc_per_node", "8"),
+    ]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    let pod = &docs[2]["spec"]["template"]["spec"];
+    let resources = &pod["containers"][0]["resources"];
+    assert_eq!(resources["limits"]["nvidia.com/gpu"], "8");
+    assert_eq!(resources["requests"]["nvidia.com/gpu"], "8");
+    assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    insta::assert_snapshot!("job_indexed_g4dn", manifests::to_yaml(&docs));
+}
+
+#[test]
+fn pytorchjobs_validate_against_the_crd() {
+    for (name, nnodes) in [("job_pytorchjob", "2"), ("job_pytorchjob_elastic", "1:3")] {
+        let p = project(&[
+            ("storage.efs", "fs-1"),
+            ("job.launcher", "pytorchjob"),
+            ("job.nnodes", nnodes),
+        ]);
+        let docs = manifests::training_job(&p, "TOKEN");
+        assert_eq!(docs[1]["kind"], "PyTorchJob");
+        assert_valid(pytorchjob_validator(), &docs[1], name);
+        insta::assert_snapshot!(name, manifests::to_yaml(&docs));
+        let spec = &docs[1]["spec"];
+        let worker = &spec["pytorchReplicaSpecs"]["Worker"];
+        assert_eq!(worker["template"]["spec"]["containers"][0]["name"], "pytorch");
+        assert_eq!(
+            worker["template"]["spec"]["containers"][0]["ports"][0]["name"],
+            "pytorchjob-port"
+        );
+        if nnodes == "1:3" {
+            assert_eq!(spec["elasticPolicy"]["minReplicas"], 1);
+            assert_eq!(spec["elasticPolicy"]["maxReplicas"], 3);
+            assert_eq!(worker["replicas"], 3);
+        } else {
+            assert!(spec.get("elasticPolicy").is_none());
+        }
+    }
+}
+
+#[test]
+fn the_crd_check_catches_a_misplaced_field() {
+    let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "pytorchjob")]);
+    let mut job = manifests::training_job(&p, "TOKEN").remove(1);
+    job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplica": 1 });
+    assert!(!pytorchjob_validator().is_valid(&job));
+    job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplicas": "one" });
+    assert!(!pytorchjob_validator().is_valid(&job));
+}
+
+#[test]
+fn data_test_and_doctor_jobs() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let data = manifests::data_job(&p);
+    insta::assert_snapshot!("job_data", manifests::to_yaml(&[data.clone()]));
+    let test = manifests::test_job(&p);
+    insta::assert_snapshot!("job_test", manifests::to_yaml(&[test.clone()]));
+    let doctor = manifests::doctor_job(&p);
+    insta::assert_snapshot!("job_doctor", manifests::to_yaml(&doctor));
+    let data_args = &data["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!((&data_args[0], &data_args[1]), (&Value::from("data"), &Value::from("fetch")));
+    let test_args = &test["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!(test_args[2], "/data/runs/cifar10/model.safetensors");
+    // Helper jobs do not need the training nodes' size or GPUs.
+    assert!(data["spec"]["template"]["spec"].get("nodeSelector").is_none());
+}
+
+#[test]
+fn device_plugin() {
+    insta::assert_snapshot!(
+        "nvidia_device_plugin",
+        manifests::to_yaml(&[manifests::nvidia_device_plugin()])
+    );
+}
+
+#[test]
+fn core_objects_read_back_as_their_k8s_openapi_types() {
+    // What we render deserialises into the API's types without loss of kind or name.
+    use k8s_openapi::api::batch::v1::Job;
+    use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service};
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    let service: Service = serde_json::from_value(docs[1].clone()).unwrap();
+    let job: Job = serde_json::from_value(docs[2].clone()).unwrap();
+    assert_eq!(service.metadata.name.as_deref(), Some("cifar10"));
+    assert_eq!(job.spec.unwrap().parallelism, Some(2));
+    let storage = manifests::storage(&p).unwrap();
+    let claim: PersistentVolumeClaim = serde_json::from_value(storage[2].clone()).unwrap();
+    assert_eq!(claim.metadata.namespace.as_deref(), Some("default"));
+}
+
+#[test]
+fn the_eksctl_check_catches_a_misspelt_field() {
+    let mut doc = eksctl::cluster_config(&project(&[])).unwrap();
+    assert!(eksctl_validator().is_valid(&doc));
+    doc["managedNodeGroups"][1]["instancetype"] = Value::from("c5.4xlarge");
+    assert!(!eksctl_validator().is_valid(&doc));
+    doc["managedNodeGroups"][1]
+        .as_object_mut()
+        .unwrap()
+        .remove("instancetype");
+    doc["managedNodeGroups"][1]["desiredCapacity"] = Value::from("two");
+    assert!(!eksctl_validator().is_valid(&doc));
+}
