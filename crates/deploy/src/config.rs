@@ -48,7 +48,10 @@ pub struct Setting {
 impl Setting {
     /// `TRAINCTL_CLUSTER_NODES` for `cluster.nodes`.
     pub fn env_var(&self) -> String {
-        format!("TRAINCTL_{}", self.key.replace('.', "_").to_ascii_uppercase())
+        format!(
+            "TRAINCTL_{}",
+            self.key.replace('.', "_").to_ascii_uppercase()
+        )
     }
 }
 
@@ -123,10 +126,7 @@ pub enum ConfigError {
     #[error("{file}: not valid TOML: {message}")]
     Parse { file: String, message: String },
     #[error("cannot read {file}: {error}")]
-    Read {
-        file: String,
-        error: std::io::Error,
-    },
+    Read { file: String, error: std::io::Error },
 }
 
 /// The values as given, layer by layer.
@@ -237,7 +237,10 @@ impl Resolved {
         default("job.ttl_seconds", "86400".into(), Source::Default);
 
         // Settings computed from others.
-        let mount = self.get("storage.mount_path").unwrap_or("/data").to_string();
+        let mount = self
+            .get("storage.mount_path")
+            .unwrap_or("/data")
+            .to_string();
         let mount = mount.trim_end_matches('/');
         let nodes = self.get("cluster.nodes").unwrap_or("2").to_string();
         let instance = self
@@ -248,12 +251,12 @@ impl Resolved {
                 .entry(key)
                 .or_insert((value, Source::Derived(from)));
         };
+        derived("data.dir", format!("{mount}/cifar10"), "storage.mount_path");
         derived(
-            "data.dir",
-            format!("{mount}/cifar10"),
+            "job.runs_dir",
+            format!("{mount}/runs"),
             "storage.mount_path",
         );
-        derived("job.runs_dir", format!("{mount}/runs"), "storage.mount_path");
         derived("job.nnodes", nodes, "cluster.nodes");
         if let Some(t) = instance {
             derived(
@@ -262,7 +265,11 @@ impl Resolved {
                 "cluster.instance_type",
             );
             let (cpu, memory, shm) = pod_size(t);
-            derived("job.gpus_per_node", t.gpus.to_string(), "cluster.instance_type");
+            derived(
+                "job.gpus_per_node",
+                t.gpus.to_string(),
+                "cluster.instance_type",
+            );
             derived("job.cpu", cpu, "cluster.instance_type");
             derived("job.memory", memory, "cluster.instance_type");
             derived("job.shm_size", shm, "cluster.instance_type");
@@ -299,7 +306,11 @@ fn parse_file(path: &Path, text: &str) -> Result<BTreeMap<String, String>, Confi
     let unknown = |key: String| ConfigError::UnknownKey {
         file: file.clone(),
         key,
-        known: SETTINGS.iter().map(|s| s.key).collect::<Vec<_>>().join(", "),
+        known: SETTINGS
+            .iter()
+            .map(|s| s.key)
+            .collect::<Vec<_>>()
+            .join(", "),
     };
     for (name, value) in table {
         match value {
@@ -488,7 +499,11 @@ impl Project {
         }
         let cluster = Cluster {
             name,
-            region: v.matching("cluster.region", is_region, "an AWS region such as us-west-2")?,
+            region: v.matching(
+                "cluster.region",
+                is_region,
+                "an AWS region such as us-west-2",
+            )?,
             version: v.matching(
                 "cluster.version",
                 |s| {
@@ -720,10 +735,9 @@ impl Values<'_> {
         let parse = |s: &str| s.trim().parse::<u32>().ok().filter(|&n| n > 0);
         match (parse(min), parse(max)) {
             (Some(min), Some(max)) if min <= max => Ok((min, max)),
-            (Some(_), Some(_)) => Err(self.invalid(
-                "job.nnodes",
-                "MIN is larger than MAX; write MIN:MAX".into(),
-            )),
+            (Some(_), Some(_)) => {
+                Err(self.invalid("job.nnodes", "MIN is larger than MAX; write MIN:MAX".into()))
+            }
             _ => Err(self.invalid(
                 "job.nnodes",
                 "expected a positive number N or MIN:MAX".into(),

@@ -67,7 +67,10 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     }
     if worker.supports_efa() && zones.is_empty() {
         return Err(refuse(
-            format!("{} nodes use EFA, which needs one availability zone", worker.name),
+            format!(
+                "{} nodes use EFA, which needs one availability zone",
+                worker.name
+            ),
             format!(
                 "give the workers' zone first in --az (e.g. --az {r}a,{r}b)",
                 r = c.region
@@ -96,8 +99,8 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     });
 
     // Where the worker group goes: one zone when EFA or a reservation pins it.
-    let pinned_zone = (worker.supports_efa() || c.capacity_reservation_id.is_some())
-        .then(|| zones[0].clone());
+    let pinned_zone =
+        (worker.supports_efa() || c.capacity_reservation_id.is_some()).then(|| zones[0].clone());
     let mut worker_subnet = None;
     match &c.existing_vpc {
         Some(vpc) => {
@@ -200,7 +203,8 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     }
     if worker.gpus > 0 {
         // Only GPU pods land on GPU nodes; the device plugin tolerates this taint.
-        workers["taints"] = json!([{ "key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule" }]);
+        workers["taints"] =
+            json!([{ "key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule" }]);
     }
     doc["managedNodeGroups"] = json!([system, workers]);
     Ok(doc)

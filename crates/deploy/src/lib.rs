@@ -12,4 +12,5 @@
 pub mod catalog;
 pub mod config;
 pub mod eksctl;
+pub mod kube_api;
 pub mod manifests;

@@ -12,7 +12,7 @@ use k8s_openapi::api::batch::v1::{
     PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, CSIPersistentVolumeSource, EmptyDirVolumeSource,
+    CSIPersistentVolumeSource, Capabilities, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, HostPathVolumeSource, PersistentVolume, PersistentVolumeClaim,
     PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PersistentVolumeSpec,
     PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, Secret,
@@ -97,7 +97,9 @@ fn quantity(s: &str) -> Quantity {
 
 /// What `storage` renders: a StorageClass, a PersistentVolume and a ReadWriteMany claim.
 #[derive(Debug, thiserror::Error)]
-#[error("no shared storage is configured; give --efs FS_ID, --fsx FS_ID,DNS,MOUNT or, on a one-node development cluster, --host-path DIR")]
+#[error(
+    "no shared storage is configured; give --efs FS_ID, --fsx FS_ID,DNS,MOUNT or, on a one-node development cluster, --host-path DIR"
+)]
 pub struct NoStorage;
 
 pub fn storage(project: &Project) -> Result<Vec<Value>, NoStorage> {
@@ -187,11 +189,7 @@ pub fn storage(project: &Project) -> Result<Vec<Value>, NoStorage> {
         }),
         ..PersistentVolumeClaim::default()
     };
-    Ok(vec![
-        object(&class_object),
-        object(&volume),
-        object(&claim),
-    ])
+    Ok(vec![object(&class_object), object(&volume), object(&claim)])
 }
 
 fn backend_name(b: &StorageBackend) -> &'static str {
@@ -219,7 +217,11 @@ struct PodOptions {
 
 fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     let job = &project.job;
-    let gpus = if o.training_size { job.gpus_per_node } else { 0 };
+    let gpus = if o.training_size {
+        job.gpus_per_node
+    } else {
+        0
+    };
     let mut requests = BTreeMap::new();
     let mut limits = BTreeMap::new();
     if o.training_size {

@@ -74,8 +74,8 @@ fn close_objects(schema: &mut Value) {
 fn pytorchjob_validator() -> &'static jsonschema::Validator {
     static V: OnceLock<jsonschema::Validator> = OnceLock::new();
     V.get_or_init(|| {
-        let text = std::fs::read_to_string(schema_dir().join("kubeflow.org_pytorchjobs.yaml"))
-            .unwrap();
+        let text =
+            std::fs::read_to_string(schema_dir().join("kubeflow.org_pytorchjobs.yaml")).unwrap();
         let crd: Value = serde_saphyr::from_str(&text).unwrap();
         let version = crd["spec"]["versions"]
             .as_array()
@@ -95,7 +95,11 @@ fn assert_valid(validator: &jsonschema::Validator, doc: &Value, what: &str) {
         .iter_errors(doc)
         .map(|e| format!("{} at {}", e, e.instance_path()))
         .collect();
-    assert!(errors.is_empty(), "{what} is invalid:\n{}", errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "{what} is invalid:\n{}",
+        errors.join("\n")
+    );
 }
 
 fn cluster_case(name: &str, flags: &[(&'static str, &str)]) {
@@ -166,7 +170,10 @@ fn odcr_subnet_and_zone_match_the_reservation() {
     let doc = eksctl::cluster_config(&p).unwrap();
     let workers = &doc["managedNodeGroups"][1];
     assert_eq!(workers["subnets"], serde_json::json!(["subnet-0bbb"]));
-    assert_eq!(doc["vpc"]["subnets"]["private"]["us-east-2b"]["id"], "subnet-0bbb");
+    assert_eq!(
+        doc["vpc"]["subnets"]["private"]["us-east-2b"]["id"],
+        "subnet-0bbb"
+    );
     assert_eq!(
         workers["capacityReservation"]["capacityReservationTarget"]["capacityReservationID"],
         "cr-0123456789abcdef0"
@@ -196,7 +203,10 @@ fn impossible_clusters_are_refused_with_what_to_do() {
         ("cluster.private_subnets", "subnet-1"),
         ("cluster.availability_zones", "us-west-2a,us-west-2b"),
     ]);
-    assert!(e.contains("2 availability zones for 1 private subnets"), "{e}");
+    assert!(
+        e.contains("2 availability zones for 1 private subnets"),
+        "{e}"
+    );
     let e = refuse(&[("cluster.existing_vpc", "vpc-1")]);
     assert!(e.contains("--private-subnets"), "{e}");
 }
@@ -213,10 +223,16 @@ fn storage_renders_a_class_a_volume_and_a_read_write_many_claim() {
     insta::assert_snapshot!("storage_fsx", manifests::to_yaml(&fsx));
     for docs in [&efs, &fsx] {
         let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
-        assert_eq!(kinds, ["StorageClass", "PersistentVolume", "PersistentVolumeClaim"]);
+        assert_eq!(
+            kinds,
+            ["StorageClass", "PersistentVolume", "PersistentVolumeClaim"]
+        );
         assert_eq!(docs[2]["spec"]["accessModes"][0], "ReadWriteMany");
         assert_eq!(docs[2]["spec"]["volumeName"], docs[1]["metadata"]["name"]);
-        assert_eq!(docs[1]["spec"]["storageClassName"], docs[0]["metadata"]["name"]);
+        assert_eq!(
+            docs[1]["spec"]["storageClassName"],
+            docs[0]["metadata"]["name"]
+        );
     }
     let e = manifests::storage(&project(&[])).unwrap_err().to_string();
     assert!(e.contains("--efs FS_ID"), "{e}");
@@ -248,7 +264,12 @@ fn indexed_training_job() {
         joined.contains("--rdzv-endpoint cifar10-0.cifar10:29400"),
         "{joined}"
     );
-    assert!(joined.contains("train --data /data/cifar10 --out /data/runs --epochs 10 --batch-size 128 --lr 0.001"), "{joined}");
+    assert!(
+        joined.contains(
+            "train --data /data/cifar10 --out /data/runs --epochs 10 --batch-size 128 --lr 0.001"
+        ),
+        "{joined}"
+    );
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
     assert_eq!(
         pod["nodeSelector"]["node.kubernetes.io/instance-type"],
@@ -256,9 +277,11 @@ fn indexed_training_job() {
     );
     let volumes = pod["volumes"].as_array().unwrap();
     assert!(volumes.iter().any(|v| v["emptyDir"]["medium"] == "Memory"));
-    assert!(volumes
-        .iter()
-        .any(|v| v["persistentVolumeClaim"]["claimName"] == "trainctl-data"));
+    assert!(
+        volumes
+            .iter()
+            .any(|v| v["persistentVolumeClaim"]["claimName"] == "trainctl-data")
+    );
     assert!(job["spec"]["ttlSecondsAfterFinished"].as_i64().unwrap() > 0);
 }
 
@@ -292,7 +315,10 @@ fn pytorchjobs_validate_against_the_crd() {
         insta::assert_snapshot!(name, manifests::to_yaml(&docs));
         let spec = &docs[1]["spec"];
         let worker = &spec["pytorchReplicaSpecs"]["Worker"];
-        assert_eq!(worker["template"]["spec"]["containers"][0]["name"], "pytorch");
+        assert_eq!(
+            worker["template"]["spec"]["containers"][0]["name"],
+            "pytorch"
+        );
         assert_eq!(
             worker["template"]["spec"]["containers"][0]["ports"][0]["name"],
             "pytorchjob-port"
@@ -327,11 +353,18 @@ fn data_test_and_doctor_jobs() {
     let doctor = manifests::doctor_job(&p);
     insta::assert_snapshot!("job_doctor", manifests::to_yaml(&doctor));
     let data_args = &data["spec"]["template"]["spec"]["containers"][0]["args"];
-    assert_eq!((&data_args[0], &data_args[1]), (&Value::from("data"), &Value::from("fetch")));
+    assert_eq!(
+        (&data_args[0], &data_args[1]),
+        (&Value::from("data"), &Value::from("fetch"))
+    );
     let test_args = &test["spec"]["template"]["spec"]["containers"][0]["args"];
     assert_eq!(test_args[2], "/data/runs/cifar10/model.safetensors");
     // Helper jobs do not need the training nodes' size or GPUs.
-    assert!(data["spec"]["template"]["spec"].get("nodeSelector").is_none());
+    assert!(
+        data["spec"]["template"]["spec"]
+            .get("nodeSelector")
+            .is_none()
+    );
 }
 
 #[test]

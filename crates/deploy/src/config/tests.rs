@@ -105,14 +105,25 @@ fn nnodes_defaults_to_the_node_count_and_takes_a_range() {
 #[test]
 fn bad_values_are_named_with_their_value_and_source() {
     let e = error(&[("cluster.instance_type", "c5.huge")], &[], None);
-    assert!(e.contains("cluster.instance_type = \"c5.huge\" (from flag --instance-type)"), "{e}");
+    assert!(
+        e.contains("cluster.instance_type = \"c5.huge\" (from flag --instance-type)"),
+        "{e}"
+    );
     assert!(e.contains("unknown instance type; known: c5.xlarge"), "{e}");
 
     let e = error(&[], &[("TRAINCTL_CLUSTER_NODES", "0")], None);
-    assert!(e.contains("cluster.nodes = \"0\" (from environment TRAINCTL_CLUSTER_NODES): must be at least 1"), "{e}");
+    assert!(
+        e.contains(
+            "cluster.nodes = \"0\" (from environment TRAINCTL_CLUSTER_NODES): must be at least 1"
+        ),
+        "{e}"
+    );
 
     let e = error(&[], &[], Some("[job]\nname = \"My_Job\"\n"));
-    assert!(e.contains("job.name = \"My_Job\" (from file trainctl.toml): not a valid job name"), "{e}");
+    assert!(
+        e.contains("job.name = \"My_Job\" (from file trainctl.toml): not a valid job name"),
+        "{e}"
+    );
 
     let e = error(&[("namespace", "-x")], &[], None);
     assert!(e.contains("DNS-1123 label"), "{e}");
@@ -122,7 +133,11 @@ fn bad_values_are_named_with_their_value_and_source() {
     assert!(e.contains("c5.4xlarge has 0 GPUs per node"), "{e}");
     let e = error(&[("job.memory", "lots")], &[], None);
     assert!(e.contains("expected a quantity such as 24Gi"), "{e}");
-    let e = error(&[("storage.efs", "fs-1"), ("storage.fsx", "a,b,c")], &[], None);
+    let e = error(
+        &[("storage.efs", "fs-1"), ("storage.fsx", "a,b,c")],
+        &[],
+        None,
+    );
     assert!(e.contains("choose one"), "{e}");
     let e = error(&[("cluster.preset", "gpu")], &[], None);
     assert!(e.contains("choose one of cpu, g4dn, p4de-odcr, p5"), "{e}");
@@ -157,12 +172,17 @@ fn storage_backends_parse() {
         })
     );
     let (_, p) = resolve(
-        &[("storage.fsx", "fs-1, fs-1.fsx.us-west-2.amazonaws.com, abcd")],
+        &[(
+            "storage.fsx",
+            "fs-1, fs-1.fsx.us-west-2.amazonaws.com, abcd",
+        )],
         &[],
         None,
     )
     .unwrap();
-    assert!(matches!(p.storage.backend, Some(StorageBackend::Fsx { ref mount_name, .. }) if mount_name == "abcd"));
+    assert!(
+        matches!(p.storage.backend, Some(StorageBackend::Fsx { ref mount_name, .. }) if mount_name == "abcd")
+    );
     let e = error(&[("storage.fsx", "fs-1")], &[], None);
     assert!(e.contains("FS_ID,DNS_NAME,MOUNT_NAME"), "{e}");
 }
@@ -173,7 +193,10 @@ fn every_setting_has_a_distinct_flag_and_variable() {
     flags.sort_unstable();
     flags.dedup();
     assert_eq!(flags.len(), SETTINGS.len());
-    assert_eq!(setting("job.max_restarts").unwrap().env_var(), "TRAINCTL_JOB_MAX_RESTARTS");
+    assert_eq!(
+        setting("job.max_restarts").unwrap().env_var(),
+        "TRAINCTL_JOB_MAX_RESTARTS"
+    );
 }
 
 #[test]

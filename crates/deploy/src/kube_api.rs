@@ -1,0 +1,1055 @@
+//! Applying the rendered objects and watching jobs, through the Kubernetes API (kube-rs).
+//!
+//! Every call goes through one [`kube::Client`], so the tests give it a mock service (kube-rs's
+//! tower-test pattern) and the CLI one made from KUBECONFIG or the pod's service account.
+//! API errors become [`ApiError`]s that say what to do: a missing CRD names the operator to
+//! install, a missing metrics API names metrics-server, a refused request names the permission.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use futures::{AsyncBufReadExt, StreamExt};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, LogParams, Patch,
+    PatchParams, PropagationPolicy,
+};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::manifests::{self, CONTAINER};
+
+/// What went wrong talking to the cluster, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error(
+        "cannot reach the Kubernetes API: {0}; check KUBECONFIG and its current context, \
+         or run inside a pod with a service account"
+    )]
+    Unreachable(String),
+    #[error("the cluster does not serve {api} ({what}); {hint}")]
+    NotServed {
+        what: String,
+        api: String,
+        hint: String,
+    },
+    #[error(
+        "the metrics API (metrics.k8s.io) is not served, so there is no CPU or memory usage to \
+         show: install metrics-server (`trainctl cluster addons` on EKS) and try again a minute \
+         after it starts"
+    )]
+    MetricsMissing,
+    #[error(
+        "{what}: forbidden: {message}; your identity needs RBAC permission for this in \
+         namespace {namespace}"
+    )]
+    Forbidden {
+        what: String,
+        message: String,
+        namespace: String,
+    },
+    #[error(
+        "job {name} already exists in namespace {namespace} ({state}); delete it first with \
+         `trainctl job delete --name {name}`, or give another --name"
+    )]
+    Exists {
+        name: String,
+        namespace: String,
+        state: String,
+    },
+    #[error(
+        "no job {name} in namespace {namespace}; `trainctl job launch` starts one (check --name \
+         and --namespace)"
+    )]
+    NoJob { name: String, namespace: String },
+    #[error("{what}: the API server answered {code} {reason}: {message}")]
+    Api {
+        what: String,
+        code: u16,
+        reason: String,
+        message: String,
+    },
+    #[error("{what}: {message}")]
+    Other { what: String, message: String },
+    #[error(
+        "job {name} did not finish within {after:?} (still {state}); `trainctl job status` shows where it stands"
+    )]
+    WaitTimeout {
+        name: String,
+        after: Duration,
+        state: String,
+    },
+}
+
+/// Turns a kube error into an [`ApiError`] for the action `what`.
+fn api_error(what: &str, namespace: &str, e: kube::Error) -> ApiError {
+    match e {
+        kube::Error::Api(status) if status.code == 403 => ApiError::Forbidden {
+            what: what.into(),
+            message: status.message,
+            namespace: namespace.into(),
+        },
+        kube::Error::Api(status) => ApiError::Api {
+            what: what.into(),
+            code: status.code,
+            reason: status.reason,
+            message: status.message,
+        },
+        kube::Error::HyperError(e) => ApiError::Unreachable(e.to_string()),
+        kube::Error::Service(e) => ApiError::Unreachable(e.to_string()),
+        other => ApiError::Other {
+            what: what.into(),
+            message: other.to_string(),
+        },
+    }
+}
+
+fn is_not_found(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
+/// The kinds trainctl renders: group, version, kind, plural, namespaced.
+const KINDS: &[(&str, &str, &str, &str, bool)] = &[
+    ("", "v1", "Secret", "secrets", true),
+    ("", "v1", "Service", "services", true),
+    ("", "v1", "PersistentVolume", "persistentvolumes", false),
+    (
+        "",
+        "v1",
+        "PersistentVolumeClaim",
+        "persistentvolumeclaims",
+        true,
+    ),
+    (
+        "storage.k8s.io",
+        "v1",
+        "StorageClass",
+        "storageclasses",
+        false,
+    ),
+    ("batch", "v1", "Job", "jobs", true),
+    ("apps", "v1", "DaemonSet", "daemonsets", true),
+    ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs", true),
+];
+
+fn resource_of(doc: &Value) -> Option<(ApiResource, bool)> {
+    let api_version = doc["apiVersion"].as_str()?;
+    let kind = doc["kind"].as_str()?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    KINDS
+        .iter()
+        .find(|(g, v, k, _, _)| *g == group && *v == version && *k == kind)
+        .map(|(g, v, k, plural, namespaced)| {
+            let gvk = GroupVersionKind::gvk(g, v, k);
+            (ApiResource::from_gvk_with_plural(&gvk, plural), *namespaced)
+        })
+}
+
+fn pytorchjob_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kubeflow.org", "v1", "PyTorchJob"),
+        "pytorchjobs",
+    )
+}
+
+/// The API of the cluster, in one namespace.
+#[derive(Clone)]
+pub struct Kube {
+    client: Client,
+    namespace: String,
+    /// How often `wait` and `logs --follow` look at the job again.
+    poll: Duration,
+}
+
+/// What `apply` did to one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub kind: String,
+    pub name: String,
+}
+
+impl Kube {
+    pub fn new(client: Client, namespace: &str) -> Kube {
+        Kube {
+            client,
+            namespace: namespace.into(),
+            poll: Duration::from_secs(2),
+        }
+    }
+
+    /// Looks at a job every `poll` when waiting or following (default 2 s).
+    pub fn with_poll(self, poll: Duration) -> Kube {
+        Kube { poll, ..self }
+    }
+
+    /// A client from KUBECONFIG (or ~/.kube/config), or the pod's service account.
+    pub async fn connect(namespace: &str) -> Result<Kube, ApiError> {
+        let client = Client::try_default()
+            .await
+            .map_err(|e| ApiError::Unreachable(e.to_string()))?;
+        Ok(Kube::new(client, namespace))
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn api(&self, resource: &ApiResource, namespaced: bool) -> Api<DynamicObject> {
+        if namespaced {
+            Api::namespaced_with(self.client.clone(), &self.namespace, resource)
+        } else {
+            Api::all_with(self.client.clone(), resource)
+        }
+    }
+
+    /// Server-side applies `docs` in order (field manager `trainctl`): creating what is missing,
+    /// updating what trainctl made before.
+    pub async fn apply(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+        let mut applied = Vec::new();
+        for doc in docs {
+            let kind = doc["kind"].as_str().unwrap_or("?").to_string();
+            let name = doc["metadata"]["name"].as_str().unwrap_or("?").to_string();
+            let what = format!("apply {kind} {name}");
+            let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
+                what: what.clone(),
+                message: "trainctl does not know where this kind lives".into(),
+            })?;
+            let params = PatchParams::apply("trainctl").force();
+            let result = self
+                .api(&resource, namespaced)
+                .patch(&name, &params, &Patch::Apply(doc))
+                .await;
+            match result {
+                Ok(_) => applied.push(Applied { kind, name }),
+                Err(e) if is_not_found(&e) && resource.group == "kubeflow.org" => {
+                    return Err(ApiError::NotServed {
+                        what,
+                        api: format!("{}/{} {}", resource.group, resource.version, kind),
+                        hint: "install the Kubeflow training operator (`trainctl cluster addons \
+                               --launcher pytorchjob` says how), or use --launcher indexed"
+                            .into(),
+                    });
+                }
+                Err(e) => return Err(api_error(&what, &self.namespace, e)),
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Launches a training job: refuses if a job of that name exists (a finished Job cannot be
+    /// changed, and a running one must not be), then applies the objects.
+    pub async fn launch(&self, name: &str, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+        if let Some(status) = self.find_job(name).await? {
+            return Err(ApiError::Exists {
+                name: name.into(),
+                namespace: self.namespace.clone(),
+                state: status.phase.to_string(),
+            });
+        }
+        self.apply(docs).await
+    }
+
+    /// The job `name` (a Job or a PyTorchJob), or None.
+    async fn find_job(&self, name: &str) -> Result<Option<JobStatus>, ApiError> {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &self.namespace);
+        match jobs.get_opt(name).await {
+            Ok(Some(job)) => return Ok(Some(JobStatus::from_job(&job))),
+            Ok(None) => {}
+            Err(e) => return Err(api_error(&format!("get Job {name}"), &self.namespace, e)),
+        }
+        let api = self.api(&pytorchjob_resource(), true);
+        match api.get_opt(name).await {
+            Ok(Some(job)) => Ok(Some(JobStatus::from_pytorchjob(&job))),
+            Ok(None) => Ok(None),
+            // No PyTorchJob CRD: then there is no such PyTorchJob either.
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(api_error(
+                &format!("get PyTorchJob {name}"),
+                &self.namespace,
+                e,
+            )),
+        }
+    }
+
+    /// The job, its conditions and its pods.
+    pub async fn status(&self, name: &str) -> Result<JobStatus, ApiError> {
+        let mut status = self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
+            name: name.into(),
+            namespace: self.namespace.clone(),
+        })?;
+        status.pods = self.pods(name).await?;
+        status.settle();
+        Ok(status)
+    }
+
+    /// The pods of job `name`, by node index.
+    async fn pods(&self, name: &str) -> Result<Vec<PodStatus>, ApiError> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        // The data, test and doctor jobs' pods carry the training job's label, so select on
+        // what every trainctl pod has and keep the pods of job `name` itself.
+        let selector = format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1);
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| api_error("list pods", &self.namespace, e))?;
+        let mut out: Vec<PodStatus> = list
+            .items
+            .iter()
+            .filter(|p| owned_by(p, name))
+            .map(PodStatus::from_pod)
+            .collect();
+        out.sort_by(|a, b| (a.index, &a.name).cmp(&(b.index, &b.name)));
+        Ok(out)
+    }
+
+    /// Polls until the job succeeds (Ok) or fails (Err), up to `timeout`.
+    pub async fn wait(&self, name: &str, timeout: Duration) -> Result<JobStatus, ApiError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let status = self.status(name).await?;
+            if status.phase.is_finished() || tokio::time::Instant::now() >= deadline {
+                if status.phase.is_finished() {
+                    return Ok(status);
+                }
+                return Err(ApiError::WaitTimeout {
+                    name: name.into(),
+                    after: timeout,
+                    state: status.phase.to_string(),
+                });
+            }
+            tokio::time::sleep(self.poll).await;
+        }
+    }
+
+    /// Deletes the job `name` and everything labelled with it (its Service, token Secret, pods,
+    /// and its data, test and doctor jobs), but never the storage: the claim holds the data
+    /// set, the checkpoints and the model.
+    pub async fn delete(&self, name: &str) -> Result<Vec<Applied>, ApiError> {
+        let selector = manifests::job_selector(name);
+        let params = DeleteParams {
+            propagation_policy: Some(PropagationPolicy::Background),
+            ..DeleteParams::default()
+        };
+        let mut deleted = Vec::new();
+        // The jobs first, so that their workers stop before their Service and token go.
+        for wanted in ["PyTorchJob", "Job", "Service", "Secret"] {
+            let Some((group, version, kind, plural, _)) =
+                KINDS.iter().find(|(_, _, k, _, _)| *k == wanted)
+            else {
+                continue;
+            };
+            let resource = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(group, version, kind),
+                plural,
+            );
+            let api = self.api(&resource, true);
+            let list = match api.list(&ListParams::default().labels(&selector)).await {
+                Ok(list) => list,
+                Err(e) if is_not_found(&e) && *group == "kubeflow.org" => continue,
+                Err(e) => return Err(api_error(&format!("list {plural}"), &self.namespace, e)),
+            };
+            for object in list.items {
+                let Some(object_name) = object.metadata.name.clone() else {
+                    continue;
+                };
+                match api.delete(&object_name, &params).await {
+                    Ok(_) => deleted.push(Applied {
+                        kind: kind.to_string(),
+                        name: object_name,
+                    }),
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => {
+                        return Err(api_error(
+                            &format!("delete {kind} {object_name}"),
+                            &self.namespace,
+                            e,
+                        ));
+                    }
+                }
+            }
+        }
+        if deleted.is_empty() {
+            return Err(ApiError::NoJob {
+                name: name.into(),
+                namespace: self.namespace.clone(),
+            });
+        }
+        Ok(deleted)
+    }
+
+    /// CPU and memory of the job's pods and of the nodes they run on (the metrics API).
+    pub async fn top(&self, name: &str) -> Result<Top, ApiError> {
+        let pods = self.pods(name).await?;
+        if pods.is_empty() {
+            self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
+                name: name.into(),
+                namespace: self.namespace.clone(),
+            })?;
+        }
+        let selector = format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1);
+        let url = format!(
+            "/apis/metrics.k8s.io/v1beta1/namespaces/{}/pods?labelSelector={}",
+            self.namespace,
+            selector.replace('=', "%3D").replace(',', "%2C")
+        );
+        let pod_metrics: MetricsList<PodMetrics> = self.metrics(&url).await?;
+        let node_metrics: MetricsList<NodeMetrics> =
+            self.metrics("/apis/metrics.k8s.io/v1beta1/nodes").await?;
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let node_list = nodes
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| api_error("list nodes", &self.namespace, e))?;
+        let allocatable: BTreeMap<String, (u64, u64)> = node_list
+            .items
+            .iter()
+            .filter_map(|n| {
+                let a = n.status.as_ref()?.allocatable.as_ref()?;
+                Some((
+                    n.metadata.name.clone()?,
+                    (
+                        a.get("cpu").and_then(|q| millicores(&q.0)).unwrap_or(0),
+                        a.get("memory").and_then(|q| bytes(&q.0)).unwrap_or(0),
+                    ),
+                ))
+            })
+            .collect();
+        let mut top = Top::default();
+        for pod in &pods {
+            let usage = pod_metrics
+                .items
+                .iter()
+                .find(|m| m.metadata.name == pod.name)
+                .map(|m| {
+                    m.containers.iter().fold((0, 0), |(c, b), ct| {
+                        (
+                            c + millicores(&ct.usage.cpu).unwrap_or(0),
+                            b + bytes(&ct.usage.memory).unwrap_or(0),
+                        )
+                    })
+                });
+            top.pods.push(Usage {
+                name: pod.name.clone(),
+                index: pod.index,
+                node: pod.node.clone(),
+                millicores: usage.map(|u| u.0),
+                bytes: usage.map(|u| u.1),
+                allocatable: None,
+            });
+        }
+        let job_nodes: Vec<String> = pods.iter().filter_map(|p| p.node.clone()).collect();
+        for m in &node_metrics.items {
+            if !job_nodes.contains(&m.metadata.name) {
+                continue;
+            }
+            top.nodes.push(Usage {
+                name: m.metadata.name.clone(),
+                index: None,
+                node: None,
+                millicores: millicores(&m.usage.cpu),
+                bytes: bytes(&m.usage.memory),
+                allocatable: allocatable.get(&m.metadata.name).copied(),
+            });
+        }
+        Ok(top)
+    }
+
+    async fn metrics<T: serde::de::DeserializeOwned>(&self, url: &str) -> Result<T, ApiError> {
+        let request = http::Request::get(url)
+            .body(Vec::new())
+            .map_err(|e| ApiError::Other {
+                what: "metrics request".into(),
+                message: e.to_string(),
+            })?;
+        match self.client.request::<T>(request).await {
+            Ok(v) => Ok(v),
+            Err(e) if is_not_found(&e) => Err(ApiError::MetricsMissing),
+            // An unavailable aggregated API (metrics-server down) answers 503.
+            Err(kube::Error::Api(s)) if s.code == 503 => Err(ApiError::MetricsMissing),
+            Err(e) => Err(api_error("read the metrics API", &self.namespace, e)),
+        }
+    }
+
+    /// The logs of every pod of the job, each line prefixed with its pod and node index.
+    /// Without `follow`, all lines so far, merged in time order (the API's timestamps). With
+    /// `follow`, lines as they come, from pods as they start, until the job has finished and
+    /// its streams have ended.
+    pub async fn logs(
+        &self,
+        name: &str,
+        follow: bool,
+        out: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), ApiError> {
+        if !follow {
+            let pods = self.pods(name).await?;
+            if pods.is_empty() {
+                self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
+                    name: name.into(),
+                    namespace: self.namespace.clone(),
+                })?;
+            }
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+            let mut lines: Vec<(String, usize, String)> = Vec::new();
+            for (order, pod) in pods.iter().enumerate() {
+                if !pod.has_started() {
+                    continue;
+                }
+                let params = LogParams {
+                    container: Some(CONTAINER.into()),
+                    timestamps: true,
+                    ..LogParams::default()
+                };
+                let text = api.logs(&pod.name, &params).await.map_err(|e| {
+                    api_error(&format!("logs of pod {}", pod.name), &self.namespace, e)
+                })?;
+                for line in text.lines() {
+                    let (stamp, rest) = split_timestamp(line);
+                    lines.push((stamp.to_string(), order, pod.prefix() + rest));
+                }
+            }
+            // Stable sort: lines of one pod keep their order when stamps tie.
+            lines.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+            for (_, _, line) in lines {
+                out(&line);
+            }
+            return Ok(());
+        }
+        self.follow_logs(name, out).await
+    }
+
+    async fn follow_logs(
+        &self,
+        name: &str,
+        out: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), ApiError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(1024);
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        let mut streaming: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
+        let mut seen_job = false;
+        loop {
+            let status = match self.find_job(name).await? {
+                Some(s) => s,
+                None if seen_job => return Ok(()),
+                None => {
+                    return Err(ApiError::NoJob {
+                        name: name.into(),
+                        namespace: self.namespace.clone(),
+                    });
+                }
+            };
+            seen_job = true;
+            for pod in self.pods(name).await? {
+                if !pod.has_started() || streaming.contains_key(&pod.uid) {
+                    continue;
+                }
+                let api = api.clone();
+                let tx = tx.clone();
+                let prefix = pod.prefix();
+                let pod_name = pod.name.clone();
+                let task = tokio::spawn(async move {
+                    let params = LogParams {
+                        container: Some(CONTAINER.into()),
+                        follow: true,
+                        ..LogParams::default()
+                    };
+                    match api.log_stream(&pod_name, &params).await {
+                        Ok(stream) => {
+                            let mut lines = stream.lines();
+                            while let Some(Ok(line)) = lines.next().await {
+                                if tx.send(format!("{prefix}{line}")).await.is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(format!("{prefix}(no logs: {e})")).await;
+                        }
+                    }
+                });
+                streaming.insert(pod.uid.clone(), task);
+            }
+            let finished = status.phase.is_finished();
+            // Print what came in during a poll interval.
+            let tick = tokio::time::sleep(self.poll);
+            tokio::pin!(tick);
+            loop {
+                tokio::select! {
+                    Some(line) = rx.recv() => out(&line),
+                    () = &mut tick => break,
+                }
+            }
+            if finished && streaming.values().all(|t| t.is_finished()) {
+                while let Ok(line) = rx.try_recv() {
+                    out(&line);
+                }
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Whether pod `p` belongs to job `name` itself (not its data, test or doctor job).
+fn owned_by(p: &Pod, name: &str) -> bool {
+    let labels = p.metadata.labels.as_ref();
+    let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+    // Pods of a Job carry job-name; the operator's carry training.kubeflow.org/job-name.
+    label("job-name") == Some(name)
+        || label("batch.kubernetes.io/job-name") == Some(name)
+        || label("training.kubeflow.org/job-name") == Some(name)
+}
+
+fn split_timestamp(line: &str) -> (&str, &str) {
+    match line.split_once(' ') {
+        Some((stamp, rest)) if stamp.len() >= 20 && stamp.as_bytes()[4] == b'-' => (stamp, rest),
+        _ => ("", line),
+    }
+}
+
+/// Where a job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Created; no pod running yet.
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl Phase {
+    pub fn is_finished(self) -> bool {
+        matches!(self, Phase::Succeeded | Phase::Failed)
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Pending => "pending",
+            Phase::Running => "running",
+            Phase::Succeeded => "succeeded",
+            Phase::Failed => "failed",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+}
+
+/// A job and its pods.
+#[derive(Debug, Clone)]
+pub struct JobStatus {
+    pub name: String,
+    /// `Job` or `PyTorchJob`.
+    pub kind: String,
+    pub phase: Phase,
+    pub conditions: Vec<Condition>,
+    /// Pods that failed and were replaced (a Job's `status.failed`).
+    pub failed_pods: i32,
+    pub pods: Vec<PodStatus>,
+}
+
+impl JobStatus {
+    fn from_job(job: &Job) -> JobStatus {
+        let status = job.status.clone().unwrap_or_default();
+        let conditions: Vec<Condition> = status
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| Condition {
+                type_: c.type_,
+                status: c.status,
+                reason: c.reason.unwrap_or_default(),
+                message: c.message.unwrap_or_default(),
+            })
+            .collect();
+        let phase = phase_from_conditions(&conditions, &["Complete"], &["Failed"]).unwrap_or(
+            if status.active.unwrap_or(0) > 0 {
+                Phase::Running
+            } else {
+                Phase::Pending
+            },
+        );
+        JobStatus {
+            name: job.metadata.name.clone().unwrap_or_default(),
+            kind: "Job".into(),
+            phase,
+            conditions,
+            failed_pods: status.failed.unwrap_or(0),
+            pods: Vec::new(),
+        }
+    }
+
+    fn from_pytorchjob(job: &DynamicObject) -> JobStatus {
+        let conditions: Vec<Condition> = job.data["status"]["conditions"]
+            .as_array()
+            .map(|cs| {
+                cs.iter()
+                    .map(|c| {
+                        let s = |k: &str| c[k].as_str().unwrap_or("").to_string();
+                        Condition {
+                            type_: s("type"),
+                            status: s("status"),
+                            reason: s("reason"),
+                            message: s("message"),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let phase = phase_from_conditions(&conditions, &["Succeeded"], &["Failed"]).unwrap_or(
+            if conditions
+                .iter()
+                .any(|c| c.type_ == "Running" && c.status == "True")
+            {
+                Phase::Running
+            } else {
+                Phase::Pending
+            },
+        );
+        JobStatus {
+            name: job.metadata.name.clone().unwrap_or_default(),
+            kind: "PyTorchJob".into(),
+            phase,
+            conditions,
+            failed_pods: 0,
+            pods: Vec::new(),
+        }
+    }
+
+    /// A job Kubernetes counts as active is only running once one of its pods is.
+    fn settle(&mut self) {
+        if self.phase == Phase::Running && !self.pods.iter().any(|p| p.phase == "Running") {
+            self.phase = Phase::Pending;
+        }
+        if self.phase == Phase::Pending && self.pods.iter().any(|p| p.phase == "Running") {
+            self.phase = Phase::Running;
+        }
+    }
+
+    /// The failure condition's reason and message, when the job failed.
+    pub fn failure(&self) -> Option<&Condition> {
+        self.conditions
+            .iter()
+            .find(|c| c.type_ == "Failed" && c.status == "True")
+    }
+
+    /// `job status` as text: the job line, conditions, then one row per pod.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{} {}: {}", self.kind, self.name, self.phase);
+        if self.failed_pods > 0 {
+            let _ = writeln!(s, "  failed pods so far: {}", self.failed_pods);
+        }
+        for c in &self.conditions {
+            if c.status != "True" {
+                continue;
+            }
+            let _ = write!(s, "  condition {}", c.type_);
+            if !c.reason.is_empty() {
+                let _ = write!(s, " ({})", c.reason);
+            }
+            if !c.message.is_empty() {
+                let _ = write!(s, ": {}", c.message);
+            }
+            s.push('\n');
+        }
+        if self.pods.is_empty() {
+            s.push_str("  no pods yet\n");
+            return s;
+        }
+        let _ = writeln!(
+            s,
+            "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} WHY",
+            "POD", "NODE", "PHASE", "READY", "RESTARTS", "ON"
+        );
+        for p in &self.pods {
+            let _ = writeln!(
+                s,
+                "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} {}",
+                p.name,
+                p.index.map_or("-".into(), |i| i.to_string()),
+                p.phase,
+                if p.ready { "yes" } else { "no" },
+                p.restarts,
+                p.node.as_deref().unwrap_or("(unscheduled)"),
+                p.why
+            );
+        }
+        s
+    }
+}
+
+fn phase_from_conditions(cs: &[Condition], success: &[&str], failure: &[&str]) -> Option<Phase> {
+    let is_true = |names: &[&str]| {
+        cs.iter()
+            .any(|c| names.contains(&c.type_.as_str()) && c.status == "True")
+    };
+    if is_true(failure) {
+        Some(Phase::Failed)
+    } else if is_true(success) {
+        Some(Phase::Succeeded)
+    } else {
+        None
+    }
+}
+
+/// One pod of a job.
+#[derive(Debug, Clone)]
+pub struct PodStatus {
+    pub name: String,
+    pub uid: String,
+    /// The node index: the Indexed Job's completion index or the PyTorchJob's replica index.
+    /// (The rendezvous assigns node ranks in join order; the logs say which each got.)
+    pub index: Option<u32>,
+    pub phase: String,
+    pub ready: bool,
+    pub restarts: i32,
+    pub node: Option<String>,
+    pub ip: Option<String>,
+    /// Why it is not running well: unschedulable and the scheduler's message, a waiting reason
+    /// (ImagePullBackOff...), the last termination (OOMKilled, exit code).
+    pub why: String,
+}
+
+impl PodStatus {
+    fn from_pod(p: &Pod) -> PodStatus {
+        let labels = p.metadata.labels.clone().unwrap_or_default();
+        let index = [
+            "batch.kubernetes.io/job-completion-index",
+            "training.kubeflow.org/replica-index",
+        ]
+        .iter()
+        .find_map(|k| labels.get(*k).and_then(|v| v.parse().ok()));
+        let status = p.status.clone().unwrap_or_default();
+        let containers = status.container_statuses.clone().unwrap_or_default();
+        let restarts = containers.iter().map(|c| c.restart_count).sum();
+        let ready = !containers.is_empty() && containers.iter().all(|c| c.ready);
+        let mut why = Vec::new();
+        for c in status.conditions.iter().flatten() {
+            if c.type_ == "PodScheduled" && c.status == "False" {
+                why.push(format!(
+                    "{}: {}",
+                    c.reason.as_deref().unwrap_or("not scheduled"),
+                    c.message.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        for c in &containers {
+            let state = c.state.clone().unwrap_or_default();
+            if let Some(w) = state.waiting
+                && let Some(reason) = w.reason.filter(|r| r != "ContainerCreating")
+            {
+                why.push(match w.message {
+                    Some(m) => format!("{reason}: {m}"),
+                    None => reason,
+                });
+            }
+            if let Some(t) = state.terminated.filter(|t| t.exit_code != 0) {
+                why.push(format!(
+                    "exited {} ({})",
+                    t.exit_code,
+                    t.reason.unwrap_or_else(|| "Error".into())
+                ));
+            }
+            if let Some(t) = c.last_state.as_ref().and_then(|s| s.terminated.as_ref()) {
+                why.push(format!(
+                    "last run exited {} ({})",
+                    t.exit_code,
+                    t.reason.clone().unwrap_or_else(|| "Error".into())
+                ));
+            }
+        }
+        PodStatus {
+            name: p.metadata.name.clone().unwrap_or_default(),
+            uid: p.metadata.uid.clone().unwrap_or_default(),
+            index,
+            phase: status.phase.clone().unwrap_or_else(|| "Unknown".into()),
+            ready,
+            restarts,
+            node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            ip: status.pod_ip.clone(),
+            why: why.join("; "),
+        }
+    }
+
+    fn has_started(&self) -> bool {
+        matches!(self.phase.as_str(), "Running" | "Succeeded" | "Failed")
+    }
+
+    fn prefix(&self) -> String {
+        match self.index {
+            Some(i) => format!("[{} node {i}] ", self.name),
+            None => format!("[{}] ", self.name),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct MetricsList<T> {
+    items: Vec<T>,
+}
+
+#[derive(Deserialize)]
+struct MetricsMeta {
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct ResourceUsage {
+    cpu: String,
+    memory: String,
+}
+
+#[derive(Deserialize)]
+struct ContainerMetrics {
+    usage: ResourceUsage,
+}
+
+#[derive(Deserialize)]
+struct PodMetrics {
+    metadata: MetricsMeta,
+    containers: Vec<ContainerMetrics>,
+}
+
+#[derive(Deserialize)]
+struct NodeMetrics {
+    metadata: MetricsMeta,
+    usage: ResourceUsage,
+}
+
+/// `job top`: usage per pod and per node.
+#[derive(Debug, Default, Clone)]
+pub struct Top {
+    pub pods: Vec<Usage>,
+    pub nodes: Vec<Usage>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Usage {
+    pub name: String,
+    pub index: Option<u32>,
+    pub node: Option<String>,
+    pub millicores: Option<u64>,
+    pub bytes: Option<u64>,
+    /// The node's allocatable (millicores, bytes).
+    pub allocatable: Option<(u64, u64)>,
+}
+
+impl Top {
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let cpu = |m: Option<u64>| m.map_or("-".into(), |m| format!("{m}m"));
+        let mem = |b: Option<u64>| b.map_or("-".into(), |b| format!("{}Mi", b / (1 << 20)));
+        let _ = writeln!(
+            s,
+            "{:<32} {:>4} {:>10} {:>10}  ON",
+            "POD", "NODE", "CPU", "MEMORY"
+        );
+        for p in &self.pods {
+            let _ = writeln!(
+                s,
+                "{:<32} {:>4} {:>10} {:>10}  {}",
+                p.name,
+                p.index.map_or("-".into(), |i| i.to_string()),
+                cpu(p.millicores),
+                mem(p.bytes),
+                p.node.as_deref().unwrap_or("(unscheduled)")
+            );
+        }
+        if !self.nodes.is_empty() {
+            s.push('\n');
+            let _ = writeln!(
+                s,
+                "{:<32} {:>10} {:>5} {:>10} {:>5}",
+                "NODE", "CPU", "CPU%", "MEMORY", "MEM%"
+            );
+            for n in &self.nodes {
+                let pct = |used: Option<u64>, total: Option<u64>| match (used, total) {
+                    (Some(u), Some(t)) if t > 0 => format!("{}%", u * 100 / t),
+                    _ => "-".into(),
+                };
+                let _ = writeln!(
+                    s,
+                    "{:<32} {:>10} {:>5} {:>10} {:>5}",
+                    n.name,
+                    cpu(n.millicores),
+                    pct(n.millicores, n.allocatable.map(|a| a.0)),
+                    mem(n.bytes),
+                    pct(n.bytes, n.allocatable.map(|a| a.1)),
+                );
+            }
+        }
+        s
+    }
+}
+
+/// A CPU quantity in millicores: `2`, `250m`, `123456789n`, `1500u`.
+pub fn millicores(q: &str) -> Option<u64> {
+    let (number, scale) = if let Some(n) = q.strip_suffix('n') {
+        (n, 1e-6)
+    } else if let Some(n) = q.strip_suffix('u') {
+        (n, 1e-3)
+    } else if let Some(n) = q.strip_suffix('m') {
+        (n, 1.0)
+    } else {
+        (q, 1000.0)
+    };
+    let v: f64 = number.parse().ok()?;
+    (v.is_finite() && v >= 0.0).then(|| (v * scale).round() as u64)
+}
+
+/// A memory quantity in bytes: `1024`, `512Ki`, `2Gi`, `1G`.
+pub fn bytes(q: &str) -> Option<u64> {
+    const UNITS: [(&str, f64); 10] = [
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("Pi", 1125899906842624.0),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+    ];
+    let (number, scale) = UNITS
+        .iter()
+        .find_map(|(u, s)| q.strip_suffix(u).map(|n| (n, *s)))
+        .unwrap_or((q, 1.0));
+    let v: f64 = number.parse().ok()?;
+    (v.is_finite() && v >= 0.0).then(|| (v * scale).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_convert() {
+        assert_eq!(millicores("2"), Some(2000));
+        assert_eq!(millicores("250m"), Some(250));
+        assert_eq!(millicores("123456789n"), Some(123));
+        assert_eq!(millicores("x"), None);
+        assert_eq!(bytes("512Ki"), Some(512 * 1024));
+        assert_eq!(bytes("2Gi"), Some(2 << 30));
+        assert_eq!(bytes("1G"), Some(1_000_000_000));
+        assert_eq!(bytes("-1"), None);
+    }
+
+    #[test]
+    fn timestamps_split_off() {
+        assert_eq!(
+            split_timestamp("2026-11-21T10:00:00.123456789Z epoch 1"),
+            ("2026-11-21T10:00:00.123456789Z", "epoch 1")
+        );
+        assert_eq!(split_timestamp("plain line"), ("", "plain line"));
+    }
+}

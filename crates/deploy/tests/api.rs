@@ -1,0 +1,697 @@
+//! `job launch|status|wait|logs|top|delete` against a mock API server: kube-rs's tower-test
+//! pattern, with the answers a real API server gives in each scenario.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deploy::config::{Layers, Project, Resolved};
+use deploy::kube_api::{ApiError, Kube, Phase};
+use deploy::manifests;
+use http::{Method, Request, Response, StatusCode};
+use kube::client::Body;
+use serde_json::{Value, json};
+
+/// One canned answer: method, exact path, then the bodies to give in turn (the last repeats).
+struct Route {
+    method: Method,
+    path: String,
+    answers: Vec<(StatusCode, String)>,
+    served: usize,
+}
+
+/// A mock API server: answers from its routes, 404 (as the API server does) otherwise, and
+/// records every request as `METHOD path?query`.
+#[derive(Clone, Default)]
+struct MockApi {
+    routes: Arc<Mutex<Vec<Route>>>,
+    requests: Arc<Mutex<Vec<String>>>,
+    bodies: Arc<Mutex<Vec<Value>>>,
+}
+
+fn not_found(what: &str) -> (StatusCode, String) {
+    status(404, "NotFound", &format!("{what} not found"))
+}
+
+fn status(code: u16, reason: &str, message: &str) -> (StatusCode, String) {
+    (
+        StatusCode::from_u16(code).unwrap(),
+        json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code,
+        })
+        .to_string(),
+    )
+}
+
+fn ok(body: Value) -> (StatusCode, String) {
+    (StatusCode::OK, body.to_string())
+}
+
+impl MockApi {
+    fn on(&self, method: Method, path: &str, answers: Vec<(StatusCode, String)>) -> &Self {
+        self.routes.lock().unwrap().push(Route {
+            method,
+            path: path.into(),
+            answers,
+            served: 0,
+        });
+        self
+    }
+
+    fn get(&self, path: &str, body: Value) -> &Self {
+        self.on(Method::GET, path, vec![ok(body)])
+    }
+
+    fn requests(&self) -> Vec<String> {
+        self.requests.lock().unwrap().clone()
+    }
+
+    /// A client whose every request this mock answers.
+    fn kube(&self) -> Kube {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut handle = std::pin::pin!(handle);
+            while let Some((request, send)) = handle.next_request().await {
+                let method = request.method().clone();
+                let path = request.uri().path().to_string();
+                let uri = request.uri().to_string();
+                me.requests.lock().unwrap().push(format!("{method} {uri}"));
+                let body = http_body_util::BodyExt::collect(request.into_body())
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                    me.bodies.lock().unwrap().push(v);
+                }
+                let (code, text) = {
+                    let mut routes = me.routes.lock().unwrap();
+                    match routes
+                        .iter_mut()
+                        .find(|r| r.method == method && r.path == path)
+                    {
+                        Some(route) => {
+                            let i = route.served.min(route.answers.len() - 1);
+                            route.served += 1;
+                            route.answers[i].clone()
+                        }
+                        None => not_found(&path),
+                    }
+                };
+                let response = Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(text.into_bytes()))
+                    .unwrap();
+                send.send_response(response);
+            }
+        });
+        Kube::new(kube::Client::new(service, "default"), "default")
+            .with_poll(Duration::from_millis(20))
+    }
+}
+
+const JOB: &str = "/apis/batch/v1/namespaces/default/jobs/cifar10";
+const PYTORCHJOB: &str = "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/cifar10";
+const PODS: &str = "/api/v1/namespaces/default/pods";
+
+fn job(status: Value) -> Value {
+    json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": { "name": "cifar10", "namespace": "default" },
+        "spec": { "template": { "spec": { "containers": [] } } },
+        "status": status,
+    })
+}
+
+fn pod(index: u32, phase: &str, node: Option<&str>, status: Value) -> Value {
+    let mut status = status;
+    status["phase"] = json!(phase);
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": format!("cifar10-{index}-abcde"),
+            "namespace": "default",
+            "uid": format!("uid-{index}"),
+            "labels": {
+                "job-name": "cifar10",
+                "batch.kubernetes.io/job-completion-index": index.to_string(),
+                "trainctl.dev/job": "cifar10",
+                "app.kubernetes.io/managed-by": "trainctl",
+            },
+        },
+        "spec": { "containers": [{ "name": "pytorch" }], "nodeName": node },
+        "status": status,
+    })
+}
+
+fn running_container(restarts: i32) -> Value {
+    json!({
+        "name": "pytorch", "ready": true, "restartCount": restarts, "image": "trainctl",
+        "imageID": "", "state": { "running": { "startedAt": "2026-11-21T10:00:00Z" } },
+    })
+}
+
+fn list(kind: &str, items: Vec<Value>) -> Value {
+    json!({ "apiVersion": "v1", "kind": kind, "metadata": {}, "items": items })
+}
+
+fn project(flags: &[(&'static str, &str)]) -> Project {
+    let no_env = |_: &str| None;
+    let layers = Layers {
+        flags: flags.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+        env: &no_env,
+        file: None,
+    };
+    Project::from_resolved(&Resolved::resolve(&layers).unwrap()).unwrap()
+}
+
+#[tokio::test]
+async fn status_of_pods_not_yet_scheduled() {
+    let api = MockApi::default();
+    let unschedulable = json!({
+        "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 1 node(s) had untolerated taint, 2 Insufficient cpu.",
+        }],
+    });
+    api.get(JOB, job(json!({ "active": 2 })));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(1, "Pending", None, unschedulable.clone()),
+                pod(0, "Pending", None, unschedulable),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(status.phase, Phase::Pending, "active but nothing runs");
+    assert_eq!(status.pods.len(), 2);
+    assert_eq!(status.pods[0].index, Some(0), "sorted by node index");
+    let text = status.render();
+    assert!(text.contains("Job cifar10: pending"), "{text}");
+    assert!(text.contains("(unscheduled)"), "{text}");
+    assert!(
+        text.contains("Unschedulable: 0/3 nodes are available: 1 node(s) had untolerated taint, 2 Insufficient cpu."),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn status_of_a_restarting_pod() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 2, "failed": 1 })));
+    let mut crashing = running_container(2);
+    crashing["ready"] = json!(false);
+    crashing["state"] = json!({ "waiting": { "reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container" } });
+    crashing["lastState"] = json!({ "terminated": { "exitCode": 137, "reason": "OOMKilled" } });
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(
+                    0,
+                    "Running",
+                    Some("ip-10-0-1-1"),
+                    json!({ "containerStatuses": [running_container(0)], "podIP": "10.0.1.5" }),
+                ),
+                pod(
+                    1,
+                    "Running",
+                    Some("ip-10-0-1-2"),
+                    json!({ "containerStatuses": [crashing] }),
+                ),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(status.phase, Phase::Running);
+    assert_eq!(status.pods[1].restarts, 2);
+    assert!(!status.pods[1].ready);
+    assert_eq!(status.pods[0].ip.as_deref(), Some("10.0.1.5"));
+    let text = status.render();
+    assert!(text.contains("failed pods so far: 1"), "{text}");
+    assert!(
+        text.contains("CrashLoopBackOff: back-off 20s restarting failed container; last run exited 137 (OOMKilled)"),
+        "{text}"
+    );
+    assert!(text.contains("ip-10-0-1-2"), "{text}");
+}
+
+#[tokio::test]
+async fn a_failed_job_says_why_and_wait_returns_it() {
+    let api = MockApi::default();
+    let running = job(json!({ "active": 2 }));
+    let failed = job(json!({
+        "failed": 1,
+        "conditions": [{
+            "type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+            "message": "Container pytorch for pod default/cifar10-1-abcde failed with exit code 1 matching FailJob rule at index 1",
+        }],
+    }));
+    api.on(
+        Method::GET,
+        JOB,
+        vec![ok(running.clone()), ok(running), ok(failed)],
+    );
+    let mut terminated = running_container(0);
+    terminated["ready"] = json!(false);
+    terminated["state"] = json!({ "terminated": { "exitCode": 1, "reason": "Error" } });
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![pod(
+                1,
+                "Failed",
+                Some("n1"),
+                json!({ "containerStatuses": [terminated] }),
+            )],
+        ),
+    );
+    let kube = api.kube();
+    let status = kube.wait("cifar10", Duration::from_secs(30)).await.unwrap();
+    assert_eq!(status.phase, Phase::Failed);
+    let failure = status.failure().unwrap();
+    assert_eq!(failure.reason, "PodFailurePolicy");
+    let text = status.render();
+    assert!(
+        text.contains("condition Failed (PodFailurePolicy): Container pytorch"),
+        "{text}"
+    );
+    assert!(text.contains("exited 1 (Error)"), "{text}");
+    // It polled until the job had failed.
+    let polls = api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with(&format!("GET {JOB}")))
+        .count();
+    assert!(polls >= 3, "{polls}");
+}
+
+#[tokio::test]
+async fn wait_gives_up_at_its_deadline() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 1 })));
+    api.get(PODS, list("PodList", vec![]));
+    let e = api
+        .kube()
+        .wait("cifar10", Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ApiError::WaitTimeout { .. }), "{e}");
+    assert!(e.to_string().contains("still pending"), "{e}");
+}
+
+#[tokio::test]
+async fn a_pytorchjob_is_found_when_there_is_no_job() {
+    let api = MockApi::default();
+    api.get(
+        PYTORCHJOB,
+        json!({
+            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": { "name": "cifar10", "namespace": "default" },
+            "spec": {},
+            "status": { "conditions": [
+                { "type": "Created", "status": "True", "reason": "PyTorchJobCreated" },
+                { "type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded", "message": "PyTorchJob default/cifar10 successfully completed." },
+            ] },
+        }),
+    );
+    api.get(PODS, list("PodList", vec![]));
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(status.kind, "PyTorchJob");
+    assert_eq!(status.phase, Phase::Succeeded);
+}
+
+#[tokio::test]
+async fn no_such_job() {
+    let api = MockApi::default();
+    let e = api.kube().status("cifar10").await.unwrap_err();
+    assert!(matches!(e, ApiError::NoJob { .. }), "{e}");
+    assert!(e.to_string().contains("trainctl job launch"), "{e}");
+}
+
+#[tokio::test]
+async fn api_errors_are_reported_with_their_code_and_what_to_do() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 1 })));
+    api.on(
+        Method::GET,
+        PODS,
+        vec![status(
+            500,
+            "InternalError",
+            "etcdserver: request timed out",
+        )],
+    );
+    let e = api.kube().status("cifar10").await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "list pods: the API server answered 500 InternalError: etcdserver: request timed out"
+    );
+
+    let api = MockApi::default();
+    api.on(
+        Method::GET,
+        JOB,
+        vec![status(
+            403,
+            "Forbidden",
+            "jobs.batch \"cifar10\" is forbidden: User \"dev\" cannot get resource \"jobs\"",
+        )],
+    );
+    let e = api.kube().status("cifar10").await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("get Job cifar10: forbidden: jobs.batch"),
+        "{text}"
+    );
+    assert!(text.contains("RBAC permission"), "{text}");
+}
+
+#[tokio::test]
+async fn top_without_the_metrics_api_says_install_metrics_server() {
+    let api = MockApi::default();
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![pod(
+                0,
+                "Running",
+                Some("n1"),
+                json!({ "containerStatuses": [running_container(0)] }),
+            )],
+        ),
+    );
+    // No route for /apis/metrics.k8s.io: a 404, as when metrics-server is not installed.
+    let e = api.kube().top("cifar10").await.unwrap_err();
+    assert!(matches!(e, ApiError::MetricsMissing), "{e}");
+    assert!(e.to_string().contains("install metrics-server"), "{e}");
+    // An installed but unavailable metrics-server answers 503: the same advice.
+    let api = MockApi::default();
+    api.get(PODS, list("PodList", vec![]));
+    api.get(JOB, job(json!({})));
+    api.on(
+        Method::GET,
+        "/apis/metrics.k8s.io/v1beta1/namespaces/default/pods",
+        vec![status(
+            503,
+            "ServiceUnavailable",
+            "the server is currently unable to handle the request",
+        )],
+    );
+    let e = api.kube().top("cifar10").await.unwrap_err();
+    assert!(matches!(e, ApiError::MetricsMissing), "{e}");
+}
+
+#[tokio::test]
+async fn top_shows_pods_and_their_nodes() {
+    let api = MockApi::default();
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(
+                    0,
+                    "Running",
+                    Some("n1"),
+                    json!({ "containerStatuses": [running_container(0)] }),
+                ),
+                pod(1, "Pending", None, json!({})),
+            ],
+        ),
+    );
+    api.get(
+        "/apis/metrics.k8s.io/v1beta1/namespaces/default/pods",
+        json!({ "items": [{
+            "metadata": { "name": "cifar10-0-abcde" },
+            "containers": [{ "name": "pytorch", "usage": { "cpu": "1500000000n", "memory": "2097152Ki" } }],
+        }] }),
+    );
+    api.get(
+        "/apis/metrics.k8s.io/v1beta1/nodes",
+        json!({ "items": [
+            { "metadata": { "name": "n1" }, "usage": { "cpu": "2", "memory": "4Gi" } },
+            { "metadata": { "name": "other" }, "usage": { "cpu": "1", "memory": "1Gi" } },
+        ] }),
+    );
+    api.get(
+        "/api/v1/nodes",
+        list(
+            "NodeList",
+            vec![json!({
+                "metadata": { "name": "n1" },
+                "status": { "allocatable": { "cpu": "8", "memory": "16Gi" } },
+            })],
+        ),
+    );
+    let top = api.kube().top("cifar10").await.unwrap();
+    assert_eq!(top.pods[0].millicores, Some(1500));
+    assert_eq!(top.pods[0].bytes, Some(2 << 30));
+    assert_eq!(top.pods[1].millicores, None, "a pending pod has no usage");
+    assert_eq!(top.nodes.len(), 1, "only the job's nodes");
+    let text = top.render();
+    assert!(text.contains("1500m"), "{text}");
+    assert!(text.contains("2048Mi"), "{text}");
+    assert!(text.contains("25%"), "{text}");
+}
+
+#[tokio::test]
+async fn launch_applies_each_object_server_side() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    for doc in &docs {
+        let path = match doc["kind"].as_str().unwrap() {
+            "Secret" => "/api/v1/namespaces/default/secrets/cifar10-token",
+            "Service" => "/api/v1/namespaces/default/services/cifar10",
+            "Job" => JOB,
+            k => panic!("{k}"),
+        };
+        api.on(Method::PATCH, path, vec![ok(doc.clone())]);
+    }
+    let applied = api.kube().launch("cifar10", &docs).await.unwrap();
+    let kinds: Vec<&str> = applied.iter().map(|a| a.kind.as_str()).collect();
+    assert_eq!(kinds, ["Secret", "Service", "Job"]);
+    let patches: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("PATCH"))
+        .collect();
+    assert_eq!(patches.len(), 3);
+    for p in &patches {
+        assert!(
+            p.contains("fieldManager=trainctl") && p.contains("force=true"),
+            "{p}"
+        );
+    }
+    // The bodies sent are the rendered objects.
+    let bodies = api.bodies.lock().unwrap().clone();
+    assert_eq!(bodies.last().unwrap()["spec"]["completionMode"], "Indexed");
+}
+
+#[tokio::test]
+async fn launch_refuses_to_replace_an_existing_job() {
+    let api = MockApi::default();
+    api.get(
+        JOB,
+        job(json!({ "succeeded": 2, "conditions": [{ "type": "Complete", "status": "True" }] })),
+    );
+    let p = project(&[("storage.efs", "fs-1")]);
+    let e = api
+        .kube()
+        .launch("cifar10", &manifests::training_job(&p, "T"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "job cifar10 already exists in namespace default (succeeded); delete it first with \
+         `trainctl job delete --name cifar10`, or give another --name"
+    );
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
+}
+
+#[tokio::test]
+async fn launching_a_pytorchjob_without_the_operator_says_install_it() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "pytorchjob")]);
+    let docs = manifests::training_job(&p, "T");
+    api.on(
+        Method::PATCH,
+        "/api/v1/namespaces/default/secrets/cifar10-token",
+        vec![ok(docs[0].clone())],
+    );
+    // The CRD is missing: the API server answers 404 for the whole resource path.
+    let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("the cluster does not serve kubeflow.org/v1 PyTorchJob"),
+        "{text}"
+    );
+    assert!(
+        text.contains("install the Kubeflow training operator"),
+        "{text}"
+    );
+    assert!(text.contains("--launcher indexed"), "{text}");
+}
+
+#[tokio::test]
+async fn delete_removes_the_job_and_its_helpers_but_not_the_storage() {
+    let api = MockApi::default();
+    let named = |kind: &str, name: &str| json!({ "apiVersion": "v1", "kind": kind, "metadata": { "name": name, "namespace": "default" } });
+    api.get(
+        "/apis/batch/v1/namespaces/default/jobs",
+        list(
+            "JobList",
+            vec![named("Job", "cifar10"), named("Job", "cifar10-test")],
+        ),
+    );
+    api.get(
+        "/api/v1/namespaces/default/services",
+        list("ServiceList", vec![named("Service", "cifar10")]),
+    );
+    api.get(
+        "/api/v1/namespaces/default/secrets",
+        list("SecretList", vec![named("Secret", "cifar10-token")]),
+    );
+    for path in [
+        JOB,
+        "/apis/batch/v1/namespaces/default/jobs/cifar10-test",
+        "/api/v1/namespaces/default/services/cifar10",
+        "/api/v1/namespaces/default/secrets/cifar10-token",
+    ] {
+        api.on(Method::DELETE, path, vec![ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))]);
+    }
+    let deleted = api.kube().delete("cifar10").await.unwrap();
+    let names: Vec<String> = deleted
+        .iter()
+        .map(|d| format!("{} {}", d.kind, d.name))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Job cifar10",
+            "Job cifar10-test",
+            "Service cifar10",
+            "Secret cifar10-token"
+        ]
+    );
+    let requests = api.requests();
+    assert!(
+        requests.iter().all(|r| !r.contains("persistentvolume")),
+        "{requests:?}"
+    );
+    // Lists are by the job's labels, and deletes take the pods with them.
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.contains("labelSelector=trainctl.dev%2Fjob%3Dcifar10")),
+        "{requests:?}"
+    );
+    let bodies = api.bodies.lock().unwrap().clone();
+    assert!(
+        bodies
+            .iter()
+            .all(|b| b["propagationPolicy"] == "Background"),
+        "{bodies:?}"
+    );
+}
+
+#[tokio::test]
+async fn logs_are_merged_in_time_order_with_pod_and_node() {
+    let api = MockApi::default();
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(0, "Running", Some("n1"), json!({})),
+                pod(1, "Running", Some("n2"), json!({})),
+                pod(2, "Pending", None, json!({})),
+            ],
+        ),
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
+        vec![(StatusCode::OK, "2026-11-21T10:00:01.000000000Z epoch 1 step 10\n2026-11-21T10:00:03.000000000Z epoch 1 step 20\n".into())],
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-1-abcde/log",
+        vec![(
+            StatusCode::OK,
+            "2026-11-21T10:00:02.000000000Z joined round 1\n".into(),
+        )],
+    );
+    let mut lines = Vec::new();
+    api.kube()
+        .logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+        .await
+        .unwrap();
+    assert_eq!(
+        lines,
+        [
+            "[cifar10-0-abcde node 0] epoch 1 step 10",
+            "[cifar10-1-abcde node 1] joined round 1",
+            "[cifar10-0-abcde node 0] epoch 1 step 20",
+        ]
+    );
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.contains("container=pytorch") && r.contains("timestamps=true"))
+    );
+    assert!(
+        !api.requests()
+            .iter()
+            .any(|r| r.contains("cifar10-2-abcde/log")),
+        "a pending pod has no logs yet"
+    );
+}
+
+#[tokio::test]
+async fn follow_streams_until_the_job_has_finished() {
+    let api = MockApi::default();
+    let running = job(json!({ "active": 1 }));
+    let done =
+        job(json!({ "succeeded": 1, "conditions": [{ "type": "Complete", "status": "True" }] }));
+    api.on(Method::GET, JOB, vec![ok(running), ok(done)]);
+    api.get(
+        PODS,
+        list("PodList", vec![pod(0, "Running", Some("n1"), json!({}))]),
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
+        vec![(StatusCode::OK, "training\ndone\n".into())],
+    );
+    let mut lines = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        api.kube()
+            .logs("cifar10", true, &mut |l: &str| lines.push(l.to_string())),
+    )
+    .await
+    .expect("follow ends once the job has finished")
+    .unwrap();
+    assert_eq!(
+        lines,
+        [
+            "[cifar10-0-abcde node 0] training",
+            "[cifar10-0-abcde node 0] done"
+        ]
+    );
+    let streams = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("/log?") && r.contains("follow=true"))
+        .count();
+    assert_eq!(streams, 1, "one stream per pod, not one per poll");
+}
