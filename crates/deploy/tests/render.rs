@@ -347,9 +347,9 @@ fn the_crd_check_catches_a_misplaced_field() {
 fn data_test_and_doctor_jobs() {
     let p = project(&[("storage.efs", "fs-1")]);
     let data = manifests::data_job(&p);
-    insta::assert_snapshot!("job_data", manifests::to_yaml(&[data.clone()]));
+    insta::assert_snapshot!("job_data", manifests::to_yaml(std::slice::from_ref(&data)));
     let test = manifests::test_job(&p);
-    insta::assert_snapshot!("job_test", manifests::to_yaml(&[test.clone()]));
+    insta::assert_snapshot!("job_test", manifests::to_yaml(std::slice::from_ref(&test)));
     let doctor = manifests::doctor_job(&p);
     insta::assert_snapshot!("job_doctor", manifests::to_yaml(&doctor));
     let data_args = &data["spec"]["template"]["spec"]["containers"][0]["args"];
