@@ -11,6 +11,7 @@
 
 pub mod catalog;
 pub mod config;
+pub mod doctor;
 pub mod eksctl;
 pub mod kube_api;
 pub mod manifests;

@@ -1,0 +1,372 @@
+//! `trainctl doctor check`: what the seed tutorials debugged by hand, checked from inside the
+//! cluster by one pod per node: the rendezvous host's name resolves, its port accepts
+//! connections, every worker reaches every other, and the claim is mounted read-write.
+//!
+//! Every pod listens on the rendezvous port, checks the others, then stays up until every peer
+//! has reached it (or the deadline), so that no pod leaves before the others have checked it.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What to check.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Every node's stable name (pod 0 first: the rendezvous host).
+    pub peers: Vec<String>,
+    pub port: u16,
+    /// Where the claim is mounted.
+    pub claim: PathBuf,
+    /// Where the data set should be (only reported).
+    pub data: Option<PathBuf>,
+    /// This pod's name among `peers` (default: the host name).
+    pub me: String,
+    /// Address to listen on (default 0.0.0.0).
+    pub listen: SocketAddr,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Ok,
+    Warn,
+    Fail,
+}
+
+/// One check's result.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub verdict: Verdict,
+    pub name: &'static str,
+    pub detail: String,
+    /// What to do about a failure or warning.
+    pub advice: Option<String>,
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tag = match self.verdict {
+            Verdict::Ok => "ok  ",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "FAIL",
+        };
+        write!(f, "{tag} {:<8} {}", self.name, self.detail)?;
+        if let Some(a) = &self.advice {
+            write!(f, "\n              -> {a}")?;
+        }
+        Ok(())
+    }
+}
+
+fn check(verdict: Verdict, name: &'static str, detail: String, advice: Option<String>) -> Check {
+    Check {
+        verdict,
+        name,
+        detail,
+        advice,
+    }
+}
+
+/// Runs every check, printing each as it completes through `report`.
+pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
+    let deadline = Instant::now() + plan.timeout;
+    let mut results = Vec::new();
+    let mut emit = |c: Check, results: &mut Vec<Check>| {
+        report(&c);
+        results.push(c);
+    };
+
+    // Listen first: the others may be checking us already.
+    let contacted = Arc::new(Mutex::new(BTreeSet::<String>::new()));
+    let listener = match TcpListener::bind(plan.listen) {
+        Ok(l) => {
+            emit(
+                check(
+                    Verdict::Ok,
+                    "listen",
+                    format!("this pod ({}) listens on {}", plan.me, plan.listen),
+                    None,
+                ),
+                &mut results,
+            );
+            Some(l)
+        }
+        Err(e) => {
+            emit(
+                check(
+                    Verdict::Fail,
+                    "listen",
+                    format!("cannot listen on {}: {e}", plan.listen),
+                    Some(format!(
+                        "something else in the pod holds port {}; the rendezvous needs it \
+                         (choose another with --rdzv-port)",
+                        plan.port
+                    )),
+                ),
+                &mut results,
+            );
+            None
+        }
+    };
+    if let Some(listener) = listener {
+        let contacted = Arc::clone(&contacted);
+        std::thread::spawn(move || accept_loop(listener, contacted));
+    }
+
+    for (i, peer) in plan.peers.iter().enumerate() {
+        let role = if i == 0 { "rendezvous host" } else { "worker" };
+        let started = Instant::now();
+        let addrs = match resolve(peer, plan.port, deadline) {
+            Ok(addrs) => {
+                emit(
+                    check(
+                        Verdict::Ok,
+                        "dns",
+                        format!(
+                            "{role} {peer} resolves to {} ({:.1} s)",
+                            addrs
+                                .iter()
+                                .map(|a| a.ip().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            started.elapsed().as_secs_f64()
+                        ),
+                        None,
+                    ),
+                    &mut results,
+                );
+                addrs
+            }
+            Err(e) => {
+                emit(
+                    check(
+                        Verdict::Fail,
+                        "dns",
+                        format!(
+                            "{role} {peer} does not resolve after {:.0} s: {e}",
+                            started.elapsed().as_secs_f64()
+                        ),
+                        Some(
+                            "check that the pod runs (trainctl job status), that the headless \
+                             Service of that name exists with publishNotReadyAddresses, and \
+                             that CoreDNS runs (kube-system pods labelled k8s-app=kube-dns)"
+                                .into(),
+                        ),
+                    ),
+                    &mut results,
+                );
+                continue;
+            }
+        };
+        let started = Instant::now();
+        match connect(&addrs, &plan.me, deadline) {
+            Ok(addr) => emit(
+                check(
+                    Verdict::Ok,
+                    "connect",
+                    format!(
+                        "{role} {peer} accepts connections on {addr} ({:.1} s)",
+                        started.elapsed().as_secs_f64()
+                    ),
+                    None,
+                ),
+                &mut results,
+            ),
+            Err(e) => emit(
+                check(
+                    Verdict::Fail,
+                    "connect",
+                    format!(
+                        "{role} {peer} does not accept connections on port {} after {:.0} s: {e}",
+                        plan.port,
+                        started.elapsed().as_secs_f64()
+                    ),
+                    Some(format!(
+                        "pods must reach each other on port {}: check NetworkPolicies in the \
+                         namespace and the node security group (pod-to-pod traffic), and that \
+                         the pod is running",
+                        plan.port
+                    )),
+                ),
+                &mut results,
+            ),
+        }
+    }
+
+    emit(claim_check(&plan.claim), &mut results);
+    if let Some(data) = &plan.data {
+        emit(data_check(data), &mut results);
+    }
+
+    // Stay reachable until every other peer has checked us, or the deadline.
+    let others: BTreeSet<String> = plan
+        .peers
+        .iter()
+        .filter(|p| !same_host(p, &plan.me))
+        .map(|p| first_label(p).to_string())
+        .collect();
+    while Instant::now() < deadline {
+        let seen = contacted.lock().map(|s| s.clone()).unwrap_or_default();
+        if others.iter().all(|o| seen.contains(o)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let seen = contacted.lock().map(|s| s.clone()).unwrap_or_default();
+    let missing: Vec<&String> = others.iter().filter(|o| !seen.contains(*o)).collect();
+    if !missing.is_empty() {
+        emit(
+            check(
+                Verdict::Warn,
+                "inbound",
+                format!(
+                    "not reached by {} before the deadline",
+                    missing
+                        .iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                Some("their own reports say why (trainctl job logs)".into()),
+            ),
+            &mut results,
+        );
+    }
+    results
+}
+
+fn first_label(name: &str) -> &str {
+    name.split('.').next().unwrap_or(name)
+}
+
+fn same_host(peer: &str, me: &str) -> bool {
+    first_label(peer) == first_label(me)
+}
+
+/// Every peer says who it is in one line; the listener remembers who came.
+fn accept_loop(listener: TcpListener, contacted: Arc<Mutex<BTreeSet<String>>>) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let contacted = Arc::clone(&contacted);
+        std::thread::spawn(move || {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut line = String::new();
+            let mut reader = BufReader::new(stream.take(256));
+            if reader.read_line(&mut line).is_ok() {
+                let who = line.trim();
+                if let Some(name) = who.strip_prefix("trainctl-doctor ") {
+                    if let Ok(mut set) = contacted.lock() {
+                        set.insert(first_label(name).to_string());
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Resolves `host`, retrying until the deadline: a pod's DNS name appears only once the pod
+/// has an address, so the first lookups may fail.
+fn resolve(host: &str, port: u16, deadline: Instant) -> Result<Vec<SocketAddr>, String> {
+    loop {
+        let last = match (host, port).to_socket_addrs() {
+            Ok(addrs) => {
+                let addrs: Vec<SocketAddr> = addrs.collect();
+                if !addrs.is_empty() {
+                    return Ok(addrs);
+                }
+                "no address".to_string()
+            }
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= deadline {
+            return Err(last);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn connect(addrs: &[SocketAddr], me: &str, deadline: Instant) -> Result<SocketAddr, String> {
+    loop {
+        let mut last = String::from("no address");
+        for addr in addrs {
+            match TcpStream::connect_timeout(addr, Duration::from_secs(2)) {
+                Ok(mut s) => {
+                    let _ = writeln!(s, "trainctl-doctor {me}");
+                    return Ok(*addr);
+                }
+                Err(e) => last = format!("{addr}: {e}"),
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(last);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Writes, syncs, reads back and removes a file on the claim, as the pod's user.
+fn claim_check(dir: &Path) -> Check {
+    let started = Instant::now();
+    let probe = dir.join(format!(".trainctl-doctor-{}", std::process::id()));
+    let payload: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let result = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&probe)?;
+        f.write_all(&payload)?;
+        f.sync_all()?;
+        drop(f);
+        let back = std::fs::read(&probe)?;
+        if back != payload {
+            return Err(std::io::Error::other("read back different bytes"));
+        }
+        std::fs::remove_file(&probe)
+    })();
+    match result {
+        Ok(()) => check(
+            Verdict::Ok,
+            "claim",
+            format!(
+                "{} is mounted read-write (1 MiB written, synced, read back in {:.2} s)",
+                dir.display(),
+                started.elapsed().as_secs_f64()
+            ),
+            None,
+        ),
+        Err(e) => {
+            let _ = std::fs::remove_file(&probe);
+            check(
+                Verdict::Fail,
+                "claim",
+                format!("cannot write to {}: {e}", dir.display()),
+                Some(
+                    "check that the claim is Bound (trainctl storage applied, the CSI driver \
+                     installed) and writable by the pods' user 1000: on EFS mount through an \
+                     access point owned by 1000 (--efs fs-...::fsap-...)"
+                        .into(),
+                ),
+            )
+        }
+    }
+}
+
+fn data_check(dir: &Path) -> Check {
+    let binary = dir.join("cifar-10-batches-bin").join("test_batch.bin");
+    let python = dir.join("cifar-10-batches-py").join("test_batch");
+    if binary.is_file() || python.is_file() {
+        check(
+            Verdict::Ok,
+            "data",
+            format!("CIFAR-10 is in {}", dir.display()),
+            None,
+        )
+    } else {
+        check(
+            Verdict::Warn,
+            "data",
+            format!("no CIFAR-10 in {} yet", dir.display()),
+            Some("run `trainctl data job` before the training job".into()),
+        )
+    }
+}
