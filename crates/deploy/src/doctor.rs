@@ -238,7 +238,12 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
     results
 }
 
+/// A peer's identity: an address as it is, a DNS name by its first label (the pod's host name
+/// for `NAME-0.SERVICE`).
 fn first_label(name: &str) -> &str {
+    if name.parse::<std::net::IpAddr>().is_ok() {
+        return name;
+    }
     name.split('.').next().unwrap_or(name)
 }
 
@@ -368,5 +373,24 @@ fn data_check(dir: &Path) -> Check {
             format!("no CIFAR-10 in {} yet", dir.display()),
             Some("run `trainctl data job` before the training job".into()),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_are_told_apart_by_host_name_or_whole_address() {
+        assert!(same_host(
+            "cifar10-doctor-0.cifar10-doctor",
+            "cifar10-doctor-0"
+        ));
+        assert!(!same_host(
+            "cifar10-doctor-1.cifar10-doctor",
+            "cifar10-doctor-0"
+        ));
+        assert!(!same_host("127.0.0.2", "127.0.0.1"));
+        assert!(same_host("10.0.0.7", "10.0.0.7"));
     }
 }

@@ -111,6 +111,9 @@ fn is_not_found(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 404)
 }
 
+/// The training operator release whose CRD the PyTorchJobs are validated against.
+pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
+
 /// The kinds trainctl renders: group, version, kind, plural, namespaced.
 const KINDS: &[(&str, &str, &str, &str, bool)] = &[
     ("", "v1", "Secret", "secrets", true),
@@ -328,7 +331,18 @@ impl Kube {
     /// and its data, test and doctor jobs), but never the storage: the claim holds the data
     /// set, the checkpoints and the model.
     pub async fn delete(&self, name: &str) -> Result<Vec<Applied>, ApiError> {
-        let selector = manifests::job_selector(name);
+        let deleted = self.delete_matching(&manifests::job_selector(name)).await?;
+        if deleted.is_empty() {
+            return Err(ApiError::NoJob {
+                name: name.into(),
+                namespace: self.namespace.clone(),
+            });
+        }
+        Ok(deleted)
+    }
+
+    /// Deletes the jobs, Services and Secrets that `selector` matches, jobs first.
+    pub async fn delete_matching(&self, selector: &str) -> Result<Vec<Applied>, ApiError> {
         let params = DeleteParams {
             propagation_policy: Some(PropagationPolicy::Background),
             ..DeleteParams::default()
@@ -346,7 +360,7 @@ impl Kube {
                 plural,
             );
             let api = self.api(&resource, true);
-            let list = match api.list(&ListParams::default().labels(&selector)).await {
+            let list = match api.list(&ListParams::default().labels(selector)).await {
                 Ok(list) => list,
                 Err(e) if is_not_found(&e) && *group == "kubeflow.org" => continue,
                 Err(e) => return Err(api_error(&format!("list {plural}"), &self.namespace, e)),
@@ -371,13 +385,50 @@ impl Kube {
                 }
             }
         }
-        if deleted.is_empty() {
-            return Err(ApiError::NoJob {
-                name: name.into(),
-                namespace: self.namespace.clone(),
-            });
-        }
         Ok(deleted)
+    }
+
+    /// Makes room for a helper job (data, test, doctor) called `name`: a finished one from
+    /// before is deleted, and this waits until it is gone. Returns false when one is still
+    /// running, which the caller then waits for instead of starting another.
+    pub async fn clear_finished(&self, name: &str) -> Result<bool, ApiError> {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &self.namespace);
+        let what = format!("replace Job {name}");
+        let Some(job) = jobs
+            .get_opt(name)
+            .await
+            .map_err(|e| api_error(&what, &self.namespace, e))?
+        else {
+            return Ok(true);
+        };
+        if !JobStatus::from_job(&job).phase.is_finished() {
+            return Ok(false);
+        }
+        let params = DeleteParams {
+            propagation_policy: Some(PropagationPolicy::Background),
+            ..DeleteParams::default()
+        };
+        match jobs.delete(name, &params).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => return Ok(true),
+            Err(e) => return Err(api_error(&what, &self.namespace, e)),
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match jobs.get_opt(name).await {
+                Ok(None) => return Ok(true),
+                Ok(Some(_)) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(self.poll).await;
+                }
+                Ok(Some(_)) => {
+                    return Err(ApiError::Other {
+                        what,
+                        message: "the finished Job was not gone after 60 s".into(),
+                    });
+                }
+                Err(e) => return Err(api_error(&what, &self.namespace, e)),
+            }
+        }
     }
 
     /// CPU and memory of the job's pods and of the nodes they run on (the metrics API).

@@ -36,6 +36,23 @@ enum Command {
     Data(commands::data::Command),
     /// Measure a training step and the all-reduce on this machine.
     Bench(commands::bench::Args),
+    /// The project settings (trainctl.toml, TRAINCTL_*, flags).
+    #[command(subcommand)]
+    Config(commands::kube::ConfigCommand),
+    /// EKS cluster: eksctl config for a preset, create, delete, add-ons.
+    #[command(subcommand)]
+    Cluster(commands::kube::ClusterCommand),
+    /// Shared storage: StorageClass, PersistentVolume and ReadWriteMany claim (EFS or FSx).
+    Storage(commands::kube::StorageArgs),
+    /// Training jobs on Kubernetes: render, launch, status, wait, logs, top, delete.
+    #[command(subcommand)]
+    Job(commands::kube::JobCommand),
+    /// The test job: evaluate the saved model in the cluster.
+    #[command(subcommand)]
+    Test(commands::kube::TestCommand),
+    /// Check DNS, the rendezvous port, pod-to-pod reachability and the claim, from inside
+    /// the cluster.
+    Doctor(commands::kube::DoctorArgs),
 }
 
 fn main() {
@@ -67,6 +84,12 @@ fn main() {
         Command::Checkpoint(args) => commands::checkpoint::run(args),
         Command::Data(cmd) => commands::data::run(cmd),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Config(cmd) => commands::kube::config(cmd),
+        Command::Cluster(cmd) => commands::kube::cluster(cmd),
+        Command::Storage(args) => commands::kube::storage(args),
+        Command::Job(cmd) => commands::kube::job(cmd),
+        Command::Test(cmd) => commands::kube::test(cmd),
+        Command::Doctor(args) => commands::kube::doctor(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

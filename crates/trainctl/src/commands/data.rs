@@ -15,6 +15,18 @@ pub enum Command {
         #[arg(long, default_value = trainer::cifar::OFFICIAL_MD5)]
         download_md5: String,
     },
+    /// In the cluster: a Job that fetches CIFAR-10 onto the shared claim (a no-op when the
+    /// data is there), waits for it and prints its logs.
+    Job {
+        #[command(flatten)]
+        project: super::project::ProjectArgs,
+        /// Print the Job instead of creating it.
+        #[arg(long)]
+        dry_run: bool,
+        /// Give up waiting after this many seconds.
+        #[arg(long, default_value_t = 3600.0)]
+        timeout: f64,
+    },
     /// Write a small synthetic data set in CIFAR-10's binary layout (for trying things out).
     Synth {
         #[arg(long)]
@@ -44,6 +56,11 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             let layout = ensure_dataset(&data, &opts, true)?;
             println!("CIFAR-10 ready in {}", layout.dir().display());
         }
+        Command::Job {
+            project,
+            dry_run,
+            timeout,
+        } => return super::kube::data_job(project, dry_run, timeout),
         Command::Synth {
             out,
             train,

@@ -4,6 +4,8 @@ pub mod bench;
 pub mod checkpoint;
 pub mod data;
 pub mod eval;
+pub mod kube;
 pub mod predict;
+pub mod project;
 pub mod run;
 pub mod train;

@@ -6,6 +6,7 @@ mod support;
 
 mod data;
 mod elastic;
+mod kubernetes;
 mod launch;
 mod pytorch;
 mod training;

@@ -1,0 +1,283 @@
+//! The Kubernetes and EKS commands as a user runs them: settings and their sources, rendering,
+//! eksctl run or printed, the doctor's checks between processes, and the PET_* contract that
+//! Kubeflow's training operator injects.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use crate::support::*;
+
+fn kube_cmd(dir: &std::path::Path) -> std::process::Command {
+    let mut cmd = trainctl();
+    cmd.current_dir(dir);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("TRAINCTL_") {
+            cmd.env_remove(k);
+        }
+    }
+    // Never a real cluster from the developer's machine.
+    cmd.env("KUBECONFIG", dir.join("no-kubeconfig"));
+    cmd
+}
+
+#[test]
+fn config_show_names_each_value_and_its_source() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("trainctl.toml"),
+        "image = \"123.dkr.ecr.us-west-2.amazonaws.com/trainctl:1\"\n[cluster]\nnodes = 4\nregion = \"eu-west-1\"\n",
+    )
+    .unwrap();
+    let out = run_ok(
+        kube_cmd(dir.path())
+            .args(["config", "show", "--nodes", "3"])
+            .env("TRAINCTL_CLUSTER_REGION", "eu-central-1"),
+    );
+    let text = text(&out.stdout);
+    let line = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{key} ")))
+            .unwrap_or_else(|| panic!("no {key} in\n{text}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(line("cluster.nodes"), "cluster.nodes 3 flag --nodes");
+    assert_eq!(
+        line("cluster.region"),
+        "cluster.region eu-central-1 environment TRAINCTL_CLUSTER_REGION"
+    );
+    assert_eq!(
+        line("image"),
+        "image 123.dkr.ecr.us-west-2.amazonaws.com/trainctl:1 file trainctl.toml"
+    );
+    assert_eq!(line("cluster.version"), "cluster.version 1.33 default");
+    assert_eq!(
+        line("job.nnodes"),
+        "job.nnodes 3 derived from cluster.nodes"
+    );
+}
+
+#[test]
+fn bad_settings_are_refused_before_anything_is_rendered() {
+    let dir = tempfile::tempdir().unwrap();
+    let err =
+        run_failing(kube_cmd(dir.path()).args(["job", "render", "--instance-type", "c5.mega"]));
+    assert!(
+        err.contains(
+            "cluster.instance_type = \"c5.mega\" (from flag --instance-type): unknown instance type"
+        ),
+        "{err}"
+    );
+    let err = run_failing(kube_cmd(dir.path()).args(["job", "render", "--name", "Bad_Name"]));
+    assert!(err.contains("not a valid job name"), "{err}");
+    std::fs::write(dir.path().join("trainctl.toml"), "[cluster]\nnode = 2\n").unwrap();
+    let err = run_failing(kube_cmd(dir.path()).args(["config", "show"]));
+    assert!(err.contains("unknown setting `cluster.node`"), "{err}");
+    let err =
+        run_failing(kube_cmd(dir.path()).args(["config", "show", "--config", "missing.toml"]));
+    assert!(err.contains("cannot read missing.toml"), "{err}");
+}
+
+#[test]
+fn cluster_create_runs_eksctl_or_prints_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    // Without eksctl on PATH: the config is written and the exact command printed.
+    let out = run_ok(
+        kube_cmd(dir.path())
+            .args([
+                "cluster",
+                "create",
+                "--preset",
+                "g4dn",
+                "--az",
+                "us-west-2b,us-west-2a",
+            ])
+            .env("PATH", dir.path().join("empty")),
+    );
+    let file = dir.path().join("eksctl-trainctl.yaml");
+    let yaml = std::fs::read_to_string(&file).unwrap();
+    assert!(yaml.contains("instanceType: g4dn.metal"), "{yaml}");
+    assert!(yaml.contains("efaEnabled: true"), "{yaml}");
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "eksctl create cluster -f eksctl-trainctl.yaml"
+    );
+    assert!(text(&out.stderr).contains("eksctl is not installed here"));
+
+    // With eksctl on PATH: it is run with that command line, and its exit code is ours.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let fake = bin.join("eksctl");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho \"$@\" > {}\nexit 3\n",
+            dir.path().join("eksctl-args").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = kube_cmd(dir.path())
+        .args([
+            "cluster",
+            "delete",
+            "--cluster-name",
+            "demo",
+            "--region",
+            "eu-west-1",
+        ])
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("eksctl-args"))
+            .unwrap()
+            .trim(),
+        "delete cluster --name demo --region eu-west-1 --wait"
+    );
+}
+
+#[test]
+fn an_odcr_preset_without_a_reservation_says_what_to_give() {
+    let dir = tempfile::tempdir().unwrap();
+    let err =
+        run_failing(kube_cmd(dir.path()).args(["cluster", "config", "--preset", "p4de-odcr"]));
+    assert!(err.contains("--capacity-reservation-id cr-"), "{err}");
+}
+
+#[test]
+fn renders_print_yaml_and_api_commands_without_a_cluster_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(kube_cmd(dir.path()).args([
+        "job",
+        "render",
+        "--launcher",
+        "pytorchjob",
+        "--nnodes",
+        "1:3",
+        "--efs",
+        "fs-0123",
+    ]));
+    let yaml = text(&out.stdout);
+    assert!(yaml.contains("kind: PyTorchJob"), "{yaml}");
+    assert!(yaml.contains("elasticPolicy:"), "{yaml}");
+    assert!(yaml.contains("maxReplicas: 3"), "{yaml}");
+    let out = run_ok(kube_cmd(dir.path()).args(["storage", "--efs", "fs-0123", "--dry-run"]));
+    assert!(text(&out.stdout).contains("kind: PersistentVolumeClaim"));
+    let err = run_failing(kube_cmd(dir.path()).args(["storage", "--dry-run"]));
+    assert!(err.contains("no shared storage is configured"), "{err}");
+    let err = run_failing(kube_cmd(dir.path()).args(["job", "status"]));
+    assert!(err.contains("cannot reach the Kubernetes API"), "{err}");
+    assert!(err.contains("KUBECONFIG"), "{err}");
+}
+
+#[test]
+fn doctor_check_between_two_pods() {
+    let port = testkit::free_port();
+    let claim = tempfile::tempdir().unwrap();
+    let peers = "127.0.0.1,127.0.0.2";
+    let start = |me: &str| {
+        Running::start(trainctl().args([
+            "doctor",
+            "check",
+            "--peers",
+            peers,
+            "--port",
+            &port.to_string(),
+            "--claim",
+            claim.path().to_str().unwrap(),
+            "--me",
+            me,
+            "--listen",
+            me,
+            "--timeout",
+            "30",
+        ]))
+    };
+    let mut a = start("127.0.0.1");
+    let mut b = start("127.0.0.2");
+    for p in [&mut a, &mut b] {
+        let status = p.wait(Duration::from_secs(60));
+        let out = p.output();
+        assert!(status.success(), "{out}");
+        assert!(
+            out.contains("ok   connect  rendezvous host 127.0.0.1 accepts connections"),
+            "{out}"
+        );
+        assert!(out.contains("is mounted read-write"), "{out}");
+        assert!(out.contains("all checks passed"), "{out}");
+    }
+    // A peer that never comes: exit 1, and the failed check says what to do.
+    let mut lonely = Running::start(trainctl().args([
+        "doctor",
+        "check",
+        "--peers",
+        "127.0.0.1,127.0.0.3",
+        "--port",
+        &port.to_string(),
+        "--claim",
+        claim.path().to_str().unwrap(),
+        "--me",
+        "127.0.0.1",
+        "--listen",
+        "127.0.0.1",
+        "--timeout",
+        "2",
+    ]));
+    let status = lonely.wait(Duration::from_secs(30));
+    let out = lonely.output();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("FAIL connect  worker 127.0.0.3 does not accept connections"),
+        "{out}"
+    );
+    assert!(out.contains("1 check(s) failed"), "{out}");
+}
+
+/// An elastic PyTorchJob's pods run `trainctl run --rdzv-id NAME train ...` with only what the
+/// training operator injects (elastic.go: PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_NNODES,
+/// PET_MAX_RESTARTS, PET_NPROC_PER_NODE): two such "pods" form one job.
+#[test]
+fn the_operators_pet_variables_are_enough_to_form_a_job() {
+    let port = testkit::free_port();
+    let start = || {
+        Running::start(
+            trainctl()
+                .args([
+                    "run",
+                    "--rdzv-id",
+                    "cifar10",
+                    "--",
+                    "sh",
+                    "-c",
+                    "echo worker rank=$RANK world=$WORLD_SIZE",
+                ])
+                .env("PET_RDZV_ENDPOINT", format!("127.0.0.1:{port}"))
+                .env("PET_RDZV_BACKEND", "c10d")
+                .env("PET_NNODES", "2:2")
+                .env("PET_MAX_RESTARTS", "3")
+                .env("PET_NPROC_PER_NODE", "1")
+                .env("PYTHONUNBUFFERED", "0")
+                .env("TRAINCTL_JOB_TOKEN", "from-the-secret"),
+        )
+    };
+    let mut a = start();
+    let mut b = start();
+    let mut ranks = Vec::new();
+    for p in [&mut a, &mut b] {
+        let status = p.wait(Duration::from_secs(60));
+        let out = p.output();
+        assert!(status.success(), "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("worker rank="))
+            .unwrap_or_else(|| panic!("{out}"))
+            .to_string();
+        assert!(line.contains("world=2"), "{line}");
+        ranks.push(line);
+    }
+    assert!(ranks.iter().any(|l| l.contains("rank=0")), "{ranks:?}");
+    assert!(ranks.iter().any(|l| l.contains("rank=1")), "{ranks:?}");
+}
