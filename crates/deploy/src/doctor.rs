@@ -263,9 +263,10 @@ fn accept_loop(listener: TcpListener, contacted: Arc<Mutex<BTreeSet<String>>>) {
             if reader.read_line(&mut line).is_ok() {
                 let who = line.trim();
                 if let Some(name) = who.strip_prefix("trainctl-doctor ")
-                    && let Ok(mut set) = contacted.lock() {
-                        set.insert(first_label(name).to_string());
-                    }
+                    && let Ok(mut set) = contacted.lock()
+                {
+                    set.insert(first_label(name).to_string());
+                }
             }
         });
     }

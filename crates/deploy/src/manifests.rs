@@ -459,18 +459,32 @@ fn headless_service(project: &Project, name: &str, component: &str, port: u16) -
 // ---------------------------------------------------------------------------------------------
 // Jobs
 
-/// `data job`: downloads and verifies CIFAR-10 onto the claim (a no-op when it is there).
-pub fn data_job(project: &Project) -> Value {
-    let args = vec![
-        "data".into(),
-        "fetch".into(),
-        "--data".into(),
-        project.data.dir.clone(),
-        "--download-url".into(),
-        project.data.url.clone(),
-        "--download-md5".into(),
-        project.data.md5.clone(),
-    ];
+/// `data job`: downloads and verifies CIFAR-10 onto the claim (a no-op when it is there), or,
+/// with `synthetic: Some(n)`, writes a small generated set of `n` training images in the same
+/// layout (to try a cluster out without the download).
+pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
+    let args = match synthetic {
+        None => vec![
+            "data".into(),
+            "fetch".into(),
+            "--data".into(),
+            project.data.dir.clone(),
+            "--download-url".into(),
+            project.data.url.clone(),
+            "--download-md5".into(),
+            project.data.md5.clone(),
+        ],
+        Some(n) => vec![
+            "data".into(),
+            "synth".into(),
+            "--out".into(),
+            project.data.dir.clone(),
+            "--train".into(),
+            n.to_string(),
+            "--test".into(),
+            (n / 4).max(10).to_string(),
+        ],
+    };
     let template = pod_template(
         project,
         PodOptions {

@@ -346,7 +346,12 @@ fn the_crd_check_catches_a_misplaced_field() {
 #[test]
 fn data_test_and_doctor_jobs() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let data = manifests::data_job(&p);
+    let data = manifests::data_job(&p, None);
+    let synthetic = manifests::data_job(&p, Some(256));
+    assert_eq!(
+        synthetic["spec"]["template"]["spec"]["containers"][0]["args"][1],
+        "synth"
+    );
     insta::assert_snapshot!("job_data", manifests::to_yaml(std::slice::from_ref(&data)));
     let test = manifests::test_job(&p);
     insta::assert_snapshot!("job_test", manifests::to_yaml(std::slice::from_ref(&test)));

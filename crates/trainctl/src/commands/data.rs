@@ -26,6 +26,10 @@ pub enum Command {
         /// Give up waiting after this many seconds.
         #[arg(long, default_value_t = 3600.0)]
         timeout: f64,
+        /// Write a generated set of this many training images instead of downloading
+        /// (to try a cluster out).
+        #[arg(long, value_name = "IMAGES")]
+        synthetic: Option<u32>,
     },
     /// Write a small synthetic data set in CIFAR-10's binary layout (for trying things out).
     Synth {
@@ -60,7 +64,8 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             project,
             dry_run,
             timeout,
-        } => return super::kube::data_job(project, dry_run, timeout),
+            synthetic,
+        } => return super::kube::data_job(project, dry_run, timeout, synthetic),
         Command::Synth {
             out,
             train,

@@ -363,9 +363,14 @@ fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Resul
     })
 }
 
-pub fn data_job(project: ProjectArgs, dry_run: bool, timeout: f64) -> anyhow::Result<i32> {
+pub fn data_job(
+    project: ProjectArgs,
+    dry_run: bool,
+    timeout: f64,
+    synthetic: Option<u32>,
+) -> anyhow::Result<i32> {
     let project = project.project()?;
-    let doc = manifests::data_job(&project);
+    let doc = manifests::data_job(&project, synthetic);
     if dry_run {
         print_yaml(&[doc]);
         return Ok(0);

@@ -4,6 +4,7 @@
 
 mod support;
 
+mod cluster_e2e;
 mod data;
 mod elastic;
 mod kubernetes;
