@@ -339,14 +339,7 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
         .node_selector
         .as_ref()
         .map(|(k, v)| BTreeMap::from([(k.clone(), v.clone())]));
-    let tolerations = (gpus > 0).then(|| {
-        vec![Toleration {
-            key: Some("nvidia.com/gpu".into()),
-            operator: Some("Exists".into()),
-            effect: Some("NoSchedule".into()),
-            ..Toleration::default()
-        }]
-    });
+    let tolerations = (gpus > 0).then(|| vec![gpu_toleration()]);
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(&job.name, o.component)),
@@ -374,6 +367,16 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             }),
             ..PodSpec::default()
         }),
+    }
+}
+
+/// GPU nodes are tainted `nvidia.com/gpu` (see `eksctl`): only pods that tolerate it land there.
+fn gpu_toleration() -> Toleration {
+    Toleration {
+        key: Some("nvidia.com/gpu".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoSchedule".into()),
+        ..Toleration::default()
     }
 }
 
@@ -728,9 +731,14 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
         },
     );
     let mut template = template;
-    // The doctor checks the nodes the training will use.
-    if let (Some(spec), Some((k, v))) = (template.spec.as_mut(), j.node_selector.as_ref()) {
-        spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));
+    // The doctor checks the nodes the training will use, GPU nodes' taint included.
+    if let Some(spec) = template.spec.as_mut() {
+        if let Some((k, v)) = j.node_selector.as_ref() {
+            spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));
+        }
+        if project.cluster.instance_type.gpus > 0 {
+            spec.tolerations = Some(vec![gpu_toleration()]);
+        }
     }
     let service = headless_service(project, &name, "doctor", j.rdzv_port);
     vec![

@@ -298,6 +298,13 @@ fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
     assert_eq!(resources["limits"]["nvidia.com/gpu"], "8");
     assert_eq!(resources["requests"]["nvidia.com/gpu"], "8");
     assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    let doctor = manifests::doctor_job(&p);
+    let doctor_pod = &doctor[1]["spec"]["template"]["spec"];
+    assert_eq!(doctor_pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(
+        doctor_pod["nodeSelector"]["node.kubernetes.io/instance-type"],
+        "g4dn.metal"
+    );
     insta::assert_snapshot!("job_indexed_g4dn", manifests::to_yaml(&docs));
 }
 
