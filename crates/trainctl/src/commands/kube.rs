@@ -351,9 +351,13 @@ fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Resul
         } else {
             eprintln!("job {name} is already running; waiting for it");
         }
-        let status = kube.wait(&name, timeout).await?;
-        kube.logs(&name, false, &mut |line: &str| println!("{line}"))
-            .await?;
+        // Its output as it comes (a download's progress), until it has finished.
+        let mut print = |line: &str| println!("{line}");
+        let follow = kube.logs(&name, true, &mut print);
+        if tokio::time::timeout(timeout, follow).await.is_err() {
+            eprintln!("job {name} has not finished after {timeout:?}");
+        }
+        let status = kube.status(&name).await?;
         if status.phase == Phase::Succeeded {
             Ok(0)
         } else {
@@ -545,4 +549,14 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
             Ok(1)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// deploy keeps its own copy (it must not build burn); the two must agree.
+    #[test]
+    fn the_data_job_downloads_what_the_trainer_expects() {
+        assert_eq!(deploy::config::OFFICIAL_URL, trainer::cifar::OFFICIAL_URL);
+        assert_eq!(deploy::config::OFFICIAL_MD5, trainer::cifar::OFFICIAL_MD5);
+    }
 }
