@@ -629,6 +629,20 @@ impl Project {
     }
 }
 
+impl Project {
+    /// The project from these `(key, value)` settings alone, as if given as flags, with no
+    /// variables and no file (tests, and tools that build a project themselves).
+    pub fn from_settings(settings: &[(&'static str, &str)]) -> Result<Project, ConfigError> {
+        let no_env = |_: &str| None;
+        let layers = Layers {
+            flags: settings.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+            env: &no_env,
+            file: None,
+        };
+        Project::from_resolved(&Resolved::resolve(&layers)?)
+    }
+}
+
 /// Reads typed values out of a [`Resolved`], naming the setting and its source on error.
 struct Values<'a>(&'a Resolved);
 

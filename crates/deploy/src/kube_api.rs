@@ -200,6 +200,18 @@ impl Kube {
         &self.namespace
     }
 
+    fn no_job(&self, name: &str) -> ApiError {
+        ApiError::NoJob {
+            name: name.into(),
+            namespace: self.namespace.clone(),
+        }
+    }
+
+    /// The job `name`, which must exist.
+    async fn require_job(&self, name: &str) -> Result<JobStatus, ApiError> {
+        self.find_job(name).await?.ok_or_else(|| self.no_job(name))
+    }
+
     fn api(&self, resource: &ApiResource, namespaced: bool) -> Api<DynamicObject> {
         if namespaced {
             Api::namespaced_with(self.client.clone(), &self.namespace, resource)
@@ -279,10 +291,7 @@ impl Kube {
 
     /// The job, its conditions and its pods.
     pub async fn status(&self, name: &str) -> Result<JobStatus, ApiError> {
-        let mut status = self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
-            name: name.into(),
-            namespace: self.namespace.clone(),
-        })?;
+        let mut status = self.require_job(name).await?;
         status.pods = self.pods(name).await?;
         status.settle();
         Ok(status)
@@ -333,20 +342,14 @@ impl Kube {
     pub async fn delete(&self, name: &str) -> Result<Vec<Applied>, ApiError> {
         let deleted = self.delete_matching(&manifests::job_selector(name)).await?;
         if deleted.is_empty() {
-            return Err(ApiError::NoJob {
-                name: name.into(),
-                namespace: self.namespace.clone(),
-            });
+            return Err(self.no_job(name));
         }
         Ok(deleted)
     }
 
     /// Deletes the jobs, Services and Secrets that `selector` matches, jobs first.
     pub async fn delete_matching(&self, selector: &str) -> Result<Vec<Applied>, ApiError> {
-        let params = DeleteParams {
-            propagation_policy: Some(PropagationPolicy::Background),
-            ..DeleteParams::default()
-        };
+        let params = delete_with_pods();
         let mut deleted = Vec::new();
         // The jobs first, so that their workers stop before their Service and token go.
         for wanted in ["PyTorchJob", "Job", "Service", "Secret"] {
@@ -404,10 +407,7 @@ impl Kube {
         if !JobStatus::from_job(&job).phase.is_finished() {
             return Ok(false);
         }
-        let params = DeleteParams {
-            propagation_policy: Some(PropagationPolicy::Background),
-            ..DeleteParams::default()
-        };
+        let params = delete_with_pods();
         match jobs.delete(name, &params).await {
             Ok(_) => {}
             Err(e) if is_not_found(&e) => return Ok(true),
@@ -435,10 +435,7 @@ impl Kube {
     pub async fn top(&self, name: &str) -> Result<Top, ApiError> {
         let pods = self.pods(name).await?;
         if pods.is_empty() {
-            self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
-                name: name.into(),
-                namespace: self.namespace.clone(),
-            })?;
+            self.require_job(name).await?;
         }
         let selector = format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1);
         let url = format!(
@@ -537,10 +534,7 @@ impl Kube {
         if !follow {
             let pods = self.pods(name).await?;
             if pods.is_empty() {
-                self.find_job(name).await?.ok_or_else(|| ApiError::NoJob {
-                    name: name.into(),
-                    namespace: self.namespace.clone(),
-                })?;
+                self.require_job(name).await?;
             }
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
             let mut lines: Vec<(String, usize, String)> = Vec::new();
@@ -584,12 +578,7 @@ impl Kube {
             let status = match self.find_job(name).await? {
                 Some(s) => s,
                 None if seen_job => return Ok(()),
-                None => {
-                    return Err(ApiError::NoJob {
-                        name: name.into(),
-                        namespace: self.namespace.clone(),
-                    });
-                }
+                None => return Err(self.no_job(name)),
             };
             seen_job = true;
             for pod in self.pods(name).await? {
@@ -639,6 +628,14 @@ impl Kube {
                 return Ok(());
             }
         }
+    }
+}
+
+/// Deletes that take the objects' pods with them (a Job's default would orphan them).
+fn delete_with_pods() -> DeleteParams {
+    DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..DeleteParams::default()
     }
 }
 

@@ -597,10 +597,10 @@ pub fn rdzv_host(project: &Project) -> String {
     }
 }
 
-fn indexed_job(project: &Project) -> (Service, Job) {
+/// `trainctl run`'s flags for a c10d rendezvous on pod 0.
+fn c10d_flags(project: &Project) -> [String; 8] {
     let j = &project.job;
-    let mut args = vec![
-        "run".into(),
+    [
         "--nnodes".into(),
         j.nnodes(),
         "--nproc-per-node".into(),
@@ -609,11 +609,22 @@ fn indexed_job(project: &Project) -> (Service, Job) {
         "c10d".into(),
         "--rdzv-endpoint".into(),
         format!("{}:{}", rdzv_host(project), j.rdzv_port),
-        "--rdzv-id".into(),
-        j.name.clone(),
+    ]
+}
+
+fn max_restarts_flag(project: &Project) -> [String; 2] {
+    [
         "--max-restarts".into(),
-        j.max_restarts.to_string(),
-    ];
+        project.job.max_restarts.to_string(),
+    ]
+}
+
+fn indexed_job(project: &Project) -> (Service, Job) {
+    let j = &project.job;
+    let mut args = vec!["run".to_string()];
+    args.extend(c10d_flags(project));
+    args.extend(["--rdzv-id".into(), j.name.clone()]);
+    args.extend(max_restarts_flag(project));
     args.extend(train_args(project));
     let template = pod_template(
         project,
@@ -642,18 +653,8 @@ fn pytorch_job(project: &Project) -> Value {
     let j = &project.job;
     let mut args = vec!["run".into(), "--rdzv-id".into(), j.name.clone()];
     if !j.is_elastic() {
-        args.extend([
-            "--nnodes".into(),
-            j.nnodes(),
-            "--nproc-per-node".into(),
-            j.nproc_per_node.to_string(),
-            "--rdzv-backend".into(),
-            "c10d".into(),
-            "--rdzv-endpoint".into(),
-            format!("{}:{}", rdzv_host(project), j.rdzv_port),
-            "--max-restarts".into(),
-            j.max_restarts.to_string(),
-        ]);
+        args.extend(c10d_flags(project));
+        args.extend(max_restarts_flag(project));
     }
     args.extend(train_args(project));
     let template = pod_template(
@@ -700,11 +701,15 @@ fn pytorch_job(project: &Project) -> Value {
     })
 }
 
+pub fn doctor_job_name(project: &Project) -> String {
+    format!("{}-doctor", project.job.name)
+}
+
 /// `doctor`: one pod per node, each checking DNS, the rendezvous port, every peer and the
 /// claim, from inside the cluster (`trainctl doctor check`).
 pub fn doctor_job(project: &Project) -> Vec<Value> {
     let j = &project.job;
-    let name = format!("{}-doctor", j.name);
+    let name = doctor_job_name(project);
     let pods = j.max_nodes;
     let peers: Vec<String> = (0..pods).map(|i| format!("{name}-{i}.{name}")).collect();
     let args = vec![

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use deploy::config::{Layers, Project, Resolved};
+use deploy::config::Project;
 use deploy::kube_api::{ApiError, Kube, Phase};
 use deploy::manifests;
 use http::{Method, Request, Response, StatusCode};
@@ -157,13 +157,7 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
 }
 
 fn project(flags: &[(&'static str, &str)]) -> Project {
-    let no_env = |_: &str| None;
-    let layers = Layers {
-        flags: flags.iter().map(|(k, v)| (*k, v.to_string())).collect(),
-        env: &no_env,
-        file: None,
-    };
-    Project::from_resolved(&Resolved::resolve(&layers).unwrap()).unwrap()
+    Project::from_settings(flags).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[tokio::test]

@@ -4,19 +4,12 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use deploy::config::{Layers, Project, Resolved};
+use deploy::config::Project;
 use deploy::{eksctl, manifests};
 use serde_json::Value;
 
 fn project(flags: &[(&'static str, &str)]) -> Project {
-    let no_env = |_: &str| None;
-    let layers = Layers {
-        flags: flags.iter().map(|(k, v)| (*k, v.to_string())).collect(),
-        env: &no_env,
-        file: None,
-    };
-    let resolved = Resolved::resolve(&layers).expect("resolves");
-    Project::from_resolved(&resolved).unwrap_or_else(|e| panic!("{e}"))
+    Project::from_settings(flags).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn schema_dir() -> PathBuf {

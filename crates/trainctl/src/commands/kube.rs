@@ -336,6 +336,19 @@ pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// Starts helper job `name` (data, test, doctor): a finished one from before is replaced, a
+/// running one is waited for instead of starting another.
+async fn start_or_attach(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result<()> {
+    if kube.clear_finished(name).await? {
+        for a in kube.launch(name, docs).await? {
+            eprintln!("applied {} {}", a.kind, a.name);
+        }
+    } else {
+        eprintln!("job {name} is already running; waiting for it");
+    }
+    Ok(())
+}
+
 /// Launches a one-pod helper job (data, test), waits for it and prints its logs.
 fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Result<i32> {
     let name = doc["metadata"]["name"]
@@ -344,13 +357,7 @@ fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Resul
         .to_string();
     runtime()?.block_on(async {
         let kube = connect(project).await?;
-        if kube.clear_finished(&name).await? {
-            for a in kube.launch(&name, std::slice::from_ref(&doc)).await? {
-                eprintln!("applied {} {}", a.kind, a.name);
-            }
-        } else {
-            eprintln!("job {name} is already running; waiting for it");
-        }
+        start_or_attach(&kube, &name, std::slice::from_ref(&doc)).await?;
         // Its output as it comes (a download's progress), until it has finished.
         let mut print = |line: &str| println!("{line}");
         let follow = kube.logs(&name, true, &mut print);
@@ -520,22 +527,12 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
         print_yaml(&docs);
         return Ok(0);
     }
-    let name = docs[1]["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let name = manifests::doctor_job_name(&project);
     let timeout = seconds("timeout", args.timeout)?;
     runtime()?.block_on(async {
         let kube = connect(&project).await?;
         let selector = manifests::component_selector(&project.job.name, "doctor");
-        // A finished doctor from before is replaced; a running one is waited for.
-        if kube.clear_finished(&name).await? {
-            for a in kube.launch(&name, &docs).await? {
-                eprintln!("applied {} {}", a.kind, a.name);
-            }
-        } else {
-            eprintln!("job {name} is already running; waiting for it");
-        }
+        start_or_attach(&kube, &name, &docs).await?;
         let status = kube.wait(&name, timeout).await?;
         kube.logs(&name, false, &mut |line: &str| println!("{line}"))
             .await?;
