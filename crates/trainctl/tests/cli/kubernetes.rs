@@ -242,18 +242,20 @@ fn doctor_check_between_two_pods() {
 #[test]
 fn the_operators_pet_variables_are_enough_to_form_a_job() {
     let port = testkit::free_port();
+    // Each worker waits (up to 30 s) until both ranks have started, as a training worker waits
+    // for its peers in the collective: a worker that finished alone would end the job before
+    // the other node's worker ran.
+    let meet = tempfile::tempdir().unwrap();
+    let script = format!(
+        "touch {d}/$RANK; i=0; while [ ! -e {d}/0 ] || [ ! -e {d}/1 ]; do \
+         i=$((i+1)); [ $i -gt 600 ] && exit 9; sleep 0.05; done; \
+         echo worker rank=$RANK world=$WORLD_SIZE",
+        d = meet.path().display()
+    );
     let start = || {
         Running::start(
             trainctl()
-                .args([
-                    "run",
-                    "--rdzv-id",
-                    "cifar10",
-                    "--",
-                    "sh",
-                    "-c",
-                    "echo worker rank=$RANK world=$WORLD_SIZE",
-                ])
+                .args(["run", "--rdzv-id", "cifar10", "--", "sh", "-c", &script])
                 .env("PET_RDZV_ENDPOINT", format!("127.0.0.1:{port}"))
                 .env("PET_RDZV_BACKEND", "c10d")
                 .env("PET_NNODES", "2:2")
