@@ -25,6 +25,9 @@ pub mod vars {
     pub const JOB_TOKEN: &str = "TRAINCTL_JOB_TOKEN";
     /// trainctl's own: seconds after which a silent peer is an error.
     pub const COLLECTIVE_TIMEOUT: &str = "TRAINCTL_COLLECTIVE_TIMEOUT";
+    /// trainctl's own: a file descriptor (a pipe to `trainctl run`) the worker writes its
+    /// metrics records to, one JSON line each, for the agent's progress bar and `/metrics`.
+    pub const TELEMETRY_FD: &str = "TRAINCTL_TELEMETRY_FD";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +57,8 @@ pub struct World {
     pub restart_count: u32,
     pub max_restarts: u32,
     pub timeout: Duration,
+    /// Where `trainctl run` listens for this worker's metrics records.
+    pub telemetry_fd: Option<i32>,
 }
 
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -75,6 +80,7 @@ impl World {
             restart_count: 0,
             max_restarts: 0,
             timeout: DEFAULT_TIMEOUT,
+            telemetry_fd: None,
         }
     }
 
@@ -126,6 +132,16 @@ impl World {
                 }
             },
         };
+        let telemetry_fd = match lookup(vars::TELEMETRY_FD) {
+            None => None,
+            Some(v) => Some(v.trim().parse::<i32>().ok().filter(|fd| *fd > 2).ok_or(
+                WorldError::Invalid {
+                    name: vars::TELEMETRY_FD,
+                    value: v,
+                    expected: "a file descriptor number above 2",
+                },
+            )?),
+        };
         Ok(World {
             rank,
             world_size,
@@ -139,6 +155,7 @@ impl World {
             restart_count: num(vars::RESTART_COUNT, 0)?,
             max_restarts: num(vars::MAX_RESTARTS, 0)?,
             timeout,
+            telemetry_fd,
         })
     }
 

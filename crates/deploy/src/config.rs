@@ -99,6 +99,7 @@ settings! {
     "job.learning_rate", "--lr", "SGD learning rate";
     "job.max_restarts", "--max-restarts", "worker-group restarts before the job fails";
     "job.rdzv_port", "--rdzv-port", "port of the rendezvous store on node 0";
+    "job.metrics_port", "--metrics-port", "port of each training pod's Prometheus metrics (0: none)";
     "job.runs_dir", "--runs-dir", "where runs write checkpoints and models";
     "job.ttl_seconds", "--ttl-seconds", "seconds a finished job is kept";
 }
@@ -234,6 +235,7 @@ impl Resolved {
         default("job.learning_rate", "0.001".into(), Source::Default);
         default("job.max_restarts", "3".into(), Source::Default);
         default("job.rdzv_port", "29400".into(), Source::Default);
+        default("job.metrics_port", "9464".into(), Source::Default);
         default("job.ttl_seconds", "86400".into(), Source::Default);
 
         // Settings computed from others.
@@ -429,6 +431,8 @@ pub struct Job {
     pub learning_rate: f64,
     pub max_restarts: u32,
     pub rdzv_port: u16,
+    /// `None` when set to 0: no metrics endpoint, no annotations.
+    pub metrics_port: Option<u16>,
     pub runs_dir: String,
     pub ttl_seconds: i32,
 }
@@ -611,6 +615,16 @@ impl Project {
                     Ok(p)
                 }
             })?,
+            metrics_port: match v.number::<u16>("job.metrics_port")? {
+                0 => None,
+                p if v.number::<u16>("job.rdzv_port").ok() == Some(p) => {
+                    return Err(v.invalid(
+                        "job.metrics_port",
+                        format!("is the rendezvous port ({p}); pick another, or 0 for none"),
+                    ));
+                }
+                p => Some(p),
+            },
             runs_dir: v.matching(
                 "job.runs_dir",
                 |s| s.starts_with('/'),

@@ -38,6 +38,8 @@ pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
 pub const CONTAINER: &str = "pytorch";
 /// Name of the rendezvous port; the training operator finds the port by this name.
 pub const RDZV_PORT_NAME: &str = "pytorchjob-port";
+/// The container port `trainctl run --metrics-port` serves on.
+pub const METRICS_PORT_NAME: &str = "metrics";
 /// Where the binary is in the image (see the Dockerfile).
 pub const BINARY: &str = "trainctl";
 /// The user the pods run as (the image's `trainctl` user).
@@ -210,6 +212,9 @@ struct PodOptions {
     /// GPU, CPU and memory of a training pod, or a small request for helper jobs.
     training_size: bool,
     port: Option<u16>,
+    /// Training pods: the port `trainctl run --metrics-port` serves, announced to Prometheus
+    /// by the usual `prometheus.io/*` pod annotations.
+    metrics_port: Option<u16>,
     token_secret: Option<String>,
     /// Indexed Job pods: the headless Service that gives them DNS names.
     subdomain: Option<String>,
@@ -308,12 +313,19 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
         args: Some(o.args),
         env: Some(env),
         ports: o.port.map(|p| {
-            vec![ContainerPort {
+            let mut ports = vec![ContainerPort {
                 name: Some(RDZV_PORT_NAME.into()),
                 container_port: p.into(),
                 protocol: Some("TCP".into()),
                 ..ContainerPort::default()
-            }]
+            }];
+            ports.extend(o.metrics_port.map(|m| ContainerPort {
+                name: Some(METRICS_PORT_NAME.into()),
+                container_port: m.into(),
+                protocol: Some("TCP".into()),
+                ..ContainerPort::default()
+            }));
+            ports
         }),
         resources: Some(ResourceRequirements {
             requests: Some(requests),
@@ -343,6 +355,13 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(&job.name, o.component)),
+            annotations: o.metrics_port.map(|p| {
+                BTreeMap::from([
+                    ("prometheus.io/scrape".to_string(), "true".to_string()),
+                    ("prometheus.io/port".to_string(), p.to_string()),
+                    ("prometheus.io/path".to_string(), "/metrics".to_string()),
+                ])
+            }),
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
@@ -495,6 +514,7 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
             args,
             training_size: false,
             port: None,
+            metrics_port: None,
             token_secret: None,
             subdomain: None,
         },
@@ -524,6 +544,7 @@ pub fn test_job(project: &Project) -> Value {
             args,
             training_size: false,
             port: None,
+            metrics_port: None,
             token_secret: None,
             subdomain: None,
         },
@@ -612,6 +633,13 @@ fn c10d_flags(project: &Project) -> [String; 8] {
     ]
 }
 
+fn metrics_flag(project: &Project) -> Vec<String> {
+    match project.job.metrics_port {
+        Some(p) => vec!["--metrics-port".into(), p.to_string()],
+        None => vec![],
+    }
+}
+
 fn max_restarts_flag(project: &Project) -> [String; 2] {
     [
         "--max-restarts".into(),
@@ -625,6 +653,7 @@ fn indexed_job(project: &Project) -> (Service, Job) {
     args.extend(c10d_flags(project));
     args.extend(["--rdzv-id".into(), j.name.clone()]);
     args.extend(max_restarts_flag(project));
+    args.extend(metrics_flag(project));
     args.extend(train_args(project));
     let template = pod_template(
         project,
@@ -633,6 +662,7 @@ fn indexed_job(project: &Project) -> (Service, Job) {
             args,
             training_size: true,
             port: Some(j.rdzv_port),
+            metrics_port: j.metrics_port,
             token_secret: Some(token_secret_name(project)),
             subdomain: Some(j.name.clone()),
         },
@@ -656,6 +686,7 @@ fn pytorch_job(project: &Project) -> Value {
         args.extend(c10d_flags(project));
         args.extend(max_restarts_flag(project));
     }
+    args.extend(metrics_flag(project));
     args.extend(train_args(project));
     let template = pod_template(
         project,
@@ -664,6 +695,7 @@ fn pytorch_job(project: &Project) -> Value {
             args,
             training_size: true,
             port: Some(j.rdzv_port),
+            metrics_port: j.metrics_port,
             token_secret: Some(token_secret_name(project)),
             subdomain: None,
         },
@@ -731,6 +763,7 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
             args,
             training_size: false,
             port: Some(j.rdzv_port),
+            metrics_port: None,
             token_secret: None,
             subdomain: Some(name.clone()),
         },

@@ -278,6 +278,47 @@ fn indexed_training_job() {
     assert!(job["spec"]["ttlSecondsAfterFinished"].as_i64().unwrap() > 0);
 }
 
+/// The pods serve `trainctl run --metrics-port` and say so to Prometheus; `--metrics-port 0`
+/// takes flag, port and annotations away together.
+#[test]
+fn training_pods_announce_their_metrics_port() {
+    let pod_of = |flags: &[(&'static str, &str)]| {
+        let docs = manifests::training_job(&project(flags), "TOKEN");
+        docs[2]["spec"]["template"].clone()
+    };
+    let pod = pod_of(&[("storage.efs", "fs-1"), ("job.metrics_port", "9100")]);
+    let annotations = &pod["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/scrape"], "true");
+    assert_eq!(annotations["prometheus.io/port"], "9100");
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+    let container = &pod["spec"]["containers"][0];
+    let args = container["args"].to_string();
+    assert!(args.contains(r#""--metrics-port","9100""#), "{args}");
+    assert!(
+        container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "metrics" && p["containerPort"] == 9100)
+    );
+
+    let pod = pod_of(&[("storage.efs", "fs-1"), ("job.metrics_port", "0")]);
+    assert!(pod["metadata"]["annotations"].is_null(), "{pod}");
+    assert!(!pod.to_string().contains("--metrics-port"));
+    assert_eq!(
+        pod["spec"]["containers"][0]["ports"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.metrics_port", "29400")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rendezvous port"), "{err}");
+}
+
 #[test]
 fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
     let p = project(&[

@@ -12,6 +12,7 @@ use rendezvous::{Joined, Rendezvous, Watch};
 use crate::output::Sink;
 use crate::report::{ExitKind, Outcome};
 use crate::supervise::{Group, Status, StopSignals};
+use crate::telemetry::TelemetryPipe;
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
@@ -39,6 +40,7 @@ fn run_rounds(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
+    let telemetry = TelemetryPipe::open_for(spec)?;
     loop {
         rdzv.set_port(crate::free_port()?);
         events(LaunchEvent::Joining {
@@ -69,8 +71,7 @@ fn run_rounds(
             &round_spec,
             assignment.restart_count,
             assignment.round,
-            &stdout,
-            &stderr,
+            (&stdout, &stderr, telemetry.as_ref()),
             events,
         )?;
         // The job was closed by another node that finished: our workers finish too, no restart.

@@ -9,11 +9,13 @@ mod agent;
 pub mod output;
 mod report;
 mod supervise;
+mod telemetry;
 
 pub use agent::run_elastic;
 pub use rendezvous;
 pub use report::{ExitKind, Failure, Outcome};
 pub use supervise::launch;
+pub use telemetry::Telemetry;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -42,6 +44,8 @@ pub struct LaunchSpec {
     pub program: Vec<OsString>,
     /// Extra environment for every worker (after torchrun's variables).
     pub extra_env: Vec<(String, String)>,
+    /// Where the workers' metrics records go, if anywhere (`TRAINCTL_TELEMETRY_FD`).
+    pub telemetry: Option<Telemetry>,
 }
 
 /// A worker the launcher started.
@@ -178,6 +182,7 @@ mod tests {
             monitor_interval: Duration::from_millis(100),
             program: vec!["true".into()],
             extra_env: vec![],
+            telemetry: None,
         }
     }
 

@@ -12,6 +12,7 @@ use nix::unistd::Pid;
 
 use crate::output::{Sink, Tail, pump};
 use crate::report::{ExitKind, Failure, Outcome};
+use crate::telemetry::TelemetryPipe;
 use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
 struct Worker {
@@ -107,14 +108,14 @@ pub fn launch(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
+    let telemetry = TelemetryPipe::open_for(spec)?;
     let mut restart_count = 0;
     loop {
         let mut group = Group::spawn(
             spec,
             restart_count,
             restart_count.into(),
-            &stdout,
-            &stderr,
+            (&stdout, &stderr, telemetry.as_ref()),
             events,
         )?;
         let failure = loop {
@@ -164,8 +165,7 @@ impl Group {
         spec: &LaunchSpec,
         restart_count: u32,
         attempt: u64,
-        stdout: &Sink,
-        stderr: &Sink,
+        outputs: Outputs,
         events: &mut dyn FnMut(LaunchEvent),
     ) -> Result<Group, LaunchError> {
         let attempt_dir = spec
@@ -184,8 +184,7 @@ impl Group {
                 local_rank,
                 restart_count,
                 attempt_dir.as_deref(),
-                stdout,
-                stderr,
+                outputs,
             ) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
@@ -270,13 +269,15 @@ impl Group {
     }
 }
 
+/// Where a group's workers write: their stdout and stderr sinks, and the telemetry pipe.
+pub(crate) type Outputs<'a> = (&'a Sink, &'a Sink, Option<&'a TelemetryPipe>);
+
 fn spawn(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
     attempt_dir: Option<&std::path::Path>,
-    stdout: &Sink,
-    stderr: &Sink,
+    (stdout, stderr, telemetry): Outputs,
 ) -> Result<Worker, LaunchError> {
     let rank = spec.rank_offset + local_rank;
     let program = spec.program.first().cloned().unwrap_or_default();
@@ -292,10 +293,24 @@ fn spawn(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    let telemetry_fd = telemetry.and_then(TelemetryPipe::fd);
+    if let Some(fd) = telemetry_fd {
+        cmd.env(collective::world::vars::TELEMETRY_FD, fd.to_string());
+    }
+    // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
     unsafe {
-        cmd.pre_exec(|| {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            if let Some(fd) = telemetry_fd {
+                // The pipe is close-on-exec for everyone else; this worker keeps it.
+                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+                nix::fcntl::fcntl(
+                    fd,
+                    nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+                )
+                .map_err(std::io::Error::from)?;
+            }
+            Ok(())
         });
     }
     let (stdout_log, stderr_log) = match attempt_dir {

@@ -27,6 +27,9 @@ enum Command {
     Train(commands::train::Args),
     /// Accuracy of a saved model on the CIFAR-10 test set, overall and per class.
     Eval(commands::eval::Args),
+    /// Charts (loss, throughput, step time, per-class accuracy, confusion matrix) and one
+    /// self-contained HTML page from a run's metrics.
+    Report(commands::report::Args),
     /// Verify a checkpoint and show where its training stands.
     Checkpoint(commands::checkpoint::Args),
     /// Classify PNG or JPEG images with a saved model.
@@ -82,6 +85,7 @@ fn main() {
         Command::Eval(args) => commands::eval::run(args),
         Command::Predict(args) => commands::predict::run(args),
         Command::Checkpoint(args) => commands::checkpoint::run(args),
+        Command::Report(args) => commands::report::run(args),
         Command::Data(cmd) => commands::data::run(cmd),
         Command::Bench(args) => commands::bench::run(args),
         Command::Config(cmd) => commands::kube::config(cmd),

@@ -1,25 +1,248 @@
 //! Everything trainctl prints for the user goes through here.
+//!
+//! While a progress bar is up (on a terminal), every line goes above it: written with the bar
+//! suspended, so lines and bar never share a row.
 
+use std::fmt::Arguments;
+use std::io::Write;
+use std::sync::Mutex;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use trainer::cifar::DataProgress;
 use trainer::train::Event;
 
+/// The progress bar on screen, if any.
+static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
+
+/// Writes `text` to stdout or stderr, above the progress bar when one is up.
+pub fn emit(stderr: bool, text: &[u8]) {
+    let bar = BAR.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let write = || {
+        if stderr {
+            let _ = std::io::stderr().lock().write_all(text);
+        } else {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(text);
+            let _ = out.flush();
+        }
+    };
+    match bar {
+        Some(bar) => bar.suspend(write),
+        None => write(),
+    }
+}
+
+fn out(args: Arguments) {
+    emit(false, format!("{args}\n").as_bytes());
+}
+
+fn out_raw(args: Arguments) {
+    emit(false, args.to_string().as_bytes());
+}
+
+fn err(args: Arguments) {
+    emit(true, format!("{args}\n").as_bytes());
+}
+
+/// A worker's output forwarded by the launcher, a whole line at a time, so that a progress bar
+/// can be suspended around each line (the launcher writes a prefix and a line separately).
+pub struct LineSink {
+    stderr: bool,
+    pending: Vec<u8>,
+}
+
+impl LineSink {
+    pub fn new(stderr: bool) -> Self {
+        LineSink {
+            stderr,
+            pending: Vec::new(),
+        }
+    }
+}
+
+impl Write for LineSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.pending.extend_from_slice(buf);
+        if let Some(end) = self.pending.iter().rposition(|&b| b == b'\n') {
+            let rest = self.pending.split_off(end + 1);
+            emit(self.stderr, &std::mem::replace(&mut self.pending, rest));
+        }
+        Ok(buf.len())
+    }
+
+    /// Emits a partial last line too (the launcher's pump flushes after whole lines only).
+    fn flush(&mut self) -> std::io::Result<()> {
+        if !self.pending.is_empty() {
+            emit(self.stderr, &std::mem::take(&mut self.pending));
+        }
+        Ok(())
+    }
+}
+
+/// Progress of the data download and of training: a bar on a terminal; on anything else
+/// (a pod's log, CI) plain lines, at every tenth of a download and at the loss lines.
+pub struct Progress {
+    terminal: bool,
+    bar: Option<ProgressBar>,
+    /// The epoch or data phase the bar shows.
+    showing: Option<String>,
+    /// Last tenth of the download reported as a plain line.
+    tenth: Option<(&'static str, u64)>,
+}
+
+impl Progress {
+    pub fn new(terminal: bool) -> Self {
+        Progress {
+            terminal,
+            bar: None,
+            showing: None,
+            tenth: None,
+        }
+    }
+
+    fn show(&mut self, what: String, len: u64, template: &str) -> &ProgressBar {
+        if self.showing.as_deref() != Some(what.as_str()) {
+            self.finish();
+            let bar = ProgressBar::new(len).with_style(
+                ProgressStyle::with_template(template)
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            bar.set_prefix(what.clone());
+            *BAR.lock().unwrap_or_else(|p| p.into_inner()) = Some(bar.clone());
+            self.bar = Some(bar);
+            self.showing = Some(what);
+        }
+        self.bar.as_ref().expect("a bar was just set")
+    }
+
+    pub fn data(&mut self, p: DataProgress) {
+        let (phase, done, total) = match p {
+            DataProgress::Downloading { done, total } => ("downloading CIFAR-10", done, total),
+            DataProgress::Extracting { done, total } => ("extracting CIFAR-10", done, Some(total)),
+            DataProgress::Done => {
+                self.finish();
+                self.tenth = None;
+                return;
+            }
+        };
+        if self.terminal {
+            let bar = self.show(
+                phase.into(),
+                total.unwrap_or(0),
+                "{prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            );
+            bar.set_position(done);
+            return;
+        }
+        // Tenths of the archive, or every 16 MiB when the server sent no length.
+        let tenth = match total {
+            Some(t) if t > 0 => done * 10 / t,
+            _ => done >> 24,
+        };
+        if self.tenth != Some((phase, tenth)) {
+            self.tenth = Some((phase, tenth));
+            let mb = |b: u64| b as f64 / 1e6;
+            match total {
+                Some(t) if t > 0 => err(format_args!(
+                    "{phase}: {:.1} of {:.1} MB ({} %)",
+                    mb(done),
+                    mb(t),
+                    done * 100 / t
+                )),
+                _ => err(format_args!("{phase}: {:.1} MB", mb(done))),
+            }
+        }
+    }
+
+    /// Rank 0's steps drive the bar (a terminal only: elsewhere the loss lines say as much).
+    pub fn step(&mut self, s: &telemetry::Step) {
+        if !self.terminal || s.rank != 0 {
+            return;
+        }
+        let bar = self.show(
+            format!("epoch {}", s.epoch),
+            s.steps_in_epoch as u64,
+            "{prefix} [{bar:30}] {pos}/{len} steps | {msg} | eta {eta}",
+        );
+        if bar.length() != Some(s.steps_in_epoch as u64) {
+            // The world size changed mid-epoch: so did the number of steps.
+            bar.set_length(s.steps_in_epoch as u64);
+            bar.reset_eta();
+        }
+        bar.set_position(s.iter as u64);
+        bar.set_message(format!(
+            "loss {:.3} | {:.1} images/s | world {}",
+            s.loss, s.images_per_sec, s.world_size
+        ));
+    }
+
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            *BAR.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            bar.finish_and_clear();
+        }
+        self.showing = None;
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// `1m05s`, `2h03m`, `12s`.
+fn duration(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
 pub fn error(e: &anyhow::Error) {
-    eprintln!("error: {e:#}");
+    err(format_args!("error: {e:#}"));
 }
 
 pub fn warn(msg: &str) {
-    eprintln!("warning: {msg}");
+    err(format_args!("warning: {msg}"));
+}
+
+pub fn wrote(path: &std::path::Path) {
+    err(format_args!("wrote {}", path.display()));
+}
+
+pub fn report_written(w: &report::Written, dir: &std::path::Path) {
+    for chart in &w.charts {
+        out(format_args!("{}", dir.join(&chart.file).display()));
+    }
+    out(format_args!("{}", w.html.display()));
+    if w.skipped_lines > 0 {
+        warn(&format!(
+            "{} metrics line(s) could not be read (a crash leaves a partial last line); the rest is in the report",
+            w.skipped_lines
+        ));
+    }
+}
+
+pub fn metrics_endpoint(addr: std::net::SocketAddr) {
+    err(format_args!(
+        "trainctl run: serving metrics at http://{addr}/metrics"
+    ));
 }
 
 pub fn launching(spec: &launcher::LaunchSpec) {
-    eprintln!(
+    err(format_args!(
         "trainctl run: run id {}, {} worker(s) on this node, world size {}, store at {}:{}",
         spec.run_id, spec.nproc_per_node, spec.world_size, spec.master_addr, spec.master_port
-    );
+    ));
 }
 
 pub fn agent_starting(spec: &launcher::LaunchSpec, rdzv: &launcher::rendezvous::Rendezvous) {
     let cfg = rdzv.config();
-    eprintln!(
+    err(format_args!(
         "trainctl run: elastic agent {} for run id {}, {} worker(s) on this node, {}..{} nodes; rendezvous: {}",
         rdzv.node_id(),
         spec.run_id,
@@ -27,7 +250,7 @@ pub fn agent_starting(spec: &launcher::LaunchSpec, rdzv: &launcher::rendezvous::
         cfg.limits.min,
         cfg.limits.max,
         rdzv.describe()
-    );
+    ));
 }
 
 pub fn launch_event(event: launcher::LaunchEvent) {
@@ -36,7 +259,7 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Joining { node } => {
             tracing::info!(node, "joining the rendezvous");
         }
-        LaunchEvent::Joined(a) => eprintln!(
+        LaunchEvent::Joined(a) => err(format_args!(
             "trainctl run: round {}: node {} of {}, first rank {}, world size {}, restart count {}, store at {}:{}",
             a.round,
             a.node_rank,
@@ -46,36 +269,41 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             a.restart_count,
             a.master_addr,
             a.master_port
-        ),
-        LaunchEvent::Reopened { reason } => {
-            eprintln!("trainctl run: new rendezvous round: {reason}; restarting the workers")
-        }
-        LaunchEvent::JobAlreadyOver => {
-            eprintln!("trainctl run: this run id's job has already finished; nothing to do")
-        }
+        )),
+        LaunchEvent::Reopened { reason } => err(format_args!(
+            "trainctl run: new rendezvous round: {reason}; restarting the workers"
+        )),
+        LaunchEvent::JobAlreadyOver => err(format_args!(
+            "trainctl run: this run id's job has already finished; nothing to do"
+        )),
         LaunchEvent::StoreUnreachable(e) => warn(&format!(
             "rendezvous store unreachable ({e}); the workers go on, membership changes wait for it"
         )),
-        LaunchEvent::StoreBack => eprintln!("trainctl run: rendezvous store reachable again"),
-        LaunchEvent::Started(w) => {
-            eprintln!("trainctl run: started rank {} (pid {})", w.rank, w.pid)
+        LaunchEvent::StoreBack => err(format_args!(
+            "trainctl run: rendezvous store reachable again"
+        )),
+        LaunchEvent::Started(w) => err(format_args!(
+            "trainctl run: started rank {} (pid {})",
+            w.rank, w.pid
+        )),
+        LaunchEvent::Restarting {
+            failure,
+            restart_count,
+        } if failure.exit == launcher::ExitKind::Code(collective::EXIT_PEER_LOST) => {
+            err(format_args!(
+                "trainctl run: rank {} (pid {}) lost a peer (exit code {}); restarting all workers (not counted as a failure: restart count stays {restart_count})",
+                failure.rank,
+                failure.pid,
+                collective::EXIT_PEER_LOST
+            ))
         }
         LaunchEvent::Restarting {
             failure,
             restart_count,
-        } if failure.exit == launcher::ExitKind::Code(collective::EXIT_PEER_LOST) => eprintln!(
-            "trainctl run: rank {} (pid {}) lost a peer (exit code {}); restarting all workers (not counted as a failure: restart count stays {restart_count})",
-            failure.rank,
-            failure.pid,
-            collective::EXIT_PEER_LOST
-        ),
-        LaunchEvent::Restarting {
-            failure,
-            restart_count,
-        } => eprintln!(
+        } => err(format_args!(
             "trainctl run: rank {} (pid {}) failed with {}; restarting all workers (restart {restart_count})",
             failure.rank, failure.pid, failure.exit
-        ),
+        )),
     }
 }
 
@@ -87,67 +315,72 @@ pub fn train_event(rank: u32, event: trainer::train::Event) {
             position,
             global_step,
             saved_world_size,
-        } => println!(
+        } => out(format_args!(
             "resuming from checkpoint: epoch {}, {position} samples into it, step {global_step} (saved at world size {saved_world_size})",
             epoch + 1
-        ),
+        )),
         Event::Loss {
             epoch,
             iter,
+            steps,
             loss,
             images_per_sec,
-        } => {
-            println!("[{epoch}, {iter:5}] loss: {loss:.3}");
-            tracing::info!(images_per_sec, "throughput");
-        }
+            seconds_per_step,
+        } => out(format_args!(
+            "[{epoch}, {iter:5}] loss: {loss:.3}  ({iter}/{steps} steps, {images_per_sec:.1} images/s, epoch eta {})",
+            duration(steps.saturating_sub(iter) as f64 * seconds_per_step)
+        )),
+        // Drawn by `Progress`, recorded by the trainer.
+        Event::Step(_) | Event::Data(_) => {}
         Event::CheckpointSaved {
             global_step,
             epoch,
             position,
-        } => {
-            println!(
-                "checkpoint saved at step {global_step} (epoch {}, {position} samples in)",
-                epoch + 1
-            )
+        } => out(format_args!(
+            "checkpoint saved at step {global_step} (epoch {}, {position} samples in)",
+            epoch + 1
+        )),
+        Event::EpochDone { epoch, seconds } => {
+            out(format_args!("epoch {epoch} done in {seconds:.1} s"))
         }
-        Event::EpochDone { epoch, seconds } => println!("epoch {epoch} done in {seconds:.1} s"),
-        Event::ModelSaved { path } => println!("model saved to {}", path.display()),
-        Event::Evaluated(confusion) => print!("{}", confusion.report()),
+        Event::ModelSaved { path } => out(format_args!("model saved to {}", path.display())),
+        Event::Evaluated(confusion) => out_raw(format_args!("{}", confusion.report())),
         Event::Finished {
             global_step,
             samples_seen,
             world_size,
             fingerprint,
-        } => {
-            println!(
-                "rank {rank} finished after {global_step} steps; weights fingerprint {fingerprint:08x} (world size {world_size}, {samples_seen} samples trained in all)"
-            )
-        }
+        } => out(format_args!(
+            "rank {rank} finished after {global_step} steps; weights fingerprint {fingerprint:08x} (world size {world_size}, {samples_seen} samples trained in all)"
+        )),
         Event::Warning(msg) => warn(&msg),
     }
 }
 
 pub fn checkpoint(path: &std::path::Path, p: &trainer::checkpoint::Progress, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(p).unwrap_or_default());
+        out(format_args!(
+            "{}",
+            serde_json::to_string(p).unwrap_or_default()
+        ));
         return;
     }
-    println!(
+    out(format_args!(
         "{}: verified (checksum, tensor names and shapes)",
         path.display()
-    );
-    println!(
+    ));
+    out(format_args!(
         "  epoch        : {} done, {} samples into the next",
         p.epoch, p.position
-    );
-    println!("  global step  : {}", p.global_step);
-    println!(
+    ));
+    out(format_args!("  global step  : {}", p.global_step));
+    out(format_args!(
         "  samples seen : {} (data set {} images)",
         p.samples_seen, p.dataset_len
-    );
-    println!("  world size   : {} when saved", p.world_size);
-    println!(
+    ));
+    out(format_args!("  world size   : {} when saved", p.world_size));
+    out(format_args!(
         "  settings     : batch {}, lr {}, momentum {}, weight decay {}, seed {}",
         p.batch_size, p.learning_rate, p.momentum, p.weight_decay, p.seed
-    );
+    ));
 }

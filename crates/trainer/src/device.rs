@@ -5,6 +5,9 @@
 
 use burn::tensor::Device;
 
+/// The backend's name, as run records give it.
+pub const BACKEND: &str = "flex";
+
 /// The device a model is trained on (with autodiff).
 pub fn training_device() -> Device {
     inference_device().autodiff()

@@ -13,11 +13,12 @@ use burn::tensor::{Int, Tensor, TensorData};
 use collective::{ProcessGroup, World};
 
 use crate::checkpoint::{Progress, load_checkpoint, save_checkpoint, save_model};
-use crate::cifar::{DownloadOptions, Split, ensure_dataset};
+use crate::cifar::{DataProgress, DownloadOptions, Split, ensure_dataset};
 use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
 use crate::model::{SeedCnn, Snapshot, buffers, gradients, load, snapshot, to_vec};
+use crate::record::Recorder;
 use crate::sampler::Shard;
 
 #[derive(Debug, Clone)]
@@ -38,8 +39,8 @@ pub struct TrainConfig {
     pub threads: usize,
     /// Evaluate on the test set after training.
     pub evaluate: bool,
-    /// Show progress bars (download) on a terminal.
-    pub progress: bool,
+    /// Where the metrics files (`metrics/`) and TensorBoard events (`tensorboard/`) go.
+    pub run_dir: PathBuf,
 }
 
 /// What the trainer tells its caller as it goes; only the caller prints.
@@ -55,9 +56,14 @@ pub enum Event {
     Loss {
         epoch: usize,
         iter: usize,
+        /// Steps of this epoch at this world size.
+        steps: usize,
         loss: f32,
         images_per_sec: f64,
+        seconds_per_step: f64,
     },
+    /// Every step, on every rank (what the metrics file records).
+    Step(Box<telemetry::Step>),
     CheckpointSaved {
         global_step: u64,
         epoch: usize,
@@ -79,6 +85,8 @@ pub enum Event {
         fingerprint: u32,
     },
     Warning(String),
+    /// Downloading or extracting the data set (the node's local rank 0 only).
+    Data(DataProgress),
 }
 
 /// Trains on the world described by `world`, calling `report` on the way.
@@ -92,7 +100,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     // One download per node; the others wait at the barrier.
     let ensured = if world.local_rank == 0 {
-        ensure_dataset(&cfg.data, &cfg.download, cfg.progress && rank == 0).map(|_| ())
+        ensure_dataset(&cfg.data, &cfg.download, &mut |p| report(Event::Data(p))).map(|_| ())
     } else {
         Ok(())
     };
@@ -104,7 +112,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             enabled: false,
             ..cfg.download.clone()
         },
-        false,
+        &mut |_| {},
     )?;
     let dataset = layout.load(Split::Train)?;
     if dataset.is_empty() {
@@ -136,6 +144,22 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     }
     model = load(model, Some(&state.params), &state.buffers);
 
+    let mut recorder = Recorder::open(&cfg.run_dir, world, report);
+    recorder.start(
+        telemetry::metrics::Start {
+            v: telemetry::metrics::SCHEMA_VERSION,
+            time: telemetry::unix_time(),
+            rank: rank as u32,
+            world_size: world_size as u32,
+            restart: world.restart_count,
+            step: state.progress.global_step,
+            resumed,
+            config: run_config(cfg, world),
+        },
+        world_size,
+        report,
+    );
+
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let (mut pixels, mut labels) = (Vec::new(), Vec::new());
     let mut grads_flat = Vec::with_capacity(state.params.len() + 1);
@@ -160,7 +184,9 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             .div_ceil(cfg.batch_size * world_size);
         let (mut running_loss, mut window, mut window_start, mut window_images) =
             (0.0f64, 0usize, Instant::now(), 0usize);
+        let steps_in_epoch = steps_before + shard.steps();
         for step in 0..shard.steps() {
+            let step_start = Instant::now();
             let batch = shard.batch(step);
             dataset.fill_batch(batch, &mut pixels, &mut labels);
             let x = Tensor::<4>::from_data(
@@ -171,11 +197,21 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
                 TensorData::new(labels.clone(), [batch.len()]),
                 &device,
             );
-            let loss = loss_fn.forward(model.forward(x), y);
+            let data_s = step_start.elapsed().as_secs_f64();
+
+            let timer = Instant::now();
+            let logits = model.forward(x);
+            let loss = loss_fn.forward(logits.clone(), y);
             let grads = loss.backward();
             gradients(&model, &grads, &mut grads_flat);
             grads_flat.push(to_vec(loss)[0]);
+            grads_flat.push(batch_accuracy(&to_vec(logits), &labels));
+            let mut compute_s = timer.elapsed().as_secs_f64();
+
+            let timer = Instant::now();
             group.all_reduce_mean(&mut grads_flat)?;
+            let mut allreduce_s = timer.elapsed().as_secs_f64();
+            let accuracy = grads_flat.pop().unwrap_or(f32::NAN);
             let mean_loss = grads_flat.pop().unwrap_or(f32::NAN);
             let global_step = state.progress.global_step + 1;
             if !mean_loss.is_finite() {
@@ -186,26 +222,57 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
                     global_step,
                 });
             }
+            let timer = Instant::now();
             state.sgd_step(cfg, &grads_flat);
             state.buffers = buffers(&model);
+            compute_s += timer.elapsed().as_secs_f64();
+            let timer = Instant::now();
             group.broadcast(&mut state.buffers, 0)?;
+            allreduce_s += timer.elapsed().as_secs_f64();
+            let timer = Instant::now();
             model = load(model, Some(&state.params), &state.buffers);
+            compute_s += timer.elapsed().as_secs_f64();
             state.progress.global_step = global_step;
             state.progress.position = shard.position_after(step + 1);
-            state.progress.samples_seen +=
-                (shard.position_after(step + 1) - shard.position_after(step)) as u64;
+            let images = shard.position_after(step + 1) - shard.position_after(step);
+            state.progress.samples_seen += images as u64;
+
+            let iter = steps_before + step + 1;
+            let step_s = step_start.elapsed().as_secs_f64();
+            let record = telemetry::Step {
+                time: telemetry::unix_time(),
+                rank: rank as u32,
+                world_size: world_size as u32,
+                restart: world.restart_count,
+                epoch: epoch + 1,
+                step: global_step,
+                iter,
+                steps_in_epoch,
+                loss: mean_loss,
+                accuracy,
+                lr: cfg.learning_rate,
+                images,
+                images_per_sec: images as f64 / step_s,
+                step_s,
+                data_s,
+                compute_s,
+                allreduce_s,
+            };
+            recorder.step(&record, report);
+            report(Event::Step(Box::new(record)));
 
             running_loss += mean_loss as f64;
             window += 1;
-            window_images += batch.len() * world_size;
-            let iter = steps_before + step + 1;
+            window_images += images;
             if rank == 0 && cfg.print_freq > 0 && iter.is_multiple_of(cfg.print_freq) {
-                let images_per_sec = window_images as f64 / window_start.elapsed().as_secs_f64();
+                let seconds = window_start.elapsed().as_secs_f64();
                 report(Event::Loss {
                     epoch: epoch + 1,
                     iter,
+                    steps: steps_in_epoch,
                     loss: (running_loss / window as f64) as f32,
-                    images_per_sec,
+                    images_per_sec: window_images as f64 / seconds,
+                    seconds_per_step: seconds / window as f64,
                 });
                 (running_loss, window, window_start, window_images) = (0.0, 0, Instant::now(), 0);
             }
@@ -213,18 +280,20 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
                 .checkpoint_every
                 .is_some_and(|n| n > 0 && global_step - last_checkpoint_step >= n);
             if due && step + 1 < shard.steps() {
-                state.checkpoint(cfg, &template, rank, report)?;
+                state.checkpoint(cfg, &template, rank, &mut recorder, report)?;
                 last_checkpoint_step = global_step;
             }
         }
         state.progress.epoch += 1;
         state.progress.position = 0;
-        state.checkpoint(cfg, &template, rank, report)?;
+        state.checkpoint(cfg, &template, rank, &mut recorder, report)?;
         last_checkpoint_step = state.progress.global_step;
+        let seconds = epoch_start.elapsed().as_secs_f64();
+        recorder.epoch(epoch + 1, state.progress.global_step, seconds, report);
         if rank == 0 {
             report(Event::EpochDone {
                 epoch: epoch + 1,
-                seconds: epoch_start.elapsed().as_secs_f64(),
+                seconds,
             });
         }
     }
@@ -246,7 +315,9 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         let mut counts = evaluate(&model, &test, &mine, 500).to_f32();
         group.all_reduce_sum(&mut counts)?;
         if rank == 0 {
-            report(Event::Evaluated(Box::new(Confusion::from_f32(&counts))));
+            let confusion = Confusion::from_f32(&counts);
+            recorder.eval(state.progress.global_step, &confusion, report);
+            report(Event::Evaluated(Box::new(confusion)));
         }
     }
     group.barrier()?;
@@ -257,6 +328,43 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         fingerprint: state.fingerprint(),
     });
     Ok(())
+}
+
+/// Fraction of `labels` the `logits` (rows of classes) get right.
+fn batch_accuracy(logits: &[f32], labels: &[i64]) -> f32 {
+    let classes = logits.len() / labels.len().max(1);
+    if classes == 0 {
+        return 0.0;
+    }
+    let correct = logits
+        .chunks(classes)
+        .zip(labels)
+        .filter(|(row, label)| {
+            let best = row
+                .iter()
+                .enumerate()
+                .fold(0, |best, (i, v)| if *v > row[best] { i } else { best });
+            best as i64 == **label
+        })
+        .count();
+    correct as f32 / labels.len() as f32
+}
+
+fn run_config(cfg: &TrainConfig, world: &World) -> telemetry::RunConfig {
+    telemetry::RunConfig {
+        run_id: world.run_id.clone(),
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        learning_rate: cfg.learning_rate,
+        momentum: cfg.momentum,
+        weight_decay: cfg.weight_decay,
+        seed: cfg.seed,
+        threads: cfg.threads,
+        checkpoint_every: cfg.checkpoint_every,
+        data: cfg.data.display().to_string(),
+        backend: crate::device::BACKEND.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+    }
 }
 
 fn validate(cfg: &TrainConfig) -> Result<()> {
@@ -445,6 +553,7 @@ impl TrainState {
         cfg: &TrainConfig,
         template: &Snapshot,
         rank: usize,
+        recorder: &mut Recorder,
         report: &mut dyn FnMut(Event),
     ) -> Result<()> {
         if rank != 0 {
@@ -456,6 +565,12 @@ impl TrainState {
             &self.momentum,
             &self.progress,
         )?;
+        recorder.checkpoint(
+            self.progress.global_step,
+            self.progress.epoch,
+            self.progress.position,
+            report,
+        );
         report(Event::CheckpointSaved {
             global_step: self.progress.global_step,
             epoch: self.progress.epoch,

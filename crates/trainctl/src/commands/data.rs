@@ -1,5 +1,6 @@
 //! `trainctl data`: get CIFAR-10 onto disk.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use trainer::cifar::{DownloadOptions, ensure_dataset, synthetic};
@@ -57,7 +58,9 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                 url: download_url,
                 md5: download_md5,
             };
-            let layout = ensure_dataset(&data, &opts, true)?;
+            let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+            let layout = ensure_dataset(&data, &opts, &mut |p| progress.data(p))?;
+            progress.finish();
             println!("CIFAR-10 ready in {}", layout.dir().display());
         }
         Command::Job {

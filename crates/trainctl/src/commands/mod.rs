@@ -7,5 +7,6 @@ pub mod eval;
 pub mod kube;
 pub mod predict;
 pub mod project;
+pub mod report;
 pub mod run;
 pub mod train;

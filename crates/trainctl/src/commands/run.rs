@@ -6,9 +6,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use std::io::{IsTerminal, Write};
+
 use anyhow::{Context, bail};
 use launcher::rendezvous::{self, BackendKind, Limits};
 use launcher::{LaunchSpec, Outcome};
+use telemetry::prometheus::JobGauges;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -66,6 +69,11 @@ pub struct Args {
     /// Seconds after which a silent or vanished peer is an error in the workers' collective.
     #[arg(long, env = "TRAINCTL_COLLECTIVE_TIMEOUT")]
     collective_timeout: Option<f64>,
+    /// Serve this node's metrics (the agent's and its workers': steps, images/s, restarts,
+    /// world size, last checkpoint age) in Prometheus's text format at
+    /// http://0.0.0.0:PORT/metrics; 0 picks a free port.
+    #[arg(long, env = "TRAINCTL_METRICS_PORT")]
+    metrics_port: Option<u16>,
     /// Shared secret of the job's connections (default: random for one node; set it for several).
     #[arg(long, env = "TRAINCTL_JOB_TOKEN", hide_env_values = true)]
     job_token: Option<String>,
@@ -202,11 +210,107 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         master_port,
         ..worker_spec(&args, nproc_per_node, run_id, token)?
     };
+    let watch = Watch::start(&args)?;
+    let spec = LaunchSpec {
+        telemetry: Some(watch.telemetry()),
+        ..spec
+    };
+    watch.gauges().world_size = spec.world_size;
     let (stdout, stderr) = sinks();
     crate::output::launching(&spec);
-    let mut events = crate::output::launch_event;
+    let mut events = |e| watch.launch_event(e);
     let outcome = launcher::launch(&spec, stdout, stderr.clone(), &mut events)?;
+    watch.finish();
     Ok(finish(outcome, &stderr))
+}
+
+/// What the user watches while the workers run: the progress bar (on a terminal) and the
+/// `/metrics` endpoint, both fed by the workers' records and the launcher's events.
+struct Watch {
+    gauges: Arc<Mutex<JobGauges>>,
+    progress: Arc<Mutex<crate::output::Progress>>,
+    server: Option<telemetry::prometheus::Server>,
+}
+
+impl Watch {
+    fn start(args: &Args) -> anyhow::Result<Self> {
+        let gauges = Arc::new(Mutex::new(JobGauges::default()));
+        let server = match args.metrics_port {
+            None => None,
+            Some(port) => {
+                let listener = std::net::TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+                    anyhow::anyhow!(
+                        "--metrics-port {port}: cannot listen ({e}); pick another port, or 0 for a free one"
+                    )
+                })?;
+                let shared = gauges.clone();
+                let server = telemetry::prometheus::Server::start(listener, move || {
+                    let g = shared.lock().unwrap_or_else(|p| p.into_inner());
+                    telemetry::prometheus::encode(&g.families())
+                })?;
+                crate::output::metrics_endpoint(server.addr());
+                Some(server)
+            }
+        };
+        Ok(Watch {
+            gauges,
+            progress: Arc::new(Mutex::new(crate::output::Progress::new(
+                std::io::stderr().is_terminal(),
+            ))),
+            server,
+        })
+    }
+
+    fn gauges(&self) -> std::sync::MutexGuard<'_, JobGauges> {
+        self.gauges.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The launcher's sink for the workers' records.
+    fn telemetry(&self) -> launcher::Telemetry {
+        let (gauges, progress) = (self.gauges.clone(), self.progress.clone());
+        launcher::Telemetry(Arc::new(move |line: &[u8]| {
+            // Anything that is not a record (another program's use of the pipe) is ignored.
+            let Ok(record) = serde_json::from_slice::<telemetry::Record>(line) else {
+                return;
+            };
+            if let telemetry::Record::Step(s) = &record {
+                progress.lock().unwrap_or_else(|p| p.into_inner()).step(s);
+            }
+            gauges
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(&record);
+        }))
+    }
+
+    fn launch_event(&self, event: launcher::LaunchEvent) {
+        use launcher::LaunchEvent;
+        {
+            let mut g = self.gauges();
+            match &event {
+                LaunchEvent::Started(_) => g.worker_starts += 1,
+                LaunchEvent::Joined(a) => {
+                    g.round = a.round;
+                    g.world_size = a.world_size;
+                    g.restart_count = a.restart_count;
+                }
+                LaunchEvent::Restarting { restart_count, .. } => {
+                    g.restart_count = *restart_count;
+                    g.round += 1;
+                }
+                _ => {}
+            }
+        }
+        crate::output::launch_event(event);
+    }
+
+    fn finish(self) {
+        self.progress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .finish();
+        drop(self.server);
+    }
 }
 
 /// The job token: given, random for a job of one node, else derived from the run id.
@@ -259,19 +363,27 @@ fn worker_spec(
             Some(t) => bail!("--collective-timeout must be a positive number of seconds, got {t}"),
             None => vec![],
         },
+        telemetry: None,
     })
 }
 
+/// Worker output, a line at a time, above the progress bar when one is up.
 fn sinks() -> (launcher::output::Sink, launcher::output::Sink) {
     (
-        Arc::new(Mutex::new(std::io::stdout())),
-        Arc::new(Mutex::new(std::io::stderr())),
+        Arc::new(Mutex::new(crate::output::LineSink::new(false))),
+        Arc::new(Mutex::new(crate::output::LineSink::new(true))),
     )
 }
 
 /// Reports how the job ended; returns the exit code.
 fn finish(outcome: Outcome, stderr: &launcher::output::Sink) -> i32 {
     let mut err = stderr.lock().unwrap_or_else(|p| p.into_inner());
+    let code = report_outcome(outcome, &mut *err);
+    let _ = err.flush();
+    code
+}
+
+fn report_outcome(outcome: Outcome, err: &mut dyn Write) -> i32 {
     match outcome {
         Outcome::Succeeded => 0,
         Outcome::Failed(failure) => {
@@ -287,7 +399,6 @@ fn finish(outcome: Outcome, stderr: &launcher::output::Sink) -> i32 {
             1
         }
         Outcome::Interrupted(sig) => {
-            drop(err);
             crate::output::warn(&format!(
                 "interrupted by signal {sig}; all workers were stopped"
             ));
@@ -339,9 +450,15 @@ fn run_elastic(
         rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
             .with_context(|| format!("cannot reach the rendezvous at {endpoint}"))?;
     crate::output::agent_starting(&spec, &rdzv);
+    let watch = Watch::start(args)?;
+    let spec = LaunchSpec {
+        telemetry: Some(watch.telemetry()),
+        ..spec
+    };
     let (stdout, stderr) = sinks();
-    let mut events = crate::output::launch_event;
+    let mut events = |e| watch.launch_event(e);
     let outcome = launcher::run_elastic(&spec, &mut rdzv, stdout, stderr.clone(), &mut events)?;
     drop(rdzv);
+    watch.finish();
     Ok(finish(outcome, &stderr))
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use collective::{CollectiveError, World};
 use trainer::TrainError;
 use trainer::cifar::DownloadOptions;
-use trainer::train::TrainConfig;
+use trainer::train::{Event, TrainConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -33,7 +33,8 @@ pub struct Args {
     /// Checkpoint to resume from and write to. Default: OUT/RUN_ID/checkpoint.ckpt.
     #[arg(long)]
     checkpoint_file: Option<PathBuf>,
-    /// Where runs write their files when no explicit paths are given.
+    /// Where runs write their files: OUT/RUN_ID/ holds the checkpoint, the model, the metrics
+    /// (metrics/rank-N.jsonl) and TensorBoard's events (tensorboard/).
     #[arg(long, default_value = "./runs")]
     out: PathBuf,
     /// Also checkpoint every this many steps (besides every epoch end).
@@ -86,12 +87,20 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .threads
             .unwrap_or_else(|| trainer::device::default_threads(world.local_world_size as usize)),
         evaluate: !args.no_eval,
-        progress: std::io::stderr().is_terminal(),
+        run_dir,
     };
     let rank = world.rank;
-    match trainer::train::train(&cfg, &world, &mut |event| {
+    let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+    let result = trainer::train::train(&cfg, &world, &mut |event| {
+        match &event {
+            Event::Step(s) => progress.step(s),
+            Event::Data(p) => progress.data(*p),
+            _ => {}
+        }
         crate::output::train_event(rank, event)
-    }) {
+    });
+    progress.finish();
+    match result {
         Ok(()) => Ok(0),
         // A vanished peer is that peer's failure: say so with the exit code, so an elastic
         // agent restarts without counting it against --max-restarts.

@@ -29,10 +29,33 @@ impl Default for DownloadOptions {
     }
 }
 
-/// Returns the data set in `dir`, downloading and extracting the archive first if there is none.
-/// Safe against concurrent callers sharing `dir` (nodes on a shared volume): each works in
-/// files of its own and the final rename is atomic.
-pub fn ensure_dataset(dir: &Path, opts: &DownloadOptions, progress: bool) -> Result<Layout> {
+/// How far a download or an extraction has come, in bytes of the archive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataProgress {
+    /// `total` is the server's Content-Length, when it sent one.
+    Downloading {
+        done: u64,
+        total: Option<u64>,
+    },
+    Extracting {
+        done: u64,
+        total: u64,
+    },
+    /// The download (or extraction) ended, well or not.
+    Done,
+}
+
+/// Bytes between two progress reports.
+const REPORT_EVERY: u64 = 1 << 20;
+
+/// Returns the data set in `dir`, downloading and extracting the archive first if there is none,
+/// telling `progress` how far it has come. Safe against concurrent callers sharing `dir` (nodes
+/// on a shared volume): each works in files of its own and the final rename is atomic.
+pub fn ensure_dataset(
+    dir: &Path,
+    opts: &DownloadOptions,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<Layout> {
     if let Some(layout) = Layout::locate(dir) {
         return Ok(layout);
     }
@@ -57,8 +80,9 @@ pub fn ensure_dataset(dir: &Path, opts: &DownloadOptions, progress: bool) -> Res
                 ),
             });
         }
-        extract(&part, dir)
+        extract(&part, dir, progress)
     });
+    progress(DataProgress::Done);
     let _ = std::fs::remove_file(&part);
     result?;
     Layout::locate(dir).ok_or_else(|| TrainError::BadData {
@@ -68,7 +92,7 @@ pub fn ensure_dataset(dir: &Path, opts: &DownloadOptions, progress: bool) -> Res
 }
 
 /// Streams `url` into `dest`, returning the MD5 of what was written.
-fn fetch(url: &str, dest: &Path, progress: bool) -> Result<String> {
+fn fetch(url: &str, dest: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<String> {
     let fail = |problem: String| TrainError::Download {
         url: url.to_string(),
         problem,
@@ -87,17 +111,7 @@ fn fetch(url: &str, dest: &Path, progress: bool) -> Result<String> {
         return Err(fail(format!("server answered {}", response.status())));
     }
     let total = response.content_length();
-    let bar = if progress {
-        indicatif::ProgressBar::new(total.unwrap_or(0))
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "downloading CIFAR-10 {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    progress(DataProgress::Downloading { done: 0, total });
     let mut file = std::fs::File::create(dest).at(dest)?;
     let mut md5 = Md5::new();
     let mut buf = vec![0u8; 256 * 1024];
@@ -111,11 +125,19 @@ fn fetch(url: &str, dest: &Path, progress: bool) -> Result<String> {
         }
         md5.update(&buf[..n]);
         file.write_all(&buf[..n]).at(dest)?;
+        if (written + n as u64) / REPORT_EVERY != written / REPORT_EVERY {
+            progress(DataProgress::Downloading {
+                done: written + n as u64,
+                total,
+            });
+        }
         written += n as u64;
-        bar.set_position(written);
     }
     file.sync_all().at(dest)?;
-    bar.finish_and_clear();
+    progress(DataProgress::Downloading {
+        done: written,
+        total,
+    });
     if let Some(total) = total
         && total != written
     {
@@ -124,10 +146,39 @@ fn fetch(url: &str, dest: &Path, progress: bool) -> Result<String> {
     Ok(format!("{:x}", md5.finalize()))
 }
 
-fn extract(archive: &Path, dir: &Path) -> Result<()> {
+/// A reader that reports how many bytes went through it.
+struct Counting<'a, R> {
+    inner: R,
+    done: u64,
+    total: u64,
+    progress: &'a mut dyn FnMut(DataProgress),
+}
+
+impl<R: Read> Read for Counting<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if (self.done + n as u64) / REPORT_EVERY != self.done / REPORT_EVERY || n == 0 {
+            (self.progress)(DataProgress::Extracting {
+                done: self.done + n as u64,
+                total: self.total,
+            });
+        }
+        self.done += n as u64;
+        Ok(n)
+    }
+}
+
+fn extract(archive: &Path, dir: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
     let staging = dir.join(format!(".extract.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
     let file = std::fs::File::open(archive).at(archive)?;
+    let total = file.metadata().at(archive)?.len();
+    let file = Counting {
+        inner: file,
+        done: 0,
+        total,
+        progress,
+    };
     // `unpack` refuses entries that would land outside `staging` (absolute paths, `..`).
     let unpacked = tar::Archive::new(flate2::read::GzDecoder::new(file))
         .unpack(&staging)

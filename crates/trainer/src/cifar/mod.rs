@@ -5,7 +5,7 @@ mod download;
 mod pickle;
 pub mod synthetic;
 
-pub use download::{DownloadOptions, OFFICIAL_MD5, OFFICIAL_URL, ensure_dataset};
+pub use download::{DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_URL, ensure_dataset};
 
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,403 @@
+//! The report's PNG charts, drawn with plotters into an RGB buffer and encoded by `image`.
+//! Text uses DejaVu Sans, compiled in (the `dejavu` crate), so the charts look the same on a
+//! machine without fonts (a pod, CI).
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use telemetry::Step;
+
+use crate::ReportError;
+use crate::run::{MarkerKind, RunData};
+
+/// One chart as written, with the series it shows (what `report.json` lists).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Chart {
+    pub file: String,
+    pub title: String,
+    pub series: Vec<Series>,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Series {
+    pub name: String,
+    /// Points (lines), bars or cells.
+    pub points: usize,
+    /// `#rrggbb`, the colour it is drawn in.
+    pub colour: String,
+}
+
+/// The palette (matplotlib's "tab10"), so the charts read like the ones users know.
+pub const BLUE: RGBColor = RGBColor(31, 119, 180);
+pub const ORANGE: RGBColor = RGBColor(255, 127, 14);
+pub const GREEN: RGBColor = RGBColor(44, 160, 44);
+pub const RED: RGBColor = RGBColor(214, 39, 40);
+pub const PURPLE: RGBColor = RGBColor(148, 103, 189);
+
+const WIDE: (u32, u32) = (960, 440);
+const SQUARE: (u32, u32) = (720, 640);
+const FONT: &str = "sans-serif";
+
+fn hex(c: RGBColor) -> String {
+    format!("#{:02x}{:02x}{:02x}", c.0, c.1, c.2)
+}
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // The font is compiled in and known to parse; a failure would only mean no text.
+        let _ = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
+        let _ = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
+    });
+}
+
+fn draw_err(chart: &str) -> impl Fn(&dyn std::fmt::Display) -> ReportError + '_ {
+    move |e| ReportError::Draw {
+        chart: chart.to_string(),
+        problem: e.to_string(),
+    }
+}
+
+/// Draws into an RGB buffer with `draw` and writes it as `path` (PNG).
+fn png(
+    path: &Path,
+    (w, h): (u32, u32),
+    draw: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> Result<(), String>,
+) -> Result<(), ReportError> {
+    register_font();
+    let name = path.display().to_string();
+    let mut buf = vec![255u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+        draw(&root).map_err(|e| draw_err(&name)(&e))?;
+        root.present().map_err(|e| draw_err(&name)(&e))?;
+    }
+    let img = image::RgbImage::from_raw(w, h, buf).ok_or_else(|| ReportError::Draw {
+        chart: name.clone(),
+        problem: "buffer size".into(),
+    })?;
+    img.save_with_format(path, image::ImageFormat::Png)
+        .map_err(|e| draw_err(&name)(&e))
+}
+
+/// Every chart the run has data for, written into `dir`.
+pub fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
+    let mut charts = Vec::new();
+    if data.steps().next().is_some() {
+        charts.push(step_chart(
+            data,
+            dir,
+            "loss.png",
+            "Training loss",
+            "loss",
+            &[("loss", BLUE, |s: &Step| s.loss as f64)],
+        )?);
+        charts.push(step_chart(
+            data,
+            dir,
+            "throughput.png",
+            "Throughput (all workers)",
+            "images/s",
+            &[("images/s", GREEN, |s: &Step| s.images_per_sec)],
+        )?);
+        charts.push(step_chart(
+            data,
+            dir,
+            "step_time.png",
+            "Step time, rank 0",
+            "seconds",
+            &[
+                ("compute", BLUE, |s: &Step| s.compute_s),
+                ("all-reduce", ORANGE, |s: &Step| s.allreduce_s),
+                ("data", GREEN, |s: &Step| s.data_s),
+            ],
+        )?);
+    }
+    if let Some(eval) = &data.eval {
+        charts.push(class_accuracy(eval, dir)?);
+        let file = "confusion.png";
+        confusion_png(eval, &dir.join(file))?;
+        charts.push(Chart {
+            file: file.into(),
+            title: "Confusion matrix".into(),
+            series: vec![Series {
+                name: "test images".into(),
+                points: eval.confusion.iter().map(Vec::len).sum(),
+                colour: hex(BLUE),
+            }],
+        });
+    }
+    Ok(charts)
+}
+
+type Value = fn(&Step) -> f64;
+
+/// A chart over global steps: one line per value (each attempt drawn as its own segment, so
+/// a restart's repeated steps do not zigzag), and a vertical line at each marker.
+fn step_chart(
+    data: &RunData,
+    dir: &Path,
+    file: &str,
+    title: &str,
+    y_desc: &str,
+    values: &[(&str, RGBColor, Value)],
+) -> Result<Chart, ReportError> {
+    let steps: Vec<&Step> = data.steps().collect();
+    let x_max = steps.iter().map(|s| s.step).max().unwrap_or(1).max(1) as f64;
+    let x_min = steps
+        .iter()
+        .map(|s| s.step)
+        .min()
+        .unwrap_or(0)
+        .saturating_sub(1) as f64;
+    let y_max = values
+        .iter()
+        .flat_map(|(_, _, f)| steps.iter().map(move |s| f(s)))
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max);
+    let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
+    let mut series: Vec<Series> = values
+        .iter()
+        .map(|(name, colour, _)| Series {
+            name: name.to_string(),
+            points: steps.len(),
+            colour: hex(*colour),
+        })
+        .collect();
+    for (kind, name, colour) in [
+        (MarkerKind::Restart, "restart", RED),
+        (MarkerKind::WorldSize, "world size change", PURPLE),
+    ] {
+        let n = data.markers.iter().filter(|m| m.kind == kind).count();
+        if n > 0 {
+            series.push(Series {
+                name: name.into(),
+                points: n,
+                colour: hex(colour),
+            });
+        }
+    }
+    png(&dir.join(file), WIDE, |root| {
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(root)
+            .caption(title, (FONT, 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(x_min..x_max, 0.0..y_max)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_desc(y_desc)
+            .label_style((FONT, 13))
+            .light_line_style(RGBColor(235, 235, 235))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        for (name, colour, f) in values {
+            for (i, attempt) in data.attempts.iter().enumerate() {
+                let line = LineSeries::new(
+                    attempt
+                        .steps
+                        .iter()
+                        .map(|s| (s.step as f64, f(s).min(y_max))),
+                    colour.stroke_width(2),
+                );
+                let drawn = chart.draw_series(line).map_err(|e| e.to_string())?;
+                if i == 0 {
+                    drawn.label(*name).legend(move |(x, y)| {
+                        PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
+                    });
+                }
+            }
+        }
+        for (kind, colour, legend) in [
+            (MarkerKind::Restart, RED, "restart"),
+            (MarkerKind::WorldSize, PURPLE, "world size change"),
+        ] {
+            let marks: Vec<_> = data.markers.iter().filter(|m| m.kind == kind).collect();
+            if marks.is_empty() {
+                continue;
+            }
+            let drawn = chart
+                .draw_series(marks.iter().map(|m| {
+                    PathElement::new(
+                        [(m.step as f64, 0.0), (m.step as f64, y_max)],
+                        colour.stroke_width(2),
+                    )
+                }))
+                .map_err(|e| e.to_string())?;
+            drawn.label(legend).legend(move |(x, y)| {
+                PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
+            });
+            chart
+                .draw_series(marks.iter().map(|m| {
+                    Text::new(
+                        m.label.clone(),
+                        (m.step as f64, y_max * 0.97),
+                        (FONT, 13).into_font().color(&colour),
+                    )
+                }))
+                .map_err(|e| e.to_string())?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(200, 200, 200))
+            .label_font((FONT, 13))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    })?;
+    Ok(Chart {
+        file: file.into(),
+        title: title.into(),
+        series,
+    })
+}
+
+fn class_accuracy(eval: &telemetry::metrics::Eval, dir: &Path) -> Result<Chart, ReportError> {
+    let file = "class_accuracy.png";
+    let n = eval.classes.len();
+    png(&dir.join(file), WIDE, |root| {
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let title = format!(
+            "Test accuracy per class (overall {:.1} % of {} images)",
+            eval.accuracy, eval.images
+        );
+        let mut chart = ChartBuilder::on(root)
+            .caption(title, (FONT, 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d((0..n.max(1) - 1).into_segmented(), 0.0..100.0)
+            .map_err(|e| e.to_string())?;
+        let classes = eval.classes.clone();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .y_desc("accuracy (%)")
+            .y_label_formatter(&|v| format!("{v:.0}"))
+            .x_labels(n)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => classes.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .label_style((FONT, 13))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(
+                Histogram::vertical(&chart)
+                    .style(BLUE.filled())
+                    .margin(8)
+                    .data(
+                        eval.class_accuracy
+                            .iter()
+                            .enumerate()
+                            .map(|(i, a)| (i, a.unwrap_or(0.0))),
+                    ),
+            )
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(eval.class_accuracy.iter().enumerate().map(|(i, a)| {
+                let text = a.map_or("n/a".into(), |a| format!("{a:.1}"));
+                // Above the bar, or inside its top in white when there is no room above.
+                let (y, colour) = match a.unwrap_or(0.0) {
+                    a if a > 92.0 => (a - 7.0, &WHITE),
+                    a => (a + 1.5, &BLACK),
+                };
+                Text::new(
+                    text,
+                    (SegmentValue::CenterOf(i), y),
+                    TextStyle::from((FONT, 13).into_font()).color(colour).pos(
+                        plotters::style::text_anchor::Pos::new(
+                            plotters::style::text_anchor::HPos::Center,
+                            plotters::style::text_anchor::VPos::Bottom,
+                        ),
+                    ),
+                )
+            }))
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    })?;
+    Ok(Chart {
+        file: file.into(),
+        title: "Test accuracy per class".into(),
+        series: vec![Series {
+            name: "accuracy".into(),
+            points: n,
+            colour: hex(BLUE),
+        }],
+    })
+}
+
+/// The confusion matrix as a heat map: rows are true classes, columns predictions, each cell
+/// shaded by its share of the row and labelled with its count.
+pub fn confusion_png(eval: &telemetry::metrics::Eval, path: &Path) -> Result<(), ReportError> {
+    let n = eval.classes.len().max(1);
+    png(path, SQUARE, |root| {
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(root)
+            .caption("Confusion matrix (row: true class)", (FONT, 22))
+            .margin(12)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0..n, 0..n)
+            .map_err(|e| e.to_string())?;
+        let classes = eval.classes.clone();
+        let label = |v: &usize| classes.get(*v).cloned().unwrap_or_default();
+        // Row 0 at the top, as printed matrices read.
+        let y = |t: usize| n - 1 - t;
+        let row_label = |v: &usize| if *v < n { label(&y(*v)) } else { String::new() };
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("predicted")
+            .y_desc("true")
+            .x_labels(n)
+            .y_labels(n)
+            .x_label_offset(30)
+            .y_label_offset(-26)
+            .x_label_formatter(&label)
+            .y_label_formatter(&row_label)
+            .label_style((FONT, 13))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        let cells = eval.confusion.iter().enumerate().flat_map(|(t, row)| {
+            let total = row.iter().sum::<u64>().max(1) as f64;
+            row.iter()
+                .enumerate()
+                .map(move |(p, &c)| (t, p, c, c as f64 / total))
+        });
+        let cells: Vec<_> = cells.collect();
+        chart
+            .draw_series(cells.iter().map(|&(t, p, _, share)| {
+                Rectangle::new([(p, y(t)), (p + 1, y(t) + 1)], heat(share).filled())
+            }))
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(cells.iter().map(|&(t, p, count, share)| {
+                let colour = if share > 0.5 { WHITE } else { BLACK };
+                EmptyElement::at((p, y(t) + 1))
+                    + Text::new(
+                        count.to_string(),
+                        (8, 8),
+                        (FONT, 14).into_font().color(&colour),
+                    )
+            }))
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    })
+}
+
+/// White to dark blue.
+fn heat(share: f64) -> RGBColor {
+    let s = share.clamp(0.0, 1.0);
+    let mix = |from: u8, to: u8| (from as f64 + (to as f64 - from as f64) * s).round() as u8;
+    RGBColor(mix(247, 8), mix(251, 48), mix(255, 107))
+}

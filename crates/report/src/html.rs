@@ -1,0 +1,166 @@
+//! The report page: one HTML file with the charts inlined (base64 PNGs), the run's
+//! configuration, timings and final numbers; no scripts, no external resources.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use base64::Engine as _;
+
+use crate::ReportError;
+use crate::charts::Chart;
+use crate::run::RunData;
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn row(out: &mut String, key: &str, value: &str) {
+    let _ = writeln!(out, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(value));
+}
+
+pub fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, ReportError> {
+    let title = data
+        .config
+        .as_ref()
+        .map_or("trainctl run".to_string(), |c| {
+            format!("trainctl run {}", c.run_id)
+        });
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title>\n<style>\
+         body{{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}}\
+         table{{border-collapse:collapse;margin:0.5em 0 1.5em}}th,td{{padding:3px 12px;border-bottom:1px solid #ddd;text-align:left}}\
+         td.n{{text-align:right;font-variant-numeric:tabular-nums}}img{{max-width:100%;margin:0.5em 0 1.5em}}\
+         </style></head><body>\n<h1>{}</h1>\n<p>{}</p>\n",
+        esc(&title),
+        esc(&title),
+        esc(&data.run_dir)
+    );
+
+    out.push_str("<h2>Results</h2>\n<table>\n");
+    if let Some(last) = data.last_step() {
+        row(&mut out, "steps", &last.step.to_string());
+        row(&mut out, "epochs done", &data.epochs_done.to_string());
+        row(
+            &mut out,
+            "final training loss",
+            &format!("{:.4}", last.loss),
+        );
+    }
+    if let Some(eval) = &data.eval {
+        row(
+            &mut out,
+            "test accuracy",
+            &format!("{:.2} % of {} images", eval.accuracy, eval.images),
+        );
+    }
+    let sizes: Vec<String> = data.world_sizes().iter().map(u32::to_string).collect();
+    row(&mut out, "world size", &sizes.join(" → "));
+    row(&mut out, "restarts", &data.restarts().to_string());
+    row(
+        &mut out,
+        "checkpoints written",
+        &data.checkpoints.to_string(),
+    );
+    row(
+        &mut out,
+        "wall time",
+        &format!("{:.1} s (first record to last)", data.wall_s),
+    );
+    let steps: Vec<_> = data.steps().collect();
+    if !steps.is_empty() {
+        let images: usize = steps.iter().map(|s| s.images).sum();
+        let seconds: f64 = steps.iter().map(|s| s.step_s).sum();
+        row(
+            &mut out,
+            "throughput",
+            &format!(
+                "{:.1} images/s over {} steps (time in steps only)",
+                images as f64 / seconds.max(f64::MIN_POSITIVE),
+                steps.len()
+            ),
+        );
+    }
+    if data.skipped > 0 {
+        row(
+            &mut out,
+            "unreadable metrics lines",
+            &format!("{} (partial lines left by a crash)", data.skipped),
+        );
+    }
+    out.push_str("</table>\n");
+
+    if let Some(eval) = &data.eval {
+        out.push_str("<h2>Test accuracy per class</h2>\n<table>\n");
+        for (name, acc) in eval.classes.iter().zip(&eval.class_accuracy) {
+            let acc = acc.map_or("n/a".into(), |a| format!("{a:.1} %"));
+            let _ = writeln!(
+                out,
+                "<tr><th>{}</th><td class=\"n\">{}</td></tr>",
+                esc(name),
+                esc(&acc)
+            );
+        }
+        out.push_str("</table>\n");
+    }
+
+    out.push_str("<h2>Charts</h2>\n");
+    for chart in charts {
+        let path = dir.join(&chart.file);
+        let bytes = std::fs::read(&path).map_err(|source| ReportError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        let _ = writeln!(
+            out,
+            "<h3>{}</h3>\n<img alt=\"{}\" src=\"data:image/png;base64,{}\">",
+            esc(&chart.title),
+            esc(&chart.title),
+            base64::engine::general_purpose::STANDARD.encode(bytes)
+        );
+    }
+
+    if !data.timings.is_empty() {
+        out.push_str(
+            "<h2>Timings (mean seconds per step)</h2>\n<table>\n<tr><th>rank</th><th>steps</th><th>step</th><th>data</th><th>compute</th><th>all-reduce</th></tr>\n",
+        );
+        for t in &data.timings {
+            let _ = writeln!(
+                out,
+                "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{:.4}</td><td class=\"n\">{:.4}</td><td class=\"n\">{:.4}</td><td class=\"n\">{:.4}</td></tr>",
+                t.rank, t.steps, t.step_s, t.data_s, t.compute_s, t.allreduce_s
+            );
+        }
+        out.push_str("</table>\n");
+    }
+
+    if let Some(c) = &data.config {
+        out.push_str("<h2>Configuration</h2>\n<table>\n");
+        let every = c.checkpoint_every.map_or("every epoch".into(), |n| {
+            format!("every {n} steps and epoch")
+        });
+        for (k, v) in [
+            ("run id", c.run_id.clone()),
+            ("epochs", c.epochs.to_string()),
+            ("batch size per worker", c.batch_size.to_string()),
+            ("learning rate", c.learning_rate.to_string()),
+            ("momentum", c.momentum.to_string()),
+            ("weight decay", c.weight_decay.to_string()),
+            ("seed", c.seed.to_string()),
+            ("threads per worker", c.threads.to_string()),
+            ("checkpoints", every),
+            ("data", c.data.clone()),
+            ("backend", c.backend.clone()),
+            ("trainctl", c.version.clone()),
+        ] {
+            row(&mut out, k, &v);
+        }
+        out.push_str("</table>\n");
+    }
+    out.push_str("</body></html>\n");
+    Ok(out)
+}

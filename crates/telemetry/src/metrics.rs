@@ -1,0 +1,283 @@
+//! The metrics file: one JSON object per line, appended by every rank to
+//! `RUN_DIR/metrics/rank-N.jsonl`. The schema is documented in docs/METRICS.md; a record is
+//! one of the [`Record`] kinds, told apart by its `kind` field.
+//!
+//! Invariant: each record goes to the file in one `write` of a whole line, so a crash leaves
+//! at most one partial line, and a writer that opens a file ending in a partial line ends it
+//! first; readers skip lines that do not parse (and count them).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Version of the schema, in every `start` record. Fields may be added without a new version;
+/// a reader ignores fields it does not know.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One line of a metrics file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    /// A worker started: first in every attempt (fresh, restarted or resumed).
+    Start(Start),
+    /// One optimiser step, written by every rank.
+    Step(Step),
+    /// Rank 0 wrote a checkpoint.
+    Checkpoint(Checkpoint),
+    /// An epoch ended.
+    Epoch(EpochDone),
+    /// Rank 0's test-set evaluation, summed over all ranks.
+    Eval(Eval),
+}
+
+impl Record {
+    pub fn time(&self) -> f64 {
+        match self {
+            Record::Start(r) => r.time,
+            Record::Step(r) => r.time,
+            Record::Checkpoint(r) => r.time,
+            Record::Epoch(r) => r.time,
+            Record::Eval(r) => r.time,
+        }
+    }
+
+    /// The record as one line, newline included.
+    pub fn to_line(&self) -> Vec<u8> {
+        // Serialising these plain structs cannot fail (no maps with non-string keys).
+        let mut line = serde_json::to_vec(self).unwrap_or_default();
+        line.push(b'\n');
+        line
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Start {
+    /// [`SCHEMA_VERSION`] of the file from here on.
+    pub v: u32,
+    pub time: f64,
+    pub rank: u32,
+    pub world_size: u32,
+    /// The launcher's restart count (TORCHELASTIC_RESTART_COUNT).
+    pub restart: u32,
+    /// Global step the worker starts from (0, or the checkpoint's).
+    pub step: u64,
+    pub resumed: bool,
+    pub config: RunConfig,
+}
+
+/// What the run was asked to do, as the trainer understood it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RunConfig {
+    pub run_id: String,
+    pub epochs: usize,
+    /// Images per step on each worker.
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub seed: u64,
+    pub threads: usize,
+    pub checkpoint_every: Option<u64>,
+    pub data: String,
+    pub backend: String,
+    pub version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub time: f64,
+    pub rank: u32,
+    pub world_size: u32,
+    pub restart: u32,
+    /// 1-based epoch.
+    pub epoch: usize,
+    /// Global step count after this step (never reset by an epoch or a restart).
+    pub step: u64,
+    /// 1-based step within the epoch, counted at this step's world size.
+    pub iter: usize,
+    /// Steps this epoch has at this world size (its `iter` runs up to this).
+    pub steps_in_epoch: usize,
+    /// Mean training loss of this step over all ranks.
+    pub loss: f32,
+    /// Fraction of this step's training images classified right, mean over the ranks.
+    pub accuracy: f32,
+    pub lr: f64,
+    /// Images in this step over all ranks.
+    pub images: usize,
+    /// `images / step_s`: the job's throughput.
+    pub images_per_sec: f64,
+    /// Wall time of the whole step, and its parts: loading the batch, forward + backward +
+    /// update, and the collective (gradient all-reduce and buffer broadcast).
+    pub step_s: f64,
+    pub data_s: f64,
+    pub compute_s: f64,
+    pub allreduce_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub time: f64,
+    pub rank: u32,
+    pub step: u64,
+    /// Epochs done when saved.
+    pub epoch: usize,
+    /// Samples into the next epoch.
+    pub position: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochDone {
+    pub time: f64,
+    pub rank: u32,
+    pub epoch: usize,
+    pub step: u64,
+    pub seconds: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Eval {
+    pub time: f64,
+    pub rank: u32,
+    pub step: u64,
+    pub images: u64,
+    /// Percent.
+    pub accuracy: f64,
+    pub classes: Vec<String>,
+    /// Percent per true class, `null` for a class with no test images.
+    pub class_accuracy: Vec<Option<f64>>,
+    /// `confusion[true][predicted]` counts.
+    pub confusion: Vec<Vec<u64>>,
+}
+
+/// The metrics file of `rank` in a run directory.
+pub fn rank_file(run_dir: &Path, rank: u32) -> PathBuf {
+    run_dir.join("metrics").join(format!("rank-{rank}.jsonl"))
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {source}")]
+pub struct MetricsError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Appends records to one metrics file.
+pub struct MetricsWriter {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl MetricsWriter {
+    /// Opens `path` for appending, creating it and its folder; a partial last line left by a
+    /// crash is ended first, so the next record starts on a line of its own.
+    pub fn open(path: &Path) -> Result<Self, MetricsError> {
+        let at = |source| MetricsError {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(at)?;
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(path)
+            .map_err(at)?;
+        if ends_mid_line(&mut file).map_err(at)? {
+            file.write_all(b"\n").map_err(at)?;
+        }
+        Ok(MetricsWriter {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Appends `record` as one line, in one write.
+    pub fn write(&mut self, record: &Record) -> Result<(), MetricsError> {
+        self.file
+            .write_all(&record.to_line())
+            .map_err(|source| MetricsError {
+                path: self.path.clone(),
+                source,
+            })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn ends_mid_line(file: &mut std::fs::File) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let len = file.metadata()?.len();
+    if len == 0 {
+        return Ok(false);
+    }
+    file.seek(SeekFrom::Start(len - 1))?;
+    let mut last = [0u8];
+    file.read_exact(&mut last)?;
+    Ok(last[0] != b'\n')
+}
+
+/// A metrics file as read back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metrics {
+    pub records: Vec<Record>,
+    /// Lines that did not parse: partial lines left by a crash, or records of a kind this
+    /// version does not know.
+    pub skipped: usize,
+}
+
+/// Parses the lines of a metrics file, skipping (and counting) those that do not parse.
+pub fn parse_metrics(bytes: &[u8]) -> Metrics {
+    let mut out = Metrics::default();
+    for line in bytes.split(|&b| b == b'\n') {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match serde_json::from_slice::<Record>(line) {
+            Ok(r) => out.records.push(r),
+            Err(_) => out.skipped += 1,
+        }
+    }
+    out
+}
+
+pub fn read_metrics(path: &Path) -> Result<Metrics, MetricsError> {
+    std::fs::read(path)
+        .map(|bytes| parse_metrics(&bytes))
+        .map_err(|source| MetricsError {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// Every rank's metrics file in a run directory, by rank.
+pub fn read_run(run_dir: &Path) -> Result<Vec<(u32, Metrics)>, MetricsError> {
+    let dir = run_dir.join("metrics");
+    let entries = std::fs::read_dir(&dir).map_err(|source| MetricsError {
+        path: dir.clone(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rank) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("rank-"))
+            .and_then(|n| n.strip_suffix(".jsonl"))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        out.push((rank, read_metrics(&entry.path())?));
+    }
+    out.sort_by_key(|(rank, _)| *rank);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;
