@@ -25,8 +25,8 @@ pub struct Series {
     pub name: String,
     /// Points (lines), bars or cells.
     pub points: usize,
-    /// `#rrggbb`, the colour it is drawn in.
-    pub colour: String,
+    /// `#rrggbb`, the colour it is drawn in (none for the heat map's shades).
+    pub colour: Option<String>,
 }
 
 /// The palette (matplotlib's "tab10"), so the charts read like the ones users know.
@@ -125,7 +125,7 @@ pub fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
             series: vec![Series {
                 name: "test images".into(),
                 points: eval.confusion.iter().map(Vec::len).sum(),
-                colour: hex(BLUE),
+                colour: None,
             }],
         });
     }
@@ -163,7 +163,7 @@ fn step_chart(
         .map(|(name, colour, _)| Series {
             name: name.to_string(),
             points: steps.len(),
-            colour: hex(*colour),
+            colour: Some(hex(*colour)),
         })
         .collect();
     for (kind, name, colour) in [
@@ -175,7 +175,7 @@ fn step_chart(
             series.push(Series {
                 name: name.into(),
                 points: n,
-                colour: hex(colour),
+                colour: Some(hex(colour)),
             });
         }
     }
@@ -235,11 +235,12 @@ fn step_chart(
             });
             chart
                 .draw_series(marks.iter().map(|m| {
-                    Text::new(
-                        m.label.clone(),
-                        (m.step as f64, y_max * 0.97),
-                        (FONT, 13).into_font().color(&colour),
-                    )
+                    EmptyElement::at((m.step as f64, y_max))
+                        + Text::new(
+                            m.label.clone(),
+                            (5, 4),
+                            (FONT, 13).into_font().color(&colour),
+                        )
                 }))
                 .map_err(|e| e.to_string())?;
         }
@@ -331,7 +332,7 @@ fn class_accuracy(eval: &telemetry::metrics::Eval, dir: &Path) -> Result<Chart, 
         series: vec![Series {
             name: "accuracy".into(),
             points: n,
-            colour: hex(BLUE),
+            colour: Some(hex(BLUE)),
         }],
     })
 }

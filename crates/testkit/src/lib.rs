@@ -1,15 +1,16 @@
 //! Fixtures for tests that need real things: an etcd server (Debian's `etcd-server`, which
 //! `scripts/test` installs) on free ports, and several hosts as network namespaces joined by a
-//! bridge, with links that can be cut. Test code only: every failure here panics with what to
+//! bridge, with links that can be cut; and the reference readers of trainctl's telemetry
+//! (TensorBoard, prometheus_client) in a Python environment. Test code only: every failure here panics with what to
 //! do about it.
 
-// Test fixtures read the test runner's own environment (PATH, TRAINCTL_ETCD), not the worker
+// Test fixtures read the test runner's own environment (PATH, TRAINCTL_ETCD, TRAINCTL_PYTHON), not the worker
 // contract that collective::world guards.
 #![allow(clippy::disallowed_methods)]
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -44,6 +45,46 @@ pub fn etcd_binary() -> Option<PathBuf> {
             .map(|d| d.join("etcd"))
             .find(|p| p.is_file())
     })
+}
+
+/// A Python with TensorBoard and prometheus_client: `TRAINCTL_PYTHON` (set by scripts/test),
+/// else the workspace's `target/pyenv`, which scripts/test creates.
+pub fn python() -> PathBuf {
+    let python = std::env::var_os("TRAINCTL_PYTHON").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/pyenv/bin/python"),
+        PathBuf::from,
+    );
+    assert!(
+        python.is_file(),
+        "{} not found: run scripts/test (it installs TensorBoard and prometheus_client from PyPI into target/pyenv), or set TRAINCTL_PYTHON",
+        python.display()
+    );
+    python
+}
+
+/// Runs `scripts/read_telemetry.py ARGS` (stdin from `input`) and returns its JSON.
+pub fn read_telemetry(args: &[&str], input: Option<&str>) -> serde_json::Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/read_telemetry.py");
+    let mut child = Command::new(python())
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python starts");
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(input.unwrap_or_default().as_bytes())
+            .expect("python reads its input");
+    }
+    let out = child.wait_with_output().expect("python runs");
+    assert!(
+        out.status.success(),
+        "read_telemetry.py {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("read_telemetry.py prints JSON")
 }
 
 /// A real etcd server with its own data directory; killed when dropped.

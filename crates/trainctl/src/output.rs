@@ -163,18 +163,18 @@ impl Progress {
         let bar = self.show(
             format!("epoch {}", s.epoch),
             s.steps_in_epoch as u64,
-            "{prefix} [{bar:30}] {pos}/{len} steps | {msg} | eta {eta}",
+            "{prefix} [{bar:25}] {pos}/{len} | {msg} | eta {eta}",
         );
         if bar.length() != Some(s.steps_in_epoch as u64) {
             // The world size changed mid-epoch: so did the number of steps.
             bar.set_length(s.steps_in_epoch as u64);
             bar.reset_eta();
         }
-        bar.set_position(s.iter as u64);
         bar.set_message(format!(
-            "loss {:.3} | {:.1} images/s | world {}",
-            s.loss, s.images_per_sec, s.world_size
+            "loss {:.3} | {:.1} img/s",
+            s.loss, s.images_per_sec
         ));
+        bar.set_position(s.iter as u64);
     }
 
     pub fn finish(&mut self) {

@@ -86,9 +86,9 @@ impl Recorder {
         let (step, text) = (start.step, config_markdown(&start.config, world_size));
         self.record(&Record::Start(start), report);
         self.tensorboard(report, |tb| {
-            // TensorBoard drops what an earlier attempt wrote past this step (the steps a
-            // restarted run does again).
-            tb.session_start(step)?;
+            // TensorBoard drops what an earlier attempt wrote from the next step on (the
+            // steps a restarted run does again); it keeps the steps up to the checkpoint.
+            tb.session_start(step + 1)?;
             tb.text(step, "config", &text)
         });
     }

@@ -41,6 +41,7 @@ fn archive() -> (Vec<u8>, String) {
 #[test]
 fn missing_data_is_downloaded_verified_and_extracted() {
     let (bytes, md5) = archive();
+    let bytes_len = bytes.len();
     let url = serve(bytes);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
@@ -56,6 +57,21 @@ fn missing_data_is_downloaded_verified_and_extracted() {
     ]));
     assert!(text(&out.stdout).contains("cifar-10-batches-bin"));
     assert!(data.join("cifar-10-batches-bin/data_batch_1.bin").is_file());
+    // Not a terminal: progress comes as plain lines, ending at the archive's full size.
+    let err = text(&out.stderr);
+    let mb = format!("{:.1}", bytes_len as f64 / 1e6);
+    assert!(
+        err.contains(&format!("downloading CIFAR-10: {mb} of {mb} MB (100 %)")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("extracting CIFAR-10: {mb} of {mb} MB (100 %)")),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\r'),
+        "no bar drawing off a terminal: {err:?}"
+    );
     let leftovers: Vec<_> = std::fs::read_dir(&data)
         .unwrap()
         .map(|e| e.unwrap().file_name())

@@ -10,4 +10,5 @@ mod elastic;
 mod kubernetes;
 mod launch;
 mod pytorch;
+mod telemetry;
 mod training;

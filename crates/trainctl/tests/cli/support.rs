@@ -171,6 +171,10 @@ impl Running {
     pub fn output(&self) -> String {
         self.seen.join("\n")
     }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
 }
 
 /// Pids of the workers, from the launcher's "started rank R (pid P)" lines.
@@ -206,7 +210,14 @@ pub fn eventually(timeout: Duration, what: &str, cond: impl Fn() -> bool) {
 pub fn losses(output: &str) -> Vec<f32> {
     output
         .lines()
-        .filter_map(|l| l.split("loss: ").nth(1)?.trim().parse().ok())
+        .filter_map(|l| {
+            l.split("loss: ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
         .collect()
 }
 

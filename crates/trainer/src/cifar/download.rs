@@ -157,7 +157,7 @@ struct Counting<'a, R> {
 impl<R: Read> Read for Counting<'_, R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let n = self.inner.read(buf)?;
-        if (self.done + n as u64) / REPORT_EVERY != self.done / REPORT_EVERY || n == 0 {
+        if (self.done + n as u64) / REPORT_EVERY != self.done / REPORT_EVERY {
             (self.progress)(DataProgress::Extracting {
                 done: self.done + n as u64,
                 total: self.total,
@@ -186,6 +186,10 @@ fn extract(archive: &Path, dir: &Path, progress: &mut dyn FnMut(DataProgress)) -
             path: archive.to_path_buf(),
             problem: format!("cannot extract: {e}"),
         });
+    if unpacked.is_ok() {
+        // tar stops at its end marker, before the last read of the file: report the whole.
+        progress(DataProgress::Extracting { done: total, total });
+    }
     let moved = unpacked.and_then(|()| {
         let target = dir.join(BIN_DIR);
         match std::fs::rename(staging.join(BIN_DIR), &target) {
