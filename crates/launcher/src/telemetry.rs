@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 /// Where the workers' records go: called with each line (newline stripped), on a thread of
 /// the launcher's.
 #[derive(Clone)]
-pub struct Telemetry(pub Arc<dyn Fn(&[u8]) + Send + Sync>);
+pub struct Telemetry(pub Arc<LineSink>);
+
+pub type LineSink = dyn Fn(&[u8]) + Send + Sync;
 
 impl std::fmt::Debug for Telemetry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -13,7 +13,7 @@ use telemetry::metrics::{Record, rank_file, read_metrics};
 use crate::support::*;
 
 fn args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
-    let mut args: Vec<String> = [
+    [
         "train",
         "--data",
         job.data().to_str().unwrap(),
@@ -34,8 +34,7 @@ fn args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
     ]
     .iter()
     .map(|s| s.to_string())
-    .collect();
-    args
+    .collect()
 }
 
 /// Pixels of exactly `rgb` in a PNG.
