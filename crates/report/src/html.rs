@@ -140,23 +140,7 @@ pub fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, Repo
 
     if let Some(c) = &data.config {
         out.push_str("<h2>Configuration</h2>\n<table>\n");
-        let every = c.checkpoint_every.map_or("every epoch".into(), |n| {
-            format!("every {n} steps and epoch")
-        });
-        for (k, v) in [
-            ("run id", c.run_id.clone()),
-            ("epochs", c.epochs.to_string()),
-            ("batch size per worker", c.batch_size.to_string()),
-            ("learning rate", c.learning_rate.to_string()),
-            ("momentum", c.momentum.to_string()),
-            ("weight decay", c.weight_decay.to_string()),
-            ("seed", c.seed.to_string()),
-            ("threads per worker", c.threads.to_string()),
-            ("checkpoints", every),
-            ("data", c.data.clone()),
-            ("backend", c.backend.clone()),
-            ("trainctl", c.version.clone()),
-        ] {
+        for (k, v) in c.rows() {
             row(&mut out, k, &v);
         }
         out.push_str("</table>\n");

@@ -84,6 +84,31 @@ pub struct RunConfig {
     pub version: String,
 }
 
+impl RunConfig {
+    /// The settings as (label, value) rows, as the report and TensorBoard show them.
+    pub fn rows(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("run id", self.run_id.clone()),
+            ("epochs", self.epochs.to_string()),
+            ("batch size per worker", self.batch_size.to_string()),
+            ("learning rate", self.learning_rate.to_string()),
+            ("momentum", self.momentum.to_string()),
+            ("weight decay", self.weight_decay.to_string()),
+            ("seed", self.seed.to_string()),
+            ("threads per worker", self.threads.to_string()),
+            (
+                "checkpoints",
+                self.checkpoint_every.map_or("every epoch".into(), |n| {
+                    format!("every {n} steps and epoch")
+                }),
+            ),
+            ("data", self.data.clone()),
+            ("backend", self.backend.clone()),
+            ("trainctl", self.version.clone()),
+        ]
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Step {
     pub time: f64,

@@ -173,26 +173,9 @@ pub fn eval_record(rank: u32, step: u64, confusion: &Confusion) -> Eval {
 
 /// The run's settings as a Markdown table, for TensorBoard's Text tab.
 fn config_markdown(c: &RunConfig, world_size: usize) -> String {
-    let rows = [
-        ("run id", c.run_id.clone()),
-        ("world size", world_size.to_string()),
-        ("epochs", c.epochs.to_string()),
-        ("batch size per worker", c.batch_size.to_string()),
-        ("learning rate", c.learning_rate.to_string()),
-        ("momentum", c.momentum.to_string()),
-        ("weight decay", c.weight_decay.to_string()),
-        ("seed", c.seed.to_string()),
-        ("threads per worker", c.threads.to_string()),
-        (
-            "checkpoint every",
-            c.checkpoint_every
-                .map_or("epoch".into(), |n| format!("{n} steps and every epoch")),
-        ),
-        ("data", c.data.clone()),
-        ("backend", c.backend.clone()),
-        ("trainctl", c.version.clone()),
-    ];
     let mut out = String::from("| setting | value |\n|---|---|\n");
+    let mut rows = c.rows();
+    rows.insert(1, ("world size", world_size.to_string()));
     for (k, v) in rows {
         out.push_str(&format!("| {k} | {} |\n", v.replace('|', "\\|")));
     }

@@ -172,6 +172,23 @@ impl Running {
         self.seen.join("\n")
     }
 
+    /// SIGKILLs the worker of `rank` (of the latest start reported) once both workers of a
+    /// two-worker launch have been reported.
+    pub fn kill_worker(&mut self, rank: u32, timeout: Duration) {
+        let pids = self.wait_for_workers(2, timeout);
+        let (_, victim) = pids
+            .iter()
+            .rev()
+            .find(|(r, _)| *r == rank)
+            .copied()
+            .unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(victim),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }

@@ -63,13 +63,7 @@ fn a_run_with_a_restart_is_recorded_for_tensorboard_and_the_report() {
     run.wait_for_line(Duration::from_secs(120), |l| {
         l.contains("checkpoint saved at step 2")
     });
-    let pids = run.wait_for_workers(2, Duration::from_secs(20));
-    let (_, victim) = pids.iter().find(|(rank, _)| *rank == 1).copied().unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    run.kill_worker(1, Duration::from_secs(20));
     assert!(
         run.wait(Duration::from_secs(180)).success(),
         "{}",
