@@ -61,7 +61,12 @@ pub struct Attempt {
 
 impl RunData {
     pub fn read(run_dir: &Path) -> Result<Self, ReportError> {
-        let ranks = read_run(run_dir)?;
+        let ranks = match read_run(run_dir) {
+            Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ReportError::NoRecords(run_dir.to_path_buf()));
+            }
+            r => r?,
+        };
         let skipped = ranks.iter().map(|(_, m)| m.skipped).sum();
         let timings = ranks
             .iter()

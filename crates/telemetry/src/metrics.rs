@@ -222,12 +222,15 @@ impl MetricsWriter {
 
     /// Appends `record` as one line, in one write.
     pub fn write(&mut self, record: &Record) -> Result<(), MetricsError> {
-        self.file
-            .write_all(&record.to_line())
-            .map_err(|source| MetricsError {
-                path: self.path.clone(),
-                source,
-            })
+        self.write_line(&record.to_line())
+    }
+
+    /// Appends a line made by [`Record::to_line`] (for a caller that sends it elsewhere too).
+    pub fn write_line(&mut self, line: &[u8]) -> Result<(), MetricsError> {
+        self.file.write_all(line).map_err(|source| MetricsError {
+            path: self.path.clone(),
+            source,
+        })
     }
 
     pub fn path(&self) -> &Path {

@@ -54,15 +54,16 @@ impl Recorder {
     }
 
     fn record(&mut self, record: &Record, report: &mut dyn FnMut(Event)) {
+        let line = record.to_line();
         if let Some(m) = self.metrics.as_mut()
-            && let Err(e) = m.write(record)
+            && let Err(e) = m.write_line(&line)
         {
             warn(report, "metrics file", &e);
             self.metrics = None;
         }
         // One write of one line below PIPE_BUF: lines of the node's workers never interleave.
         if let Some(p) = self.pipe.as_mut()
-            && let Err(e) = p.write_all(&record.to_line())
+            && let Err(e) = p.write_all(&line)
         {
             warn(report, "the launcher's telemetry pipe", &e);
             self.pipe = None;

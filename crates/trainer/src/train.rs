@@ -162,7 +162,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let (mut pixels, mut labels) = (Vec::new(), Vec::new());
-    let mut grads_flat = Vec::with_capacity(state.params.len() + 1);
+    // The gradients, then the loss and the accuracy, all-reduced together.
+    let mut grads_flat = Vec::with_capacity(state.params.len() + 2);
     let mut last_checkpoint_step = state.progress.global_step;
     while state.progress.epoch < cfg.epochs {
         let epoch = state.progress.epoch;

@@ -436,3 +436,14 @@ fn a_terminal_gets_a_progress_bar_with_the_lines_above_it() {
         assert!(!line.contains("epoch 1 ["), "{line:?}");
     }
 }
+
+#[test]
+fn a_report_of_a_folder_without_metrics_says_what_it_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = run_failing(trainctl().arg("report").arg(dir.path()));
+    assert!(
+        err.contains("no metrics records for rank 0") && err.contains("OUT/RUN_ID"),
+        "{err}"
+    );
+    assert!(!dir.path().join("report").exists(), "nothing written");
+}
