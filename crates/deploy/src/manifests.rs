@@ -647,15 +647,17 @@ fn max_restarts_flag(project: &Project) -> [String; 2] {
     ]
 }
 
-fn indexed_job(project: &Project) -> (Service, Job) {
+/// A training pod of either launcher: `trainctl run LAUNCH_ARGS train ...`, sized for training,
+/// with the rendezvous and metrics ports and the job token.
+fn worker_template(
+    project: &Project,
+    launch_args: Vec<String>,
+    subdomain: Option<String>,
+) -> PodTemplateSpec {
     let j = &project.job;
-    let mut args = vec!["run".to_string()];
-    args.extend(c10d_flags(project));
-    args.extend(["--rdzv-id".into(), j.name.clone()]);
-    args.extend(max_restarts_flag(project));
-    args.extend(metrics_flag(project));
+    let mut args = launch_args;
     args.extend(train_args(project));
-    let template = pod_template(
+    pod_template(
         project,
         PodOptions {
             component: "worker",
@@ -664,9 +666,19 @@ fn indexed_job(project: &Project) -> (Service, Job) {
             port: Some(j.rdzv_port),
             metrics_port: j.metrics_port,
             token_secret: Some(token_secret_name(project)),
-            subdomain: Some(j.name.clone()),
+            subdomain,
         },
-    );
+    )
+}
+
+fn indexed_job(project: &Project) -> (Service, Job) {
+    let j = &project.job;
+    let mut args = vec!["run".to_string()];
+    args.extend(c10d_flags(project));
+    args.extend(["--rdzv-id".into(), j.name.clone()]);
+    args.extend(max_restarts_flag(project));
+    args.extend(metrics_flag(project));
+    let template = worker_template(project, args, Some(j.name.clone()));
     let service = headless_service(project, &j.name, "worker", j.rdzv_port);
     let pods = j.max_nodes as i32;
     // A lost pod is replaced under the same index and rejoins; each node may be lost
@@ -687,19 +699,7 @@ fn pytorch_job(project: &Project) -> Value {
         args.extend(max_restarts_flag(project));
     }
     args.extend(metrics_flag(project));
-    args.extend(train_args(project));
-    let template = pod_template(
-        project,
-        PodOptions {
-            component: "worker",
-            args,
-            training_size: true,
-            port: Some(j.rdzv_port),
-            metrics_port: j.metrics_port,
-            token_secret: Some(token_secret_name(project)),
-            subdomain: None,
-        },
-    );
+    let template = worker_template(project, args, None);
     let mut spec = serde_json::json!({
         "nprocPerNode": j.nproc_per_node.to_string(),
         "runPolicy": {

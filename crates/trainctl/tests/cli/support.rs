@@ -259,3 +259,34 @@ pub fn finished(output: &str) -> Vec<(u32, u64, String)> {
 pub fn exists(p: &Path) -> bool {
     p.is_file() && std::fs::metadata(p).map(|m| m.len() > 0).unwrap_or(false)
 }
+
+/// `train` with the tests' usual small settings: batch 32, a loss line every step, seed 7, one
+/// thread, outputs under the job's `out` folder.
+pub fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
+    train_args_lr(job, out, epochs, "0.001")
+}
+
+pub fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
+    [
+        "train",
+        "--data",
+        job.data().to_str().unwrap(),
+        "--epochs",
+        &epochs.to_string(),
+        "--batch-size",
+        "32",
+        "--print-freq",
+        "1",
+        "--learning-rate",
+        lr,
+        "--seed",
+        "7",
+        "--threads",
+        "1",
+        "--out",
+        job.path(out).to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}

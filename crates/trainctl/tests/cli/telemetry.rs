@@ -12,29 +12,11 @@ use telemetry::metrics::{Record, rank_file, read_metrics};
 
 use crate::support::*;
 
+/// The tests' usual `train` arguments, checkpointing every 2 steps.
 fn args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
-    [
-        "train",
-        "--data",
-        job.data().to_str().unwrap(),
-        "--epochs",
-        &epochs.to_string(),
-        "--batch-size",
-        "32",
-        "--print-freq",
-        "1",
-        "--seed",
-        "3",
-        "--threads",
-        "1",
-        "--checkpoint-every",
-        "2",
-        "--out",
-        job.path(out).to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    let mut args = train_args(job, out, epochs);
+    args.extend(["--checkpoint-every".into(), "2".into()]);
+    args
 }
 
 /// Pixels of exactly `rgb` in a PNG.

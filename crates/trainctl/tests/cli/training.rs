@@ -4,35 +4,6 @@ use std::time::Duration;
 
 use crate::support::*;
 
-fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
-    train_args_lr(job, out, epochs, "0.001")
-}
-
-fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
-    [
-        "train",
-        "--data",
-        job.data().to_str().unwrap(),
-        "--epochs",
-        &epochs.to_string(),
-        "--batch-size",
-        "32",
-        "--print-freq",
-        "1",
-        "--learning-rate",
-        lr,
-        "--seed",
-        "7",
-        "--threads",
-        "1",
-        "--out",
-        job.path(out).to_str().unwrap(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
 #[test]
 fn two_local_workers_learn_agree_and_save_an_evaluable_model() {
     let job = Job::new(320, 100);
