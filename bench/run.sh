@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Side-by-side figures for docs/PERFORMANCE.md: trainctl and PyTorch, same machine, same run.
-# Installs PyTorch from PyPI into bench/.venv on first use.
+# Installs PyTorch from PyPI into bench/.venv on first use; builds trainctl's release and dev
+# profiles (the dev profile is what `cargo run` and the tests use).
+#   bench/run.sh [--threads 1,2] [--steps 5] [--rounds 2] [--epoch 5120]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x bench/.venv/bin/python ] || ! bench/.venv/bin/python -c "import torch" 2>/dev/null; then
   python3 -m venv bench/.venv
   bench/.venv/bin/pip install --quiet torch safetensors numpy
 fi
+cargo build --locked --quiet --release
 cargo build --locked --quiet
 echo "# machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "# trainctl"
-target/debug/trainctl bench "$@"
-echo "# pytorch"
-bench/.venv/bin/python bench/pytorch_step.py
-echo "# trainctl, each convolution alone (1 thread)"
-target/debug/trainctl bench --layers
+echo "# torch $(bench/.venv/bin/python -c 'import torch; print(torch.__version__)'), $(target/release/trainctl --version)"
+args=("$@")
+[ ${#args[@]} -gt 0 ] || args=(--epoch 5120)
+bench/.venv/bin/python bench/compare.py "${args[@]}"
+echo "# trainctl release, each convolution alone (1 thread)"
+target/release/trainctl bench --layers
 echo "# pytorch, each convolution alone (1 thread)"
 bench/.venv/bin/python bench/pytorch_step.py --layers
+echo "# trainctl release: one more step at 1 thread, then the all-reduce and the loopback ceiling"
+target/release/trainctl bench --threads 1 --steps 1 --ranks 2,4

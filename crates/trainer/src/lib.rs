@@ -8,6 +8,7 @@ pub mod device;
 mod error;
 pub mod eval;
 pub mod model;
+pub mod ops;
 pub mod record;
 pub mod sampler;
 pub mod train;

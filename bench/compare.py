@@ -1,0 +1,110 @@
+"""trainctl beside PyTorch, in one run on this machine.
+
+1. One training step of the seed CNN at batch 128, for each thread count: trainctl's release and
+   dev builds and PyTorch, alternated, each in its own process; images/s (median over rounds),
+   the ratio to PyTorch and each process's peak resident memory.
+2. With --epoch N: the whole job, one epoch of N generated images: `trainctl run --standalone
+   --nproc-per-node 2 train` against `torchrun --standalone --nproc-per-node 2
+   bench/pytorch_ddp.py` on the same data, whole-process wall time.
+
+Usage: bench/.venv/bin/python bench/compare.py [--threads 1,2] [--steps 5] [--rounds 2]
+       [--epoch 5120]    (bench/run.sh builds both profiles and calls this)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def peak_and_output(cmd, env=None):
+    """Like measure, with the child's own peak RSS from wait4 (MiB)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+    return out.decode(), usage.ru_maxrss / 1024, time.perf_counter() - start
+
+
+def last_json(text):
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def step_table(threads, steps, rounds):
+    impls = {
+        "trainctl release": lambda t: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
+        "trainctl dev": lambda t: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
+        "pytorch": lambda t: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
+                              "--allreduce-ranks", ""],
+    }
+    results = {}
+    for _ in range(rounds):
+        for t in threads:
+            for name, cmd in impls.items():
+                out, peak, _ = peak_and_output(cmd(t))
+                row = last_json(out)
+                results.setdefault((name, t), []).append((row["images_per_s"], peak))
+    print("| threads | implementation | images/s | step (s) | peak memory (MiB) | ÷ PyTorch |")
+    print("|--:|---|--:|--:|--:|--:|")
+    summary = {}
+    for t in threads:
+        torch_ips = statistics.median(r[0] for r in results[("pytorch", t)])
+        for name in impls:
+            ips = statistics.median(r[0] for r in results[(name, t)])
+            peak = max(r[1] for r in results[(name, t)])
+            summary[(name, t)] = ips
+            print(f"| {t} | {name} | {ips:.1f} | {128 / ips:.3f} | {peak:.0f} | {ips / torch_ips:.2f}× |")
+    print("rounds:", json.dumps({f"{n} {t}": [round(r[0], 1) for r in v] for (n, t), v in results.items()}))
+    return summary
+
+
+def epoch_table(images):
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "data")
+        subprocess.run(["target/release/trainctl", "data", "synth", "--out", data, "--train", str(images),
+                        "--test", "200"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        rows = []
+        for name, binary in [("trainctl release", "target/release/trainctl"), ("trainctl dev", "target/debug/trainctl")]:
+            cmd = [binary, "run", "--standalone", "--nproc-per-node", "2", "train", "--data", data,
+                   "--epochs", "1", "--no-eval", "--no-download", "--out", os.path.join(tmp, name.replace(" ", "-"))]
+            start = time.perf_counter()
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rows.append((name, time.perf_counter() - start))
+        torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
+        cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "bench/pytorch_ddp.py", "--data", data, "--epochs", "1"]
+        start = time.perf_counter()
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "bench")})
+        rows.append(("pytorch ddp (torchrun, gloo)", time.perf_counter() - start))
+    torch_s = rows[-1][1]
+    print(f"\n| one epoch of {images} images, 2 workers × batch 128 | whole-process wall (s) | images/s | PyTorch time ÷ this |")
+    print("|---|--:|--:|--:|")
+    for name, s in rows:
+        print(f"| {name} | {s:.1f} | {images / s:.1f} | {torch_s / s:.2f}× |")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--epoch", type=int, default=0, help="images for the whole-job epoch (0: skip)")
+    a = p.parse_args()
+    step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds)
+    if a.epoch:
+        epoch_table(a.epoch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+//! 2-D convolution of NHWC `f32` tensors: the forward pass with the bias and ReLU fused in, and
+//! both gradients. Stride-1 3×3 layers with enough input channels run as Winograd F(2×2, 3×3)
+//! (module `winograd`), every other shape as batched im2col + GEMM (here).
+//!
+//! Images are processed in chunks whose size depends only on the layer's shape (so that the
+//! im2col matrix stays in cache), and chunks run in parallel on rayon's pool. Determinism:
+//! every chunk's arithmetic is fixed by its shape, and the weight gradient's per-chunk partial
+//! sums go to [`ACCUMULATORS`] accumulators (chunk `i` to accumulator `i % ACCUMULATORS`, in
+//! chunk order) that are added in a fixed order at the end. The result is bit-identical whatever
+//! the number of threads.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use crate::matmul::{Mat, matmul};
+use crate::winograd::{self, WinogradWeight};
+
+/// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
+/// thread count; also the most threads the weight gradient can use.
+pub const ACCUMULATORS: usize = 8;
+/// The im2col matrix of one chunk is kept under this size (bytes)...
+const CHUNK_COL_BYTES: usize = 4 << 20;
+/// ...and under this many rows (output pixels).
+const CHUNK_MAX_ROWS: usize = 4096;
+
+/// The shape of a convolution: input `[batch, height, width, c_in]` (NHWC), weight
+/// `[c_out, c_in, kernel[0], kernel[1]]` (PyTorch's layout), no dilation, one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvShape {
+    pub batch: usize,
+    pub c_in: usize,
+    pub height: usize,
+    pub width: usize,
+    pub c_out: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl ConvShape {
+    /// Checks that the shape describes a convolution with at least one output pixel.
+    pub fn validate(&self) -> Result<(), String> {
+        let dims = [
+            ("batch", self.batch),
+            ("input channels", self.c_in),
+            ("height", self.height),
+            ("width", self.width),
+            ("output channels", self.c_out),
+            ("kernel height", self.kernel[0]),
+            ("kernel width", self.kernel[1]),
+            ("vertical stride", self.stride[0]),
+            ("horizontal stride", self.stride[1]),
+        ];
+        if let Some((name, _)) = dims.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("convolution {name} is 0 in {self:?}"));
+        }
+        for axis in 0..2 {
+            let size = [self.height, self.width][axis] + 2 * self.padding[axis];
+            if size < self.kernel[axis] {
+                return Err(format!(
+                    "a {}×{} kernel does not fit the padded {}×{} input",
+                    self.kernel[0],
+                    self.kernel[1],
+                    self.height + 2 * self.padding[0],
+                    self.width + 2 * self.padding[1]
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Output height and width.
+    pub fn out_size(&self) -> [usize; 2] {
+        [
+            (self.height + 2 * self.padding[0] - self.kernel[0]) / self.stride[0] + 1,
+            (self.width + 2 * self.padding[1] - self.kernel[1]) / self.stride[1] + 1,
+        ]
+    }
+
+    /// The GEMM's inner dimension: one im2col row, `(ky, kx, c)` with `c` fastest.
+    pub fn k(&self) -> usize {
+        self.kernel[0] * self.kernel[1] * self.c_in
+    }
+
+    pub fn input_len(&self) -> usize {
+        self.batch * self.height * self.width * self.c_in
+    }
+
+    pub fn output_len(&self) -> usize {
+        let [oh, ow] = self.out_size();
+        self.batch * oh * ow * self.c_out
+    }
+
+    pub fn weight_len(&self) -> usize {
+        self.c_out * self.k()
+    }
+
+    fn rows_per_image(&self) -> usize {
+        let [oh, ow] = self.out_size();
+        oh * ow
+    }
+
+    /// Images per chunk: as many as keep the chunk's im2col matrix in cache.
+    pub fn images_per_chunk(&self) -> usize {
+        let rows = self.rows_per_image();
+        let by_bytes = CHUNK_COL_BYTES / (rows * self.k() * 4).max(1);
+        let by_rows = CHUNK_MAX_ROWS / rows;
+        by_bytes.min(by_rows).clamp(1, self.batch)
+    }
+}
+
+/// The weight as the GEMM's right-hand side: `[k, c_out]`, row `(ky, kx, c)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedWeight {
+    pub data: Vec<f32>,
+}
+
+impl PackedWeight {
+    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`.
+    pub fn from_torch(shape: &ConvShape, weight: &[f32]) -> Self {
+        assert_eq!(weight.len(), shape.weight_len(), "weight size");
+        let (co, ci) = (shape.c_out, shape.c_in);
+        let taps = shape.kernel[0] * shape.kernel[1];
+        let mut data = vec![0.0; weight.len()];
+        for o in 0..co {
+            for c in 0..ci {
+                for t in 0..taps {
+                    data[(t * ci + c) * co + o] = weight[(o * ci + c) * taps + t];
+                }
+            }
+        }
+        PackedWeight { data }
+    }
+}
+
+/// A packed `[k, c_out]` matrix (a weight gradient) back into PyTorch's layout.
+fn unpack_to_torch(shape: &ConvShape, packed: &[f32]) -> Vec<f32> {
+    let (co, ci) = (shape.c_out, shape.c_in);
+    let taps = shape.kernel[0] * shape.kernel[1];
+    let mut out = vec![0.0; packed.len()];
+    for o in 0..co {
+        for c in 0..ci {
+            for t in 0..taps {
+                out[(o * ci + c) * taps + t] = packed[(t * ci + c) * co + o];
+            }
+        }
+    }
+    out
+}
+
+thread_local! {
+    /// Per-thread scratch (im2col matrices, masked gradients), reused across calls: the
+    /// training step allocates none of it after the first step.
+    static SCRATCH: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+/// Runs `f` with two scratch buffers of at least `a` and `b` elements (contents unspecified).
+fn with_scratch<R>(a: usize, b: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| {
+        let mut bufs = cell.borrow_mut();
+        let [x, y] = &mut *bufs;
+        if x.len() < a {
+            x.resize(a, 0.0);
+        }
+        if y.len() < b {
+            y.resize(b, 0.0);
+        }
+        f(&mut x[..a], &mut y[..b])
+    })
+}
+
+/// The in-range kernel columns for output column `ox`: `(kx_lo, kx_hi, ix of kx_lo)`.
+#[inline]
+fn tap_range(
+    ox: usize,
+    stride: usize,
+    pad: usize,
+    kernel: usize,
+    size: usize,
+) -> (usize, usize, usize) {
+    let start = ox * stride; // input column of tap 0, plus `pad`
+    // A window may lie wholly in the padding (a padding wider than the kernel).
+    let lo = pad.saturating_sub(start).min(kernel);
+    let hi = (size + pad).saturating_sub(start).min(kernel);
+    (lo, hi.max(lo), (start + lo).saturating_sub(pad))
+}
+
+/// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
+fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
+    let [oh, ow] = s.out_size();
+    let [kh, kw] = s.kernel;
+    let (c, k, w) = (s.c_in, s.k(), s.width);
+    let image_len = s.height * w * c;
+    let mut rows = col.chunks_exact_mut(k);
+    for n in n0..n0 + images {
+        let img = &x[n * image_len..(n + 1) * image_len];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let row = rows.next().expect("col holds every row");
+                let (lo, hi, ix) = tap_range(ox, s.stride[1], s.padding[1], kw, w);
+                for ky in 0..kh {
+                    let seg = &mut row[ky * kw * c..(ky + 1) * kw * c];
+                    let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
+                    if iy >= s.height {
+                        seg.fill(0.0);
+                        continue;
+                    }
+                    seg[..lo * c].fill(0.0);
+                    if hi > lo {
+                        let src = (iy * w + ix) * c;
+                        seg[lo * c..hi * c].copy_from_slice(&img[src..src + (hi - lo) * c]);
+                    }
+                    seg[hi * c..].fill(0.0);
+                }
+            }
+        }
+    }
+}
+
+/// The adjoint of [`im2col`]: adds every row's patch back into `dx` (images `n0..`, `dx`
+/// holding just those images).
+fn col2im(s: &ConvShape, dcol: &[f32], images: usize, dx: &mut [f32]) {
+    let [oh, ow] = s.out_size();
+    let [kh, kw] = s.kernel;
+    let (c, k, w) = (s.c_in, s.k(), s.width);
+    let image_len = s.height * w * c;
+    let mut rows = dcol.chunks_exact(k);
+    for n in 0..images {
+        let img = &mut dx[n * image_len..(n + 1) * image_len];
+        for oy in 0..oh {
+            for ox in 0..ow {
+                let row = rows.next().expect("dcol holds every row");
+                let (lo, hi, ix) = tap_range(ox, s.stride[1], s.padding[1], kw, w);
+                for ky in 0..kh {
+                    let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
+                    if iy >= s.height || hi == lo {
+                        continue;
+                    }
+                    let src = &row[(ky * kw + lo) * c..(ky * kw + hi) * c];
+                    let at = (iy * w + ix) * c;
+                    for (d, g) in img[at..at + src.len()].iter_mut().zip(src) {
+                        *d += g;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Input channels from which a stride-1 3×3 convolution runs as Winograd F(2×2, 3×3) (below,
+/// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
+pub const WINOGRAD_MIN_CHANNELS: usize = 32;
+
+/// A layer's weight, transformed for the algorithm its shape gets.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prepared {
+    Im2col(PackedWeight),
+    Winograd(WinogradWeight),
+}
+
+impl Prepared {
+    /// The algorithm for `s` and the weight (PyTorch's layout) transformed for it.
+    pub fn new(s: &ConvShape, weight: &[f32]) -> Self {
+        if winograd::applies(s, WINOGRAD_MIN_CHANNELS) {
+            Prepared::Winograd(WinogradWeight::from_torch(s, weight))
+        } else {
+            Prepared::Im2col(PackedWeight::from_torch(s, weight))
+        }
+    }
+}
+
+/// `y = conv(x, w) + bias`, then ReLU when `relu`; `x` and `y` NHWC.
+pub fn forward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &Prepared,
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    match weight {
+        Prepared::Im2col(w) => im2col_forward(s, x, w, bias, relu),
+        Prepared::Winograd(u) => winograd::forward(s, x, u, bias, relu),
+    }
+}
+
+/// Gradients of [`forward`] given `dy` (NHWC). With the ReLU fused, `relu_output` is the
+/// forward's output: the gradient passes where it is positive.
+pub fn backward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &Prepared,
+    relu_output: Option<&[f32]>,
+    dy: &[f32],
+    need_input: bool,
+) -> ConvGrads {
+    match weight {
+        Prepared::Im2col(w) => im2col_backward(s, x, w, relu_output, dy, need_input),
+        Prepared::Winograd(u) => winograd::backward(s, x, u, relu_output, dy, need_input),
+    }
+}
+
+/// [`forward`] as im2col + GEMM (any shape).
+pub fn im2col_forward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &PackedWeight,
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    assert_eq!(x.len(), s.input_len(), "convolution input size");
+    assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
+    let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
+    let per_chunk = s.images_per_chunk();
+    let mut out = vec![0.0f32; s.output_len()];
+    out.par_chunks_mut(per_chunk * rows_img * co)
+        .enumerate()
+        .for_each(|(chunk, y)| {
+            let images = y.len() / (rows_img * co);
+            let rows = images * rows_img;
+            with_scratch(rows * k, 0, |col, _| {
+                im2col(s, x, chunk * per_chunk, images, col);
+                if let Some(b) = bias {
+                    for row in y.chunks_exact_mut(co) {
+                        row.copy_from_slice(b);
+                    }
+                }
+                matmul(
+                    y,
+                    co,
+                    Mat::rows(col, rows, k),
+                    Mat::rows(&weight.data, k, co),
+                    bias.is_some(),
+                );
+                if relu {
+                    for v in y.iter_mut() {
+                        // `<`, not `max`: a NaN stays a NaN, as in PyTorch.
+                        if *v < 0.0 {
+                            *v = 0.0;
+                        }
+                    }
+                }
+            });
+        });
+    out
+}
+
+/// Gradients of a convolution; the weight gradient in PyTorch's layout.
+#[derive(Debug, Clone)]
+pub struct ConvGrads {
+    pub input: Option<Vec<f32>>,
+    pub weight: Vec<f32>,
+    pub bias: Vec<f32>,
+}
+
+/// [`backward`] as im2col + GEMM.
+pub fn im2col_backward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &PackedWeight,
+    relu_output: Option<&[f32]>,
+    dy: &[f32],
+    need_input: bool,
+) -> ConvGrads {
+    assert_eq!(x.len(), s.input_len(), "convolution input size");
+    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
+    if let Some(y) = relu_output {
+        assert_eq!(y.len(), s.output_len(), "convolution output size");
+    }
+    let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
+    let per_chunk = s.images_per_chunk();
+    let chunks = s.batch.div_ceil(per_chunk);
+    let groups = ACCUMULATORS.min(chunks);
+    let image_len = s.height * s.width * s.c_in;
+
+    let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
+    // Each group owns its chunks' slices of dx.
+    let mut work: Vec<Vec<(usize, Option<&mut [f32]>)>> = (0..groups).map(|_| Vec::new()).collect();
+    match dx.as_mut() {
+        Some(dx) => {
+            for (chunk, slice) in dx.chunks_mut(per_chunk * image_len).enumerate() {
+                work[chunk % groups].push((chunk, Some(slice)));
+            }
+        }
+        None => {
+            for chunk in 0..chunks {
+                work[chunk % groups].push((chunk, None));
+            }
+        }
+    }
+
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = work
+        .into_par_iter()
+        .map(|chunks| {
+            let mut dw = vec![0.0f32; k * co];
+            let mut db = vec![0.0f32; co];
+            for (chunk, dx_chunk) in chunks {
+                let n0 = chunk * per_chunk;
+                let images = per_chunk.min(s.batch - n0);
+                let rows = images * rows_img;
+                let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
+                with_scratch(rows * k, rows * co, |col, masked| {
+                    let g: &[f32] = match relu_output {
+                        Some(y) => {
+                            for ((m, &d), &o) in masked
+                                .iter_mut()
+                                .zip(&dy[span.clone()])
+                                .zip(&y[span.clone()])
+                            {
+                                *m = if o > 0.0 { d } else { 0.0 };
+                            }
+                            masked
+                        }
+                        None => &dy[span.clone()],
+                    };
+                    for row in g.chunks_exact(co) {
+                        for (b, v) in db.iter_mut().zip(row) {
+                            *b += v;
+                        }
+                    }
+                    im2col(s, x, n0, images, col);
+                    matmul(
+                        &mut dw,
+                        co,
+                        Mat::rows(col, rows, k).t(),
+                        Mat::rows(g, rows, co),
+                        true,
+                    );
+                    if let Some(dx_chunk) = dx_chunk {
+                        // The im2col matrix is not needed any more: reuse it for dcol.
+                        matmul(
+                            col,
+                            k,
+                            Mat::rows(g, rows, co),
+                            Mat::rows(&weight.data, k, co).t(),
+                            false,
+                        );
+                        col2im(s, col, images, dx_chunk);
+                    }
+                });
+            }
+            (dw, db)
+        })
+        .collect();
+
+    let mut partials = partials.into_iter();
+    let (mut dw, mut db) = partials
+        .next()
+        .unwrap_or_else(|| (vec![0.0; k * co], vec![0.0; co]));
+    for (w, b) in partials {
+        for (acc, v) in dw.iter_mut().zip(&w) {
+            *acc += v;
+        }
+        for (acc, v) in db.iter_mut().zip(&b) {
+            *acc += v;
+        }
+    }
+    ConvGrads {
+        input: dx,
+        weight: unpack_to_torch(s, &dw),
+        bias: db,
+    }
+}

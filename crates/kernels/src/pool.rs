@@ -1,0 +1,139 @@
+//! Max pooling of NHWC tensors, with the position of each window's maximum kept for the
+//! backward pass.
+
+use rayon::prelude::*;
+
+/// Input `[batch, height, width, channels]`; padding counts as -∞ (as in PyTorch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolShape {
+    pub batch: usize,
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl PoolShape {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.kernel.contains(&0) || self.stride.contains(&0) {
+            return Err(format!(
+                "pooling kernel and stride must be positive in {self:?}"
+            ));
+        }
+        if self.kernel[0] * self.kernel[1] > 256 {
+            return Err(format!(
+                "a pooling window of {:?} is larger than 256 taps",
+                self.kernel
+            ));
+        }
+        if self.padding[0] * 2 > self.kernel[0] || self.padding[1] * 2 > self.kernel[1] {
+            return Err(format!(
+                "pooling padding {:?} is over half the kernel {:?}",
+                self.padding, self.kernel
+            ));
+        }
+        if self.height + 2 * self.padding[0] < self.kernel[0]
+            || self.width + 2 * self.padding[1] < self.kernel[1]
+        {
+            return Err(format!(
+                "a {:?} pooling window does not fit the input {}×{}",
+                self.kernel, self.height, self.width
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn out_size(&self) -> [usize; 2] {
+        [
+            (self.height + 2 * self.padding[0] - self.kernel[0]) / self.stride[0] + 1,
+            (self.width + 2 * self.padding[1] - self.kernel[1]) / self.stride[1] + 1,
+        ]
+    }
+
+    pub fn input_len(&self) -> usize {
+        self.batch * self.height * self.width * self.channels
+    }
+
+    pub fn output_len(&self) -> usize {
+        let [oh, ow] = self.out_size();
+        self.batch * oh * ow * self.channels
+    }
+}
+
+/// Output and, per output element, the tap (`ky · kw + kx`) its value came from. The first
+/// maximum wins a tie; a NaN wins over any number.
+pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u8>) {
+    assert_eq!(x.len(), s.input_len(), "pooling input size");
+    let [oh, ow] = s.out_size();
+    let c = s.channels;
+    let (in_img, out_img) = (s.height * s.width * c, oh * ow * c);
+    let mut y = vec![f32::NEG_INFINITY; s.output_len()];
+    let mut arg = vec![0u8; s.output_len()];
+    y.par_chunks_mut(out_img.max(1))
+        .zip(arg.par_chunks_mut(out_img.max(1)))
+        .zip(x.par_chunks(in_img.max(1)))
+        .for_each(|((y, arg), img)| {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let at = (oy * ow + ox) * c;
+                    let (best, which) = (&mut y[at..at + c], &mut arg[at..at + c]);
+                    for ky in 0..s.kernel[0] {
+                        let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
+                        if iy >= s.height {
+                            continue;
+                        }
+                        for kx in 0..s.kernel[1] {
+                            let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
+                            if ix >= s.width {
+                                continue;
+                            }
+                            let tap = (ky * s.kernel[1] + kx) as u8;
+                            let src = &img[(iy * s.width + ix) * c..][..c];
+                            for ((b, w), v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
+                                // `!(v <= b)`: greater, or NaN (which then stays).
+                                if !(*v <= *b) && !b.is_nan() {
+                                    *b = *v;
+                                    *w = tap;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    (y, arg)
+}
+
+/// The input gradient: each output's gradient goes to the input its maximum came from.
+pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u8]) -> Vec<f32> {
+    assert_eq!(dy.len(), s.output_len(), "pooling output-gradient size");
+    assert_eq!(arg.len(), s.output_len(), "pooling argmax size");
+    let [oh, ow] = s.out_size();
+    let c = s.channels;
+    let (in_img, out_img) = (s.height * s.width * c, oh * ow * c);
+    let mut dx = vec![0.0f32; s.input_len()];
+    dx.par_chunks_mut(in_img.max(1))
+        .zip(
+            dy.par_chunks(out_img.max(1))
+                .zip(arg.par_chunks(out_img.max(1))),
+        )
+        .for_each(|(dx, (dy, arg))| {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let at = (oy * ow + ox) * c;
+                    for ch in 0..c {
+                        let tap = arg[at + ch] as usize;
+                        let (ky, kx) = (tap / s.kernel[1], tap % s.kernel[1]);
+                        let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
+                        let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
+                        if iy < s.height && ix < s.width {
+                            dx[(iy * s.width + ix) * c + ch] += dy[at + ch];
+                        }
+                    }
+                }
+            }
+        });
+    dx
+}

@@ -1,0 +1,500 @@
+//! The kernels against a direct convolution computed in f64, on the seed CNN's shapes and on
+//! random ones (batch 1, odd sizes, strides, 1×1 and 7×7 kernels, any padding).
+
+use proptest::prelude::*;
+
+use crate::conv::{self, ConvShape, PackedWeight, Prepared};
+use crate::winograd::WinogradWeight;
+
+/// Direct convolution, NHWC input, PyTorch-layout weight, f64 sums.
+fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<f64> {
+    let [oh, ow] = s.out_size();
+    let [kh, kw] = s.kernel;
+    let mut out = vec![0.0f64; s.output_len()];
+    for n in 0..s.batch {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for o in 0..s.c_out {
+                    let mut acc = b[o] as f64;
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * s.stride[0] + ky) as isize - s.padding[0] as isize;
+                            let ix = (ox * s.stride[1] + kx) as isize - s.padding[1] as isize;
+                            if iy < 0 || ix < 0 || iy >= s.height as isize || ix >= s.width as isize
+                            {
+                                continue;
+                            }
+                            for c in 0..s.c_in {
+                                let xv = x[((n * s.height + iy as usize) * s.width + ix as usize)
+                                    * s.c_in
+                                    + c];
+                                let wv = w[((o * s.c_in + c) * kh + ky) * kw + kx];
+                                acc += xv as f64 * wv as f64;
+                            }
+                        }
+                    }
+                    out[((n * oh + oy) * ow + ox) * s.c_out + o] =
+                        if relu { acc.max(0.0) } else { acc };
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Reference gradients (input, weight in PyTorch's layout, bias) for the upstream gradient `g`
+/// (already masked by the ReLU when there is one).
+fn reference_backward(
+    s: &ConvShape,
+    x: &[f32],
+    w: &[f32],
+    g: &[f32],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let [oh, ow] = s.out_size();
+    let [kh, kw] = s.kernel;
+    let mut dx = vec![0.0f64; s.input_len()];
+    let mut dw = vec![0.0f64; s.weight_len()];
+    let mut db = vec![0.0f64; s.c_out];
+    for n in 0..s.batch {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for o in 0..s.c_out {
+                    let gv = g[((n * oh + oy) * ow + ox) * s.c_out + o] as f64;
+                    db[o] += gv;
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * s.stride[0] + ky) as isize - s.padding[0] as isize;
+                            let ix = (ox * s.stride[1] + kx) as isize - s.padding[1] as isize;
+                            if iy < 0 || ix < 0 || iy >= s.height as isize || ix >= s.width as isize
+                            {
+                                continue;
+                            }
+                            for c in 0..s.c_in {
+                                let xi = ((n * s.height + iy as usize) * s.width + ix as usize)
+                                    * s.c_in
+                                    + c;
+                                let wi = ((o * s.c_in + c) * kh + ky) * kw + kx;
+                                dx[xi] += gv * w[wi] as f64;
+                                dw[wi] += gv * x[xi] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (dx, dw, db)
+}
+
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    // A small LCG: deterministic, no dependency.
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Largest |a - b| relative to the largest |b| (at least 1).
+fn worst_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// f32 against f64 sums over at most a few thousand terms: a few ulps of the scale.
+const TOLERANCE: f64 = 1e-5;
+
+#[derive(Clone, Copy, Debug)]
+enum Algorithm {
+    /// Whatever `Prepared::new` picks for the shape.
+    Chosen,
+    Im2col,
+    Winograd,
+}
+
+fn check(s: ConvShape, relu: bool, seed: u64) {
+    check_with(s, relu, seed, Algorithm::Chosen)
+}
+
+fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
+    s.validate().unwrap();
+    let x = values(s.input_len(), seed);
+    let w = values(s.weight_len(), seed + 1);
+    let b = values(s.c_out, seed + 2);
+    let dy = values(s.output_len(), seed + 3);
+    let packed = match algorithm {
+        Algorithm::Chosen => Prepared::new(&s, &w),
+        Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(&s, &w)),
+        Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(&s, &w)),
+    };
+
+    let y = conv::forward(&s, &x, &packed, Some(&b), relu);
+    let want = reference_forward(&s, &x, &w, &b, relu);
+    let e = worst_error(&y, &want);
+    assert!(e < TOLERANCE, "forward error {e} for {s:?} ({algorithm:?})");
+
+    let grads = conv::backward(&s, &x, &packed, relu.then_some(&y[..]), &dy, true);
+    let g: Vec<f32> = if relu {
+        dy.iter()
+            .zip(&y)
+            .map(|(d, o)| if *o > 0.0 { *d } else { 0.0 })
+            .collect()
+    } else {
+        dy.clone()
+    };
+    let (dx, dw, db) = reference_backward(&s, &x, &w, &g);
+    let e = worst_error(grads.input.as_ref().unwrap(), &dx);
+    assert!(e < TOLERANCE, "input-gradient error {e} for {s:?}");
+    let e = worst_error(&grads.weight, &dw);
+    assert!(e < TOLERANCE, "weight-gradient error {e} for {s:?}");
+    let e = worst_error(&grads.bias, &db);
+    assert!(e < TOLERANCE, "bias-gradient error {e} for {s:?}");
+}
+
+fn shape3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> ConvShape {
+    ConvShape {
+        batch,
+        c_in,
+        height: size,
+        width: size,
+        c_out,
+        kernel: [3, 3],
+        stride: [1, 1],
+        padding: [1, 1],
+    }
+}
+
+#[test]
+fn seed_cnn_layers_match_the_direct_convolution() {
+    // The seed CNN's six convolutions, at a small batch (the reference is slow).
+    for (c_in, c_out, size) in [
+        (3, 32, 32),
+        (32, 64, 32),
+        (64, 128, 16),
+        (128, 128, 16),
+        (128, 256, 8),
+        (256, 256, 8),
+    ] {
+        check(shape3x3(2, c_in, c_out, size), true, c_in as u64);
+        check_with(
+            shape3x3(2, c_in, c_out, size),
+            true,
+            c_in as u64,
+            Algorithm::Im2col,
+        );
+    }
+}
+
+#[test]
+fn resnet_shapes_match_the_direct_convolution() {
+    // The 7×7 stride-2 stem, a 1×1 stride-2 projection, a 3×3 stride-2 downsampling.
+    let stem = ConvShape {
+        kernel: [7, 7],
+        stride: [2, 2],
+        padding: [3, 3],
+        ..shape3x3(2, 3, 8, 20)
+    };
+    let proj = ConvShape {
+        kernel: [1, 1],
+        stride: [2, 2],
+        padding: [0, 0],
+        ..shape3x3(3, 16, 32, 9)
+    };
+    let down = ConvShape {
+        stride: [2, 2],
+        ..shape3x3(2, 8, 16, 11)
+    };
+    for (i, s) in [stem, proj, down].into_iter().enumerate() {
+        check(s, false, 100 + i as u64);
+    }
+}
+
+#[test]
+fn results_are_bit_identical_whatever_the_thread_count() {
+    // Enough images for several chunks and every accumulator.
+    let s = shape3x3(40, 16, 32, 32);
+    assert!(s.batch.div_ceil(s.images_per_chunk()) > conv::ACCUMULATORS);
+    let x = values(s.input_len(), 7);
+    let w = values(s.weight_len(), 8);
+    let dy = values(s.output_len(), 9);
+    let run = |packed: &Prepared, threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let y = conv::forward(&s, &x, packed, None, true);
+            let g = conv::backward(&s, &x, packed, Some(&y), &dy, true);
+            [y, g.input.unwrap(), g.weight, g.bias]
+        })
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for packed in [
+        Prepared::Im2col(PackedWeight::from_torch(&s, &w)),
+        Prepared::Winograd(WinogradWeight::from_torch(&s, &w)),
+    ] {
+        let one = run(&packed, 1);
+        for threads in [2, 3, 5] {
+            let other = run(&packed, threads);
+            for (what, (a, b)) in [
+                "forward",
+                "input gradient",
+                "weight gradient",
+                "bias gradient",
+            ]
+            .iter()
+            .zip(one.iter().zip(&other))
+            {
+                assert!(bits(a) == bits(b), "{what} differs at {threads} threads");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_nan_input_stays_nan_through_the_fused_relu() {
+    let s = shape3x3(1, 1, 1, 3);
+    let mut x = vec![1.0; 9];
+    x[4] = f32::NAN;
+    for packed in [
+        Prepared::Im2col(PackedWeight::from_torch(&s, &[-1.0; 9])),
+        Prepared::Winograd(WinogradWeight::from_torch(&s, &[-1.0; 9])),
+    ] {
+        let y = conv::forward(&s, &x, &packed, None, true);
+        assert!(y.iter().all(|v| v.is_nan()), "{y:?}");
+    }
+}
+
+#[test]
+fn impossible_shapes_are_refused_with_the_reason() {
+    let e = ConvShape {
+        kernel: [7, 7],
+        padding: [0, 0],
+        ..shape3x3(1, 1, 1, 5)
+    }
+    .validate()
+    .unwrap_err();
+    assert!(e.contains("does not fit"), "{e}");
+    let e = ConvShape {
+        stride: [0, 1],
+        ..shape3x3(1, 1, 1, 5)
+    }
+    .validate()
+    .unwrap_err();
+    assert!(e.contains("vertical stride is 0"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn winograd_matches_the_direct_convolution_on_odd_sizes_and_any_padding(
+        batch in 1usize..4,
+        c_in in 1usize..9,
+        c_out in 1usize..9,
+        height in 1usize..12,
+        width in 1usize..12,
+        py in 0usize..3,
+        px in 0usize..3,
+        relu in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let s = ConvShape { batch, c_in, height, width, c_out, kernel: [3, 3], stride: [1, 1], padding: [py, px] };
+        prop_assume!(s.validate().is_ok());
+        check_with(s, relu, seed, Algorithm::Winograd);
+    }
+
+    #[test]
+    fn random_shapes_match_the_direct_convolution(
+        batch in 1usize..4,
+        c_in in 1usize..9,
+        c_out in 1usize..9,
+        height in 1usize..12,
+        width in 1usize..12,
+        kh in 1usize..6,
+        kw in 1usize..6,
+        sy in 1usize..4,
+        sx in 1usize..4,
+        py in 0usize..4,
+        px in 0usize..4,
+        relu in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let s = ConvShape { batch, c_in, height, width, c_out, kernel: [kh, kw], stride: [sy, sx], padding: [py, px] };
+        prop_assume!(s.validate().is_ok());
+        check(s, relu, seed);
+    }
+}
+
+mod pooling {
+    use super::values;
+    use crate::pool::{self, PoolShape};
+
+    /// Direct max pooling: the output and, per output, the input index of its (first) maximum.
+    fn reference(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<usize>) {
+        let [oh, ow] = s.out_size();
+        let mut out = vec![f32::NEG_INFINITY; s.output_len()];
+        let mut from = vec![usize::MAX; s.output_len()];
+        for n in 0..s.batch {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    for c in 0..s.channels {
+                        let o = ((n * oh + oy) * ow + ox) * s.channels + c;
+                        for ky in 0..s.kernel[0] {
+                            for kx in 0..s.kernel[1] {
+                                let iy = (oy * s.stride[0] + ky) as isize - s.padding[0] as isize;
+                                let ix = (ox * s.stride[1] + kx) as isize - s.padding[1] as isize;
+                                if iy >= 0
+                                    && ix >= 0
+                                    && (iy as usize) < s.height
+                                    && (ix as usize) < s.width
+                                {
+                                    let i = ((n * s.height + iy as usize) * s.width + ix as usize)
+                                        * s.channels
+                                        + c;
+                                    if x[i] > out[o] {
+                                        out[o] = x[i];
+                                        from[o] = i;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (out, from)
+    }
+
+    fn shape(kernel: usize, stride: usize, padding: usize, size: usize) -> PoolShape {
+        PoolShape {
+            batch: 2,
+            channels: 5,
+            height: size,
+            width: size + 1,
+            kernel: [kernel; 2],
+            stride: [stride; 2],
+            padding: [padding; 2],
+        }
+    }
+
+    #[test]
+    fn maxima_and_their_gradient_match_a_direct_pooling() {
+        // The seed CNN's 2×2 and the ResNet stem's 3×3 stride 2 padding 1.
+        for s in [shape(2, 2, 0, 8), shape(3, 2, 1, 9), shape(3, 1, 1, 5)] {
+            s.validate().unwrap();
+            let x = values(s.input_len(), 11);
+            let (y, taps) = pool::max_forward(&s, &x);
+            let (want, from) = reference(&s, &x);
+            assert_eq!(y, want, "{s:?}");
+            // The gradient goes to each output's maximum, summed where windows overlap.
+            let r = values(s.output_len(), 12);
+            let mut want_dx = vec![0.0f32; s.input_len()];
+            for (o, i) in from.iter().enumerate() {
+                want_dx[*i] += r[o];
+            }
+            assert_eq!(pool::max_backward(&s, &r, &taps), want_dx, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn a_tie_goes_to_the_first_maximum_and_nan_wins() {
+        let s = shape(2, 2, 0, 2);
+        let s = PoolShape {
+            batch: 1,
+            channels: 1,
+            width: 2,
+            ..s
+        };
+        let (y, taps) = pool::max_forward(&s, &[3.0, 3.0, 1.0, 3.0]);
+        assert_eq!((y, taps), (vec![3.0], vec![0]));
+        let (y, _) = pool::max_forward(&s, &[3.0, f32::NAN, 9.0, 1.0]);
+        assert!(y[0].is_nan());
+    }
+}
+
+mod batch_norm {
+    use super::values;
+    use crate::norm;
+
+    #[test]
+    fn statistics_output_and_gradients_match_the_formulas() {
+        let (rows, channels, eps) = (1100, 6, 1e-5);
+        // Offsets and scales per channel, so that the statistics differ.
+        let x: Vec<f32> = values(rows * channels, 21)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (1.0 + (i % channels) as f32) + (i % channels) as f32)
+            .collect();
+        let gamma = values(channels, 22);
+        let beta = values(channels, 23);
+        let dy = values(rows * channels, 24);
+        let stats = norm::batch_stats(&x, channels);
+        let y = norm::normalize(&x, &gamma, &beta, &stats.mean, &stats.var, eps);
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy);
+        for c in 0..channels {
+            let col: Vec<f64> = (0..rows).map(|r| x[r * channels + c] as f64).collect();
+            let mean = col.iter().sum::<f64>() / rows as f64;
+            let var = col.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / rows as f64;
+            assert!((stats.mean[c] as f64 - mean).abs() < 1e-5 * (1.0 + mean.abs()));
+            assert!((stats.var[c] as f64 - var).abs() < 1e-5 * var);
+            let inv = 1.0 / (var + eps).sqrt();
+            let xhat: Vec<f64> = col.iter().map(|v| (v - mean) * inv).collect();
+            let gy: Vec<f64> = (0..rows).map(|r| dy[r * channels + c] as f64).collect();
+            let dbeta: f64 = gy.iter().sum();
+            let dgamma: f64 = gy.iter().zip(&xhat).map(|(g, h)| g * h).sum();
+            assert!((g.beta[c] as f64 - dbeta).abs() < 1e-3, "dbeta {c}");
+            assert!((g.gamma[c] as f64 - dgamma).abs() < 1e-3, "dgamma {c}");
+            for r in 0..rows {
+                let want_y = xhat[r] * gamma[c] as f64 + beta[c] as f64;
+                assert!(
+                    (y[r * channels + c] as f64 - want_y).abs() < 1e-5,
+                    "y row {r} channel {c}"
+                );
+                let want_dx = gamma[c] as f64 * inv / rows as f64
+                    * (rows as f64 * gy[r] - dbeta - xhat[r] * dgamma);
+                let got = g.input[r * channels + c] as f64;
+                assert!(
+                    (got - want_dx).abs() < 1e-5 * (1.0 + want_dx.abs()),
+                    "dx row {r} channel {c}: {got} vs {want_dx}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn sums_are_bit_identical_whatever_the_thread_count() {
+        let (channels, x, dy) = (8, values(8 * 5000, 31), values(8 * 5000, 32));
+        let gamma = values(channels, 33);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let s = norm::batch_stats(&x, channels);
+                let g = norm::backward(&x, &gamma, &s, 1e-5, &dy);
+                (s, g.input, g.gamma, g.beta)
+            })
+        };
+        let (a, b) = (run(1), run(3));
+        assert_eq!(a.0, b.0);
+        assert!(
+            a.1.iter()
+                .zip(&b.1)
+                .all(|(p, q)| p.to_bits() == q.to_bits())
+        );
+        assert_eq!((a.2, a.3), (b.2, b.3));
+    }
+}

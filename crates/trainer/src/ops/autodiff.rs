@@ -1,0 +1,184 @@
+//! The operations on autodiff tensors: the forward pass on flex, and each operation's backward
+//! step with the state it needs.
+
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Flex};
+use kernels::conv::{self, Prepared};
+use kernels::norm::{self, BatchStats};
+use kernels::pool;
+
+use super::flex::{conv_with_weight, max_pool_with_taps};
+use super::{
+    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_shape, dims4, f32s, from_nhwc, from_vec,
+    nhwc, pool_shape,
+};
+
+#[derive(Debug)]
+struct ConvBackward;
+
+impl Backward<Flex, 3> for ConvBackward {
+    /// Input, weight, the weight as the forward's algorithm took it, the output when the ReLU
+    /// is fused, and the spec.
+    type State = (
+        FlexTensor,
+        FlexTensor,
+        Arc<Prepared>,
+        Option<FlexTensor>,
+        ConvSpec,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, weight, prepared, y, spec) = ops.state;
+        let shape = conv_shape(&x, &weight, &spec);
+        let y = y.as_ref().map(nhwc);
+        let g = conv::backward(
+            &shape,
+            &nhwc(&x),
+            &prepared,
+            y.as_deref(),
+            &nhwc(&dy),
+            node_x.is_some(),
+        );
+        if let (Some(node), Some(dx)) = (node_x, g.input) {
+            grads.register::<Flex>(node.id, from_nhwc(dx, dims4(&x)));
+        }
+        if let Some(node) = node_w {
+            grads.register::<Flex>(node.id, from_vec(g.weight, &dims4(&weight)));
+        }
+        if let Some(node) = node_b {
+            grads.register::<Flex>(node.id, from_vec(g.bias, &[shape.c_out]));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PoolBackward;
+
+impl Backward<Flex, 1> for PoolBackward {
+    /// The input's dims, the taps of the maxima, the spec.
+    type State = ([usize; 4], Arc<Vec<u8>>, PoolSpec);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (dims, taps, spec) = ops.state;
+        let Some(node) = node_x else { return };
+        let shape = pool_shape(dims, &spec);
+        let dx = pool::max_backward(&shape, &nhwc(&dy), &taps);
+        grads.register::<Flex>(node.id, from_nhwc(dx, dims));
+    }
+}
+
+#[derive(Debug)]
+struct NormBackward;
+
+impl Backward<Flex, 3> for NormBackward {
+    /// Input, gamma, the batch statistics, epsilon.
+    type State = (FlexTensor, FlexTensor, Arc<BatchStats>, f64);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, gamma, stats, epsilon) = ops.state;
+        let dims = dims4(&x);
+        let g = norm::backward(&nhwc(&x), &f32s(&gamma), &stats, epsilon, &nhwc(&dy));
+        if let Some(node) = node_x {
+            grads.register::<Flex>(node.id, from_nhwc(g.input, dims));
+        }
+        if let Some(node) = node_gamma {
+            grads.register::<Flex>(node.id, from_vec(g.gamma, &[dims[1]]));
+        }
+        if let Some(node) = node_beta {
+            grads.register::<Flex>(node.id, from_vec(g.beta, &[dims[1]]));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> TrainctlOps for Autodiff<Flex, C> {
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        spec: ConvSpec,
+    ) -> FloatTensor<Self> {
+        match ConvBackward
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (x, weight) = (x.into_primitive(), weight.into_primitive());
+                let (y, prepared) = conv_with_weight(&x, &weight, &bias.into_primitive(), &spec);
+                let saved_y = spec.relu.then(|| y.clone());
+                prep.finish((x, weight, Arc::new(prepared), saved_y, spec), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::conv2d(
+                x.into_primitive(),
+                weight.into_primitive(),
+                bias.into_primitive(),
+                spec,
+            )),
+        }
+    }
+
+    fn max_pool2d(x: FloatTensor<Self>, spec: PoolSpec) -> FloatTensor<Self> {
+        match PoolBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let x = x.into_primitive();
+                let (y, taps) = max_pool_with_taps(&x, &spec);
+                prep.finish((dims4(&x), Arc::new(taps), spec), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::max_pool2d(x.into_primitive(), spec)),
+        }
+    }
+
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> NormOutput<Self> {
+        let prep = NormBackward
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful();
+        let (xp, gp, bp) = (
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+        );
+        let dims = dims4(&xp);
+        let xs = nhwc(&xp);
+        let stats = norm::batch_stats(&xs, dims[1]);
+        let y = norm::normalize(
+            &xs,
+            &f32s(&gp),
+            &f32s(&bp),
+            &stats.mean,
+            &stats.var,
+            epsilon,
+        );
+        drop(xs);
+        let y = from_nhwc(y, dims);
+        let mean = Self::from_inner(from_vec(stats.mean.clone(), &[dims[1]]));
+        let var = Self::from_inner(from_vec(stats.var.clone(), &[dims[1]]));
+        let output = match prep {
+            OpsKind::Tracked(prep) => prep.finish((xp, gp, Arc::new(stats), epsilon), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        NormOutput { output, mean, var }
+    }
+}

@@ -1,0 +1,67 @@
+//! The forward passes on flex tensors.
+
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
+use kernels::conv::{self, Prepared};
+use kernels::{norm, pool};
+
+use super::{
+    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_shape, dims4, f32s, from_nhwc, from_vec,
+    nhwc, pool_shape,
+};
+
+impl TrainctlOps for Flex {
+    fn conv2d(x: FlexTensor, weight: FlexTensor, bias: FlexTensor, spec: ConvSpec) -> FlexTensor {
+        conv_with_weight(&x, &weight, &bias, &spec).0
+    }
+
+    fn max_pool2d(x: FlexTensor, spec: PoolSpec) -> FlexTensor {
+        max_pool_with_taps(&x, &spec).0
+    }
+
+    fn batch_norm_train(
+        x: FlexTensor,
+        gamma: FlexTensor,
+        beta: FlexTensor,
+        epsilon: f64,
+    ) -> NormOutput<Self> {
+        let dims = dims4(&x);
+        let xs = nhwc(&x);
+        let stats = norm::batch_stats(&xs, dims[1]);
+        let y = norm::normalize(
+            &xs,
+            &f32s(&gamma),
+            &f32s(&beta),
+            &stats.mean,
+            &stats.var,
+            epsilon,
+        );
+        NormOutput {
+            output: from_nhwc(y, dims),
+            mean: from_vec(stats.mean, &[dims[1]]),
+            var: from_vec(stats.var, &[dims[1]]),
+        }
+    }
+}
+
+/// The convolution's output and the weight as its algorithm needs it (kept for the backward).
+pub(super) fn conv_with_weight(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: &FlexTensor,
+    spec: &ConvSpec,
+) -> (FlexTensor, Prepared) {
+    let shape = conv_shape(x, weight, spec);
+    let prepared = Prepared::new(&shape, &f32s(weight));
+    let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
+    let [oh, ow] = shape.out_size();
+    (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), prepared)
+}
+
+/// The pooled tensor and, per output element, the tap its maximum came from.
+pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor, Vec<u8>) {
+    let shape = pool_shape(dims4(x), spec);
+    let (y, taps) = pool::max_forward(&shape, &nhwc(x));
+    let [oh, ow] = shape.out_size();
+    (from_nhwc(y, [shape.batch, shape.channels, oh, ow]), taps)
+}

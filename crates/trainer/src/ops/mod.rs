@@ -1,0 +1,264 @@
+//! trainctl's own kernels (crate `kernels`) as burn operations of the flex backend, with their
+//! gradients for autodiff, through burn's backend extensions: convolution (+ bias + ReLU), max
+//! pooling and training-mode batch norm.
+//!
+//! Tensors stay NCHW to burn, but the outputs of these operations are stored channels-last
+//! (a permuted layout over an NHWC buffer): burn's other operations read any layout, and the
+//! next operation of ours takes its input without a copy. Only inputs in another layout (the
+//! batch of images, gradients from burn's own operations) are converted.
+//!
+//! With `trainer::device`, the one other module that names a backend.
+
+mod autodiff;
+mod flex;
+
+use std::borrow::Cow;
+
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Dispatch, ExtensionType, backend_extension};
+use burn::nn::conv::Conv2d;
+use burn::nn::pool::MaxPool2d;
+use burn::nn::{BatchNorm, PaddingConfig2d};
+use burn::tensor::{DType, Shape, Tensor, TensorData};
+use kernels::conv::ConvShape;
+use kernels::layout::nchw_to_nhwc;
+use kernels::pool::PoolShape;
+
+/// What a convolution does besides its weights: stride, symmetric padding, fused ReLU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvSpec {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub relu: bool,
+}
+
+/// A max pooling window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolSpec {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+/// Training-mode batch norm: the output and the batch statistics (for the running state).
+#[derive(ExtensionType)]
+pub struct NormOutput<B: burn::backend::Backend> {
+    pub output: FloatTensor<B>,
+    pub mean: FloatTensor<B>,
+    pub var: FloatTensor<B>,
+}
+
+#[backend_extension(Flex, Autodiff)]
+pub trait TrainctlOps: burn::backend::Backend {
+    /// `x` `[n, c_in, h, w]`, `weight` `[c_out, c_in, kh, kw]`, `bias` `[c_out]`.
+    fn conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        spec: ConvSpec,
+    ) -> FloatTensor<Self>;
+
+    /// `x` `[n, c, h, w]`.
+    fn max_pool2d(x: FloatTensor<Self>, spec: PoolSpec) -> FloatTensor<Self>;
+
+    /// Normalises `x` `[n, c, h, w]` with its own per-channel statistics (biased variance).
+    fn batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> NormOutput<Self>;
+}
+
+fn symmetric_padding(padding: &PaddingConfig2d, what: &str) -> [usize; 2] {
+    match *padding {
+        PaddingConfig2d::Valid => [0, 0],
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            [top, left]
+        }
+        ref other => panic!("trainctl's {what} needs symmetric explicit padding, got {other:?}"),
+    }
+}
+
+/// `relu(conv(x) + bias)` (or without the ReLU) with `conv`'s weights, stride and padding.
+///
+/// # Panics
+/// On a dilated or grouped convolution, or asymmetric padding: the seed CNN and the ResNets
+/// have none.
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
+    assert!(
+        conv.dilation == [1, 1] && conv.groups == 1,
+        "trainctl's convolution has no dilation or groups"
+    );
+    let weight = conv.weight.val();
+    let bias = match &conv.bias {
+        Some(b) => b.val(),
+        None => Tensor::zeros([weight.dims()[0]], &weight.device()),
+    };
+    let spec = ConvSpec {
+        stride: conv.stride,
+        padding: symmetric_padding(&conv.padding, "convolution"),
+        relu,
+    };
+    Tensor::from_dispatch(<Dispatch as TrainctlOps>::conv2d(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        spec,
+    ))
+}
+
+/// `pool`'s max pooling.
+///
+/// # Panics
+/// On dilation or ceil mode, which the seed CNN and the ResNets do not use.
+pub fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+    assert!(
+        pool.dilation == [1, 1] && !pool.ceil_mode,
+        "trainctl's max pooling has no dilation or ceil mode"
+    );
+    let spec = PoolSpec {
+        kernel: pool.kernel_size,
+        stride: pool.stride,
+        padding: symmetric_padding(&pool.padding, "max pooling"),
+    };
+    Tensor::from_dispatch(<Dispatch as TrainctlOps>::max_pool2d(
+        x.into_dispatch(),
+        spec,
+    ))
+}
+
+/// `bn` on `x`: in training (an autodiff device, the layer not frozen) with the batch's
+/// statistics, folded into the running state as burn's `BatchNorm` does; otherwise burn's own
+/// inference path with the running statistics.
+pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
+    if !(x.device().is_autodiff() && bn.training.is_enabled()) {
+        return bn.forward(x);
+    }
+    let out = <Dispatch as TrainctlOps>::batch_norm_train(
+        x.into_dispatch(),
+        bn.gamma.val().into_dispatch(),
+        bn.beta.val().into_dispatch(),
+        bn.epsilon,
+    );
+    let (mean, var) = (
+        Tensor::<1>::from_dispatch(out.mean).detach(),
+        Tensor::<1>::from_dispatch(out.var).detach(),
+    );
+    let momentum = bn.momentum;
+    let update = |state: &burn::module::RunningState<Tensor<1>>, batch: Tensor<1>| {
+        let running = state.value_sync().to_device(&batch.device());
+        state.update(
+            running
+                .mul_scalar(1.0 - momentum)
+                .add(batch.mul_scalar(momentum))
+                .detach(),
+        );
+    };
+    update(&bn.running_mean, mean);
+    update(&bn.running_var, var);
+    Tensor::from_dispatch(out.output)
+}
+
+fn dims4(t: &FlexTensor) -> [usize; 4] {
+    let s = t.layout().shape();
+    assert_eq!(s.num_dims(), 4, "a 4-d tensor");
+    [s[0], s[1], s[2], s[3]]
+}
+
+fn f32s(t: &FlexTensor) -> Cow<'_, [f32]> {
+    assert_eq!(t.dtype(), DType::F32, "trainctl's kernels compute in f32");
+    match t.as_slice::<f32>() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(
+            t.to_contiguous()
+                .into_data()
+                .try_into_vec::<f32>()
+                .expect("an f32 tensor"),
+        ),
+    }
+}
+
+/// The strides of a dense channels-last `[n, c, h, w]` tensor.
+fn channels_last_strides([_, c, h, w]: [usize; 4]) -> [isize; 4] {
+    [(h * w * c) as isize, 1, (w * c) as isize, c as isize]
+}
+
+/// `t`'s elements in NHWC order: borrowed when `t` is already stored so.
+fn nhwc(t: &FlexTensor) -> Cow<'_, [f32]> {
+    assert_eq!(t.dtype(), DType::F32, "trainctl's kernels compute in f32");
+    let dims = dims4(t);
+    let layout = t.layout();
+    let wanted = channels_last_strides(dims);
+    let channels_last = layout
+        .strides()
+        .iter()
+        .zip(wanted)
+        .zip(dims)
+        .all(|((have, want), size)| size <= 1 || *have == want);
+    let len = dims.iter().product::<usize>();
+    if channels_last {
+        let start = layout.start_offset();
+        return Cow::Borrowed(&t.storage::<f32>()[start..start + len]);
+    }
+    let [_, c, h, w] = dims;
+    Cow::Owned(nchw_to_nhwc(&f32s(t), c, h * w))
+}
+
+/// An NHWC buffer as a `[n, c, h, w]` tensor stored channels-last.
+fn from_nhwc(data: Vec<f32>, dims: [usize; 4]) -> FlexTensor {
+    let [n, c, h, w] = dims;
+    let t = FlexTensor::from_data(TensorData::new(data, [n, h, w, c]));
+    t.with_layout(Layout::new(
+        Shape::from(dims.to_vec()),
+        channels_last_strides(dims).to_vec(),
+        0,
+    ))
+}
+
+fn from_vec(data: Vec<f32>, dims: &[usize]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, dims.to_vec()))
+}
+
+fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape {
+    let [batch, c_in, height, width] = dims4(x);
+    let [c_out, wc_in, kh, kw] = dims4(weight);
+    assert_eq!(
+        c_in, wc_in,
+        "convolution input has {c_in} channels, the weight {wc_in}"
+    );
+    let shape = ConvShape {
+        batch,
+        c_in,
+        height,
+        width,
+        c_out,
+        kernel: [kh, kw],
+        stride: spec.stride,
+        padding: spec.padding,
+    };
+    if let Err(e) = shape.validate() {
+        panic!("{e}");
+    }
+    shape
+}
+
+fn pool_shape([batch, channels, height, width]: [usize; 4], spec: &PoolSpec) -> PoolShape {
+    let shape = PoolShape {
+        batch,
+        channels,
+        height,
+        width,
+        kernel: spec.kernel,
+        stride: spec.stride,
+        padding: spec.padding,
+    };
+    if let Err(e) = shape.validate() {
+        panic!("{e}");
+    }
+    shape
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,182 @@
+//! trainctl's operations against burn's own, forward and backward.
+
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Distribution, Tensor};
+use proptest::prelude::*;
+
+use crate::device::training_device;
+use crate::model::to_vec;
+
+/// Largest |a - b| over the largest |b| (at least 1).
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / scale
+}
+
+/// Between two f32 summations of up to a few thousand terms in different orders.
+const TOLERANCE: f32 = 2e-5;
+
+/// Forward output and the gradients of x, weight and bias of `sum(out * r)` for a random `r`,
+/// by trainctl's op and by burn's module.
+fn compare(conv: &Conv2d, input: [usize; 4], relu_after: bool) {
+    let device = training_device();
+    let x = Tensor::<4>::random(input, Distribution::Uniform(-1.0, 1.0), &device).require_grad();
+    let ours = super::conv2d(conv, x.clone(), relu_after);
+    let theirs = {
+        let y = conv.forward(x.clone());
+        if relu_after { relu(y) } else { y }
+    };
+    assert_eq!(ours.dims(), theirs.dims());
+    let e = worst(&to_vec(ours.clone()), &to_vec(theirs.clone()));
+    assert!(e < TOLERANCE, "forward differs by {e} for {input:?}");
+
+    let r = Tensor::<4>::random(ours.dims(), Distribution::Uniform(-1.0, 1.0), &device);
+    let g_ours = (ours * r.clone()).sum().backward();
+    let g_theirs = (theirs * r).sum().backward();
+    let grad = |t: &Tensor<4>, g| to_vec(t.grad(g).expect("x has a gradient"));
+    let e = worst(&grad(&x, &g_ours), &grad(&x, &g_theirs));
+    assert!(e < TOLERANCE, "input gradient differs by {e} for {input:?}");
+    let w = conv.weight.val();
+    let e = worst(&grad(&w, &g_ours), &grad(&w, &g_theirs));
+    assert!(
+        e < TOLERANCE,
+        "weight gradient differs by {e} for {input:?}"
+    );
+    let b = conv.bias.as_ref().expect("a bias").val();
+    let bias_grad = |g| to_vec(b.grad(g).expect("bias has a gradient"));
+    let e = worst(&bias_grad(&g_ours), &bias_grad(&g_theirs));
+    assert!(e < TOLERANCE, "bias gradient differs by {e} for {input:?}");
+}
+
+fn conv(c_in: usize, c_out: usize, kernel: usize, stride: usize, padding: usize) -> Conv2d {
+    Conv2dConfig::new([c_in, c_out], [kernel, kernel])
+        .with_stride([stride, stride])
+        .with_padding(PaddingConfig2d::Explicit(
+            padding, padding, padding, padding,
+        ))
+        .init(&training_device())
+}
+
+#[test]
+fn seed_cnn_layers_match_burn() {
+    for (c_in, c_out, size) in crate::bench::CONV_LAYERS.map(|(_, i, o, s)| (i, o, s)) {
+        compare(&conv(c_in, c_out, 3, 1, 1), [3, c_in, size, size], true);
+    }
+}
+
+#[test]
+fn an_input_of_burn_layout_and_one_of_ours_give_the_same_result() {
+    // The second convolution reads the first one's channels-last output; the first reads
+    // burn's NCHW. A chain of both against burn's chain checks both paths and the gradient
+    // flowing from one op of ours into another.
+    let device = training_device();
+    let (a, b) = (conv(3, 8, 3, 1, 1), conv(8, 4, 3, 2, 1));
+    let x = Tensor::<4>::random([2, 3, 9, 9], Distribution::Default, &device).require_grad();
+    let ours = super::conv2d(&b, super::conv2d(&a, x.clone(), true), false);
+    let theirs = b.forward(relu(a.forward(x.clone())));
+    let e = worst(&to_vec(ours.clone()), &to_vec(theirs.clone()));
+    assert!(e < TOLERANCE, "forward differs by {e}");
+    let (go, gt) = (ours.sum().backward(), theirs.sum().backward());
+    let e = worst(&to_vec(x.grad(&go).unwrap()), &to_vec(x.grad(&gt).unwrap()));
+    assert!(e < TOLERANCE, "input gradient differs by {e}");
+    let w = a.weight.val();
+    let e = worst(&to_vec(w.grad(&go).unwrap()), &to_vec(w.grad(&gt).unwrap()));
+    assert!(e < TOLERANCE, "first weight gradient differs by {e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_shapes_match_burn(
+        batch in 1usize..4,
+        c_in in 1usize..6,
+        c_out in 1usize..6,
+        size in 1usize..10,
+        kernel in prop::sample::select(vec![1usize, 3, 5, 7]),
+        stride in 1usize..3,
+        padding in 0usize..4,
+        relu_after in any::<bool>(),
+    ) {
+        prop_assume!(size + 2 * padding >= kernel);
+        compare(&conv(c_in, c_out, kernel, stride, padding), [batch, c_in, size, size], relu_after);
+    }
+}
+
+#[test]
+fn max_pooling_matches_burn() {
+    use burn::nn::pool::MaxPool2dConfig;
+    let device = training_device();
+    for (kernel, stride, padding) in [(2, 2, 0), (3, 2, 1)] {
+        let pool = MaxPool2dConfig::new([kernel, kernel])
+            .with_strides([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(
+                padding, padding, padding, padding,
+            ))
+            .init();
+        let x = Tensor::<4>::random([2, 3, 9, 8], Distribution::Default, &device).require_grad();
+        let ours = super::max_pool2d(&pool, x.clone());
+        let theirs = pool.forward(x.clone());
+        assert_eq!(to_vec(ours.clone()), to_vec(theirs.clone()));
+        let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
+        let (go, gt) = (
+            (ours * r.clone()).sum().backward(),
+            (theirs * r).sum().backward(),
+        );
+        assert_eq!(to_vec(x.grad(&go).unwrap()), to_vec(x.grad(&gt).unwrap()));
+    }
+}
+
+#[test]
+fn batch_norm_matches_burn_in_training_and_updates_the_running_statistics() {
+    use burn::nn::BatchNormConfig;
+    let device = training_device();
+    let ours_bn = BatchNormConfig::new(6).init(&device);
+    let theirs_bn = BatchNormConfig::new(6).init(&device);
+    // Non-trivial gamma and beta; the same in both.
+    let gamma = Tensor::<1>::random([6], Distribution::Uniform(0.5, 1.5), &device);
+    let beta = Tensor::<1>::random([6], Distribution::Default, &device);
+    let set = |bn: burn::nn::BatchNorm| burn::nn::BatchNorm {
+        gamma: burn::module::Param::from_tensor(gamma.clone()),
+        beta: burn::module::Param::from_tensor(beta.clone()),
+        ..bn
+    };
+    let (ours_bn, theirs_bn) = (set(ours_bn), set(theirs_bn));
+    let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 3.0 + 1.0)
+        .require_grad();
+    let ours = super::batch_norm(&ours_bn, x.clone());
+    let theirs = theirs_bn.forward(x.clone());
+    let e = worst(&to_vec(ours.clone()), &to_vec(theirs.clone()));
+    assert!(e < TOLERANCE, "output differs by {e}");
+    let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
+    let (go, gt) = (
+        (ours * r.clone()).sum().backward(),
+        (theirs * r).sum().backward(),
+    );
+    let e = worst(&to_vec(x.grad(&go).unwrap()), &to_vec(x.grad(&gt).unwrap()));
+    assert!(e < 1e-4, "input gradient differs by {e}");
+    for (name, ours, theirs) in [
+        ("gamma", &ours_bn.gamma, &theirs_bn.gamma),
+        ("beta", &ours_bn.beta, &theirs_bn.beta),
+    ] {
+        let e = worst(
+            &to_vec(ours.val().grad(&go).unwrap()),
+            &to_vec(theirs.val().grad(&gt).unwrap()),
+        );
+        assert!(e < 1e-4, "{name} gradient differs by {e}");
+    }
+    for (ours, theirs) in [
+        (&ours_bn.running_mean, &theirs_bn.running_mean),
+        (&ours_bn.running_var, &theirs_bn.running_var),
+    ] {
+        let e = worst(&to_vec(ours.value_sync()), &to_vec(theirs.value_sync()));
+        assert!(e < TOLERANCE, "running statistics differ by {e}");
+    }
+}
