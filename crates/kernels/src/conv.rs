@@ -5,8 +5,8 @@
 //! Images are processed in chunks whose size depends only on the layer's shape (so that the
 //! im2col matrix stays in cache), and chunks run in parallel on rayon's pool. Determinism:
 //! every chunk's arithmetic is fixed by its shape, and the weight gradient's per-chunk partial
-//! sums go to [`ACCUMULATORS`] accumulators (chunk `i` to accumulator `i % ACCUMULATORS`, in
-//! chunk order) that are added in a fixed order at the end. The result is bit-identical whatever
+//! sums go to [`ACCUMULATORS`] accumulators (each a fixed, contiguous run of chunks, taken in
+//! order) that are added in a fixed order at the end. The result is bit-identical whatever
 //! the number of threads.
 
 use std::cell::RefCell;
@@ -147,6 +147,56 @@ fn unpack_to_torch(shape: &ConvShape, packed: &[f32]) -> Vec<f32> {
         }
     }
     out
+}
+
+/// A group's chunks: the chunk index and, when the input gradient is wanted, its slice of it.
+pub(crate) type ChunkGroup<'a> = Vec<(usize, Option<&'a mut [f32]>)>;
+
+/// The backward pass's chunks, shared out to the weight gradient's accumulators: each group a
+/// contiguous, equal (±1) run of chunks, so that rayon's halving of the group list halves the
+/// work. Each chunk carries its slice of the input gradient when there is one.
+pub(crate) fn accumulator_groups(
+    dx: Option<&mut [f32]>,
+    chunk_len: usize,
+    chunks: usize,
+) -> Vec<ChunkGroup<'_>> {
+    let groups = ACCUMULATORS.min(chunks);
+    let mut work: Vec<ChunkGroup> = (0..groups).map(|_| Vec::new()).collect();
+    let group_of = |chunk: usize| chunk * groups / chunks;
+    match dx {
+        Some(dx) => {
+            for (chunk, slice) in dx.chunks_mut(chunk_len).enumerate() {
+                work[group_of(chunk)].push((chunk, Some(slice)));
+            }
+        }
+        None => {
+            for chunk in 0..chunks {
+                work[group_of(chunk)].push((chunk, None));
+            }
+        }
+    }
+    work
+}
+
+/// Adds the groups' partial (weight, bias) gradients in group order.
+pub(crate) fn sum_partials(
+    partials: Vec<(Vec<f32>, Vec<f32>)>,
+    weight_len: usize,
+    bias_len: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut partials = partials.into_iter();
+    let (mut dw, mut db) = partials
+        .next()
+        .unwrap_or_else(|| (vec![0.0; weight_len], vec![0.0; bias_len]));
+    for (w, b) in partials {
+        for (acc, v) in dw.iter_mut().zip(&w) {
+            *acc += v;
+        }
+        for (acc, v) in db.iter_mut().zip(&b) {
+            *acc += v;
+        }
+    }
+    (dw, db)
 }
 
 thread_local! {
@@ -370,25 +420,10 @@ pub fn im2col_backward(
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
     let chunks = s.batch.div_ceil(per_chunk);
-    let groups = ACCUMULATORS.min(chunks);
     let image_len = s.height * s.width * s.c_in;
 
     let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
-    // Each group owns its chunks' slices of dx.
-    let mut work: Vec<Vec<(usize, Option<&mut [f32]>)>> = (0..groups).map(|_| Vec::new()).collect();
-    match dx.as_mut() {
-        Some(dx) => {
-            for (chunk, slice) in dx.chunks_mut(per_chunk * image_len).enumerate() {
-                work[chunk % groups].push((chunk, Some(slice)));
-            }
-        }
-        None => {
-            for chunk in 0..chunks {
-                work[chunk % groups].push((chunk, None));
-            }
-        }
-    }
-
+    let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
@@ -443,18 +478,7 @@ pub fn im2col_backward(
         })
         .collect();
 
-    let mut partials = partials.into_iter();
-    let (mut dw, mut db) = partials
-        .next()
-        .unwrap_or_else(|| (vec![0.0; k * co], vec![0.0; co]));
-    for (w, b) in partials {
-        for (acc, v) in dw.iter_mut().zip(&w) {
-            *acc += v;
-        }
-        for (acc, v) in db.iter_mut().zip(&b) {
-            *acc += v;
-        }
-    }
+    let (dw, db) = sum_partials(partials, k * co, co);
     ConvGrads {
         input: dx,
         weight: unpack_to_torch(s, &dw),

@@ -15,11 +15,14 @@ fn transpose_batched(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
     dst.par_chunks_mut(len)
         .zip(src.par_chunks(len))
         .for_each(|(d, s)| {
-            for r0 in (0..rows).step_by(TILE) {
-                for c0 in (0..cols).step_by(TILE) {
-                    for r in r0..(r0 + TILE).min(rows) {
-                        for c in c0..(c0 + TILE).min(cols) {
-                            d[c * rows + r] = s[r * cols + c];
+            // Writes contiguous (the inner loop runs along a row of `d`), reads strided.
+            for c0 in (0..cols).step_by(TILE) {
+                for r0 in (0..rows).step_by(TILE) {
+                    let r1 = (r0 + TILE).min(rows);
+                    for c in c0..(c0 + TILE).min(cols) {
+                        let out = &mut d[c * rows + r0..c * rows + r1];
+                        for (k, o) in out.iter_mut().enumerate() {
+                            *o = s[(r0 + k) * cols + c];
                         }
                     }
                 }

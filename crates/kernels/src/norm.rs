@@ -39,7 +39,7 @@ fn channel_sums(x: &[f32], channels: usize, f: impl Fn(&mut [f64], &[f32]) + Syn
 
 pub fn batch_stats(x: &[f32], channels: usize) -> BatchStats {
     assert!(
-        channels > 0 && x.len() % channels == 0,
+        channels > 0 && x.len().is_multiple_of(channels),
         "rows of {channels} channels"
     );
     let rows = (x.len() / channels).max(1) as f64;
@@ -116,10 +116,16 @@ pub fn backward(x: &[f32], gamma: &[f32], stats: &BatchStats, eps: f64, dy: &[f3
         .map(|(x, dy)| {
             let (mut sd, mut sdx) = (vec![0.0f64; channels], vec![0.0f64; channels]);
             for (xr, gr) in x.chunks_exact(channels).zip(dy.chunks_exact(channels)) {
-                for c in 0..channels {
-                    let g = gr[c] as f64;
-                    sd[c] += g;
-                    sdx[c] += g * (xr[c] as f64 - mean[c]) * inv[c];
+                for ((((d, dx), &xv), &g), (m, i)) in sd
+                    .iter_mut()
+                    .zip(sdx.iter_mut())
+                    .zip(xr)
+                    .zip(gr)
+                    .zip(mean.iter().zip(&inv))
+                {
+                    let g = g as f64;
+                    *d += g;
+                    *dx += g * (xv as f64 - m) * i;
                 }
             }
             (sd, sdx)
@@ -155,8 +161,10 @@ pub fn backward(x: &[f32], gamma: &[f32], stats: &BatchStats, eps: f64, dy: &[f3
                 .zip(x.chunks_exact(channels))
                 .zip(dy.chunks_exact(channels))
             {
-                for c in 0..channels {
-                    o[c] = xr[c] * a[c] + gr[c] * b[c] + k[c];
+                for ((((o, &xv), &g), (&a, &b)), &k) in
+                    o.iter_mut().zip(xr).zip(gr).zip(a.iter().zip(&b)).zip(&k)
+                {
+                    *o = xv * a + g * b + k;
                 }
             }
         });

@@ -22,12 +22,6 @@ impl PoolShape {
                 "pooling kernel and stride must be positive in {self:?}"
             ));
         }
-        if self.kernel[0] * self.kernel[1] > 256 {
-            return Err(format!(
-                "a pooling window of {:?} is larger than 256 taps",
-                self.kernel
-            ));
-        }
         if self.padding[0] * 2 > self.kernel[0] || self.padding[1] * 2 > self.kernel[1] {
             return Err(format!(
                 "pooling padding {:?} is over half the kernel {:?}",
@@ -64,13 +58,13 @@ impl PoolShape {
 
 /// Output and, per output element, the tap (`ky · kw + kx`) its value came from. The first
 /// maximum wins a tie; a NaN wins over any number.
-pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u8>) {
+pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u32>) {
     assert_eq!(x.len(), s.input_len(), "pooling input size");
     let [oh, ow] = s.out_size();
     let c = s.channels;
     let (in_img, out_img) = (s.height * s.width * c, oh * ow * c);
     let mut y = vec![f32::NEG_INFINITY; s.output_len()];
-    let mut arg = vec![0u8; s.output_len()];
+    let mut arg = vec![0u32; s.output_len()];
     y.par_chunks_mut(out_img.max(1))
         .zip(arg.par_chunks_mut(out_img.max(1)))
         .zip(x.par_chunks(in_img.max(1)))
@@ -89,14 +83,13 @@ pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u8>) {
                             if ix >= s.width {
                                 continue;
                             }
-                            let tap = (ky * s.kernel[1] + kx) as u8;
+                            let tap = (ky * s.kernel[1] + kx) as u32;
                             let src = &img[(iy * s.width + ix) * c..][..c];
-                            for ((b, w), v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
-                                // `!(v <= b)`: greater, or NaN (which then stays).
-                                if !(*v <= *b) && !b.is_nan() {
-                                    *b = *v;
-                                    *w = tap;
-                                }
+                            for ((b, w), &v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
+                                // Greater, or a NaN (which stays: nothing is greater than it).
+                                let take = v > *b || v.is_nan();
+                                *b = if take { v } else { *b };
+                                *w = if take { tap } else { *w };
                             }
                         }
                     }
@@ -107,7 +100,7 @@ pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u8>) {
 }
 
 /// The input gradient: each output's gradient goes to the input its maximum came from.
-pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u8]) -> Vec<f32> {
+pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u32]) -> Vec<f32> {
     assert_eq!(dy.len(), s.output_len(), "pooling output-gradient size");
     assert_eq!(arg.len(), s.output_len(), "pooling argmax size");
     let [oh, ow] = s.out_size();
@@ -123,13 +116,23 @@ pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u8]) -> Vec<f32> {
             for oy in 0..oh {
                 for ox in 0..ow {
                     let at = (oy * ow + ox) * c;
-                    for ch in 0..c {
-                        let tap = arg[at + ch] as usize;
-                        let (ky, kx) = (tap / s.kernel[1], tap % s.kernel[1]);
+                    let (g, taps) = (&dy[at..at + c], &arg[at..at + c]);
+                    // Tap by tap, so that the inner loop is a vector compare-and-add.
+                    for ky in 0..s.kernel[0] {
                         let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
-                        let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
-                        if iy < s.height && ix < s.width {
-                            dx[(iy * s.width + ix) * c + ch] += dy[at + ch];
+                        if iy >= s.height {
+                            continue;
+                        }
+                        for kx in 0..s.kernel[1] {
+                            let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
+                            if ix >= s.width {
+                                continue;
+                            }
+                            let tap = (ky * s.kernel[1] + kx) as u32;
+                            let dst = &mut dx[(iy * s.width + ix) * c..][..c];
+                            for ((d, &v), &t) in dst.iter_mut().zip(g).zip(taps) {
+                                *d += if t == tap { v } else { 0.0 };
+                            }
                         }
                     }
                 }

@@ -498,3 +498,13 @@ mod batch_norm {
         assert_eq!((a.2, a.3), (b.2, b.3));
     }
 }
+
+#[test]
+fn several_chunks_and_a_partial_one_match_the_direct_convolution() {
+    // 9 images: chunks of 4, 4 and 1 for both algorithms at this shape; c_in ≠ c_out.
+    let s = shape3x3(9, 32, 48, 32);
+    assert!(s.images_per_chunk() < s.batch);
+    for algorithm in [Algorithm::Im2col, Algorithm::Winograd] {
+        check_with(s, true, 5, algorithm);
+    }
+}

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::conv::{ACCUMULATORS, ConvGrads, ConvShape};
+use crate::conv::{ConvGrads, ConvShape, accumulator_groups, sum_partials};
 use crate::matmul::{Mat, matmul};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
@@ -39,8 +39,9 @@ impl WinogradWeight {
         assert_eq!(weight.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
         let mut data = vec![0.0; 16 * ci * co];
-        for o in 0..co {
-            for c in 0..ci {
+        // Output channel innermost: the 16 destinations are each written contiguously.
+        for c in 0..ci {
+            for o in 0..co {
                 let g = &weight[(o * ci + c) * 9..][..9];
                 // G g (4×3), then (G g) Gᵀ (4×4).
                 let mut gg = [[0.0f32; 3]; 4];
@@ -73,11 +74,17 @@ fn weight_grad_to_torch(s: &ConvShape, du: &[f32]) -> Vec<f32> {
             let m = |i: usize, j: usize| du[((i * 4 + j) * ci + c) * co + o];
             // Gᵀ dU (3×4): Gᵀ rows are [1, ½, ½, 0], [0, ½, -½, 0], [0, ½, ½, 1].
             let mut t = [[0.0f32; 4]; 3];
-            for j in 0..4 {
+            let [r0, r1, r2] = &mut t;
+            for (j, ((t0, t1), t2)) in r0
+                .iter_mut()
+                .zip(r1.iter_mut())
+                .zip(r2.iter_mut())
+                .enumerate()
+            {
                 let (a, b, d, e) = (m(0, j), m(1, j), m(2, j), m(3, j));
-                t[0][j] = a + 0.5 * (b + d);
-                t[1][j] = 0.5 * (b - d);
-                t[2][j] = 0.5 * (b + d) + e;
+                *t0 = a + 0.5 * (b + d);
+                *t1 = 0.5 * (b - d);
+                *t2 = 0.5 * (b + d) + e;
             }
             let w = &mut out[(o * ci + c) * 9..][..9];
             for (i, row) in t.iter().enumerate() {
@@ -124,25 +131,99 @@ fn images_per_chunk(s: &ConvShape, t: &Tiling) -> usize {
 }
 
 thread_local! {
-    static SCRATCH: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+    /// Per-thread scratch (transformed tiles, masked gradients), reused across calls.
+    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
 }
 
-fn with_scratch<R>(a: usize, b: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+/// Runs `f` with three scratch buffers of `sizes` elements (contents unspecified).
+fn with_scratch<R>(
+    sizes: [usize; 3],
+    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
+) -> R {
     SCRATCH.with(|cell| {
         let mut bufs = cell.borrow_mut();
-        let [x, y] = &mut *bufs;
-        if x.len() < a {
-            x.resize(a, 0.0);
+        let [a, b, c] = &mut *bufs;
+        for (buf, size) in [&mut *a, &mut *b, &mut *c].into_iter().zip(sizes) {
+            if buf.len() < size {
+                buf.resize(size, 0.0);
+            }
         }
-        if y.len() < b {
-            y.resize(b, 0.0);
-        }
-        f(&mut x[..a], &mut y[..b])
+        f(&mut a[..sizes[0]], &mut b[..sizes[1]], &mut c[..sizes[2]])
     })
 }
 
-/// The 4×4 input block of tile (ty, tx) of `img`, row by row, each entry `c` floats (zeros
-/// outside the image), through `Bᵀ d B` into `v` (`[16][tiles][c]`, tile index `t`).
+/// Elementwise `dst = a + b`, `a - b`, ... over channel vectors: the transforms are made of
+/// these, each a loop the compiler vectorises.
+#[inline(always)]
+fn add(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+        *d = x + y;
+    }
+}
+
+#[inline(always)]
+fn sub(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+        *d = x - y;
+    }
+}
+
+#[inline(always)]
+fn neg(dst: &mut [f32], a: &[f32]) {
+    for (d, x) in dst.iter_mut().zip(a) {
+        *d = -x;
+    }
+}
+
+#[inline(always)]
+fn add_into(dst: &mut [f32], a: &[f32]) {
+    for (d, x) in dst.iter_mut().zip(a) {
+        *d += x;
+    }
+}
+
+/// The 4-point transform `Bᵀ`: `[x0 - x2, x1 + x2, x2 - x1, x1 - x3]`, on 4 vectors of `c`
+/// (`src[k]`), into `dst[k]`.
+#[inline(always)]
+fn bt4(dst: [&mut [f32]; 4], src: [&[f32]; 4]) {
+    let [d0, d1, d2, d3] = dst;
+    sub(d0, src[0], src[2]);
+    add(d1, src[1], src[2]);
+    sub(d2, src[2], src[1]);
+    sub(d3, src[1], src[3]);
+}
+
+/// Its adjoint `B`: `[x0, x1 - x2 + x3, x1 + x2 - x0, -x3]`.
+#[inline(always)]
+fn b4(dst: [&mut [f32]; 4], src: [&[f32]; 4]) {
+    let [d0, d1, d2, d3] = dst;
+    d0.copy_from_slice(src[0]);
+    sub(d1, src[1], src[2]);
+    add_into(d1, src[3]);
+    add(d2, src[1], src[2]);
+    for (d, x) in d2.iter_mut().zip(src[0]) {
+        *d -= x;
+    }
+    neg(d3, src[3]);
+}
+
+/// Four consecutive `len`-long pieces of `buf` starting at `at`, stepping by `step`.
+fn four(buf: &[f32], at: usize, step: usize, len: usize) -> [&[f32]; 4] {
+    std::array::from_fn(|k| &buf[at + k * step..][..len])
+}
+
+/// The same, mutable (the pieces must not overlap: `step >= len`).
+fn four_mut(buf: &mut [f32], at: usize, step: usize, len: usize) -> [&mut [f32]; 4] {
+    assert!(step >= len, "pieces overlap");
+    let (_, rest) = buf.split_at_mut(at);
+    let (a, rest) = rest.split_at_mut(step);
+    let (b, rest) = rest.split_at_mut(step);
+    let (c, d) = rest.split_at_mut(step);
+    [&mut a[..len], &mut b[..len], &mut c[..len], &mut d[..len]]
+}
+
+/// The 4×4 input block of tile (ty, tx) of `img` (zeros outside the image) through `Bᵀ d B`
+/// into `v` (`[16][tiles][c]`, tile index `t`). `d` and `r` are scratch of `16 · c`.
 #[allow(clippy::too_many_arguments)]
 fn input_transform(
     s: &ConvShape,
@@ -153,9 +234,9 @@ fn input_transform(
     tiles: usize,
     v: &mut [f32],
     d: &mut [f32],
+    r: &mut [f32],
 ) {
     let c = s.c_in;
-    // Gather d: 16 vectors of c.
     for i in 0..4 {
         let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
         for j in 0..4 {
@@ -168,25 +249,15 @@ fn input_transform(
             }
         }
     }
-    let at = |xi: usize| (xi * tiles + t) * c;
-    for k in 0..c {
-        let e = |i: usize, j: usize| d[(i * 4 + j) * c + k];
-        // Bᵀ d: rows d0 - d2, d1 + d2, d2 - d1, d1 - d3.
-        let mut r = [[0.0f32; 4]; 4];
-        for j in 0..4 {
-            let (a, b, cc, dd) = (e(0, j), e(1, j), e(2, j), e(3, j));
-            r[0][j] = a - cc;
-            r[1][j] = b + cc;
-            r[2][j] = cc - b;
-            r[3][j] = b - dd;
-        }
-        for (i, row) in r.iter().enumerate() {
-            let (a, b, cc, dd) = (row[0], row[1], row[2], row[3]);
-            v[at(i * 4) + k] = a - cc;
-            v[at(i * 4 + 1) + k] = b + cc;
-            v[at(i * 4 + 2) + k] = cc - b;
-            v[at(i * 4 + 3) + k] = b - dd;
-        }
+    // Bᵀ d down each column j: r[i][j].
+    for j in 0..4 {
+        let src = four(d, j * c, 4 * c, c);
+        bt4(four_mut(r, j * c, 4 * c, c), src);
+    }
+    // (Bᵀ d) B along each row i: V[ξ = 4i + j].
+    for i in 0..4 {
+        let src = four(r, i * 4 * c, c, c);
+        bt4(four_mut(v, ((i * 4) * tiles + t) * c, tiles * c, c), src);
     }
 }
 
@@ -194,13 +265,13 @@ fn input_transform(
 fn transform_inputs(s: &ConvShape, t: &Tiling, x: &[f32], n0: usize, images: usize, v: &mut [f32]) {
     let tiles = images * t.per_image();
     let image_len = s.height * s.width * s.c_in;
-    let mut d = vec![0.0f32; 16 * s.c_in];
+    let (mut d, mut r) = (vec![0.0f32; 16 * s.c_in], vec![0.0f32; 16 * s.c_in]);
     for n in 0..images {
         let img = &x[(n0 + n) * image_len..][..image_len];
         for ty in 0..t.th {
             for tx in 0..t.tw {
                 let tile = (n * t.th + ty) * t.tw + tx;
-                input_transform(s, img, ty, tx, tile, tiles, v, &mut d);
+                input_transform(s, img, ty, tx, tile, tiles, v, &mut d, &mut r);
             }
         }
     }
@@ -234,7 +305,7 @@ pub fn forward(
         .for_each(|(chunk, y)| {
             let images = y.len() / out_image;
             let tiles = images * t.per_image();
-            with_scratch(16 * tiles * ci, 16 * tiles * co, |v, m| {
+            with_scratch([16 * tiles * ci, 16 * tiles * co, 0], |v, m, _| {
                 transform_inputs(s, &t, x, chunk * per_chunk, images, v);
                 for xi in 0..16 {
                     matmul(
@@ -264,8 +335,8 @@ fn output_transform(
     y: &mut [f32],
 ) {
     let co = s.c_out;
-    let at = |xi: usize, tile: usize| (xi * tiles + tile) * co;
-    // The tile's four outputs for every channel, then written where they fall inside the image.
+    // Aᵀ M (2 rows of 4), then the tile's 4 outputs, each a vector of co.
+    let mut r = vec![0.0f32; 8 * co];
     let mut out = vec![0.0f32; 4 * co];
     let zeros = vec![0.0f32; co];
     let bias = bias.unwrap_or(&zeros);
@@ -273,22 +344,27 @@ fn output_transform(
         for ty in 0..t.th {
             for tx in 0..t.tw {
                 let tile = (n * t.th + ty) * t.tw + tx;
-                let (o0, rest) = out.split_at_mut(co);
-                let (o1, rest) = rest.split_at_mut(co);
-                let (o2, o3) = rest.split_at_mut(co);
-                for o in 0..co {
-                    let e = |i: usize, j: usize| m[at(i * 4 + j, tile) + o];
-                    // Aᵀ M: rows M0 + M1 + M2, M1 - M2 - M3; then · A the same on columns.
-                    let mut r = [[0.0f32; 4]; 2];
-                    for j in 0..4 {
-                        let (a, b, c, d) = (e(0, j), e(1, j), e(2, j), e(3, j));
-                        r[0][j] = a + b + c;
-                        r[1][j] = b - c - d;
+                for j in 0..4 {
+                    // Column j of M: M[i][j] = M[ξ = 4i + j].
+                    let col = four(m, (j * tiles + tile) * co, 4 * tiles * co, co);
+                    let [r0, r1] = two_mut(&mut r, j * co, 4 * co, co);
+                    add(r0, col[0], col[1]);
+                    add_into(r0, col[2]);
+                    sub(r1, col[1], col[2]);
+                    for (d, x) in r1.iter_mut().zip(col[3]) {
+                        *d -= x;
                     }
-                    o0[o] = r[0][0] + r[0][1] + r[0][2] + bias[o];
-                    o1[o] = r[0][1] - r[0][2] - r[0][3] + bias[o];
-                    o2[o] = r[1][0] + r[1][1] + r[1][2] + bias[o];
-                    o3[o] = r[1][1] - r[1][2] - r[1][3] + bias[o];
+                }
+                for a in 0..2 {
+                    let row = four(&r, a * 4 * co, co, co);
+                    let [o0, o1] = two_mut(&mut out, 2 * a * co, co, co);
+                    add(o0, row[0], row[1]);
+                    add_into(o0, row[2]);
+                    add_into(o0, bias);
+                    sub(o1, row[1], row[2]);
+                    for ((d, x), b) in o1.iter_mut().zip(row[3]).zip(bias) {
+                        *d += b - x;
+                    }
                 }
                 for (k, vals) in out.chunks_exact(co).enumerate() {
                     let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
@@ -308,6 +384,14 @@ fn output_transform(
             }
         }
     }
+}
+
+/// Two `len`-long pieces of `buf`, at `at` and `at + step` (`step >= len`).
+fn two_mut(buf: &mut [f32], at: usize, step: usize, len: usize) -> [&mut [f32]; 2] {
+    assert!(step >= len, "pieces overlap");
+    let (_, rest) = buf.split_at_mut(at);
+    let (a, b) = rest.split_at_mut(step);
+    [&mut a[..len], &mut b[..len]]
 }
 
 /// Gradients of [`forward`] given `dy` (NHWC); with the ReLU fused, `relu_output` is the
@@ -330,25 +414,11 @@ pub fn backward(
     let (ci, co) = (s.c_in, s.c_out);
     let per_chunk = images_per_chunk(s, &t);
     let chunks = s.batch.div_ceil(per_chunk);
-    let groups = ACCUMULATORS.min(chunks);
     let image_len = s.height * s.width * ci;
     let out_image = t.oh * t.ow * co;
 
     let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
-    let mut work: Vec<Vec<(usize, Option<&mut [f32]>)>> = (0..groups).map(|_| Vec::new()).collect();
-    match dx.as_mut() {
-        Some(dx) => {
-            for (chunk, slice) in dx.chunks_mut(per_chunk * image_len).enumerate() {
-                work[chunk % groups].push((chunk, Some(slice)));
-            }
-        }
-        None => {
-            for chunk in 0..chunks {
-                work[chunk % groups].push((chunk, None));
-            }
-        }
-    }
-
+    let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
@@ -359,65 +429,62 @@ pub fn backward(
                 let images = per_chunk.min(s.batch - n0);
                 let tiles = images * t.per_image();
                 let span = n0 * out_image..(n0 + images) * out_image;
-                let g: Vec<f32> = match relu_output {
-                    Some(y) => dy[span.clone()]
-                        .iter()
-                        .zip(&y[span.clone()])
-                        .map(|(d, o)| if *o > 0.0 { *d } else { 0.0 })
-                        .collect(),
-                    None => dy[span.clone()].to_vec(),
-                };
-                for row in g.chunks_exact(co) {
-                    for (b, v) in db.iter_mut().zip(row) {
-                        *b += v;
-                    }
-                }
-                with_scratch(16 * tiles * ci, 16 * tiles * co, |v, dm| {
-                    transform_inputs(s, &t, x, n0, images, v);
-                    output_grad_transform(&t, &g, tiles, images, co, dm);
-                    for xi in 0..16 {
-                        matmul(
-                            &mut du[xi * ci * co..][..ci * co],
-                            co,
-                            Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
-                            Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                            true,
-                        );
-                    }
-                    if let Some(dx_chunk) = dx_chunk {
-                        // V is not needed any more: dV goes in its place.
+                with_scratch(
+                    [16 * tiles * ci, 16 * tiles * co, images * out_image],
+                    |v, dm, masked| {
+                        let g: &[f32] = match relu_output {
+                            Some(y) => {
+                                for ((m, &d), &o) in masked
+                                    .iter_mut()
+                                    .zip(&dy[span.clone()])
+                                    .zip(&y[span.clone()])
+                                {
+                                    *m = if o > 0.0 { d } else { 0.0 };
+                                }
+                                masked
+                            }
+                            None => &dy[span.clone()],
+                        };
+                        for row in g.chunks_exact(co) {
+                            for (b, v) in db.iter_mut().zip(row) {
+                                *b += v;
+                            }
+                        }
+                        transform_inputs(s, &t, x, n0, images, v);
+                        output_grad_transform(&t, g, tiles, images, co, dm);
                         for xi in 0..16 {
                             matmul(
-                                &mut v[xi * tiles * ci..][..tiles * ci],
-                                ci,
+                                &mut du[xi * ci * co..][..ci * co],
+                                co,
+                                Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
                                 Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                                Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co).t(),
-                                false,
+                                true,
                             );
                         }
-                        input_grad_transform(s, &t, v, tiles, images, dx_chunk);
-                    }
-                });
+                        if let Some(dx_chunk) = dx_chunk {
+                            // V is not needed any more: dV goes in its place.
+                            for xi in 0..16 {
+                                matmul(
+                                    &mut v[xi * tiles * ci..][..tiles * ci],
+                                    ci,
+                                    Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
+                                    Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co).t(),
+                                    false,
+                                );
+                            }
+                            input_grad_transform(s, &t, v, tiles, images, dx_chunk);
+                        }
+                    },
+                );
             }
             (du, db)
         })
         .collect();
 
-    let mut partials = partials.into_iter();
-    let (mut du, mut db) = partials
-        .next()
-        .unwrap_or_else(|| (vec![0.0; 16 * ci * co], vec![0.0; co]));
-    for (w, b) in partials {
-        for (acc, v) in du.iter_mut().zip(&w) {
-            *acc += v;
-        }
-        for (acc, v) in db.iter_mut().zip(&b) {
-            *acc += v;
-        }
-    }
+    let (dw, db) = sum_partials(partials, 16 * ci * co, co);
     ConvGrads {
         input: dx,
-        weight: weight_grad_to_torch(s, &du),
+        weight: weight_grad_to_torch(s, &dw),
         bias: db,
     }
 }
@@ -431,8 +498,9 @@ fn output_grad_transform(
     co: usize,
     dm: &mut [f32],
 ) {
-    let at = |xi: usize, tile: usize| (xi * tiles + tile) * co;
     let zeros = vec![0.0f32; co];
+    // A dy: 4 rows of 2 vectors.
+    let mut sr = vec![0.0f32; 8 * co];
     for n in 0..images {
         for ty in 0..t.th {
             for tx in 0..t.tw {
@@ -445,22 +513,24 @@ fn output_grad_transform(
                         &zeros[..]
                     }
                 };
-                let (g00, g01, g10, g11) = (pos(0, 0), pos(0, 1), pos(1, 0), pos(1, 1));
-                for o in 0..co {
-                    // A dy (4×2): rows dy0, dy0 + dy1, dy0 - dy1, -dy1; then · Aᵀ likewise.
-                    let (d00, d01, d10, d11) = (g00[o], g01[o], g10[o], g11[o]);
-                    let rows = [
-                        [d00, d01],
-                        [d00 + d10, d01 + d11],
-                        [d00 - d10, d01 - d11],
-                        [-d10, -d11],
-                    ];
-                    for (i, [a, b]) in rows.into_iter().enumerate() {
-                        dm[at(i * 4, tile) + o] = a;
-                        dm[at(i * 4 + 1, tile) + o] = a + b;
-                        dm[at(i * 4 + 2, tile) + o] = a - b;
-                        dm[at(i * 4 + 3, tile) + o] = -b;
-                    }
+                for b in 0..2 {
+                    // Column b of dy through A: [d0, d0 + d1, d0 - d1, -d1].
+                    let (d0, d1) = (pos(0, b), pos(1, b));
+                    let [s0, s1, s2, s3] = four_mut(&mut sr, b * co, 2 * co, co);
+                    s0.copy_from_slice(d0);
+                    add(s1, d0, d1);
+                    sub(s2, d0, d1);
+                    neg(s3, d1);
+                }
+                for i in 0..4 {
+                    // Row i through Aᵀ on the right: [s0, s0 + s1, s0 - s1, -s1] into dM[4i + j].
+                    let (s0, s1) = (&sr[2 * i * co..][..co], &sr[(2 * i + 1) * co..][..co]);
+                    let [m0, m1, m2, m3] =
+                        four_mut(dm, ((i * 4) * tiles + tile) * co, tiles * co, co);
+                    m0.copy_from_slice(s0);
+                    add(m1, s0, s1);
+                    sub(m2, s0, s1);
+                    neg(m3, s1);
                 }
             }
         }
@@ -478,31 +548,20 @@ fn input_grad_transform(
 ) {
     let c = s.c_in;
     let image_len = s.height * s.width * c;
-    let at = |xi: usize, tile: usize| (xi * tiles + tile) * c;
-    let mut dd = vec![0.0f32; 16 * c];
+    let (mut r, mut dd) = (vec![0.0f32; 16 * c], vec![0.0f32; 16 * c]);
     for n in 0..images {
         let img = &mut dx[n * image_len..][..image_len];
         for ty in 0..t.th {
             for tx in 0..t.tw {
                 let tile = (n * t.th + ty) * t.tw + tx;
-                for k in 0..c {
-                    let e = |i: usize, j: usize| dv[at(i * 4 + j, tile) + k];
-                    // B dV: rows v0, v1 - v2 + v3, v1 + v2 - v0, -v3; then · Bᵀ likewise.
-                    let mut r = [[0.0f32; 4]; 4];
-                    for j in 0..4 {
-                        let (a, b, cc, d) = (e(0, j), e(1, j), e(2, j), e(3, j));
-                        r[0][j] = a;
-                        r[1][j] = b - cc + d;
-                        r[2][j] = b + cc - a;
-                        r[3][j] = -d;
-                    }
-                    for (i, row) in r.iter().enumerate() {
-                        let (a, b, cc, d) = (row[0], row[1], row[2], row[3]);
-                        dd[(i * 4) * c + k] = a;
-                        dd[(i * 4 + 1) * c + k] = b - cc + d;
-                        dd[(i * 4 + 2) * c + k] = b + cc - a;
-                        dd[(i * 4 + 3) * c + k] = -d;
-                    }
+                // B dV down each column j, then · Bᵀ along each row.
+                for j in 0..4 {
+                    let src = four(dv, (j * tiles + tile) * c, 4 * tiles * c, c);
+                    b4(four_mut(&mut r, j * c, 4 * c, c), src);
+                }
+                for i in 0..4 {
+                    let src = four(&r, i * 4 * c, c, c);
+                    b4(four_mut(&mut dd, i * 4 * c, c, c), src);
                 }
                 for i in 0..4 {
                     let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
@@ -514,10 +573,10 @@ fn input_grad_transform(
                         if ix >= s.width {
                             continue;
                         }
-                        let dst = &mut img[(iy * s.width + ix) * c..][..c];
-                        for (a, b) in dst.iter_mut().zip(&dd[(i * 4 + j) * c..][..c]) {
-                            *a += b;
-                        }
+                        add_into(
+                            &mut img[(iy * s.width + ix) * c..][..c],
+                            &dd[(i * 4 + j) * c..][..c],
+                        );
                     }
                 }
             }

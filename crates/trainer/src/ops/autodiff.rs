@@ -65,7 +65,7 @@ struct PoolBackward;
 
 impl Backward<Flex, 1> for PoolBackward {
     /// The input's dims, the taps of the maxima, the spec.
-    type State = ([usize; 4], Arc<Vec<u8>>, PoolSpec);
+    type State = ([usize; 4], Arc<Vec<u32>>, PoolSpec);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x] = ops.parents;

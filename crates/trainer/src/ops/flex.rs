@@ -59,7 +59,7 @@ pub(super) fn conv_with_weight(
 }
 
 /// The pooled tensor and, per output element, the tap its maximum came from.
-pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor, Vec<u8>) {
+pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor, Vec<u32>) {
     let shape = pool_shape(dims4(x), spec);
     let (y, taps) = pool::max_forward(&shape, &nhwc(x));
     let [oh, ow] = shape.out_size();
