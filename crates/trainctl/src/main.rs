@@ -3,6 +3,9 @@
 //! Exit codes: 0 success; 1 the job failed (a worker, the data, a checkpoint...); 2 bad
 //! command line; 130 interrupted (Ctrl-C or SIGTERM).
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod commands;
 mod output;
 
