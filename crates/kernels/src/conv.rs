@@ -200,23 +200,25 @@ pub(crate) fn sum_partials(
 }
 
 thread_local! {
-    /// Per-thread scratch (im2col matrices, masked gradients), reused across calls: the
-    /// training step allocates none of it after the first step.
-    static SCRATCH: RefCell<[Vec<f32>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+    /// Per-thread scratch (im2col matrices, transformed tiles, masked gradients), reused across
+    /// calls: the training step allocates none of it after the first step.
+    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
 }
 
-/// Runs `f` with two scratch buffers of at least `a` and `b` elements (contents unspecified).
-fn with_scratch<R>(a: usize, b: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+/// Runs `f` with this thread's three scratch buffers, of `sizes` elements (contents unspecified).
+pub(crate) fn with_scratch<R>(
+    sizes: [usize; 3],
+    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
+) -> R {
     SCRATCH.with(|cell| {
         let mut bufs = cell.borrow_mut();
-        let [x, y] = &mut *bufs;
-        if x.len() < a {
-            x.resize(a, 0.0);
+        let [a, b, c] = &mut *bufs;
+        for (buf, size) in [&mut *a, &mut *b, &mut *c].into_iter().zip(sizes) {
+            if buf.len() < size {
+                buf.resize(size, 0.0);
+            }
         }
-        if y.len() < b {
-            y.resize(b, 0.0);
-        }
-        f(&mut x[..a], &mut y[..b])
+        f(&mut a[..sizes[0]], &mut b[..sizes[1]], &mut c[..sizes[2]])
     })
 }
 
@@ -368,7 +370,7 @@ pub fn im2col_forward(
         .for_each(|(chunk, y)| {
             let images = y.len() / (rows_img * co);
             let rows = images * rows_img;
-            with_scratch(rows * k, 0, |col, _| {
+            with_scratch([rows * k, 0, 0], |col, _, _| {
                 im2col(s, x, chunk * per_chunk, images, col);
                 if let Some(b) = bias {
                     for row in y.chunks_exact_mut(co) {
@@ -434,7 +436,7 @@ pub fn im2col_backward(
                 let images = per_chunk.min(s.batch - n0);
                 let rows = images * rows_img;
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
-                with_scratch(rows * k, rows * co, |col, masked| {
+                with_scratch([rows * k, rows * co, 0], |col, masked, _| {
                     let g: &[f32] = match relu_output {
                         Some(y) => {
                             for ((m, &d), &o) in masked

@@ -11,11 +11,9 @@
 //! Chunks of images and the weight gradient's accumulators work as in `conv` (deterministic
 //! whatever the thread count).
 
-use std::cell::RefCell;
-
 use rayon::prelude::*;
 
-use crate::conv::{ConvGrads, ConvShape, accumulator_groups, sum_partials};
+use crate::conv::{ConvGrads, ConvShape, accumulator_groups, sum_partials, with_scratch};
 use crate::matmul::{Mat, matmul};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
@@ -128,28 +126,6 @@ impl Tiling {
 fn images_per_chunk(s: &ConvShape, t: &Tiling) -> usize {
     let per_image = t.per_image() * 16 * (s.c_in + s.c_out) * 4;
     (CHUNK_BYTES / per_image.max(1)).clamp(1, s.batch)
-}
-
-thread_local! {
-    /// Per-thread scratch (transformed tiles, masked gradients), reused across calls.
-    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
-}
-
-/// Runs `f` with three scratch buffers of `sizes` elements (contents unspecified).
-fn with_scratch<R>(
-    sizes: [usize; 3],
-    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
-) -> R {
-    SCRATCH.with(|cell| {
-        let mut bufs = cell.borrow_mut();
-        let [a, b, c] = &mut *bufs;
-        for (buf, size) in [&mut *a, &mut *b, &mut *c].into_iter().zip(sizes) {
-            if buf.len() < size {
-                buf.resize(size, 0.0);
-            }
-        }
-        f(&mut a[..sizes[0]], &mut b[..sizes[1]], &mut c[..sizes[2]])
-    })
 }
 
 /// Elementwise `dst = a + b`, `a - b`, ... over channel vectors: the transforms are made of

@@ -155,29 +155,16 @@ impl<C: CheckpointStrategy> TrainctlOps for Autodiff<Flex, C> {
             .prepare::<C>([x.node(), gamma.node(), beta.node()])
             .compute_bound()
             .stateful();
-        let (xp, gp, bp) = (
-            x.into_primitive(),
-            gamma.into_primitive(),
-            beta.into_primitive(),
-        );
-        let dims = dims4(&xp);
-        let xs = nhwc(&xp);
-        let stats = norm::batch_stats(&xs, dims[1]);
-        let y = norm::normalize(
-            &xs,
-            &f32s(&gp),
-            &f32s(&bp),
-            &stats.mean,
-            &stats.var,
-            epsilon,
-        );
-        drop(xs);
-        let y = from_nhwc(y, dims);
-        let mean = Self::from_inner(from_vec(stats.mean.clone(), &[dims[1]]));
-        let var = Self::from_inner(from_vec(stats.var.clone(), &[dims[1]]));
+        let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+        let out = Flex::batch_norm_train(x.clone(), gamma.clone(), beta.into_primitive(), epsilon);
+        let stats = BatchStats {
+            mean: f32s(&out.mean).into_owned(),
+            var: f32s(&out.var).into_owned(),
+        };
+        let (mean, var) = (Self::from_inner(out.mean), Self::from_inner(out.var));
         let output = match prep {
-            OpsKind::Tracked(prep) => prep.finish((xp, gp, Arc::new(stats), epsilon), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
+            OpsKind::Tracked(prep) => prep.finish((x, gamma, Arc::new(stats), epsilon), out.output),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
         };
         NormOutput { output, mean, var }
     }
