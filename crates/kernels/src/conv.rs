@@ -178,6 +178,32 @@ pub(crate) fn accumulator_groups(
     work
 }
 
+/// The upstream gradient of a chunk (`span` of the output), masked by the fused ReLU when there
+/// is one (into `masked`), with its sum over pixels added to the bias gradient `db`.
+pub(crate) fn chunk_gradient<'a>(
+    dy: &'a [f32],
+    relu_output: Option<&[f32]>,
+    span: std::ops::Range<usize>,
+    masked: &'a mut [f32],
+    db: &mut [f32],
+) -> &'a [f32] {
+    let g: &[f32] = match relu_output {
+        Some(y) => {
+            for ((m, &d), &o) in masked.iter_mut().zip(&dy[span.clone()]).zip(&y[span]) {
+                *m = if o > 0.0 { d } else { 0.0 };
+            }
+            masked
+        }
+        None => &dy[span],
+    };
+    for row in g.chunks_exact(db.len()) {
+        for (b, v) in db.iter_mut().zip(row) {
+            *b += v;
+        }
+    }
+    g
+}
+
 /// Adds the groups' partial (weight, bias) gradients in group order.
 pub(crate) fn sum_partials(
     partials: Vec<(Vec<f32>, Vec<f32>)>,
@@ -437,24 +463,7 @@ pub fn im2col_backward(
                 let rows = images * rows_img;
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
                 with_scratch([rows * k, rows * co, 0], |col, masked, _| {
-                    let g: &[f32] = match relu_output {
-                        Some(y) => {
-                            for ((m, &d), &o) in masked
-                                .iter_mut()
-                                .zip(&dy[span.clone()])
-                                .zip(&y[span.clone()])
-                            {
-                                *m = if o > 0.0 { d } else { 0.0 };
-                            }
-                            masked
-                        }
-                        None => &dy[span.clone()],
-                    };
-                    for row in g.chunks_exact(co) {
-                        for (b, v) in db.iter_mut().zip(row) {
-                            *b += v;
-                        }
-                    }
+                    let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
                     im2col(s, x, n0, images, col);
                     matmul(
                         &mut dw,

@@ -13,7 +13,9 @@
 
 use rayon::prelude::*;
 
-use crate::conv::{ConvGrads, ConvShape, accumulator_groups, sum_partials, with_scratch};
+use crate::conv::{
+    ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials, with_scratch,
+};
 use crate::matmul::{Mat, matmul};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
@@ -408,24 +410,7 @@ pub fn backward(
                 with_scratch(
                     [16 * tiles * ci, 16 * tiles * co, images * out_image],
                     |v, dm, masked| {
-                        let g: &[f32] = match relu_output {
-                            Some(y) => {
-                                for ((m, &d), &o) in masked
-                                    .iter_mut()
-                                    .zip(&dy[span.clone()])
-                                    .zip(&y[span.clone()])
-                                {
-                                    *m = if o > 0.0 { d } else { 0.0 };
-                                }
-                                masked
-                            }
-                            None => &dy[span.clone()],
-                        };
-                        for row in g.chunks_exact(co) {
-                            for (b, v) in db.iter_mut().zip(row) {
-                                *b += v;
-                            }
-                        }
+                        let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
                         transform_inputs(s, &t, x, n0, images, v);
                         output_grad_transform(&t, g, tiles, images, co, dm);
                         for xi in 0..16 {

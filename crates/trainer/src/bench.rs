@@ -228,15 +228,9 @@ pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<Lay
     use kernels::winograd::WinogradWeight;
     set_cpu_threads(threads);
     let random = |len: usize, seed: u64| -> Vec<f32> {
-        let mut state = seed;
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
     };
     CONV_LAYERS
         .iter()
