@@ -22,6 +22,13 @@ use std::time::Duration;
 /// (EX_TEMPFAIL: "try again").
 pub const EXIT_PEER_LOST: i32 = 75;
 
+/// Exit code of a worker that was asked to stop (SIGTERM: an eviction, a spot interruption, a
+/// deleted job) and saved a checkpoint at the step it finished first: not a failure, and nothing
+/// to redo, so the elastic agent does not count it. It is 128 + SIGTERM, the code a process
+/// stopped by SIGTERM conventionally ends with, which Kubeflow's `ExitCode` restart policy
+/// retries; a worker *killed* by the signal reports the signal instead, and is counted.
+pub const EXIT_PREEMPTED: i32 = 128 + 15;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
     #[error(

@@ -47,6 +47,13 @@ pub const RUN_AS: i64 = 1000;
 /// Exit codes of `trainctl` that no retry can fix: the job failed past its restarts (1) or the
 /// command line is wrong (2).
 pub const PERMANENT_EXIT_CODES: [i32; 2] = [1, 2];
+/// `trainctl run`'s exit code when SIGTERM stopped it (an eviction, a spot interruption, a
+/// deleted job) and its workers checkpointed the step they were in: 128 + SIGTERM, equal to
+/// `collective::EXIT_PREEMPTED` (a test keeps them equal). Retried without counting.
+pub const PREEMPTED_EXIT_CODE: i32 = 128 + 15;
+/// How long a training pod has between SIGTERM and SIGKILL: the step in progress and a
+/// checkpoint must fit in it.
+pub const TERMINATION_GRACE_SECONDS: i64 = 30;
 
 /// Labels of one component of job `job`.
 pub fn labels(job: &str, component: &str) -> BTreeMap<String, String> {
@@ -371,7 +378,7 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             node_selector: if o.training_size { node_selector } else { None },
             tolerations,
             volumes: Some(volumes),
-            termination_grace_period_seconds: Some(30),
+            termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
             enable_service_links: Some(false),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
@@ -430,7 +437,8 @@ fn job(
     }
 }
 
-/// Evictions and preemptions are retried without counting; trainctl's permanent exit codes end
+/// Evictions and preemptions (the DisruptionTarget condition, or trainctl's own exit after a
+/// SIGTERM and a checkpoint) are retried without counting; trainctl's permanent exit codes end
 /// the job at once; anything else (a crash, OOM, a lost node) counts against backoffLimit.
 fn failure_policy() -> PodFailurePolicy {
     PodFailurePolicy {
@@ -441,6 +449,15 @@ fn failure_policy() -> PodFailurePolicy {
                     type_: "DisruptionTarget".into(),
                     status: "True".into(),
                 }]),
+                ..PodFailurePolicyRule::default()
+            },
+            PodFailurePolicyRule {
+                action: "Ignore".into(),
+                on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                    container_name: Some(CONTAINER.into()),
+                    operator: "In".into(),
+                    values: vec![PREEMPTED_EXIT_CODE],
+                }),
                 ..PodFailurePolicyRule::default()
             },
             PodFailurePolicyRule {
@@ -656,6 +673,12 @@ fn worker_template(
 ) -> PodTemplateSpec {
     let j = &project.job;
     let mut args = launch_args;
+    // The workers' share of the pod's grace: finish the step, write the checkpoint; the
+    // launcher keeps a few seconds to report and exit.
+    args.extend([
+        "--grace-period".into(),
+        (TERMINATION_GRACE_SECONDS - 5).to_string(),
+    ]);
     args.extend(train_args(project));
     pod_template(
         project,

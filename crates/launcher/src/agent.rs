@@ -25,7 +25,7 @@ pub fn run_elastic(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let outcome = run_rounds(spec, rdzv, stdout, stderr, events)?;
-    if !matches!(outcome, Outcome::Interrupted(_)) {
+    if !matches!(outcome, Outcome::Interrupted { .. }) {
         // The job is over: if this agent hosts the store, the others still need it to learn so.
         rdzv.linger();
     }
@@ -49,7 +49,10 @@ fn run_rounds(
         let assignment = match rdzv.join(&|| signals.received().is_some())? {
             Joined::Assigned(a) => a,
             Joined::Stopped => {
-                return Ok(Outcome::Interrupted(signals.received().unwrap_or(15)));
+                return Ok(Outcome::Interrupted {
+                    signal: signals.received().unwrap_or(15),
+                    checkpointed: false,
+                });
             }
             Joined::Closed(c) if c.succeeded => {
                 events(LaunchEvent::JobAlreadyOver);
@@ -78,9 +81,12 @@ fn run_rounds(
         let mut closing = false;
         let mut store_down_since: Option<Instant> = None;
         loop {
-            if let Some(sig) = signals.received() {
-                group.stop(spec.grace);
-                return Ok(Outcome::Interrupted(sig));
+            if let Some(signal) = signals.received() {
+                let checkpointed = group.stop_interrupted(spec.grace);
+                return Ok(Outcome::Interrupted {
+                    signal,
+                    checkpointed,
+                });
             }
             match group.poll() {
                 Status::Running => {}
@@ -97,7 +103,10 @@ fn run_rounds(
                     if closing {
                         return Ok(Outcome::Failed(failure));
                     }
-                    let counted = failure.exit != ExitKind::Code(collective::EXIT_PEER_LOST);
+                    // A lost peer is another node's failure; a preempted worker saved its work.
+                    let counted = ![collective::EXIT_PEER_LOST, collective::EXIT_PREEMPTED]
+                        .iter()
+                        .any(|code| failure.exit == ExitKind::Code(*code));
                     match rdzv.worker_failed(counted, &report, spec.max_restarts) {
                         // Without the store no round can follow: this failure is the report.
                         Err(e) => {

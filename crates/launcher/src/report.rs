@@ -41,8 +41,12 @@ pub struct Failure {
 pub enum Outcome {
     Succeeded,
     Failed(Failure),
-    /// Stopped by a signal to the launcher (Ctrl-C, SIGTERM).
-    Interrupted(i32),
+    /// Stopped by a signal to the launcher (Ctrl-C, SIGTERM); `checkpointed` when a worker saved
+    /// a checkpoint before it exited (exit code `collective::EXIT_PREEMPTED`).
+    Interrupted {
+        signal: i32,
+        checkpointed: bool,
+    },
     /// The elastic job failed; the root cause as the first failing node reported it.
     JobFailed(String),
 }

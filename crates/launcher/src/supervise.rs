@@ -119,9 +119,12 @@ pub fn launch(
             events,
         )?;
         let failure = loop {
-            if let Some(sig) = signals.received() {
-                group.stop(spec.grace);
-                return Ok(Outcome::Interrupted(sig));
+            if let Some(signal) = signals.received() {
+                let checkpointed = group.stop_interrupted(spec.grace);
+                return Ok(Outcome::Interrupted {
+                    signal,
+                    checkpointed,
+                });
             }
             match group.poll() {
                 Status::Running => std::thread::sleep(spec.monitor_interval),
@@ -234,6 +237,15 @@ impl Group {
     /// Stops every worker still running and collects their output.
     pub(crate) fn stop(mut self, grace: Duration) {
         self.halt(grace);
+    }
+
+    /// [`Group::stop`] because the launcher was told to stop; whether a worker saved a checkpoint
+    /// on its way out (it exited with `collective::EXIT_PREEMPTED`).
+    pub(crate) fn stop_interrupted(mut self, grace: Duration) -> bool {
+        self.halt(grace);
+        self.workers
+            .iter()
+            .any(|w| w.exited == Some(ExitKind::Code(collective::EXIT_PREEMPTED)))
     }
 
     /// [`Group::stop`] after `failure`, whose report gets the worker's last lines of stderr.

@@ -28,6 +28,11 @@ pub enum TrainError {
     },
     #[error("invalid setting: {0}")]
     Config(String),
+    /// Asked to stop (SIGTERM): the step in progress was finished and checkpointed.
+    #[error(
+        "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it: run the same command again to resume there"
+    )]
+    Preempted { global_step: u64, epoch: usize },
     #[error(transparent)]
     Collective(#[from] collective::CollectiveError),
 }

@@ -6,6 +6,8 @@
 //! re-broadcast from rank 0 as PyTorch DDP does).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -41,6 +43,9 @@ pub struct TrainConfig {
     pub evaluate: bool,
     /// Where the metrics files (`metrics/`) and TensorBoard events (`tensorboard/`) go.
     pub run_dir: PathBuf,
+    /// Set (by a SIGTERM handler) to stop after the step in progress: every rank learns it in
+    /// that step's all-reduce, rank 0 checkpoints, and all return [`TrainError::Preempted`].
+    pub stop: Arc<AtomicBool>,
 }
 
 /// What the trainer tells its caller as it goes; only the caller prints.
@@ -162,8 +167,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let (mut pixels, mut labels) = (Vec::new(), Vec::new());
-    // The gradients, then the loss and the accuracy, all-reduced together.
-    let mut grads_flat = Vec::with_capacity(state.params.len() + 2);
+    // The gradients, then the loss, the accuracy and the stop flag, all-reduced together.
+    let mut grads_flat = Vec::with_capacity(state.params.len() + 3);
     let mut last_checkpoint_step = state.progress.global_step;
     while state.progress.epoch < cfg.epochs {
         let epoch = state.progress.epoch;
@@ -207,11 +212,18 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             gradients(&model, &grads, &mut grads_flat);
             grads_flat.push(to_vec(loss)[0]);
             grads_flat.push(batch_accuracy(&to_vec(logits), &labels));
+            grads_flat.push(if cfg.stop.load(Ordering::Relaxed) {
+                1.0
+            } else {
+                0.0
+            });
             let mut compute_s = timer.elapsed().as_secs_f64();
 
             let timer = Instant::now();
             group.all_reduce_mean(&mut grads_flat)?;
             let mut allreduce_s = timer.elapsed().as_secs_f64();
+            // Some rank was asked to stop: all finish this step, then stop together.
+            let stopping = grads_flat.pop().is_some_and(|v| v > 0.0);
             let accuracy = grads_flat.pop().unwrap_or(f32::NAN);
             let mean_loss = grads_flat.pop().unwrap_or(f32::NAN);
             let global_step = state.progress.global_step + 1;
@@ -276,6 +288,15 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
                     seconds_per_step: seconds / window as f64,
                 });
                 (running_loss, window, window_start, window_images) = (0.0, 0, Instant::now(), 0);
+            }
+            if stopping {
+                state.checkpoint(cfg, &template, rank, &mut recorder, report)?;
+                // Nobody leaves before rank 0's checkpoint is on disk.
+                group.barrier()?;
+                return Err(TrainError::Preempted {
+                    global_step,
+                    epoch: epoch + 1,
+                });
             }
             let due = cfg
                 .checkpoint_every

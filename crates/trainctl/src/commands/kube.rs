@@ -556,4 +556,14 @@ mod tests {
         assert_eq!(deploy::config::OFFICIAL_URL, trainer::cifar::OFFICIAL_URL);
         assert_eq!(deploy::config::OFFICIAL_MD5, trainer::cifar::OFFICIAL_MD5);
     }
+
+    /// The podFailurePolicy ignores the exit code the workers and the launcher use after a
+    /// SIGTERM and a checkpoint; deploy does not depend on collective, so it keeps a copy.
+    #[test]
+    fn the_failure_policy_knows_the_preempted_exit_code() {
+        assert_eq!(
+            deploy::manifests::PREEMPTED_EXIT_CODE,
+            collective::EXIT_PREEMPTED
+        );
+    }
 }

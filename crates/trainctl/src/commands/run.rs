@@ -398,11 +398,20 @@ fn report_outcome(outcome: Outcome, err: &mut dyn Write) -> i32 {
             let _ = write!(err, "{root_cause}");
             1
         }
-        Outcome::Interrupted(sig) => {
+        Outcome::Interrupted {
+            signal,
+            checkpointed: true,
+        } => {
             crate::output::warn(&format!(
-                "interrupted by signal {sig}; all workers were stopped"
+                "stopped by signal {signal}: the workers finished their step and saved a checkpoint; run the same command again to resume from it"
             ));
-            128 + sig
+            128 + signal
+        }
+        Outcome::Interrupted { signal, .. } => {
+            crate::output::warn(&format!(
+                "interrupted by signal {signal}; all workers were stopped"
+            ));
+            128 + signal
         }
     }
 }

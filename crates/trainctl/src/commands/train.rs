@@ -2,6 +2,10 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use anyhow::Context;
 
 use collective::{CollectiveError, World};
 use trainer::TrainError;
@@ -61,6 +65,11 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let world = World::from_env()?;
+    // SIGTERM (the launcher stopping us, an eviction, `job delete`) finishes the step in
+    // progress and checkpoints it instead of losing the work since the last checkpoint.
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))
+        .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
     let cfg = TrainConfig {
         data: args.data,
@@ -88,6 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .unwrap_or_else(|| trainer::device::default_threads(world.local_world_size as usize)),
         evaluate: !args.no_eval,
         run_dir,
+        stop,
     };
     let rank = world.rank;
     let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
@@ -107,6 +117,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
             crate::output::error(&anyhow::Error::new(e));
             Ok(collective::EXIT_PEER_LOST)
+        }
+        Err(e @ TrainError::Preempted { .. }) => {
+            if rank == 0 {
+                crate::output::warn(&e.to_string());
+            }
+            Ok(collective::EXIT_PREEMPTED)
         }
         Err(e) => Err(e.into()),
     }

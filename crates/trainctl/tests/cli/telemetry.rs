@@ -385,6 +385,12 @@ fn run_serves_prometheus_metrics_while_training() {
     .unwrap();
     let status = run.wait(Duration::from_secs(60));
     assert_eq!(status.code(), Some(128 + 15), "{}", run.output());
+    // The workers finished their step and checkpointed it before they went.
+    assert!(
+        run.output().contains("saved a checkpoint"),
+        "{}",
+        run.output()
+    );
     // The endpoint goes with the launcher.
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
 }

@@ -134,6 +134,81 @@ fn an_interrupted_run_resumes_and_takes_the_same_steps() {
     );
 }
 
+/// SIGTERM to the launcher mid-epoch (an eviction, a spot interruption, `job delete`): the
+/// workers finish the step they are in, rank 0 checkpoints it, the launcher exits with
+/// 128 + SIGTERM saying so, and the rerun resumes at that very step and ends with the
+/// uninterrupted run's weights.
+#[test]
+fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
+    // 256 images, 2 workers × batch 32: 4 steps an epoch, 8 in all.
+    let job = Job::new(256, 20);
+    let args_for = |out: &str| {
+        let mut args = train_args(&job, out, 2);
+        args.push("--no-eval".into());
+        args
+    };
+    let whole = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(args_for("a")),
+        )
+        .stdout,
+    );
+    let expected = finished(&whole);
+    assert_eq!(expected.len(), 2, "{whole}");
+
+    let mut first = Running::start(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(args_for("b")),
+    );
+    // Mid-epoch, with no checkpoint yet (no --checkpoint-every): all would be lost without it.
+    first.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,     2] loss:"));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first.pid()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = first.wait(Duration::from_secs(60));
+    let output = first.output();
+    assert_eq!(status.code(), Some(128 + 15), "{output}");
+    assert!(output.contains("saved a checkpoint"), "{output}");
+    let taken = losses(&output).len() as u64;
+    assert!((2..8).contains(&taken), "{output}");
+
+    let ckpt = job.path("b").join("local").join("checkpoint.ckpt");
+    let progress: serde_json::Value = serde_json::from_slice(
+        &run_ok(trainctl().arg("checkpoint").arg(&ckpt).arg("--json")).stdout,
+    )
+    .unwrap();
+    assert_eq!(
+        progress["global_step"].as_u64(),
+        Some(taken),
+        "the checkpoint holds the last step taken: {progress}\n{output}"
+    );
+
+    let resumed = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(args_for("b")),
+        )
+        .stdout,
+    );
+    assert!(resumed.contains("resuming from checkpoint"), "{resumed}");
+    assert_eq!(
+        losses(&resumed).len() as u64,
+        8 - taken,
+        "no step is taken twice or skipped:\n{resumed}"
+    );
+    assert_eq!(
+        finished(&resumed)[0].2,
+        expected[0].2,
+        "the same weights as the uninterrupted run"
+    );
+}
+
 #[test]
 fn a_corrupt_checkpoint_is_reported_not_used() {
     let job = Job::new(64, 10);
