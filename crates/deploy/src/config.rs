@@ -100,6 +100,7 @@ settings! {
     "job.max_restarts", "--max-restarts", "worker-group restarts before the job fails";
     "job.rdzv_port", "--rdzv-port", "port of the rendezvous store on node 0";
     "job.metrics_port", "--metrics-port", "port of each training pod's Prometheus metrics (0: none)";
+    "job.queue", "--queue", "Kueue LocalQueue the job is submitted to (all pods admitted together), or none";
     "job.runs_dir", "--runs-dir", "where runs write checkpoints and models";
     "job.ttl_seconds", "--ttl-seconds", "seconds a finished job is kept";
 }
@@ -433,6 +434,8 @@ pub struct Job {
     pub rdzv_port: u16,
     /// `None` when set to 0: no metrics endpoint, no annotations.
     pub metrics_port: Option<u16>,
+    /// Kueue's LocalQueue: the job carries `kueue.x-k8s.io/queue-name`.
+    pub queue: Option<String>,
     pub runs_dir: String,
     pub ttl_seconds: i32,
 }
@@ -624,6 +627,10 @@ impl Project {
                     ));
                 }
                 p => Some(p),
+            },
+            queue: match v.optional("job.queue").as_deref() {
+                None | Some("none") => None,
+                Some(_) => Some(v.dns_subdomain("job.queue")?),
             },
             runs_dir: v.matching(
                 "job.runs_dir",

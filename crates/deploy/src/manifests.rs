@@ -32,6 +32,8 @@ use crate::config::{Launcher, Project, StorageBackend};
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
 /// The job an object belongs to.
 pub const JOB_LABEL: &str = "trainctl.dev/job";
+/// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
+pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// What the object is in the job: `worker`, `data`, `test` or `doctor`.
 pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
 /// The container that runs trainctl in every pod (the operator's default name for PyTorchJob).
@@ -707,7 +709,19 @@ fn indexed_job(project: &Project) -> (Service, Job) {
     // A lost pod is replaced under the same index and rejoins; each node may be lost
     // max_restarts times before Kubernetes gives up on the job.
     let backoff = (j.max_restarts as i32).saturating_mul(pods).max(1);
-    (service, job(project, &j.name, template, pods, backoff))
+    let mut job = job(project, &j.name, template, pods, backoff);
+    queue_label(project, &mut job.metadata);
+    (service, job)
+}
+
+/// The training job's Kueue label, when a queue is set (on the Job or PyTorchJob itself, where
+/// Kueue looks for it).
+fn queue_label(project: &Project, meta: &mut ObjectMeta) {
+    if let Some(queue) = &project.job.queue {
+        meta.labels
+            .get_or_insert_with(BTreeMap::new)
+            .insert(QUEUE_LABEL.into(), queue.clone());
+    }
 }
 
 /// Kubeflow's `PyTorchJob` (kubeflow.org/v1): Worker replicas only, every one running
@@ -748,10 +762,12 @@ fn pytorch_job(project: &Project) -> Value {
             "maxRestarts": j.max_restarts,
         });
     }
+    let mut metadata = meta(project, &j.name, "worker");
+    queue_label(project, &mut metadata);
     serde_json::json!({
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": to_value(&meta(project, &j.name, "worker")),
+        "metadata": to_value(&metadata),
         "spec": spec,
     })
 }

@@ -343,6 +343,38 @@ fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
 }
 
 #[test]
+fn a_queue_labels_the_training_job_for_kueue() {
+    for launcher in ["indexed", "pytorchjob"] {
+        let docs = manifests::training_job(
+            &project(&[
+                ("storage.efs", "fs-1"),
+                ("job.launcher", launcher),
+                ("job.queue", "team-a"),
+            ]),
+            "TOKEN",
+        );
+        let job = docs.last().unwrap();
+        assert_eq!(
+            job["metadata"]["labels"][manifests::QUEUE_LABEL],
+            "team-a",
+            "{launcher}: {job}"
+        );
+        if launcher == "pytorchjob" {
+            assert_valid(pytorchjob_validator(), job, "queued PyTorchJob");
+        }
+        let unqueued = manifests::training_job(
+            &project(&[("storage.efs", "fs-1"), ("job.launcher", launcher)]),
+            "TOKEN",
+        );
+        assert!(!manifests::to_yaml(&unqueued).contains(manifests::QUEUE_LABEL));
+    }
+    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.queue", "Team A")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("job.queue") && err.contains("Team A"), "{err}");
+}
+
+#[test]
 fn pytorchjobs_validate_against_the_crd() {
     for (name, nnodes) in [("job_pytorchjob", "2"), ("job_pytorchjob_elastic", "1:3")] {
         let p = project(&[
