@@ -125,6 +125,20 @@ impl Preset {
     }
 }
 
+/// The two availability zones trainctl picks in `region` when none are given: the region's
+/// first two by AWS's naming (the region and a letter). Zone letters map to physical zones per
+/// account, and a few regions do not offer `a` and `b` to every account (us-west-1 offers two of
+/// a, b and c; ap-northeast-1's `b` is closed to new accounts), so those get letters that exist
+/// more widely; `--az` always overrides, and the CLI says which zones it picked.
+pub fn default_zones(region: &str) -> [String; 2] {
+    let letters = match region {
+        "us-west-1" => ["b", "c"],
+        "ap-northeast-1" => ["a", "c"],
+        _ => ["a", "b"],
+    };
+    letters.map(|l| format!("{region}{l}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

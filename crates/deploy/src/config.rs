@@ -246,6 +246,12 @@ impl Resolved {
             .to_string();
         let mount = mount.trim_end_matches('/');
         let nodes = self.get("cluster.nodes").unwrap_or("2").to_string();
+        let region = self
+            .get("cluster.region")
+            .unwrap_or("us-west-2")
+            .to_string();
+        let pick_zones = self.get("cluster.existing_vpc").is_none()
+            && self.get("cluster.capacity_reservation_id").is_none();
         let instance = self
             .get("cluster.instance_type")
             .and_then(catalog::instance_type);
@@ -261,6 +267,15 @@ impl Resolved {
             "storage.mount_path",
         );
         derived("job.nnodes", nodes, "cluster.nodes");
+        // A new VPC without a reservation can go anywhere in the region: its first zones. An
+        // existing VPC's zones are its subnets', and a reservation's is its own: those are asked.
+        if pick_zones {
+            derived(
+                "cluster.availability_zones",
+                catalog::default_zones(&region).join(","),
+                "cluster.region",
+            );
+        }
         if let Some(t) = instance {
             derived(
                 "job.node_selector",
@@ -394,6 +409,8 @@ pub struct Cluster {
     pub nodes: u32,
     pub system_instance_type: &'static InstanceType,
     pub availability_zones: Vec<String>,
+    /// The zones were not given: trainctl picked the region's first (`catalog::default_zones`).
+    pub zones_picked: bool,
     pub existing_vpc: Option<String>,
     pub private_subnets: Vec<String>,
     pub capacity_reservation_id: Option<String>,
@@ -525,6 +542,10 @@ impl Project {
             nodes,
             system_instance_type,
             availability_zones: v.list("cluster.availability_zones"),
+            zones_picked: matches!(
+                v.raw("cluster.availability_zones"),
+                Some((_, Source::Derived(_)))
+            ),
             existing_vpc: v.optional("cluster.existing_vpc"),
             private_subnets: v.list("cluster.private_subnets"),
             capacity_reservation_id: v.optional("cluster.capacity_reservation_id"),

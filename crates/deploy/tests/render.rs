@@ -176,6 +176,29 @@ fn odcr_subnet_and_zone_match_the_reservation() {
 }
 
 #[test]
+fn presets_render_without_zones_in_the_regions_first_ones() {
+    for preset in ["cpu", "g4dn", "p5"] {
+        let p = project(&[("cluster.preset", preset), ("cluster.region", "eu-west-1")]);
+        assert!(p.cluster.zones_picked);
+        assert_eq!(p.cluster.availability_zones, ["eu-west-1a", "eu-west-1b"]);
+        let doc = eksctl::cluster_config(&p).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        assert_valid(eksctl_validator(), &doc, preset);
+        assert_eq!(
+            doc["availabilityZones"],
+            serde_json::json!(["eu-west-1a", "eu-west-1b"])
+        );
+    }
+    let p = project(&[("cluster.region", "us-west-1")]);
+    assert_eq!(p.cluster.availability_zones, ["us-west-1b", "us-west-1c"]);
+    let given = project(&[("cluster.availability_zones", "us-west-2c,us-west-2d")]);
+    assert!(!given.cluster.zones_picked);
+    assert_eq!(
+        given.cluster.availability_zones,
+        ["us-west-2c", "us-west-2d"]
+    );
+}
+
+#[test]
 fn impossible_clusters_are_refused_with_what_to_do() {
     let refuse = |flags: &[(&'static str, &str)]| {
         eksctl::cluster_config(&project(flags))
@@ -185,7 +208,12 @@ fn impossible_clusters_are_refused_with_what_to_do() {
     };
     let e = refuse(&[("cluster.preset", "p4de-odcr")]);
     assert!(e.contains("--capacity-reservation-id"), "{e}");
-    let e = refuse(&[("cluster.preset", "g4dn")]);
+    // An existing VPC's zones are its subnets': they are not picked for it.
+    let e = refuse(&[
+        ("cluster.preset", "g4dn"),
+        ("cluster.existing_vpc", "vpc-1"),
+        ("cluster.private_subnets", "subnet-1,subnet-2"),
+    ]);
     assert!(e.contains("EFA, which needs one availability zone"), "{e}");
     let e = refuse(&[("cluster.availability_zones", "us-west-2a")]);
     assert!(e.contains("--az us-west-2a,us-west-2b"), "{e}");

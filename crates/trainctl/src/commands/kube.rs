@@ -248,6 +248,19 @@ fn run_or_print(argv: &[String], dry_run: bool) -> anyhow::Result<i32> {
     }
 }
 
+/// When the zones were not given, which ones the cluster config uses.
+fn say_picked_zones(project: &Project) {
+    let c = &project.cluster;
+    if c.zones_picked {
+        eprintln!(
+            "availability zones: {} (the first of {}; give --az to choose others, e.g. where {} is offered)",
+            c.availability_zones.join(", "),
+            c.region,
+            c.instance_type.name
+        );
+    }
+}
+
 fn cluster_file(project: &Project, file: Option<PathBuf>) -> PathBuf {
     file.unwrap_or_else(|| PathBuf::from(format!("eksctl-{}.yaml", project.cluster.name)))
 }
@@ -256,6 +269,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
     match cmd {
         ClusterCommand::Config { project, file } => {
             let project = project.project()?;
+            say_picked_zones(&project);
             let yaml = manifests::to_yaml(&[eksctl::cluster_config(&project)?]);
             match file {
                 Some(path) => {
@@ -272,6 +286,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
             dry_run,
         } => {
             let project = project.project()?;
+            say_picked_zones(&project);
             let yaml = manifests::to_yaml(&[eksctl::cluster_config(&project)?]);
             let path = cluster_file(&project, file);
             write_atomically(&path, &yaml)?;
@@ -291,6 +306,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
             dry_run,
         } => {
             let project = project.project()?;
+            say_picked_zones(&project);
             let yaml = manifests::to_yaml(&[eksctl::cluster_config(&project)?]);
             let path = cluster_file(&project, file);
             write_atomically(&path, &yaml)?;
