@@ -19,6 +19,13 @@ impl InstanceType {
     pub fn supports_efa(&self) -> bool {
         self.efa_interfaces > 0
     }
+
+    /// EFA reads and writes GPU memory directly (GPUDirect RDMA), so NCCL's libfabric plugin is
+    /// told `FI_EFA_USE_DEVICE_RDMA=1`: the p4d, p4de and p5 families (AWS's EFA documentation,
+    /// "Supported instance types": RDMA read on p4d/p4de, read and write on p5).
+    pub fn gpudirect_rdma(&self) -> bool {
+        self.supports_efa() && (self.name.starts_with("p4d") || self.name.starts_with("p5"))
+    }
 }
 
 const fn it(

@@ -32,6 +32,8 @@ use crate::config::{Launcher, Project, StorageBackend};
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
 /// The job an object belongs to.
 pub const JOB_LABEL: &str = "trainctl.dev/job";
+/// The extended resource of EFA adapters (aws-efa-k8s-device-plugin).
+pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 /// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// What the object is in the job: `worker`, `data`, `test` or `doctor`.
@@ -253,11 +255,24 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
         requests.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
         limits.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
     }
-    let mut env = vec![EnvVar {
-        name: "RUST_LOG".into(),
-        value: Some("warn".into()),
+    let plain = |name: &str, value: &str| EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
         ..EnvVar::default()
-    }];
+    };
+    let mut env = vec![plain("RUST_LOG", "warn")];
+    // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
+    // which eksctl installs with an EFA node group, schedules them) and point NCCL at them.
+    let instance = project.cluster.instance_type;
+    if gpus > 0 && instance.supports_efa() {
+        let adapters = quantity(&instance.efa_interfaces.to_string());
+        requests.insert(EFA_RESOURCE.into(), adapters.clone());
+        limits.insert(EFA_RESOURCE.into(), adapters);
+        env.push(plain("FI_PROVIDER", "efa"));
+        if instance.gpudirect_rdma() {
+            env.push(plain("FI_EFA_USE_DEVICE_RDMA", "1"));
+        }
+    }
     if let Some(secret) = &o.token_secret {
         env.push(EnvVar {
             name: "TRAINCTL_JOB_TOKEN".into(),

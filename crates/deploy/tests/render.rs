@@ -371,6 +371,59 @@ fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
 }
 
 #[test]
+fn gpu_pods_on_efa_nodes_take_every_adapter_and_tell_nccl() {
+    let pod_of = |instance: &str| {
+        let p = project(&[
+            ("storage.efs", "fs-1"),
+            ("cluster.preset", "p5"),
+            ("cluster.instance_type", instance),
+        ]);
+        manifests::training_job(&p, "TOKEN")[2]["spec"]["template"]["spec"]["containers"][0].clone()
+    };
+    let env_of = |c: &serde_json::Value| -> Vec<(String, String)> {
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| {
+                Some((
+                    e["name"].as_str()?.to_string(),
+                    e["value"].as_str()?.to_string(),
+                ))
+            })
+            .collect()
+    };
+    for (instance, adapters, rdma) in [
+        ("p5.48xlarge", Some(32), true),
+        ("p4de.24xlarge", Some(4), true),
+        ("g4dn.metal", Some(1), false),
+        ("g4dn.xlarge", None, false),
+    ] {
+        let c = pod_of(instance);
+        let limit = &c["resources"]["limits"][manifests::EFA_RESOURCE];
+        match adapters {
+            Some(n) => {
+                assert_eq!(limit, &serde_json::json!(n.to_string()), "{instance}: {c}");
+                assert_eq!(c["resources"]["requests"][manifests::EFA_RESOURCE], *limit);
+            }
+            None => assert!(limit.is_null(), "{instance}: {c}"),
+        }
+        let env = env_of(&c);
+        let has = |k: &str, v: &str| env.contains(&(k.to_string(), v.to_string()));
+        assert_eq!(
+            has("FI_PROVIDER", "efa"),
+            adapters.is_some(),
+            "{instance}: {env:?}"
+        );
+        assert_eq!(
+            has("FI_EFA_USE_DEVICE_RDMA", "1"),
+            rdma,
+            "{instance}: {env:?}"
+        );
+    }
+}
+
+#[test]
 fn a_queue_labels_the_training_job_for_kueue() {
     for launcher in ["indexed", "pytorchjob"] {
         let docs = manifests::training_job(
