@@ -39,6 +39,21 @@ pub struct ConvShape {
 }
 
 impl ConvShape {
+    /// A 3×3 convolution at stride 1 with padding 1 on square inputs (`size` × `size`): every
+    /// convolution of the seed CNN.
+    pub fn same_3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> Self {
+        ConvShape {
+            batch,
+            c_in,
+            height: size,
+            width: size,
+            c_out,
+            kernel: [3, 3],
+            stride: [1, 1],
+            padding: [1, 1],
+        }
+    }
+
     /// Checks that the shape describes a convolution with at least one output pixel.
     pub fn validate(&self) -> Result<(), String> {
         let dims = [

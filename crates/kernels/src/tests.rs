@@ -163,16 +163,7 @@ fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
 }
 
 fn shape3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> ConvShape {
-    ConvShape {
-        batch,
-        c_in,
-        height: size,
-        width: size,
-        c_out,
-        kernel: [3, 3],
-        stride: [1, 1],
-        padding: [1, 1],
-    }
+    ConvShape::same_3x3(batch, c_in, c_out, size)
 }
 
 #[test]

@@ -235,16 +235,7 @@ pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<Lay
     CONV_LAYERS
         .iter()
         .map(|&(name, c_in, c_out, size)| {
-            let shape = ConvShape {
-                batch: batch_size,
-                c_in,
-                height: size,
-                width: size,
-                c_out,
-                kernel: [3, 3],
-                stride: [1, 1],
-                padding: [1, 1],
-            };
+            let shape = ConvShape::same_3x3(batch_size, c_in, c_out, size);
             let x = random(shape.input_len(), 1);
             let w: Vec<f32> = random(shape.weight_len(), 2)
                 .iter()
