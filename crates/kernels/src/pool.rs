@@ -54,6 +54,24 @@ impl PoolShape {
         let [oh, ow] = self.out_size();
         self.batch * oh * ow * self.channels
     }
+
+    /// Calls `f(tap, pixel)` for every tap of output (oy, ox)'s window that falls inside the
+    /// image (`tap = ky · kw + kx`, `pixel = iy · width + ix`), in tap order.
+    #[inline(always)]
+    fn for_each_tap(&self, oy: usize, ox: usize, mut f: impl FnMut(u32, usize)) {
+        for ky in 0..self.kernel[0] {
+            let iy = (oy * self.stride[0] + ky).wrapping_sub(self.padding[0]);
+            if iy >= self.height {
+                continue;
+            }
+            for kx in 0..self.kernel[1] {
+                let ix = (ox * self.stride[1] + kx).wrapping_sub(self.padding[1]);
+                if ix < self.width {
+                    f((ky * self.kernel[1] + kx) as u32, iy * self.width + ix);
+                }
+            }
+        }
+    }
 }
 
 /// Output and, per output element, the tap (`ky · kw + kx`) its value came from. The first
@@ -73,26 +91,15 @@ pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u32>) {
                 for ox in 0..ow {
                     let at = (oy * ow + ox) * c;
                     let (best, which) = (&mut y[at..at + c], &mut arg[at..at + c]);
-                    for ky in 0..s.kernel[0] {
-                        let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
-                        if iy >= s.height {
-                            continue;
+                    s.for_each_tap(oy, ox, |tap, pixel| {
+                        let src = &img[pixel * c..][..c];
+                        for ((b, w), &v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
+                            // Greater, or a NaN (which stays: nothing is greater than it).
+                            let take = v > *b || v.is_nan();
+                            *b = if take { v } else { *b };
+                            *w = if take { tap } else { *w };
                         }
-                        for kx in 0..s.kernel[1] {
-                            let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
-                            if ix >= s.width {
-                                continue;
-                            }
-                            let tap = (ky * s.kernel[1] + kx) as u32;
-                            let src = &img[(iy * s.width + ix) * c..][..c];
-                            for ((b, w), &v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
-                                // Greater, or a NaN (which stays: nothing is greater than it).
-                                let take = v > *b || v.is_nan();
-                                *b = if take { v } else { *b };
-                                *w = if take { tap } else { *w };
-                            }
-                        }
-                    }
+                    });
                 }
             }
         });
@@ -118,23 +125,12 @@ pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u32]) -> Vec<f32> {
                     let at = (oy * ow + ox) * c;
                     let (g, taps) = (&dy[at..at + c], &arg[at..at + c]);
                     // Tap by tap, so that the inner loop is a vector compare-and-add.
-                    for ky in 0..s.kernel[0] {
-                        let iy = (oy * s.stride[0] + ky).wrapping_sub(s.padding[0]);
-                        if iy >= s.height {
-                            continue;
+                    s.for_each_tap(oy, ox, |tap, pixel| {
+                        let dst = &mut dx[pixel * c..][..c];
+                        for ((d, &v), &t) in dst.iter_mut().zip(g).zip(taps) {
+                            *d += if t == tap { v } else { 0.0 };
                         }
-                        for kx in 0..s.kernel[1] {
-                            let ix = (ox * s.stride[1] + kx).wrapping_sub(s.padding[1]);
-                            if ix >= s.width {
-                                continue;
-                            }
-                            let tap = (ky * s.kernel[1] + kx) as u32;
-                            let dst = &mut dx[(iy * s.width + ix) * c..][..c];
-                            for ((d, &v), &t) in dst.iter_mut().zip(g).zip(taps) {
-                                *d += if t == tap { v } else { 0.0 };
-                            }
-                        }
-                    }
+                    });
                 }
             }
         });
