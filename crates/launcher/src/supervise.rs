@@ -208,24 +208,36 @@ impl Group {
 
     pub(crate) fn poll(&mut self) -> Status {
         let mut running = 0;
+        // A worker that exited because its peer vanished (EXIT_PEER_LOST) is a consequence:
+        // when the peer's own failure is seen in the same poll, that one is the root cause.
+        let mut failed: Option<&Worker> = None;
         for w in self.workers.iter_mut() {
-            match w.poll().cloned() {
+            match w.poll() {
                 None => running += 1,
                 Some(ExitKind::Code(0)) => {}
                 Some(exit) => {
-                    return Status::Failed(Failure {
-                        rank: w.rank,
-                        local_rank: w.local_rank,
-                        node_rank: self.node_rank,
-                        pid: w.child.id(),
-                        exit,
-                        after: self.start.elapsed(),
-                        restart_count: self.restart_count,
-                        stderr_tail: Vec::new(),
-                        log_file: w.stderr_log.clone(),
+                    let consequence = *exit == ExitKind::Code(collective::EXIT_PEER_LOST);
+                    let better = failed.is_none_or(|f| {
+                        f.exited == Some(ExitKind::Code(collective::EXIT_PEER_LOST)) && !consequence
                     });
+                    if better {
+                        failed = Some(w);
+                    }
                 }
             }
+        }
+        if let Some(w) = failed {
+            return Status::Failed(Failure {
+                rank: w.rank,
+                local_rank: w.local_rank,
+                node_rank: self.node_rank,
+                pid: w.child.id(),
+                exit: w.exited.clone().expect("a failed worker has exited"),
+                after: self.start.elapsed(),
+                restart_count: self.restart_count,
+                stderr_tail: Vec::new(),
+                log_file: w.stderr_log.clone(),
+            });
         }
         if running == 0 {
             Status::Succeeded

@@ -174,6 +174,27 @@ fn a_killed_training_worker_stops_the_job_with_a_report() {
     }
 }
 
+/// When the launcher sees a failed worker and one that exited because it lost that peer
+/// (EXIT_PEER_LOST) in the same poll, the report names the failure, not its consequence.
+#[test]
+fn the_root_cause_is_the_failure_not_the_peer_that_lost_it() {
+    // One poll a second: both exits land between two polls.
+    let out = run_failing(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; else sleep 0.4; exit 75; fi",
+    ]));
+    assert!(out.contains("rank       : 1"), "{out}");
+    assert!(out.contains("exit code 3"), "{out}");
+}
+
 #[test]
 fn ctrl_c_stops_every_worker() {
     let mut run = Running::start(trainctl().args([
