@@ -15,8 +15,11 @@ use trainer::train::Event;
 static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
 
 /// Writes `text` to stdout or stderr, above the progress bar when one is up.
+///
+/// The bar's slot stays locked for the whole write: a bar cannot be registered (and then drawn)
+/// between deciding there is none and writing, which would put the line on the bar's row.
 pub fn emit(stderr: bool, text: &[u8]) {
-    let bar = BAR.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let bar = BAR.lock().unwrap_or_else(|p| p.into_inner());
     let write = || {
         if stderr {
             let _ = std::io::stderr().lock().write_all(text);
@@ -26,7 +29,7 @@ pub fn emit(stderr: bool, text: &[u8]) {
             let _ = out.flush();
         }
     };
-    match bar {
+    match bar.as_ref() {
         Some(bar) => bar.suspend(write),
         None => write(),
     }
@@ -103,13 +106,16 @@ impl Progress {
     fn show(&mut self, what: String, len: u64, template: &str) -> &ProgressBar {
         if self.showing.as_deref() != Some(what.as_str()) {
             self.finish();
+            // Registered before it can first draw, under the lock `emit` writes under.
+            let mut slot = BAR.lock().unwrap_or_else(|p| p.into_inner());
             let bar = ProgressBar::new(len).with_style(
                 ProgressStyle::with_template(template)
                     .unwrap_or_else(|_| ProgressStyle::default_bar())
                     .progress_chars("=> "),
             );
             bar.set_prefix(what.clone());
-            *BAR.lock().unwrap_or_else(|p| p.into_inner()) = Some(bar.clone());
+            *slot = Some(bar.clone());
+            drop(slot);
             self.bar = Some(bar);
             self.showing = Some(what);
         }
