@@ -74,7 +74,8 @@ settings! {
     "cluster.existing_vpc", "--existing-vpc", "id of an existing VPC to use";
     "cluster.private_subnets", "--private-subnets", "private subnet ids of the existing VPC, comma-separated, in --az order";
     "cluster.capacity_reservation_id", "--capacity-reservation-id", "on-demand capacity reservation (ODCR) of the workers";
-    "image", "--image", "container image with the trainctl binary";
+    "image", "--image", "container image of the training pods: trainctl's, or your program's with -- PROGRAM";
+    "trainctl_image", "--trainctl-image", "image with the trainctl binary: helper jobs run it, and an init container copies trainctl from it into training pods of another image";
     "namespace", "--namespace", "Kubernetes namespace";
     "storage.efs", "--efs", "EFS file system id (fs-...)";
     "storage.fsx", "--fsx", "FSx for Lustre: FS_ID,DNS_NAME,MOUNT_NAME";
@@ -87,6 +88,7 @@ settings! {
     "data.md5", "--download-md5", "MD5 the download must have";
     "job.name", "--name", "job name (DNS-1123 label)";
     "job.launcher", "--launcher", "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
+    "job.command", "--command", "your training program and its arguments (shell words; a list in trainctl.toml), run by trainctl run in every pod; or -- PROGRAM ARGS... after job render|launch; none: the built-in trainer";
     "job.nnodes", "--nnodes", "nodes of the job: N or MIN:MAX";
     "job.nproc_per_node", "--nproc-per-node", "workers per node";
     "job.gpus_per_node", "--gpus-per-node", "GPUs each pod requests";
@@ -98,11 +100,15 @@ settings! {
     "job.batch_size", "--batch-size", "images per step on each worker";
     "job.learning_rate", "--lr", "SGD learning rate";
     "job.max_restarts", "--max-restarts", "worker-group restarts before the job fails";
+    "job.rdzv_backend", "--rdzv-backend", "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)";
     "job.rdzv_port", "--rdzv-port", "port of the rendezvous store on node 0";
+    "job.etcd_image", "--etcd-image", "etcd's image for --rdzv-backend etcd";
+    "job.etcd_storage", "--etcd-storage", "where etcd keeps its data: emptydir (lives with the etcd pod) or claim (a folder on the shared claim: survives the pod)";
     "job.metrics_port", "--metrics-port", "port of each training pod's Prometheus metrics (0: none)";
     "job.queue", "--queue", "Kueue LocalQueue the job is submitted to (all pods admitted together), or none";
     "job.runs_dir", "--runs-dir", "where runs write checkpoints and models";
     "job.ttl_seconds", "--ttl-seconds", "seconds a finished job is kept";
+    "tensorboard.image", "--tensorboard-image", "image with TensorBoard for trainctl tensorboard";
 }
 
 pub fn setting(key: &str) -> Option<&'static Setting> {
@@ -222,6 +228,14 @@ impl Resolved {
             Source::Default,
         );
         default("image", "trainctl:latest".into(), Source::Default);
+        default("job.rdzv_backend", "c10d".into(), Source::Default);
+        default("job.etcd_image", ETCD_IMAGE.into(), Source::Default);
+        default("job.etcd_storage", "emptydir".into(), Source::Default);
+        default(
+            "tensorboard.image",
+            TENSORBOARD_IMAGE.into(),
+            Source::Default,
+        );
         default("namespace", "default".into(), Source::Default);
         default("storage.claim", "trainctl-data".into(), Source::Default);
         default("storage.size", "100Gi".into(), Source::Default);
@@ -255,11 +269,13 @@ impl Resolved {
         let instance = self
             .get("cluster.instance_type")
             .and_then(catalog::instance_type);
+        let image = self.get("image").unwrap_or("trainctl:latest").to_string();
         let mut derived = |key: &'static str, value: String, from: &'static str| {
             self.values
                 .entry(key)
                 .or_insert((value, Source::Derived(from)));
         };
+        derived("trainctl_image", image, "image");
         derived("data.dir", format!("{mount}/cifar10"), "storage.mount_path");
         derived(
             "job.runs_dir",
@@ -308,6 +324,11 @@ fn pod_size(t: &InstanceType) -> (String, String, String) {
     (cpu.to_string(), format!("{memory}Gi"), format!("{shm}Gi"))
 }
 
+/// etcd for `--rdzv-backend etcd` (the v3 API, which trainctl's etcd backend speaks).
+pub const ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.17";
+/// TensorBoard for `trainctl tensorboard`: TensorFlow's image has the `tensorboard` command.
+pub const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
+
 /// The official binary CIFAR-10 archive (kept in step with `trainer::cifar`, which this crate
 /// does not depend on: it would pull burn into every Kubernetes command's build).
 pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
@@ -338,7 +359,12 @@ fn parse_file(path: &Path, text: &str) -> Result<BTreeMap<String, String>, Confi
                     if setting(&key).is_none() {
                         return Err(unknown(key));
                     }
-                    out.insert(key.clone(), scalar(&file, &key, v)?);
+                    let value = if key == "job.command" {
+                        command_words(&file, &key, v)?
+                    } else {
+                        scalar(&file, &key, v)?
+                    };
+                    out.insert(key, value);
                 }
             }
             v => {
@@ -351,6 +377,40 @@ fn parse_file(path: &Path, text: &str) -> Result<BTreeMap<String, String>, Confi
         }
     }
     Ok(out)
+}
+
+/// A command in the file: a list of words (`["python", "main.py"]`), kept as one string of
+/// shell words so that it layers like every other setting; or a string of shell words as is.
+fn command_words(file: &str, key: &str, v: toml::Value) -> Result<String, ConfigError> {
+    let toml::Value::Array(items) = v else {
+        return scalar(file, key, v);
+    };
+    let words = items
+        .into_iter()
+        .map(|i| match i {
+            toml::Value::String(s) => Ok(s),
+            other => Err(ConfigError::Parse {
+                file: file.to_string(),
+                message: format!("{key}: expected a list of strings, got {other}"),
+            }),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    join_words(&words).map_err(|message| ConfigError::Parse {
+        file: file.to_string(),
+        message: format!("{key}: {message}"),
+    })
+}
+
+/// Words as one string that [`split_words`] gives back exactly (POSIX shell quoting).
+pub fn join_words<S: AsRef<str>>(words: &[S]) -> Result<String, String> {
+    shlex::try_join(words.iter().map(AsRef::as_ref))
+        .map_err(|_| "a word holds a NUL byte, which no program argument can".into())
+}
+
+/// A string of shell words as the words (quotes and backslashes as a POSIX shell reads them;
+/// no expansion).
+pub fn split_words(s: &str) -> Option<Vec<String>> {
+    shlex::split(s)
 }
 
 fn scalar(file: &str, key: &str, v: toml::Value) -> Result<String, ConfigError> {
@@ -371,6 +431,24 @@ fn scalar(file: &str, key: &str, v: toml::Value) -> Result<String, ConfigError> 
             });
         }
     })
+}
+
+/// Where the job's rendezvous state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdzvBackend {
+    /// trainctl's store, hosted by pod 0's agent.
+    C10d,
+    /// An etcd Deployment and Service next to the job.
+    Etcd,
+}
+
+/// Where the job's etcd keeps its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EtcdStorage {
+    /// An emptyDir: a restarted etcd pod starts empty (the agents then form a new round).
+    EmptyDir,
+    /// A folder of the shared claim: a restarted etcd pod has the job's state back.
+    Claim,
 }
 
 /// How the workers of a job are started.
@@ -453,6 +531,11 @@ pub struct Job {
     pub metrics_port: Option<u16>,
     /// Kueue's LocalQueue: the job carries `kueue.x-k8s.io/queue-name`.
     pub queue: Option<String>,
+    /// The user's program and its arguments; `None`: the built-in trainer.
+    pub command: Option<Vec<String>>,
+    pub rdzv_backend: RdzvBackend,
+    pub etcd_image: String,
+    pub etcd_storage: EtcdStorage,
     pub runs_dir: String,
     pub ttl_seconds: i32,
 }
@@ -485,7 +568,13 @@ impl Job {
 #[derive(Debug, Clone)]
 pub struct Project {
     pub cluster: Cluster,
+    /// What the training pods run.
     pub image: String,
+    /// The image with the trainctl binary (helper jobs; the init container of training pods
+    /// when `image` differs).
+    pub trainctl_image: String,
+    /// What `trainctl tensorboard` runs.
+    pub tensorboard_image: String,
     pub namespace: String,
     pub storage: Storage,
     pub data: Data,
@@ -653,6 +742,30 @@ impl Project {
                 None | Some("none") => None,
                 Some(_) => Some(v.dns_subdomain("job.queue")?),
             },
+            command: v.command()?,
+            rdzv_backend: match v.str("job.rdzv_backend")?.as_str() {
+                "c10d" => RdzvBackend::C10d,
+                "etcd" => RdzvBackend::Etcd,
+                _ => {
+                    return Err(v.invalid(
+                        "job.rdzv_backend",
+                        "choose c10d (the store in pod 0) or etcd (an etcd next to the job)".into(),
+                    ));
+                }
+            },
+            etcd_image: v.image("job.etcd_image")?,
+            etcd_storage: match v.str("job.etcd_storage")?.as_str() {
+                "emptydir" => EtcdStorage::EmptyDir,
+                "claim" => EtcdStorage::Claim,
+                _ => {
+                    return Err(v.invalid(
+                        "job.etcd_storage",
+                        "choose emptydir (the data lives with the etcd pod) or claim (a folder \
+                         on the shared claim)"
+                            .into(),
+                    ));
+                }
+            },
             runs_dir: v.matching(
                 "job.runs_dir",
                 |s| s.starts_with('/'),
@@ -660,9 +773,30 @@ impl Project {
             )?,
             ttl_seconds: v.number("job.ttl_seconds")?,
         };
+        let image = v.image("image")?;
+        let trainctl_image = v.image("trainctl_image")?;
+        if job.command.is_some()
+            && trainctl_image == image
+            && matches!(v.raw("trainctl_image"), Some((_, Source::Derived(_))))
+            && v.raw("image")
+                .is_some_and(|(_, from)| *from != Source::Default)
+        {
+            return Err(v.invalid(
+                "image",
+                format!(
+                    "runs your program ({}), and nothing says where trainctl comes from: give \
+                     --trainctl-image with trainctl's image (an init container copies the binary \
+                     into the pods), or --trainctl-image {image} if this image has trainctl \
+                     in it (docs/KUBERNETES.md, \"Your own image\")",
+                    v.str("job.command")?
+                ),
+            ));
+        }
         Ok(Project {
             cluster,
-            image: v.matching("image", |s| !s.is_empty() && !s.contains(char::is_whitespace), "an image reference such as 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1")?,
+            image,
+            trainctl_image,
+            tensorboard_image: v.image("tensorboard.image")?,
             namespace: v.dns_label("namespace")?,
             storage,
             data,
@@ -754,6 +888,34 @@ impl Values<'_> {
             Ok(v)
         } else {
             Err(self.invalid(key, format!("expected {expected}")))
+        }
+    }
+
+    fn image(&self, key: &'static str) -> Result<String, ConfigError> {
+        self.matching(
+            key,
+            |s| !s.is_empty() && !s.contains(char::is_whitespace),
+            "an image reference such as 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1",
+        )
+    }
+
+    fn command(&self) -> Result<Option<Vec<String>>, ConfigError> {
+        let Some(v) = self.optional("job.command") else {
+            return Ok(None);
+        };
+        if v == "none" {
+            return Ok(None);
+        }
+        match split_words(&v) {
+            Some(words) if !words.is_empty() => Ok(Some(words)),
+            Some(_) => Ok(None),
+            None => Err(self.invalid(
+                "job.command",
+                "not shell words: a quote is not closed or the text ends in a backslash; \
+                 write it as a list in trainctl.toml (command = [\"python\", \"main.py\"]) \
+                 or after -- on the command line"
+                    .into(),
+            )),
         }
     }
 

@@ -1,6 +1,7 @@
 //! `trainctl doctor check`: what the seed tutorials debugged by hand, checked from inside the
 //! cluster by one pod per node: the rendezvous host's name resolves, its port accepts
-//! connections, every worker reaches every other, and the claim is mounted read-write.
+//! connections, every worker reaches every other, the claim is mounted read-write, and the pod
+//! sees the GPUs and EFA adapters it asked for, with the NCCL/libfabric variables set.
 //!
 //! Every pod listens on the rendezvous port, checks the others, then stays up until every peer
 //! has reached it (or the deadline), so that no pod leaves before the others have checked it.
@@ -27,6 +28,20 @@ pub struct Plan {
     /// Address to listen on (default 0.0.0.0).
     pub listen: SocketAddr,
     pub timeout: Duration,
+    pub accelerators: Accelerators,
+}
+
+/// What the pod should see of the node's accelerators.
+#[derive(Debug, Clone)]
+pub struct Accelerators {
+    /// GPUs the pod requested (`nvidia.com/gpu`).
+    pub gpus: u32,
+    /// EFA adapters the pod requested (`vpc.amazonaws.com/efa`).
+    pub efa: u32,
+    /// Where `dev/` and `sys/` are: `/` in a pod.
+    pub root: PathBuf,
+    /// The pod's `NCCL_*` and `FI_*` variables.
+    pub env: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +212,9 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
     }
 
     emit(claim_check(&plan.claim), &mut results);
+    for c in accelerator_checks(&plan.accelerators) {
+        emit(c, &mut results);
+    }
     if let Some(data) = &plan.data {
         emit(data_check(data), &mut results);
     }
@@ -356,6 +374,134 @@ fn claim_check(dir: &Path) -> Check {
     }
 }
 
+/// Names in `dir` that are `prefix` followed by a number (`nvidia0`, `uverbs3`), sorted.
+fn numbered(dir: &Path, prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| {
+            n.strip_prefix(prefix)
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    names.sort_by_key(|n| n[prefix.len()..].parse::<u32>().unwrap_or(u32::MAX));
+    names
+}
+
+/// The GPUs (`/dev/nvidiaN`) and EFA adapters (`/dev/infiniband/uverbsN`, named in
+/// `/sys/class/infiniband`) this pod sees against what it requested, and the variables NCCL
+/// and libfabric read.
+fn accelerator_checks(a: &Accelerators) -> Vec<Check> {
+    let mut out = Vec::new();
+    let gpus = numbered(&a.root.join("dev"), "nvidia");
+    let seen = if gpus.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", gpus.join(", "))
+    };
+    out.push(if (gpus.len() as u32) < a.gpus {
+        check(
+            Verdict::Fail,
+            "gpu",
+            format!(
+                "{} of the {} GPUs requested are in this pod{seen}",
+                gpus.len(),
+                a.gpus
+            ),
+            Some(
+                "the NVIDIA device plugin must run on the node (`trainctl cluster addons` \
+                 installs it; kubectl -n kube-system get ds nvidia-device-plugin-daemonset) \
+                 and the node's driver must be loaded (an EKS GPU AMI)"
+                    .into(),
+            ),
+        )
+    } else {
+        check(
+            Verdict::Ok,
+            "gpu",
+            format!(
+                "{} GPUs in this pod{seen}, {} requested",
+                gpus.len(),
+                a.gpus
+            ),
+            None,
+        )
+    });
+    let uverbs = numbered(&a.root.join("dev/infiniband"), "uverbs");
+    let mut adapters: Vec<String> = std::fs::read_dir(a.root.join("sys/class/infiniband"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    adapters.sort();
+    let named = if adapters.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", adapters.join(", "))
+    };
+    out.push(if (uverbs.len() as u32) < a.efa {
+        check(
+            Verdict::Fail,
+            "efa",
+            format!(
+                "{} of the {} EFA adapters requested are in this pod{named}",
+                uverbs.len(),
+                a.efa
+            ),
+            Some(
+                "the EFA device plugin must run on the node (eksctl installs it for node \
+                 groups with efaEnabled: kubectl -n kube-system get ds \
+                 aws-efa-k8s-device-plugin-daemonset) and the instance must have EFA"
+                    .into(),
+            ),
+        )
+    } else {
+        check(
+            Verdict::Ok,
+            "efa",
+            format!(
+                "{} EFA adapters in this pod{named}, {} requested",
+                uverbs.len(),
+                a.efa
+            ),
+            None,
+        )
+    });
+    let mut vars: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    vars.sort();
+    let provider = a
+        .env
+        .iter()
+        .find(|(k, _)| k == "FI_PROVIDER")
+        .map(|(_, v)| v.as_str());
+    let listed = if vars.is_empty() {
+        "none set".to_string()
+    } else {
+        vars.join(" ")
+    };
+    out.push(if a.efa > 0 && provider != Some("efa") {
+        check(
+            Verdict::Warn,
+            "nccl",
+            format!("NCCL/libfabric variables: {listed}"),
+            Some(
+                "with EFA adapters, set FI_PROVIDER=efa (trainctl's training pods do) or \
+                 NCCL falls back to TCP sockets"
+                    .into(),
+            ),
+        )
+    } else {
+        check(
+            Verdict::Ok,
+            "nccl",
+            format!("NCCL/libfabric variables: {listed}"),
+            None,
+        )
+    });
+    out
+}
+
 fn data_check(dir: &Path) -> Check {
     let binary = dir.join("cifar-10-batches-bin").join("test_batch.bin");
     let python = dir.join("cifar-10-batches-py").join("test_batch");
@@ -379,6 +525,59 @@ fn data_check(dir: &Path) -> Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn accelerators(root: &Path, gpus: u32, efa: u32, env: &[(&str, &str)]) -> Vec<Check> {
+        accelerator_checks(&Accelerators {
+            gpus,
+            efa,
+            root: root.to_path_buf(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn gpus_and_efa_adapters_are_counted_against_the_request() {
+        let root = tempfile::tempdir().unwrap();
+        let dev = root.path().join("dev");
+        std::fs::create_dir_all(dev.join("infiniband")).unwrap();
+        for f in ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia10"] {
+            std::fs::write(dev.join(f), "").unwrap();
+        }
+        std::fs::write(dev.join("infiniband/uverbs0"), "").unwrap();
+        std::fs::create_dir_all(root.path().join("sys/class/infiniband/rdmap16s27")).unwrap();
+
+        let c = accelerators(root.path(), 3, 1, &[("FI_PROVIDER", "efa")]);
+        assert!(c.iter().all(|c| c.verdict == Verdict::Ok), "{c:?}");
+        assert_eq!(
+            c[0].detail,
+            "3 GPUs in this pod (nvidia0, nvidia1, nvidia10), 3 requested"
+        );
+        assert_eq!(
+            c[1].detail,
+            "1 EFA adapters in this pod (rdmap16s27), 1 requested"
+        );
+        assert_eq!(c[2].detail, "NCCL/libfabric variables: FI_PROVIDER=efa");
+
+        // Fewer than requested: the check fails and says which plugin to look at.
+        let c = accelerators(root.path(), 8, 4, &[]);
+        assert_eq!(c[0].verdict, Verdict::Fail);
+        assert!(c[0].detail.starts_with("3 of the 8 GPUs"), "{}", c[0]);
+        assert!(c[0].advice.as_ref().unwrap().contains("device plugin"));
+        assert_eq!(c[1].verdict, Verdict::Fail);
+        assert!(c[1].advice.as_ref().unwrap().contains("EFA device plugin"));
+        // EFA without FI_PROVIDER=efa: NCCL would use TCP.
+        assert_eq!(c[2].verdict, Verdict::Warn);
+        assert!(c[2].detail.ends_with("none set"), "{}", c[2]);
+
+        // A CPU pod: nothing requested, nothing to fail.
+        let empty = tempfile::tempdir().unwrap();
+        let c = accelerators(empty.path(), 0, 0, &[]);
+        assert!(c.iter().all(|c| c.verdict == Verdict::Ok), "{c:?}");
+        assert_eq!(c[0].detail, "0 GPUs in this pod, 0 requested");
+    }
 
     #[test]
     fn peers_are_told_apart_by_host_name_or_whole_address() {

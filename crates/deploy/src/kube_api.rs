@@ -135,6 +135,7 @@ const KINDS: &[(&str, &str, &str, &str, bool)] = &[
     ),
     ("batch", "v1", "Job", "jobs", true),
     ("apps", "v1", "DaemonSet", "daemonsets", true),
+    ("apps", "v1", "Deployment", "deployments", true),
     ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs", true),
 ];
 
@@ -289,16 +290,24 @@ impl Kube {
         }
     }
 
-    /// The job, its conditions and its pods.
+    /// The job, its conditions, its pods and the pods beside it (its etcd, TensorBoard).
     pub async fn status(&self, name: &str) -> Result<JobStatus, ApiError> {
         let mut status = self.require_job(name).await?;
-        status.pods = self.pods(name).await?;
+        (status.pods, status.companions) = self.pods_and_companions(name).await?;
         status.settle();
         Ok(status)
     }
 
     /// The pods of job `name`, by node index.
     async fn pods(&self, name: &str) -> Result<Vec<PodStatus>, ApiError> {
+        Ok(self.pods_and_companions(name).await?.0)
+    }
+
+    /// The pods of job `name` by node index, and the pods of its etcd and TensorBoard.
+    async fn pods_and_companions(
+        &self,
+        name: &str,
+    ) -> Result<(Vec<PodStatus>, Vec<PodStatus>), ApiError> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
         // The data, test and doctor jobs' pods carry the training job's label, so select on
         // what every trainctl pod has and keep the pods of job `name` itself.
@@ -314,7 +323,14 @@ impl Kube {
             .map(PodStatus::from_pod)
             .collect();
         out.sort_by(|a, b| (a.index, &a.name).cmp(&(b.index, &b.name)));
-        Ok(out)
+        let mut companions: Vec<PodStatus> = list
+            .items
+            .iter()
+            .filter(|p| companion_of(p, name))
+            .map(PodStatus::from_pod)
+            .collect();
+        companions.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok((out, companions))
     }
 
     /// Polls until the job succeeds (Ok) or fails (Err), up to `timeout`.
@@ -337,8 +353,8 @@ impl Kube {
     }
 
     /// Deletes the job `name` and everything labelled with it (its Service, token Secret, pods,
-    /// and its data, test and doctor jobs), but never the storage: the claim holds the data
-    /// set, the checkpoints and the model.
+    /// etcd, TensorBoard, and its data, test and doctor jobs), but never the storage: the claim
+    /// holds the data set, the checkpoints and the model.
     pub async fn delete(&self, name: &str) -> Result<Vec<Applied>, ApiError> {
         let deleted = self.delete_matching(&manifests::job_selector(name)).await?;
         if deleted.is_empty() {
@@ -347,12 +363,13 @@ impl Kube {
         Ok(deleted)
     }
 
-    /// Deletes the jobs, Services and Secrets that `selector` matches, jobs first.
+    /// Deletes the jobs, Deployments (etcd, TensorBoard), Services and Secrets that `selector`
+    /// matches, jobs first.
     pub async fn delete_matching(&self, selector: &str) -> Result<Vec<Applied>, ApiError> {
         let params = delete_with_pods();
         let mut deleted = Vec::new();
-        // The jobs first, so that their workers stop before their Service and token go.
-        for wanted in ["PyTorchJob", "Job", "Service", "Secret"] {
+        // The jobs first, so that their workers stop before their etcd, Service and token go.
+        for wanted in ["PyTorchJob", "Job", "Deployment", "Service", "Secret"] {
             let Some((group, version, kind, plural, _)) =
                 KINDS.iter().find(|(_, _, k, _, _)| *k == wanted)
             else {
@@ -649,6 +666,17 @@ fn owned_by(p: &Pod, name: &str) -> bool {
         || label("training.kubeflow.org/job-name") == Some(name)
 }
 
+/// Whether pod `p` runs beside job `name`: its etcd or its TensorBoard.
+fn companion_of(p: &Pod, name: &str) -> bool {
+    let labels = p.metadata.labels.as_ref();
+    let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+    label(manifests::JOB_LABEL) == Some(name)
+        && matches!(
+            label(manifests::COMPONENT_LABEL),
+            Some("etcd" | "tensorboard")
+        )
+}
+
 fn split_timestamp(line: &str) -> (&str, &str) {
     match line.split_once(' ') {
         Some((stamp, rest)) if stamp.len() >= 20 && stamp.as_bytes()[4] == b'-' => (stamp, rest),
@@ -702,6 +730,8 @@ pub struct JobStatus {
     /// Pods that failed and were replaced (a Job's `status.failed`).
     pub failed_pods: i32,
     pub pods: Vec<PodStatus>,
+    /// The pods beside the job: its etcd (`--rdzv-backend etcd`), its TensorBoard.
+    pub companions: Vec<PodStatus>,
 }
 
 impl JobStatus {
@@ -732,6 +762,7 @@ impl JobStatus {
             conditions,
             failed_pods: status.failed.unwrap_or(0),
             pods: Vec::new(),
+            companions: Vec::new(),
         }
     }
 
@@ -769,6 +800,7 @@ impl JobStatus {
             conditions,
             failed_pods: 0,
             pods: Vec::new(),
+            companions: Vec::new(),
         }
     }
 
@@ -811,14 +843,16 @@ impl JobStatus {
         }
         if self.pods.is_empty() {
             s.push_str("  no pods yet\n");
-            return s;
+            if self.companions.is_empty() {
+                return s;
+            }
         }
         let _ = writeln!(
             s,
             "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} WHY",
             "POD", "NODE", "PHASE", "READY", "RESTARTS", "ON"
         );
-        for p in &self.pods {
+        for p in self.pods.iter().chain(&self.companions) {
             let _ = writeln!(
                 s,
                 "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} {}",

@@ -1,23 +1,27 @@
 //! The Kubernetes objects trainctl renders: storage, the data job, the training job (Indexed
-//! Job or Kubeflow PyTorchJob), the test job, the doctor job and the NVIDIA device plugin.
+//! Job or Kubeflow PyTorchJob, running the built-in trainer or the user's program, with an etcd
+//! beside it for `--rdzv-backend etcd`), the test job, the doctor job, TensorBoard and the
+//! NVIDIA device plugin.
 //!
 //! Core objects are built from `k8s-openapi` types, so their shape is the API's. Every object
 //! carries the labels in [`labels`], which is how `job status|logs|top|delete` find them again.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
+use k8s_openapi::api::apps::v1::{
+    DaemonSet, DaemonSetSpec, Deployment, DeploymentSpec, DeploymentStrategy,
+};
 use k8s_openapi::api::batch::v1::{
     Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement,
     PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
 };
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, Capabilities, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HostPathVolumeSource, PersistentVolume, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, PersistentVolumeSpec,
-    PodSecurityContext, PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, Secret,
-    SecretKeySelector, SecurityContext, Service, ServicePort, ServiceSpec, Toleration, Volume,
-    VolumeMount, VolumeResourceRequirements,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, PersistentVolume,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource,
+    PersistentVolumeSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceRequirements, SeccompProfile, Secret, SecretKeySelector, SecurityContext, Service,
+    ServicePort, ServiceSpec, Toleration, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -26,7 +30,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::{Launcher, Project, StorageBackend};
+use crate::config::{EtcdStorage, Launcher, Project, RdzvBackend, StorageBackend};
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
@@ -36,7 +40,7 @@ pub const JOB_LABEL: &str = "trainctl.dev/job";
 pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 /// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
-/// What the object is in the job: `worker`, `data`, `test` or `doctor`.
+/// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
 pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
 /// The container that runs trainctl in every pod (the operator's default name for PyTorchJob).
 pub const CONTAINER: &str = "pytorch";
@@ -46,6 +50,15 @@ pub const RDZV_PORT_NAME: &str = "pytorchjob-port";
 pub const METRICS_PORT_NAME: &str = "metrics";
 /// Where the binary is in the image (see the Dockerfile).
 pub const BINARY: &str = "trainctl";
+/// Where the init container of a training pod whose image lacks trainctl puts the binary (an
+/// emptyDir shared with the training container).
+pub const BINARY_DIR: &str = "/opt/trainctl";
+/// The init container that copies trainctl into [`BINARY_DIR`].
+pub const INSTALL_CONTAINER: &str = "install-trainctl";
+/// etcd's client port (`--rdzv-backend etcd`).
+pub const ETCD_PORT: u16 = 2379;
+/// TensorBoard's port.
+pub const TENSORBOARD_PORT: u16 = 6006;
 /// The user the pods run as (the image's `trainctl` user).
 pub const RUN_AS: i64 = 1000;
 /// Exit codes of `trainctl` that no retry can fix: the job failed past its restarts (1) or the
@@ -220,8 +233,16 @@ fn backend_name(b: &StorageBackend) -> &'static str {
 struct PodOptions {
     component: &'static str,
     args: Vec<String>,
-    /// GPU, CPU and memory of a training pod, or a small request for helper jobs.
+    /// The image the container runs.
+    image: String,
+    /// CPU and memory of a training pod, or a small request for helper jobs.
     training_size: bool,
+    /// The node's GPUs and EFA adapters, the GPU taint's toleration and NCCL's variables
+    /// (training pods, and the doctor's, which checks that they are seen).
+    accelerators: bool,
+    /// Runs the user's program: the image's own working directory and a writable root file
+    /// system (a program may write beside itself), HOME in /tmp.
+    user_program: bool,
     port: Option<u16>,
     /// Training pods: the port `trainctl run --metrics-port` serves, announced to Prometheus
     /// by the usual `prometheus.io/*` pod annotations.
@@ -233,11 +254,7 @@ struct PodOptions {
 
 fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     let job = &project.job;
-    let gpus = if o.training_size {
-        job.gpus_per_node
-    } else {
-        0
-    };
+    let gpus = if o.accelerators { job.gpus_per_node } else { 0 };
     let mut requests = BTreeMap::new();
     let mut limits = BTreeMap::new();
     if o.training_size {
@@ -261,15 +278,23 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
         ..EnvVar::default()
     };
     let mut env = vec![plain("RUST_LOG", "warn")];
+    if o.user_program {
+        // The pods run as uid 1000, which the user's image may not know: its home is /.
+        env.push(plain("HOME", "/tmp"));
+    }
     // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
     // which eksctl installs with an EFA node group, schedules them) and point NCCL at them.
-    let instance = project.cluster.instance_type;
-    if gpus > 0 && instance.supports_efa() {
-        let adapters = quantity(&instance.efa_interfaces.to_string());
+    let adapters = if o.accelerators {
+        accelerators(project).1
+    } else {
+        0
+    };
+    if adapters > 0 {
+        let adapters = quantity(&adapters.to_string());
         requests.insert(EFA_RESOURCE.into(), adapters.clone());
         limits.insert(EFA_RESOURCE.into(), adapters);
         env.push(plain("FI_PROVIDER", "efa"));
-        if instance.gpudirect_rdma() {
+        if project.cluster.instance_type.gpudirect_rdma() {
             env.push(plain("FI_EFA_USE_DEVICE_RDMA", "1"));
         }
     }
@@ -329,11 +354,51 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             ..VolumeMount::default()
         });
     }
+    // An image without trainctl gets it from an init container, through an emptyDir.
+    let copy_binary = o.image != project.trainctl_image;
+    let mut init_containers = None;
+    let binary = if copy_binary {
+        volumes.push(Volume {
+            name: "trainctl".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        });
+        let mount = VolumeMount {
+            name: "trainctl".into(),
+            mount_path: BINARY_DIR.into(),
+            ..VolumeMount::default()
+        };
+        mounts.push(VolumeMount {
+            read_only: Some(true),
+            ..mount.clone()
+        });
+        init_containers = Some(vec![Container {
+            name: INSTALL_CONTAINER.into(),
+            image: Some(project.trainctl_image.clone()),
+            image_pull_policy: Some("IfNotPresent".into()),
+            command: Some(vec![BINARY.into()]),
+            args: Some(vec!["install".into(), BINARY_DIR.into()]),
+            resources: Some(ResourceRequirements {
+                requests: Some(BTreeMap::from([
+                    ("cpu".into(), quantity("100m")),
+                    ("memory".into(), quantity("64Mi")),
+                ])),
+                limits: Some(BTreeMap::from([("memory".into(), quantity("256Mi"))])),
+                ..ResourceRequirements::default()
+            }),
+            volume_mounts: Some(vec![mount]),
+            security_context: Some(restricted(true)),
+            ..Container::default()
+        }]);
+        format!("{BINARY_DIR}/{BINARY}")
+    } else {
+        BINARY.into()
+    };
     let container = Container {
         name: CONTAINER.into(),
-        image: Some(project.image.clone()),
+        image: Some(o.image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
-        command: Some(vec![BINARY.into()]),
+        command: Some(vec![binary]),
         args: Some(o.args),
         env: Some(env),
         ports: o.port.map(|p| {
@@ -357,17 +422,8 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             ..ResourceRequirements::default()
         }),
         volume_mounts: Some(mounts),
-        working_dir: Some("/tmp".into()),
-        security_context: Some(SecurityContext {
-            allow_privilege_escalation: Some(false),
-            read_only_root_filesystem: Some(true),
-            run_as_non_root: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".into()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
+        working_dir: (!o.user_program).then(|| "/tmp".into()),
+        security_context: Some(restricted(!o.user_program)),
         ..Container::default()
     };
     let node_selector = project
@@ -389,6 +445,7 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
+            init_containers,
             containers: vec![container],
             restart_policy: Some("Never".into()),
             subdomain: o.subdomain,
@@ -397,20 +454,53 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             volumes: Some(volumes),
             termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
             enable_service_links: Some(false),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(RUN_AS),
-                run_as_group: Some(RUN_AS),
-                fs_group: Some(RUN_AS),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    ..SeccompProfile::default()
-                }),
-                ..PodSecurityContext::default()
-            }),
+            security_context: Some(pod_security()),
             ..PodSpec::default()
         }),
     }
+}
+
+/// Every trainctl pod runs as the image's `trainctl` user (1000), never root.
+fn pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(RUN_AS),
+        run_as_group: Some(RUN_AS),
+        fs_group: Some(RUN_AS),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// No privileges, no capabilities; the root file system read-only unless the container runs
+/// a program trainctl does not know.
+fn restricted(read_only_root: bool) -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(read_only_root),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// The GPUs and EFA adapters a training pod takes: the job's GPUs per node and, on GPU nodes
+/// with EFA, every adapter of the instance.
+fn accelerators(project: &Project) -> (u32, u32) {
+    let gpus = project.job.gpus_per_node;
+    let instance = project.cluster.instance_type;
+    let adapters = if gpus > 0 && instance.supports_efa() {
+        instance.efa_interfaces
+    } else {
+        0
+    };
+    (gpus, adapters)
 }
 
 /// GPU nodes are tainted `nvidia.com/gpu` (see `eksctl`): only pods that tolerate it land there.
@@ -545,8 +635,11 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
         project,
         PodOptions {
             component: "data",
+            image: project.trainctl_image.clone(),
             args,
             training_size: false,
+            accelerators: false,
+            user_program: false,
             port: None,
             metrics_port: None,
             token_secret: None,
@@ -575,8 +668,11 @@ pub fn test_job(project: &Project) -> Value {
         project,
         PodOptions {
             component: "test",
+            image: project.trainctl_image.clone(),
             args,
             training_size: false,
+            accelerators: false,
+            user_program: false,
             port: None,
             metrics_port: None,
             token_secret: None,
@@ -626,10 +722,13 @@ fn train_args(project: &Project) -> Vec<String> {
     ]
 }
 
-/// The training job: a Secret with the job token, then an Indexed Job and its headless Service,
-/// or a PyTorchJob.
+/// The training job: a Secret with the job token, the job's etcd (its Service and Deployment)
+/// with `--rdzv-backend etcd`, then an Indexed Job and its headless Service, or a PyTorchJob.
 pub fn training_job(project: &Project, token: &str) -> Vec<Value> {
     let mut out = vec![token_secret(project, token)];
+    if project.job.rdzv_backend == RdzvBackend::Etcd {
+        out.extend(etcd(project));
+    }
     match project.job.launcher {
         Launcher::Indexed => {
             let (service, job) = indexed_job(project);
@@ -652,19 +751,38 @@ pub fn rdzv_host(project: &Project) -> String {
     }
 }
 
-/// `trainctl run`'s flags for a c10d rendezvous on pod 0.
-fn c10d_flags(project: &Project) -> [String; 8] {
-    let j = &project.job;
+/// The rendezvous backend's name and endpoint: the store on pod 0 (c10d), or the job's etcd.
+fn rdzv_endpoint(project: &Project) -> (&'static str, String) {
+    match project.job.rdzv_backend {
+        RdzvBackend::C10d => (
+            "c10d",
+            format!("{}:{}", rdzv_host(project), project.job.rdzv_port),
+        ),
+        RdzvBackend::Etcd => ("etcd", format!("{}:{ETCD_PORT}", etcd_name(project))),
+    }
+}
+
+fn rdzv_flags(project: &Project) -> [String; 4] {
+    let (backend, endpoint) = rdzv_endpoint(project);
     [
+        "--rdzv-backend".into(),
+        backend.into(),
+        "--rdzv-endpoint".into(),
+        endpoint,
+    ]
+}
+
+/// `trainctl run`'s flags for the job's nodes and rendezvous.
+fn launch_flags(project: &Project) -> Vec<String> {
+    let j = &project.job;
+    let mut flags = vec![
         "--nnodes".into(),
         j.nnodes(),
         "--nproc-per-node".into(),
         j.nproc_per_node.to_string(),
-        "--rdzv-backend".into(),
-        "c10d".into(),
-        "--rdzv-endpoint".into(),
-        format!("{}:{}", rdzv_host(project), j.rdzv_port),
-    ]
+    ];
+    flags.extend(rdzv_flags(project));
+    flags
 }
 
 fn metrics_flag(project: &Project) -> Vec<String> {
@@ -681,8 +799,9 @@ fn max_restarts_flag(project: &Project) -> [String; 2] {
     ]
 }
 
-/// A training pod of either launcher: `trainctl run LAUNCH_ARGS train ...`, sized for training,
-/// with the rendezvous and metrics ports and the job token.
+/// A training pod of either launcher: `trainctl run LAUNCH_ARGS train ...` (or `-- PROGRAM
+/// ARGS...`: the user's program, with torchrun's environment), sized for training, with the
+/// rendezvous and metrics ports and the job token.
 fn worker_template(
     project: &Project,
     launch_args: Vec<String>,
@@ -696,13 +815,22 @@ fn worker_template(
         "--grace-period".into(),
         (TERMINATION_GRACE_SECONDS - 5).to_string(),
     ]);
-    args.extend(train_args(project));
+    match &j.command {
+        Some(program) => {
+            args.push("--".into());
+            args.extend(program.iter().cloned());
+        }
+        None => args.extend(train_args(project)),
+    }
     pod_template(
         project,
         PodOptions {
             component: "worker",
+            image: project.image.clone(),
             args,
             training_size: true,
+            accelerators: true,
+            user_program: j.command.is_some(),
             port: Some(j.rdzv_port),
             metrics_port: j.metrics_port,
             token_secret: Some(token_secret_name(project)),
@@ -714,7 +842,7 @@ fn worker_template(
 fn indexed_job(project: &Project) -> (Service, Job) {
     let j = &project.job;
     let mut args = vec!["run".to_string()];
-    args.extend(c10d_flags(project));
+    args.extend(launch_flags(project));
     args.extend(["--rdzv-id".into(), j.name.clone()]);
     args.extend(max_restarts_flag(project));
     args.extend(metrics_flag(project));
@@ -747,8 +875,12 @@ fn pytorch_job(project: &Project) -> Value {
     let j = &project.job;
     let mut args = vec!["run".into(), "--rdzv-id".into(), j.name.clone()];
     if !j.is_elastic() {
-        args.extend(c10d_flags(project));
+        args.extend(launch_flags(project));
         args.extend(max_restarts_flag(project));
+    } else if j.rdzv_backend == RdzvBackend::Etcd {
+        // The operator's PET_RDZV_ENDPOINT names the same etcd; the flags say it whatever the
+        // operator's version does with rdzvHost.
+        args.extend(rdzv_flags(project));
     }
     args.extend(metrics_flag(project));
     let template = worker_template(project, args, None);
@@ -776,6 +908,11 @@ fn pytorch_job(project: &Project) -> Value {
             "rdzvPort": j.rdzv_port,
             "maxRestarts": j.max_restarts,
         });
+        if j.rdzv_backend == RdzvBackend::Etcd {
+            spec["elasticPolicy"]["rdzvBackend"] = "etcd".into();
+            spec["elasticPolicy"]["rdzvHost"] = etcd_name(project).into();
+            spec["elasticPolicy"]["rdzvPort"] = ETCD_PORT.into();
+        }
     }
     let mut metadata = meta(project, &j.name, "worker");
     queue_label(project, &mut metadata);
@@ -785,6 +922,256 @@ fn pytorch_job(project: &Project) -> Value {
         "metadata": to_value(&metadata),
         "spec": spec,
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deployments: the job's etcd, TensorBoard
+
+pub fn etcd_name(project: &Project) -> String {
+    format!("{}-etcd", project.job.name)
+}
+
+/// The job's etcd for `--rdzv-backend etcd`, as the torchelastic examples deploy one: a single
+/// member behind a ClusterIP Service, on whatever node has room (not a training node's GPUs).
+/// Its data is in an emptyDir, or in `.etcd/NAME` on the claim (`job.etcd_storage = claim`),
+/// where a replacement pod finds the job's state again.
+pub fn etcd(project: &Project) -> Vec<Value> {
+    let name = etcd_name(project);
+    let component = "etcd";
+    let mount = "/var/lib/etcd";
+    let (volume, data_dir) = match project.job.etcd_storage {
+        EtcdStorage::EmptyDir => (
+            Volume {
+                name: "etcd".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            },
+            format!("{mount}/data"),
+        ),
+        EtcdStorage::Claim => (
+            Volume {
+                name: "etcd".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: project.storage.claim.clone(),
+                    read_only: Some(false),
+                }),
+                ..Volume::default()
+            },
+            format!("{mount}/.etcd/{name}"),
+        ),
+    };
+    let args = vec![
+        "--name".into(),
+        name.clone(),
+        "--data-dir".into(),
+        data_dir,
+        "--listen-client-urls".into(),
+        format!("http://0.0.0.0:{ETCD_PORT}"),
+        "--advertise-client-urls".into(),
+        format!("http://{name}:{ETCD_PORT}"),
+        "--listen-peer-urls".into(),
+        "http://127.0.0.1:2380".into(),
+        "--initial-advertise-peer-urls".into(),
+        "http://127.0.0.1:2380".into(),
+        "--initial-cluster".into(),
+        format!("{name}=http://127.0.0.1:2380"),
+        "--initial-cluster-state".into(),
+        "new".into(),
+    ];
+    let container = Container {
+        name: "etcd".into(),
+        image: Some(project.job.etcd_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["etcd".into()]),
+        args: Some(args),
+        ports: Some(vec![ContainerPort {
+            name: Some("client".into()),
+            container_port: ETCD_PORT.into(),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }]),
+        readiness_probe: Some(http_probe("/health", ETCD_PORT)),
+        resources: Some(small_resources("100m", "256Mi", "512Mi")),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "etcd".into(),
+            mount_path: mount.into(),
+            ..VolumeMount::default()
+        }]),
+        security_context: Some(restricted(true)),
+        ..Container::default()
+    };
+    let spec = PodSpec {
+        containers: vec![container],
+        volumes: Some(vec![volume]),
+        enable_service_links: Some(false),
+        security_context: Some(pod_security()),
+        ..PodSpec::default()
+    };
+    vec![
+        object(&cluster_ip_service(
+            project, &name, component, "client", ETCD_PORT,
+        )),
+        object(&deployment(project, &name, component, spec)),
+    ]
+}
+
+pub fn tensorboard_name(project: &Project) -> String {
+    format!("{}-tensorboard", project.job.name)
+}
+
+/// `trainctl tensorboard`: TensorBoard over the claim's runs folder (mounted read-only), and a
+/// ClusterIP Service in front of it (`kubectl port-forward service/NAME 6006`).
+pub fn tensorboard(project: &Project) -> Vec<Value> {
+    let name = tensorboard_name(project);
+    let component = "tensorboard";
+    let container = Container {
+        name: "tensorboard".into(),
+        image: Some(project.tensorboard_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["tensorboard".into()]),
+        args: Some(vec![
+            "--logdir".into(),
+            project.job.runs_dir.clone(),
+            "--bind_all".into(),
+            "--port".into(),
+            TENSORBOARD_PORT.to_string(),
+        ]),
+        env: Some(vec![EnvVar {
+            name: "HOME".into(),
+            value: Some("/tmp".into()),
+            ..EnvVar::default()
+        }]),
+        ports: Some(vec![ContainerPort {
+            name: Some("http".into()),
+            container_port: TENSORBOARD_PORT.into(),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }]),
+        readiness_probe: Some(http_probe("/", TENSORBOARD_PORT)),
+        resources: Some(small_resources("250m", "1Gi", "4Gi")),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "data".into(),
+                mount_path: project.storage.mount_path.clone(),
+                read_only: Some(true),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: "tmp".into(),
+                mount_path: "/tmp".into(),
+                ..VolumeMount::default()
+            },
+        ]),
+        working_dir: Some("/tmp".into()),
+        security_context: Some(restricted(true)),
+        ..Container::default()
+    };
+    let spec = PodSpec {
+        containers: vec![container],
+        volumes: Some(vec![
+            Volume {
+                name: "data".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: project.storage.claim.clone(),
+                    read_only: Some(true),
+                }),
+                ..Volume::default()
+            },
+            Volume {
+                name: "tmp".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Volume::default()
+            },
+        ]),
+        enable_service_links: Some(false),
+        security_context: Some(pod_security()),
+        ..PodSpec::default()
+    };
+    vec![
+        object(&cluster_ip_service(
+            project,
+            &name,
+            component,
+            "http",
+            TENSORBOARD_PORT,
+        )),
+        object(&deployment(project, &name, component, spec)),
+    ]
+}
+
+fn http_probe(path: &str, port: u16) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::Int(port.into()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(5),
+        ..Probe::default()
+    }
+}
+
+fn small_resources(cpu: &str, memory: &str, memory_limit: &str) -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".into(), quantity(cpu)),
+            ("memory".into(), quantity(memory)),
+        ])),
+        limits: Some(BTreeMap::from([("memory".into(), quantity(memory_limit))])),
+        ..ResourceRequirements::default()
+    }
+}
+
+/// One replica of `spec`, replaced (never two at once: etcd's data, one port-forward target).
+fn deployment(project: &Project, name: &str, component: &str, spec: PodSpec) -> Deployment {
+    let labels = labels(&project.job.name, component);
+    Deployment {
+        metadata: meta(project, name, component),
+        spec: Some(DeploymentSpec {
+            replicas: Some(1),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..LabelSelector::default()
+            },
+            strategy: Some(DeploymentStrategy {
+                type_: Some("Recreate".into()),
+                ..DeploymentStrategy::default()
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(spec),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
+}
+
+fn cluster_ip_service(
+    project: &Project,
+    name: &str,
+    component: &str,
+    port_name: &str,
+    port: u16,
+) -> Service {
+    Service {
+        metadata: meta(project, name, component),
+        spec: Some(ServiceSpec {
+            selector: Some(labels(&project.job.name, component)),
+            ports: Some(vec![ServicePort {
+                name: Some(port_name.into()),
+                port: port.into(),
+                target_port: Some(IntOrString::Int(port.into())),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
 }
 
 pub fn doctor_job_name(project: &Project) -> String {
@@ -798,7 +1185,7 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
     let name = doctor_job_name(project);
     let pods = j.max_nodes;
     let peers: Vec<String> = (0..pods).map(|i| format!("{name}-{i}.{name}")).collect();
-    let args = vec![
+    let mut args = vec![
         "doctor".into(),
         "check".into(),
         "--peers".into(),
@@ -810,12 +1197,22 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
         "--data".into(),
         project.data.dir.clone(),
     ];
+    let (gpus, adapters) = accelerators(project);
+    if gpus > 0 {
+        args.extend(["--expect-gpus".into(), gpus.to_string()]);
+    }
+    if adapters > 0 {
+        args.extend(["--expect-efa".into(), adapters.to_string()]);
+    }
     let template = pod_template(
         project,
         PodOptions {
             component: "doctor",
+            image: project.trainctl_image.clone(),
             args,
             training_size: false,
+            accelerators: true,
+            user_program: false,
             port: Some(j.rdzv_port),
             metrics_port: None,
             token_secret: None,
@@ -823,7 +1220,8 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
         },
     );
     let mut template = template;
-    // The doctor checks the nodes the training will use, GPU nodes' taint included.
+    // The doctor checks the nodes the training will use (its pods take their GPUs and EFA
+    // adapters, so it sees what a training pod sees), GPU nodes' taint included.
     if let Some(spec) = template.spec.as_mut() {
         if let Some((k, v)) = j.node_selector.as_ref() {
             spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));

@@ -156,6 +156,22 @@ fn list(kind: &str, items: Vec<Value>) -> Value {
     json!({ "apiVersion": "v1", "kind": kind, "metadata": {}, "items": items })
 }
 
+/// Empty lists of every kind `delete` looks through, as a real API server answers; routes added
+/// before this one answer first.
+fn empty_lists(api: &MockApi) {
+    for (path, kind) in [
+        ("/apis/batch/v1/namespaces/default/jobs", "JobList"),
+        (
+            "/apis/apps/v1/namespaces/default/deployments",
+            "DeploymentList",
+        ),
+        ("/api/v1/namespaces/default/services", "ServiceList"),
+        ("/api/v1/namespaces/default/secrets", "SecretList"),
+    ] {
+        api.get(path, list(kind, vec![]));
+    }
+}
+
 fn project(flags: &[(&'static str, &str)]) -> Project {
     Project::from_settings(flags).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -562,6 +578,7 @@ async fn delete_removes_the_job_and_its_helpers_but_not_the_storage() {
     ] {
         api.on(Method::DELETE, path, vec![ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))]);
     }
+    empty_lists(&api);
     let deleted = api.kube().delete("cifar10").await.unwrap();
     let names: Vec<String> = deleted
         .iter()
@@ -688,4 +705,217 @@ async fn follow_streams_until_the_job_has_finished() {
         .filter(|r| r.contains("/log?") && r.contains("follow=true"))
         .count();
     assert_eq!(streams, 1, "one stream per pod, not one per poll");
+}
+
+/// With `--rdzv-backend etcd` the job's etcd (Service, then Deployment) is applied before the
+/// job, so that its name resolves when the first pod starts.
+#[tokio::test]
+async fn launch_with_etcd_applies_the_etcd_before_the_job() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1"), ("job.rdzv_backend", "etcd")]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    for doc in &docs {
+        let name = doc["metadata"]["name"].as_str().unwrap();
+        let path = match doc["kind"].as_str().unwrap() {
+            "Secret" => format!("/api/v1/namespaces/default/secrets/{name}"),
+            "Service" => format!("/api/v1/namespaces/default/services/{name}"),
+            "Deployment" => format!("/apis/apps/v1/namespaces/default/deployments/{name}"),
+            "Job" => JOB.to_string(),
+            k => panic!("{k}"),
+        };
+        api.on(Method::PATCH, &path, vec![ok(doc.clone())]);
+    }
+    let applied = api.kube().launch("cifar10", &docs).await.unwrap();
+    let names: Vec<String> = applied
+        .iter()
+        .map(|a| format!("{} {}", a.kind, a.name))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Secret cifar10-token",
+            "Service cifar10-etcd",
+            "Deployment cifar10-etcd",
+            "Service cifar10",
+            "Job cifar10"
+        ]
+    );
+}
+
+fn etcd_pod(phase: &str, status: Value) -> Value {
+    let mut status = status;
+    status["phase"] = json!(phase);
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": "cifar10-etcd-7d9f8-x2x4q",
+            "namespace": "default",
+            "uid": "uid-etcd",
+            "labels": {
+                "trainctl.dev/job": "cifar10",
+                "trainctl.dev/component": "etcd",
+                "app.kubernetes.io/managed-by": "trainctl",
+            },
+        },
+        "spec": { "containers": [{ "name": "etcd" }], "nodeName": "ip-10-0-0-9" },
+        "status": status,
+    })
+}
+
+/// The etcd's pod is shown with the job's (a broken etcd is a root cause), but a running etcd
+/// does not make a job whose workers wait for nodes look running, and its logs are not mixed
+/// into the workers'.
+#[tokio::test]
+async fn status_shows_the_jobs_etcd_beside_its_pods() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 2 })));
+    let pulling = json!({
+        "containerStatuses": [{
+            "name": "etcd", "ready": false, "restartCount": 0, "image": "etcd", "imageID": "",
+            "state": { "waiting": { "reason": "ImagePullBackOff", "message": "Back-off pulling image \"quay.io/coreos/etcd:v3.5.17\"" } },
+        }],
+    });
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(0, "Pending", None, json!({})),
+                etcd_pod("Pending", pulling),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(status.pods.len(), 1, "{status:?}");
+    assert_eq!(status.companions.len(), 1, "{status:?}");
+    let text = status.render();
+    assert!(text.contains("cifar10-etcd-7d9f8-x2x4q"), "{text}");
+    assert!(text.contains("ImagePullBackOff"), "{text}");
+
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 1 })));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(0, "Pending", None, json!({})),
+                etcd_pod("Running", json!({})),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(
+        status.phase,
+        Phase::Pending,
+        "the etcd runs, no worker does"
+    );
+    let mut lines = Vec::new();
+    api.kube()
+        .logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+        .await
+        .unwrap();
+    assert!(
+        !api.requests().iter().any(|r| r.contains("cifar10-etcd")),
+        "{:?}",
+        api.requests()
+    );
+}
+
+/// `job delete` takes the etcd and TensorBoard Deployments with the job.
+#[tokio::test]
+async fn delete_removes_the_etcd_and_tensorboard_deployments() {
+    let api = MockApi::default();
+    let named = |kind: &str, name: &str| json!({ "apiVersion": "v1", "kind": kind, "metadata": { "name": name, "namespace": "default" } });
+    api.get(
+        "/apis/batch/v1/namespaces/default/jobs",
+        list("JobList", vec![named("Job", "cifar10")]),
+    );
+    api.get(
+        "/apis/apps/v1/namespaces/default/deployments",
+        list(
+            "DeploymentList",
+            vec![
+                named("Deployment", "cifar10-etcd"),
+                named("Deployment", "cifar10-tensorboard"),
+            ],
+        ),
+    );
+    api.get(
+        "/api/v1/namespaces/default/services",
+        list("ServiceList", vec![named("Service", "cifar10-etcd")]),
+    );
+    for path in [
+        JOB,
+        "/apis/apps/v1/namespaces/default/deployments/cifar10-etcd",
+        "/apis/apps/v1/namespaces/default/deployments/cifar10-tensorboard",
+        "/api/v1/namespaces/default/services/cifar10-etcd",
+    ] {
+        api.on(Method::DELETE, path, vec![ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))]);
+    }
+    empty_lists(&api);
+    let deleted = api.kube().delete("cifar10").await.unwrap();
+    let names: Vec<String> = deleted
+        .iter()
+        .map(|d| format!("{} {}", d.kind, d.name))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Job cifar10",
+            "Deployment cifar10-etcd",
+            "Deployment cifar10-tensorboard",
+            "Service cifar10-etcd"
+        ]
+    );
+}
+
+/// `trainctl tensorboard` applies a Service and a Deployment; `--delete` lists TensorBoard's
+/// objects by its component label only.
+#[tokio::test]
+async fn tensorboard_is_applied_and_deleted_by_its_component() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::tensorboard(&p);
+    api.on(
+        Method::PATCH,
+        "/api/v1/namespaces/default/services/cifar10-tensorboard",
+        vec![ok(docs[0].clone())],
+    );
+    api.on(
+        Method::PATCH,
+        "/apis/apps/v1/namespaces/default/deployments/cifar10-tensorboard",
+        vec![ok(docs[1].clone())],
+    );
+    let applied = api.kube().apply(&docs).await.unwrap();
+    assert_eq!(applied.len(), 2);
+    let named = |kind: &str, name: &str| json!({ "apiVersion": "v1", "kind": kind, "metadata": { "name": name, "namespace": "default" } });
+    api.get(
+        "/apis/apps/v1/namespaces/default/deployments",
+        list(
+            "DeploymentList",
+            vec![named("Deployment", "cifar10-tensorboard")],
+        ),
+    );
+    api.on(
+        Method::DELETE,
+        "/apis/apps/v1/namespaces/default/deployments/cifar10-tensorboard",
+        vec![ok(
+            json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }),
+        )],
+    );
+    empty_lists(&api);
+    let deleted = api
+        .kube()
+        .delete_matching(&manifests::component_selector("cifar10", "tensorboard"))
+        .await
+        .unwrap();
+    assert_eq!(deleted.len(), 1);
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.contains("trainctl.dev%2Fcomponent%3Dtensorboard")),
+        "{:?}",
+        api.requests()
+    );
 }

@@ -23,7 +23,22 @@ fn plan(me: &str, peers: &[&str], port: u16, claim: PathBuf, timeout: Duration) 
         me: me.into(),
         listen: format!("{me}:{port}").parse().unwrap(),
         timeout,
+        // A CPU pod: nothing requested (the accelerator checks have their own unit test).
+        accelerators: doctor::Accelerators {
+            gpus: 0,
+            efa: 0,
+            root: claim_root(),
+            env: Vec::new(),
+        },
     }
+}
+
+/// An empty directory as the pod's `/`: no devices.
+fn claim_root() -> PathBuf {
+    static ROOT: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    ROOT.get_or_init(|| tempfile::tempdir().unwrap())
+        .path()
+        .to_path_buf()
 }
 
 fn run(plan: Plan) -> std::thread::JoinHandle<Vec<Check>> {
@@ -55,8 +70,8 @@ fn every_pod_reaches_every_other_and_writes_the_claim() {
             "{}",
             text.join("\n")
         );
-        // listen, 3 × (dns, connect), claim: and no "inbound" warning.
-        assert_eq!(checks.len(), 8, "{}", text.join("\n"));
+        // listen, 3 × (dns, connect), claim, gpu, efa, nccl: and no "inbound" warning.
+        assert_eq!(checks.len(), 11, "{}", text.join("\n"));
         assert!(text[1].contains("rendezvous host 127.0.0.1"), "{}", text[1]);
     }
     assert_eq!(

@@ -563,3 +563,279 @@ fn the_eksctl_check_catches_a_misspelt_field() {
     doc["managedNodeGroups"][1]["desiredCapacity"] = Value::from("two");
     assert!(!eksctl_validator().is_valid(&doc));
 }
+
+/// The CPU DDP seed (a gloo script in the user's PyTorch image) as the job's program, for both
+/// launchers: every pod runs `trainctl run <rendezvous flags> -- python ...` from the binary an
+/// init container copied out of trainctl's image.
+#[test]
+fn a_user_program_in_its_own_image_runs_under_trainctl_run() {
+    for (launcher, nnodes) in [("indexed", "2"), ("pytorchjob", "2"), ("pytorchjob", "1:3")] {
+        let p = project(&[
+            ("storage.efs", "fs-1"),
+            ("job.launcher", launcher),
+            ("job.nnodes", nnodes),
+            ("image", "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"),
+            (
+                "trainctl_image",
+                "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1",
+            ),
+            (
+                "job.command",
+                "python /data/code/ddp_gloo.py --epochs 2 --note 'two words'",
+            ),
+        ]);
+        let docs = manifests::training_job(&p, "TOKEN");
+        let job = docs.last().unwrap();
+        let pod = if launcher == "indexed" {
+            &job["spec"]["template"]["spec"]
+        } else {
+            assert_valid(pytorchjob_validator(), job, "user-program PyTorchJob");
+            &job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        };
+        if nnodes == "2" {
+            insta::assert_snapshot!(
+                format!("job_{launcher}_user_program"),
+                manifests::to_yaml(&docs)
+            );
+        }
+        let c = &pod["containers"][0];
+        assert_eq!(c["image"], "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime");
+        assert_eq!(c["command"], serde_json::json!(["/opt/trainctl/trainctl"]));
+        let args: Vec<&str> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(args[0], "run");
+        let dashes = args.iter().position(|a| *a == "--").unwrap();
+        assert_eq!(
+            args[dashes + 1..],
+            [
+                "python",
+                "/data/code/ddp_gloo.py",
+                "--epochs",
+                "2",
+                "--note",
+                "two words"
+            ]
+        );
+        assert!(!args.contains(&"train"), "{args:?}");
+        if launcher == "indexed" || nnodes == "2" {
+            let flags = args[..dashes].join(" ");
+            assert!(flags.contains("--rdzv-backend c10d"), "{flags}");
+        }
+        // The image's own working directory; a writable root; a home the pod's user can use.
+        assert!(c.get("workingDir").is_none(), "{c}");
+        assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], false);
+        assert!(
+            c["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["name"] == "HOME" && e["value"] == "/tmp")
+        );
+        // The init container copies trainctl into the emptyDir the container runs it from.
+        let init = &pod["initContainers"][0];
+        assert_eq!(init["name"], manifests::INSTALL_CONTAINER);
+        assert_eq!(
+            init["image"],
+            "123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1"
+        );
+        assert_eq!(
+            init["args"],
+            serde_json::json!(["install", manifests::BINARY_DIR])
+        );
+        let mount = |c: &Value| {
+            c["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|m| m["mountPath"] == manifests::BINARY_DIR)
+                .cloned()
+                .unwrap_or_else(|| panic!("no {} mount in {c}", manifests::BINARY_DIR))
+        };
+        assert_eq!(mount(init)["name"], mount(c)["name"]);
+        assert_eq!(mount(c)["readOnly"], true);
+    }
+}
+
+/// An image with trainctl in it (baked in, docs/KUBERNETES.md) needs no init container; an
+/// image that runs a program without saying where trainctl is from is refused with what to do.
+#[test]
+fn trainctl_comes_from_the_image_or_an_init_container() {
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("image", "me/pytorch-and-trainctl:1"),
+        ("trainctl_image", "me/pytorch-and-trainctl:1"),
+        ("job.command", "python main.py"),
+    ]);
+    let job = manifests::training_job(&p, "TOKEN").pop().unwrap();
+    let pod = &job["spec"]["template"]["spec"];
+    assert!(pod.get("initContainers").is_none(), "{pod}");
+    assert_eq!(
+        pod["containers"][0]["command"],
+        serde_json::json!(["trainctl"])
+    );
+    // Helper jobs run trainctl's image, whatever the training pods run.
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("image", "pytorch/pytorch:2.5.1"),
+        ("trainctl_image", "ecr/trainctl:0.1"),
+        ("job.command", "python main.py"),
+    ]);
+    for helper in [
+        manifests::data_job(&p, None),
+        manifests::test_job(&p),
+        manifests::doctor_job(&p).pop().unwrap(),
+    ] {
+        let pod = &helper["spec"]["template"]["spec"];
+        assert_eq!(pod["containers"][0]["image"], "ecr/trainctl:0.1");
+        assert!(pod.get("initContainers").is_none(), "{pod}");
+    }
+    let e = Project::from_settings(&[
+        ("image", "pytorch/pytorch:2.5.1"),
+        ("job.command", "python main.py"),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--trainctl-image"), "{e}");
+    assert!(e.contains("python main.py"), "{e}");
+    let e = Project::from_settings(&[("job.command", "python 'main.py")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("a quote is not closed"), "{e}");
+}
+
+/// `--rdzv-backend etcd`: an etcd (Service + Deployment) beside the job and every pod's
+/// `trainctl run` pointed at it, for both launchers; the PyTorchJob's elasticPolicy names it
+/// too. Its data lives in an emptyDir, or on the claim when asked.
+#[test]
+fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
+    for (launcher, nnodes) in [("indexed", "2"), ("pytorchjob", "1:3")] {
+        let p = project(&[
+            ("storage.efs", "fs-1"),
+            ("job.launcher", launcher),
+            ("job.nnodes", nnodes),
+            ("job.rdzv_backend", "etcd"),
+        ]);
+        let docs = manifests::training_job(&p, "TOKEN");
+        let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+        let job = docs.last().unwrap();
+        let pod = if launcher == "indexed" {
+            assert_eq!(kinds, ["Secret", "Service", "Deployment", "Service", "Job"]);
+            insta::assert_snapshot!("job_indexed_etcd", manifests::to_yaml(&docs));
+            &job["spec"]["template"]["spec"]
+        } else {
+            assert_eq!(kinds, ["Secret", "Service", "Deployment", "PyTorchJob"]);
+            assert_valid(pytorchjob_validator(), job, "etcd PyTorchJob");
+            let policy = &job["spec"]["elasticPolicy"];
+            assert_eq!(policy["rdzvBackend"], "etcd");
+            assert_eq!(policy["rdzvHost"], "cifar10-etcd");
+            assert_eq!(policy["rdzvPort"], 2379);
+            &job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        };
+        let args = pod["containers"][0]["args"].to_string();
+        assert!(
+            args.contains(r#""--rdzv-backend","etcd","--rdzv-endpoint","cifar10-etcd:2379""#),
+            "{args}"
+        );
+        // The etcd's Service selects its Deployment's pods, on the port the pods are told.
+        use k8s_openapi::api::apps::v1::Deployment;
+        use k8s_openapi::api::core::v1::Service;
+        let service: Service = serde_json::from_value(docs[1].clone()).unwrap();
+        let deployment: Deployment = serde_json::from_value(docs[2].clone()).unwrap();
+        let spec = deployment.spec.unwrap();
+        assert_eq!(spec.replicas, Some(1));
+        assert_eq!(
+            service.spec.as_ref().unwrap().selector,
+            spec.template.metadata.unwrap().labels
+        );
+        assert_eq!(service.metadata.name.as_deref(), Some("cifar10-etcd"));
+        assert_eq!(
+            service.spec.unwrap().ports.unwrap()[0].port,
+            i32::from(manifests::ETCD_PORT)
+        );
+        let etcd = &spec.template.spec.unwrap().containers[0];
+        let etcd_args = etcd.args.clone().unwrap().join(" ");
+        assert!(
+            etcd_args.contains("--advertise-client-urls http://cifar10-etcd:2379"),
+            "{etcd_args}"
+        );
+        assert!(
+            etcd_args.contains("--data-dir /var/lib/etcd/data"),
+            "{etcd_args}"
+        );
+    }
+    let on_claim = manifests::etcd(&project(&[
+        ("storage.efs", "fs-1"),
+        ("job.rdzv_backend", "etcd"),
+        ("job.etcd_storage", "claim"),
+    ]));
+    let pod = &on_claim[1]["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "trainctl-data"
+    );
+    assert!(
+        pod["containers"][0]["args"]
+            .to_string()
+            .contains("/var/lib/etcd/.etcd/cifar10-etcd"),
+        "{pod}"
+    );
+    let e = Project::from_settings(&[("job.rdzv_backend", "zookeeper")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("choose c10d") && e.contains("zookeeper"), "{e}");
+    // The default stays c10d: no etcd.
+    let docs = manifests::training_job(&project(&[("storage.efs", "fs-1")]), "TOKEN");
+    assert!(docs.iter().all(|d| d["kind"] != "Deployment"));
+}
+
+/// TensorBoard reads the runs folder from a read-only mount of the claim.
+#[test]
+fn tensorboard_serves_the_runs_folder_read_only() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::tensorboard(&p);
+    insta::assert_snapshot!("tensorboard", manifests::to_yaml(&docs));
+    use k8s_openapi::api::apps::v1::Deployment;
+    let deployment: Deployment = serde_json::from_value(docs[1].clone()).unwrap();
+    let pod = deployment.spec.unwrap().template.spec.unwrap();
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.args.clone().unwrap()[..2],
+        ["--logdir".to_string(), "/data/runs".to_string()]
+    );
+    let data = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.mount_path == "/data")
+        .unwrap();
+    assert_eq!(data.read_only, Some(true));
+    let claim = pod.volumes.unwrap()[0]
+        .persistent_volume_claim
+        .clone()
+        .unwrap();
+    assert_eq!(claim.read_only, Some(true));
+    assert_eq!(docs[0]["spec"]["ports"][0]["port"], 6006);
+}
+
+/// The doctor's pods take the GPUs and EFA adapters a training pod takes, and are told how
+/// many to expect.
+#[test]
+fn the_doctor_checks_the_accelerators_a_training_pod_gets() {
+    let p = project(&[("storage.efs", "fs-1"), ("cluster.preset", "p5")]);
+    let doctor = manifests::doctor_job(&p).pop().unwrap();
+    let c = &doctor["spec"]["template"]["spec"]["containers"][0];
+    let args = c["args"].to_string();
+    assert!(args.contains(r#""--expect-gpus","8""#), "{args}");
+    assert!(args.contains(r#""--expect-efa","32""#), "{args}");
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+    assert_eq!(c["resources"]["limits"][manifests::EFA_RESOURCE], "32");
+    let cpu = manifests::doctor_job(&project(&[("storage.efs", "fs-1")]))
+        .pop()
+        .unwrap();
+    assert!(!cpu.to_string().contains("--expect-gpus"));
+}

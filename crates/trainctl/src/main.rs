@@ -56,9 +56,13 @@ enum Command {
     /// The test job: evaluate the saved model in the cluster.
     #[command(subcommand)]
     Test(commands::kube::TestCommand),
-    /// Check DNS, the rendezvous port, pod-to-pod reachability and the claim, from inside
-    /// the cluster.
+    /// Check DNS, the rendezvous port, pod-to-pod reachability, the claim, GPUs and EFA, from
+    /// inside the cluster.
     Doctor(commands::kube::DoctorArgs),
+    /// TensorBoard in the cluster over the claim's runs (a Deployment and a Service).
+    Tensorboard(commands::kube::TensorboardArgs),
+    /// Copy this binary into DIR (the init container of pods whose image lacks trainctl).
+    Install(commands::install::Args),
 }
 
 fn main() {
@@ -97,6 +101,8 @@ fn main() {
         Command::Job(cmd) => commands::kube::job(cmd),
         Command::Test(cmd) => commands::kube::test(cmd),
         Command::Doctor(args) => commands::kube::doctor(args),
+        Command::Tensorboard(args) => commands::kube::tensorboard(args),
+        Command::Install(args) => commands::install::run(args),
     };
     match result {
         Ok(code) => std::process::exit(code),

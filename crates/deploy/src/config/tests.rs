@@ -208,3 +208,50 @@ fn quantities() {
         assert!(!is_quantity(bad), "{bad}");
     }
 }
+
+/// A command given as a list in trainctl.toml comes back word for word (spaces, quotes), and
+/// the same command as shell words in a variable means the same.
+#[test]
+fn a_command_list_in_the_file_keeps_its_words() {
+    let file = r#"
+image = "pytorch/pytorch:2.5.1"
+trainctl_image = "ecr/trainctl:1"
+[job]
+command = ["python", "main.py", "--note", "it's two words", "--empty", ""]
+"#;
+    let no_env = |_: &str| None;
+    let layers = Layers {
+        flags: vec![],
+        env: &no_env,
+        file: Some((PathBuf::from("trainctl.toml"), file.to_string())),
+    };
+    let p = Project::from_resolved(&Resolved::resolve(&layers).unwrap()).unwrap();
+    let words = [
+        "python",
+        "main.py",
+        "--note",
+        "it's two words",
+        "--empty",
+        "",
+    ];
+    assert_eq!(p.job.command.as_deref().unwrap(), words);
+    let env = |k: &str| (k == "TRAINCTL_JOB_COMMAND").then(|| join_words(&words).unwrap());
+    let layers = Layers {
+        flags: vec![],
+        env: &env,
+        file: Some((
+            PathBuf::from("trainctl.toml"),
+            file.replace("command", "# command"),
+        )),
+    };
+    let p = Project::from_resolved(&Resolved::resolve(&layers).unwrap()).unwrap();
+    assert_eq!(p.job.command.as_deref().unwrap(), words);
+    let bad = "[job]\ncommand = [\"python\", 3]\n";
+    let layers = Layers {
+        flags: vec![],
+        env: &no_env,
+        file: Some((PathBuf::from("trainctl.toml"), bad.to_string())),
+    };
+    let e = Resolved::resolve(&layers).err().unwrap().to_string();
+    assert!(e.contains("expected a list of strings"), "{e}");
+}

@@ -1,5 +1,5 @@
 //! The Kubernetes and EKS commands: `config`, `cluster`, `storage`, `job`, `test`, `doctor`,
-//! and `data job`. Rendering is in `deploy::{eksctl, manifests}`, the API calls in
+//! `tensorboard` and `data job`. Rendering is in `deploy::{eksctl, manifests}`, the API calls in
 //! `deploy::kube_api`; this module parses, prints and runs eksctl.
 
 use std::path::{Path, PathBuf};
@@ -68,11 +68,18 @@ pub enum JobCommand {
     Render {
         #[command(flatten)]
         project: ProjectArgs,
+        /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer (sets job.command).
+        #[arg(last = true, value_name = "PROGRAM")]
+        program: Vec<String>,
     },
     /// Create the training job in the cluster.
     Launch {
         #[command(flatten)]
         project: ProjectArgs,
+        /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer; every pod runs
+        /// it under `trainctl run`, with torchrun's environment (sets job.command).
+        #[arg(last = true, value_name = "PROGRAM")]
+        program: Vec<String>,
     },
     /// The job, its conditions and its pods: phase, node, restarts, and why a pod is stuck.
     Status {
@@ -168,7 +175,37 @@ pub enum DoctorCommand {
         listen: Option<std::net::IpAddr>,
         #[arg(long, default_value_t = 120.0)]
         timeout: f64,
+        /// GPUs this pod requested: fewer in /dev fails the check.
+        #[arg(long, default_value_t = 0)]
+        expect_gpus: u32,
+        /// EFA adapters this pod requested: fewer in /dev/infiniband fails the check.
+        #[arg(long, default_value_t = 0)]
+        expect_efa: u32,
+        /// Where dev/ and sys/ are looked for (tests) [default: /].
+        #[arg(long, hide = true, default_value = "/")]
+        root: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+pub struct TensorboardArgs {
+    #[command(flatten)]
+    project: ProjectArgs,
+    /// Print the objects instead of creating them.
+    #[arg(long)]
+    dry_run: bool,
+    /// Remove TensorBoard's Deployment and Service (`job delete` removes them too).
+    #[arg(long, conflicts_with = "dry_run")]
+    delete: bool,
+}
+
+/// The project with `-- PROGRAM ARGS...` as its job.command, as if given by flag.
+fn with_program(mut project: ProjectArgs, program: Vec<String>) -> anyhow::Result<ProjectArgs> {
+    if !program.is_empty() {
+        let words = deploy::config::join_words(&program).map_err(anyhow::Error::msg)?;
+        project.flags.push(("job.command", words));
+    }
+    Ok(project)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -422,13 +459,13 @@ pub fn test(cmd: TestCommand) -> anyhow::Result<i32> {
 
 pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
     match cmd {
-        JobCommand::Render { project } => {
-            let project = project.project()?;
+        JobCommand::Render { project, program } => {
+            let project = with_program(project, program)?.project()?;
             print_yaml(&manifests::training_job(&project, &launcher::random_id(16)));
             Ok(0)
         }
-        JobCommand::Launch { project } => {
-            let project = project.project()?;
+        JobCommand::Launch { project, program } => {
+            let project = with_program(project, program)?.project()?;
             let docs = manifests::training_job(&project, &launcher::random_id(16));
             let name = project.job.name.clone();
             runtime()?.block_on(async {
@@ -507,6 +544,9 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
         me,
         listen,
         timeout,
+        expect_gpus,
+        expect_efa,
+        root,
     }) = args.check
     {
         let me = match me {
@@ -524,6 +564,12 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
             me,
             listen: (listen.unwrap_or([0, 0, 0, 0].into()), port).into(),
             timeout: seconds("timeout", timeout)?,
+            accelerators: doctor::Accelerators {
+                gpus: expect_gpus,
+                efa: expect_efa,
+                root,
+                env: nccl_variables(),
+            },
         };
         let checks = doctor::run(&plan, &mut |c| println!("{c}"));
         let failed = checks
@@ -561,6 +607,50 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
             print!("{}", status.render());
             Ok(1)
         }
+    })
+}
+
+/// The pod's `NCCL_*` and `FI_*` variables, which the doctor reports (what NCCL and
+/// libfabric will read in the training pods of the same template).
+#[allow(clippy::disallowed_methods)]
+fn nccl_variables() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter(|(k, _)| k.starts_with("NCCL_") || k.starts_with("FI_"))
+        .collect()
+}
+
+pub fn tensorboard(args: TensorboardArgs) -> anyhow::Result<i32> {
+    let project = args.project.project()?;
+    let docs = manifests::tensorboard(&project);
+    if args.dry_run {
+        print_yaml(&docs);
+        return Ok(0);
+    }
+    let name = manifests::tensorboard_name(&project);
+    runtime()?.block_on(async {
+        let kube = connect(&project).await?;
+        if args.delete {
+            let selector = manifests::component_selector(&project.job.name, "tensorboard");
+            let deleted = kube.delete_matching(&selector).await?;
+            if deleted.is_empty() {
+                println!("no TensorBoard of job {} to delete", project.job.name);
+            }
+            for d in deleted {
+                println!("deleted {} {}", d.kind, d.name);
+            }
+            return Ok(0);
+        }
+        apply_and_report(&kube, &docs).await?;
+        let port = manifests::TENSORBOARD_PORT;
+        println!(
+            "TensorBoard reads {runs} on the claim. To open it from here:\n  kubectl \
+             port-forward -n {ns} service/{name} {port}:{port}\nthen http://localhost:{port} \
+             (inside the cluster: http://{name}.{ns}.svc:{port}). Remove it with trainctl \
+             tensorboard --delete.",
+            runs = project.job.runs_dir,
+            ns = project.namespace,
+        );
+        Ok(0)
     })
 }
 

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod data;
 pub mod eval;
+pub mod install;
 pub mod kube;
 pub mod predict;
 pub mod project;
