@@ -299,6 +299,21 @@ impl Network {
         c
     }
 
+    /// Gives every host the same `/etc/hosts`: `names[k]` resolves to host `k`'s address (as
+    /// Kubernetes DNS gives pods and Services names). `ip netns exec` bind-mounts
+    /// `/etc/netns/NS/hosts` over `/etc/hosts` for what it runs; removed when dropped.
+    pub fn name_hosts(&self, names: &[(&str, usize)]) {
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for (name, host) in names {
+            text.push_str(&format!("{} {name}\n", self.addr(*host)));
+        }
+        for ns in &self.hosts {
+            let dir = Path::new("/etc/netns").join(ns);
+            std::fs::create_dir_all(&dir).expect("create /etc/netns/NS");
+            std::fs::write(dir.join("hosts"), &text).expect("write /etc/netns/NS/hosts");
+        }
+    }
+
     /// Cuts host `i`'s link: its packets go nowhere, no connection is reset.
     pub fn cut(&self, i: usize) {
         ip(&["-n", &self.switch, "link", "set", &self.ports[i], "down"]).expect("cut link");
@@ -309,6 +324,7 @@ impl Drop for Network {
     fn drop(&mut self) {
         for ns in self.hosts.iter().chain([&self.switch]) {
             let _ = ip(&["netns", "del", ns]);
+            let _ = std::fs::remove_dir_all(Path::new("/etc/netns").join(ns));
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::support::*;
 
-fn kube_cmd(dir: &std::path::Path) -> std::process::Command {
+pub(crate) fn kube_cmd(dir: &std::path::Path) -> std::process::Command {
     let mut cmd = trainctl();
     cmd.current_dir(dir);
     for (k, _) in std::env::vars() {
@@ -282,4 +282,41 @@ fn the_operators_pet_variables_are_enough_to_form_a_job() {
     }
     assert!(ranks.iter().any(|l| l.contains("rank=0")), "{ranks:?}");
     assert!(ranks.iter().any(|l| l.contains("rank=1")), "{ranks:?}");
+}
+
+/// `trainctl install DIR` (the init container's command) copies a working binary, whole; a
+/// folder that is not there is refused with what it must be.
+#[test]
+fn install_copies_a_binary_that_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(trainctl().arg("install").arg(dir.path()));
+    assert!(
+        text(&out.stdout).starts_with("installed "),
+        "{}",
+        text(&out.stdout)
+    );
+    let copy = dir.path().join("trainctl");
+    let version = run_ok(std::process::Command::new(&copy).arg("--version"));
+    assert!(text(&version.stdout).starts_with("trainctl "));
+    assert_eq!(
+        std::fs::metadata(&copy).unwrap().len(),
+        std::fs::metadata(env!("CARGO_BIN_EXE_trainctl"))
+            .unwrap()
+            .len()
+    );
+    // Nothing but the binary is left (no temporary file).
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    let err = run_failing(trainctl().arg("install").arg(dir.path().join("missing")));
+    assert!(err.contains("not a directory"), "{err}");
+}
+
+#[test]
+fn tensorboard_renders_or_says_it_needs_a_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(kube_cmd(dir.path()).args(["tensorboard", "--dry-run", "--name", "exp1"]));
+    let yaml = text(&out.stdout);
+    assert!(yaml.contains("kind: Deployment"), "{yaml}");
+    assert!(yaml.contains("name: exp1-tensorboard"), "{yaml}");
+    let err = run_failing(kube_cmd(dir.path()).args(["tensorboard"]));
+    assert!(err.contains("cannot reach the Kubernetes API"), "{err}");
 }

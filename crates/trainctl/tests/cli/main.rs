@@ -9,6 +9,7 @@ mod data;
 mod elastic;
 mod kubernetes;
 mod launch;
+mod pods;
 mod pytorch;
 mod telemetry;
 mod training;
