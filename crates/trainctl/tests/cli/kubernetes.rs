@@ -320,3 +320,30 @@ fn tensorboard_renders_or_says_it_needs_a_cluster() {
     let err = run_failing(kube_cmd(dir.path()).args(["tensorboard"]));
     assert!(err.contains("cannot reach the Kubernetes API"), "{err}");
 }
+
+/// The binary the init container copies into users' images must run in their bases: it links
+/// only glibc (libc, libm, libgcc_s) and needs no symbol newer than glibc 2.35 (Ubuntu 22.04,
+/// the base of PyTorch's official images; Debian 12 has 2.36). The version names it needs are
+/// strings in its dynamic section, so a scan of the file finds them.
+#[test]
+fn the_binary_runs_on_glibc_2_35() {
+    let bytes = std::fs::read(env!("CARGO_BIN_EXE_trainctl")).unwrap();
+    let needle = b"GLIBC_2.";
+    let mut newest = 0u32;
+    for at in 0..bytes.len().saturating_sub(needle.len()) {
+        if &bytes[at..at + needle.len()] == needle {
+            let digits: String = bytes[at + needle.len()..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .map(|b| *b as char)
+                .collect();
+            newest = newest.max(digits.parse().unwrap_or(0));
+        }
+    }
+    assert!(newest > 0, "no glibc symbol versions found");
+    assert!(
+        newest <= 35,
+        "trainctl needs GLIBC_2.{newest}: it would not run in Ubuntu 22.04-based images \
+         (PyTorch's); update docs/KUBERNETES.md or build on an older base"
+    );
+}

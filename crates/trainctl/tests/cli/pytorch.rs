@@ -49,6 +49,44 @@ fn a_pytorch_ddp_script_runs_under_trainctl() {
     );
 }
 
+/// The CPU DDP example (examples/ddp_gloo.py, the program the Kubernetes walk-through runs)
+/// trains under `trainctl run`: the loss falls and rank 0 saves the model.
+#[test]
+fn the_cpu_ddp_example_trains_under_trainctl() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED the_cpu_ddp_example_trains_under_trainctl: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/ddp_gloo.py");
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = run_ok(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+            .arg(python)
+            .arg(script)
+            .args(["--epochs", "3", "--out"])
+            .arg(out_dir.path()),
+    );
+    let stdout = text(&out.stdout);
+    let losses: Vec<f64> = stdout
+        .lines()
+        .filter_map(|l| {
+            l.split(" loss ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(losses.len(), 3, "{stdout}");
+    assert!(losses[2] < losses[0] / 2.0, "{losses:?}\n{stdout}");
+    assert!(stdout.contains("world 2"), "{stdout}");
+    assert!(out_dir.path().join("model.pt").is_file(), "{stdout}");
+}
+
 #[test]
 fn pytorch_loads_the_model_file_into_the_seed_network() {
     let Some(python) = python_with_torch() else {
