@@ -1,6 +1,8 @@
-"""The seed CNN's training step in PyTorch, timed the way `trainctl bench` times trainctl's.
+"""The seed CNN's (or a torchvision ResNet's) training step in PyTorch, timed the way
+`trainctl bench` times trainctl's.
 
 Usage: python bench/pytorch_step.py [--threads 1,2] [--batch-size 128] [--steps 5]
+       [--model seed-cnn|resnet18|resnet34|resnet50|resnet101] [--image-size 32]
 Prints one JSON line per thread count. Also times gloo's all-reduce of the same gradient size
 with --allreduce-ranks (processes on 127.0.0.1), for the side-by-side in docs/PERFORMANCE.md.
 """
@@ -33,14 +35,22 @@ def seed_cnn():
     )
 
 
-def step_times(threads, batch_size, steps):
+def network(name):
+    """The seed CNN, or torchvision's ResNet with tiny-imagenet's 200 classes (as trainctl bench)."""
+    if name == "seed-cnn":
+        return seed_cnn(), 10
+    import torchvision  # only the ResNets need it (bench/run.sh installs it)
+    return getattr(torchvision.models, name)(num_classes=200), 200
+
+
+def step_times(threads, batch_size, steps, name="seed-cnn", size=32):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = seed_cnn()
+    model, classes = network(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
-    x = torch.randn(batch_size, 3, 32, 32)
-    y = torch.randint(0, 10, (batch_size,))
+    x = torch.randn(batch_size, 3, size, size)
+    y = torch.randint(0, classes, (batch_size,))
     times = []
     for i in range(steps + 1):
         t = time.perf_counter()
@@ -52,7 +62,8 @@ def step_times(threads, batch_size, steps):
         if i > 0:
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
-    return {"impl": "pytorch", "torch": torch.__version__, "threads": threads,
+    return {"impl": "pytorch", "torch": torch.__version__, "model": name, "image_size": size,
+            "threads": threads,
             "batch_size": batch_size, "steps": steps, "step_s": step,
             "images_per_s": batch_size / step}
 
@@ -108,6 +119,8 @@ def main():
     p.add_argument("--threads", default="1,2")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default="seed-cnn")
+    p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--allreduce-ranks", default="2,4")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layers", action="store_true", help="time each convolution alone instead")
@@ -117,7 +130,8 @@ def main():
             print(json.dumps(row), flush=True)
         return 0
     for t in a.threads.split(","):
-        print(json.dumps(step_times(int(t), a.batch_size, a.steps)), flush=True)
+        print(json.dumps(step_times(int(t), a.batch_size, a.steps, a.model, a.image_size)),
+              flush=True)
     floats = sum(p.numel() for p in seed_cnn().parameters())
     import socket
     import torch.multiprocessing as mp

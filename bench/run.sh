@@ -9,6 +9,12 @@ if [ ! -x bench/.venv/bin/python ] || ! bench/.venv/bin/python -c "import torch"
   python3 -m venv bench/.venv
   bench/.venv/bin/pip install --quiet torch safetensors numpy
 fi
+# The ResNets' reference is torchvision's own models (PyPI). --no-deps keeps the torch above:
+# the models are plain Python; none of torchvision's compiled ops is used.
+if ! bench/.venv/bin/python -c "import torchvision" 2>/dev/null; then
+  bench/.venv/bin/pip install --quiet pillow
+  bench/.venv/bin/pip install --quiet --no-deps torchvision
+fi
 cargo build --locked --quiet --release
 cargo build --locked --quiet
 echo "# machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
@@ -20,5 +26,10 @@ echo "# trainctl release, each convolution alone (1 thread)"
 target/release/trainctl bench --layers
 echo "# pytorch, each convolution alone (1 thread)"
 bench/.venv/bin/python bench/pytorch_step.py --layers
+for model in resnet18 resnet50; do
+  echo "# $model at 64x64, batch 32: trainctl release, then PyTorch/torchvision"
+  target/release/trainctl bench --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --ranks 2 --repeats 1 | grep '"model"'
+  bench/.venv/bin/python bench/pytorch_step.py --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --allreduce-ranks ""
+done
 echo "# trainctl release: one more step at 1 thread, then the all-reduce and the loopback ceiling"
 target/release/trainctl bench --threads 1 --steps 1 --ranks 2,4

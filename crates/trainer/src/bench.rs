@@ -1,5 +1,5 @@
-//! Measurements behind `trainctl bench`: one training step of the seed CNN, split into its
-//! parts, and the ring all-reduce against a plain loopback TCP copy.
+//! Measurements behind `trainctl bench`: one training step of the seed CNN or a ResNet, split
+//! into its parts, and the ring all-reduce against a plain loopback TCP copy.
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
@@ -10,11 +10,46 @@ use collective::{ProcessGroup, World};
 
 use crate::cifar::synthetic;
 use crate::device::{set_cpu_threads, training_device};
-use crate::model::{SeedCnn, buffers, gradients, load, snapshot, to_vec};
+use crate::model::{Net, SeedCnn, buffers, gradients, load, snapshot, to_vec};
+use crate::resnet::{Arch, ResNet};
+
+/// The network a step is timed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchModel {
+    SeedCnn,
+    ResNet(Arch),
+}
+
+impl BenchModel {
+    /// `seed-cnn`, `resnet18`, ... (what `trainctl bench --model` takes).
+    pub fn parse(name: &str) -> Option<BenchModel> {
+        match name {
+            "seed-cnn" => Some(BenchModel::SeedCnn),
+            other => Arch::parse(other).map(BenchModel::ResNet),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchModel::SeedCnn => "seed-cnn",
+            BenchModel::ResNet(a) => a.name(),
+        }
+    }
+
+    /// Classes of the timed model: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
+    pub fn classes(self) -> usize {
+        match self {
+            BenchModel::SeedCnn => 10,
+            BenchModel::ResNet(_) => 200,
+        }
+    }
+}
 
 /// Median seconds of each part of a training step.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StepTimes {
+    pub model: &'static str,
+    pub image_size: usize,
     pub threads: usize,
     pub batch_size: usize,
     pub steps: usize,
@@ -31,16 +66,69 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `steps` training steps (after one warm-up) with `threads` CPU threads: the same work
-/// as a step of `trainctl train` minus the all-reduce.
-pub fn training_step(threads: usize, batch_size: usize, steps: usize) -> StepTimes {
+/// Times `steps` training steps (after one warm-up) of `model` on `image_size`² images with
+/// `threads` CPU threads: the same work as a step of `trainctl train` minus the all-reduce.
+///
+/// # Panics
+/// The seed CNN at any size but 32 (its classifier is sized for 32×32 inputs).
+pub fn training_step(
+    model: BenchModel,
+    image_size: usize,
+    threads: usize,
+    batch_size: usize,
+    steps: usize,
+) -> StepTimes {
     set_cpu_threads(threads);
     let device = training_device();
-    let data = synthetic::generate(batch_size, 3);
-    let indices: Vec<usize> = (0..batch_size).collect();
-    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
-    data.fill_batch(&indices, &mut pixels, &mut labels);
-    let mut model = SeedCnn::new(&device);
+    let (pixels, labels) = if image_size == 32 {
+        let data = synthetic::generate(batch_size, 3);
+        let indices: Vec<usize> = (0..batch_size).collect();
+        let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+        data.fill_batch(&indices, &mut pixels, &mut labels);
+        (pixels, labels)
+    } else {
+        let n = batch_size * 3 * image_size * image_size;
+        let pixels = (0..n)
+            .map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5)
+            .collect();
+        let classes = model.classes() as i64;
+        (
+            pixels,
+            (0..batch_size as i64).map(|i| i % classes).collect(),
+        )
+    };
+    let mut times = match model {
+        BenchModel::SeedCnn => {
+            assert_eq!(image_size, 32, "the seed CNN takes 32×32 images");
+            time_steps(
+                SeedCnn::new(&device),
+                SeedCnn::forward,
+                (&pixels, &labels, image_size),
+                batch_size,
+                steps,
+            )
+        }
+        BenchModel::ResNet(arch) => time_steps(
+            ResNet::new(arch, model.classes(), &device),
+            ResNet::forward,
+            (&pixels, &labels, image_size),
+            batch_size,
+            steps,
+        ),
+    };
+    times.model = model.name();
+    times.threads = threads;
+    times
+}
+
+fn time_steps<M: Net>(
+    mut model: M,
+    forward: fn(&M, Tensor<4>) -> Tensor<2>,
+    (pixels, labels, image_size): (&[f32], &[i64], usize),
+    batch_size: usize,
+    steps: usize,
+) -> StepTimes {
+    let device = training_device();
     let mut params = snapshot(&model).params;
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut grads_flat = Vec::new();
@@ -48,11 +136,12 @@ pub fn training_step(threads: usize, batch_size: usize, steps: usize) -> StepTim
     for i in 0..steps + 1 {
         let t0 = Instant::now();
         let x = Tensor::<4>::from_data(
-            TensorData::new(pixels.clone(), [batch_size, 3, 32, 32]),
+            TensorData::new(pixels.to_vec(), [batch_size, 3, image_size, image_size]),
             &device,
         );
-        let y = Tensor::<1, Int>::from_data(TensorData::new(labels.clone(), [batch_size]), &device);
-        let loss = loss_fn.forward(model.forward(x), y);
+        let y =
+            Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [batch_size]), &device);
+        let loss = loss_fn.forward(forward(&model, x), y);
         let loss_value = to_vec(loss.clone())[0];
         let t1 = Instant::now();
         let grads = loss.backward();
@@ -77,7 +166,9 @@ pub fn training_step(threads: usize, batch_size: usize, steps: usize) -> StepTim
     }
     let [step, forward, backward, out, update] = parts.map(median);
     StepTimes {
-        threads,
+        model: "",
+        image_size,
+        threads: 0,
         batch_size,
         steps,
         step_s: step,

@@ -10,6 +10,7 @@ pub mod eval;
 pub mod model;
 pub mod ops;
 pub mod record;
+pub mod resnet;
 pub mod sampler;
 pub mod train;
 

@@ -33,6 +33,25 @@ pub struct SeedCnn {
     pool: MaxPool2d,
 }
 
+/// A network whose tensors move to and from flat buffers ([`snapshot`], [`load`],
+/// [`gradients`]): the seed CNN, the ResNets.
+pub trait Net: Module + Sized {
+    /// Folds the BatchNorm statistics of the last forward pass into the running state.
+    ///
+    /// burn's `RunningState` keeps a forward's update aside (per thread) and applies it only
+    /// at the next forward; visitors and mappers see the stale value, and a value mapped in
+    /// would be overwritten by the pending update. Every read or write of buffers settles first.
+    fn settle(&self);
+}
+
+/// Settles each BatchNorm's pending running-statistics update (see [`Net::settle`]).
+pub(crate) fn settle_norms<'a>(norms: impl IntoIterator<Item = &'a BatchNorm>) {
+    for bn in norms {
+        bn.running_mean.value_sync();
+        bn.running_var.value_sync();
+    }
+}
+
 fn conv(i: usize, o: usize, device: &Device) -> Conv2d {
     Conv2dConfig::new([i, o], [3, 3])
         .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
@@ -57,18 +76,6 @@ impl SeedCnn {
         }
     }
 
-    /// Folds the BatchNorm statistics of the last forward pass into the running state.
-    ///
-    /// burn's `RunningState` keeps a forward's update aside (per thread) and applies it only
-    /// at the next forward; visitors and mappers see the stale value, and a value mapped in
-    /// would be overwritten by the pending update. Every read or write of buffers settles first.
-    fn settle(&self) {
-        for bn in [&self.bn5, &self.bn11, &self.bn17] {
-            bn.running_mean.value_sync();
-            bn.running_var.value_sync();
-        }
-    }
-
     /// `[batch, 3, 32, 32]` → logits `[batch, 10]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
         let x = conv2d(&self.conv0, x, true);
@@ -82,6 +89,12 @@ impl SeedCnn {
         let x = batch_norm(&self.bn17, max_pool2d(&self.pool, x));
         let x: Tensor<2> = x.flatten(1, 3);
         self.fc21.forward(relu(self.fc19.forward(x)))
+    }
+}
+
+impl Net for SeedCnn {
+    fn settle(&self) {
+        settle_norms([&self.bn5, &self.bn11, &self.bn17]);
     }
 }
 
@@ -221,7 +234,7 @@ pub(crate) fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-fn read(model: &SeedCnn, buffers_only: bool) -> Snapshot {
+fn read<M: Net>(model: &M, buffers_only: bool) -> Snapshot {
     model.settle();
     let mut reader = Reader {
         path: Path::default(),
@@ -237,12 +250,12 @@ fn read(model: &SeedCnn, buffers_only: bool) -> Snapshot {
 }
 
 /// Reads every tensor of `model`.
-pub fn snapshot(model: &SeedCnn) -> Snapshot {
+pub fn snapshot<M: Net>(model: &M) -> Snapshot {
     read(model, false)
 }
 
 /// Reads only the BatchNorm running statistics.
-pub fn buffers(model: &SeedCnn) -> Vec<f32> {
+pub fn buffers<M: Net>(model: &M) -> Vec<f32> {
     read(model, true).buffers
 }
 
@@ -284,7 +297,7 @@ impl ModuleMapper for Writer<'_> {
 
 /// Replaces the model's parameters (when given) and buffers with flat buffers laid out as
 /// [`snapshot`] produces them.
-pub fn load(model: SeedCnn, params: Option<&[f32]>, buffers: &[f32]) -> SeedCnn {
+pub fn load<M: Net>(model: M, params: Option<&[f32]>, buffers: &[f32]) -> M {
     model.settle();
     model.map(&mut Writer {
         path: Path::default(),
@@ -295,7 +308,7 @@ pub fn load(model: SeedCnn, params: Option<&[f32]>, buffers: &[f32]) -> SeedCnn 
 
 /// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
 /// gradient contribute zeros, so every rank's buffer has the same layout.
-pub fn gradients(model: &SeedCnn, grads: &burn::tensor::Gradients, out: &mut Vec<f32>) {
+pub fn gradients<M: Net>(model: &M, grads: &burn::tensor::Gradients, out: &mut Vec<f32>) {
     struct Grads<'a> {
         path: Path,
         grads: &'a burn::tensor::Gradients,

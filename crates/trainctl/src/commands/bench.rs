@@ -14,6 +14,12 @@ pub struct Args {
     threads: Vec<usize>,
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
+    /// The network whose step is timed: seed-cnn, resnet18, resnet34, resnet50 or resnet101.
+    #[arg(long, default_value = "seed-cnn")]
+    model: String,
+    /// Image side in pixels (the seed CNN: 32 only; the ResNets: 32 or more).
+    #[arg(long, default_value_t = 32)]
+    image_size: usize,
     /// Timed steps per thread count (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -31,6 +37,27 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    let Some(model) = trainer::bench::BenchModel::parse(&args.model) else {
+        bail!(
+            "--model {:?}: choose seed-cnn, resnet18, resnet34, resnet50 or resnet101",
+            args.model
+        );
+    };
+    match model {
+        trainer::bench::BenchModel::SeedCnn if args.image_size != 32 => {
+            bail!(
+                "--image-size {}: the seed CNN takes 32×32 images",
+                args.image_size
+            )
+        }
+        _ if args.image_size < 32 => {
+            bail!(
+                "--image-size {}: the ResNets need at least 32 pixels",
+                args.image_size
+            )
+        }
+        _ => {}
+    }
     if args.layers {
         for t in trainer::bench::conv_layers(1, args.batch_size, args.steps) {
             println!("{}", serde_json::to_string(&t)?);
@@ -38,7 +65,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         return Ok(0);
     }
     if let Some(threads) = args.step_only {
-        let t = trainer::bench::training_step(threads, args.batch_size, args.steps);
+        let t = trainer::bench::training_step(
+            model,
+            args.image_size,
+            threads,
+            args.batch_size,
+            args.steps,
+        );
         println!("{}", serde_json::to_string(&t)?);
         return Ok(0);
     }
@@ -53,6 +86,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 &args.batch_size.to_string(),
                 "--steps",
                 &args.steps.to_string(),
+                "--model",
+                model.name(),
+                "--image-size",
+                &args.image_size.to_string(),
             ])
             .output()?;
         if !out.status.success() {
