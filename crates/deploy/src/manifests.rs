@@ -581,25 +581,14 @@ fn failure_policy() -> PodFailurePolicy {
 }
 
 fn headless_service(project: &Project, name: &str, component: &str, port: u16) -> Service {
-    Service {
-        metadata: meta(project, name, component),
-        spec: Some(ServiceSpec {
-            cluster_ip: Some("None".into()),
-            // Pods get DNS names as soon as they have addresses, before they are ready:
-            // the rendezvous host must be resolvable while the others wait for it.
-            publish_not_ready_addresses: Some(true),
-            selector: Some(labels(&project.job.name, component)),
-            ports: Some(vec![ServicePort {
-                name: Some(RDZV_PORT_NAME.into()),
-                port: port.into(),
-                target_port: Some(IntOrString::Int(port.into())),
-                protocol: Some("TCP".into()),
-                ..ServicePort::default()
-            }]),
-            ..ServiceSpec::default()
-        }),
-        ..Service::default()
+    let mut service = cluster_ip_service(project, name, component, RDZV_PORT_NAME, port);
+    if let Some(spec) = service.spec.as_mut() {
+        spec.cluster_ip = Some("None".into());
+        // Pods get DNS names as soon as they have addresses, before they are ready:
+        // the rendezvous host must be resolvable while the others wait for it.
+        spec.publish_not_ready_addresses = Some(true);
     }
+    service
 }
 
 // ---------------------------------------------------------------------------------------------
