@@ -389,45 +389,53 @@ fn numbered(dir: &Path, prefix: &str) -> Vec<String> {
     names
 }
 
+/// `seen` devices (listed by `names`) against `requested`: fewer fails with `advice`.
+fn devices_check(
+    name: &'static str,
+    what: &str,
+    seen: usize,
+    names: &[String],
+    requested: u32,
+    advice: &str,
+) -> Check {
+    let listed = if names.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", names.join(", "))
+    };
+    if (seen as u32) < requested {
+        check(
+            Verdict::Fail,
+            name,
+            format!("{seen} of the {requested} {what} requested are in this pod{listed}"),
+            Some(advice.into()),
+        )
+    } else {
+        check(
+            Verdict::Ok,
+            name,
+            format!("{seen} {what} in this pod{listed}, {requested} requested"),
+            None,
+        )
+    }
+}
+
 /// The GPUs (`/dev/nvidiaN`) and EFA adapters (`/dev/infiniband/uverbsN`, named in
 /// `/sys/class/infiniband`) this pod sees against what it requested, and the variables NCCL
 /// and libfabric read.
 fn accelerator_checks(a: &Accelerators) -> Vec<Check> {
     let mut out = Vec::new();
     let gpus = numbered(&a.root.join("dev"), "nvidia");
-    let seen = if gpus.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", gpus.join(", "))
-    };
-    out.push(if (gpus.len() as u32) < a.gpus {
-        check(
-            Verdict::Fail,
-            "gpu",
-            format!(
-                "{} of the {} GPUs requested are in this pod{seen}",
-                gpus.len(),
-                a.gpus
-            ),
-            Some(
-                "the NVIDIA device plugin must run on the node (`trainctl cluster addons` \
-                 installs it; kubectl -n kube-system get ds nvidia-device-plugin-daemonset) \
-                 and the node's driver must be loaded (an EKS GPU AMI)"
-                    .into(),
-            ),
-        )
-    } else {
-        check(
-            Verdict::Ok,
-            "gpu",
-            format!(
-                "{} GPUs in this pod{seen}, {} requested",
-                gpus.len(),
-                a.gpus
-            ),
-            None,
-        )
-    });
+    out.push(devices_check(
+        "gpu",
+        "GPUs",
+        gpus.len(),
+        &gpus,
+        a.gpus,
+        "the NVIDIA device plugin must run on the node (`trainctl cluster addons` installs it; \
+         kubectl -n kube-system get ds nvidia-device-plugin-daemonset) and the node's driver \
+         must be loaded (an EKS GPU AMI)",
+    ));
     let uverbs = numbered(&a.root.join("dev/infiniband"), "uverbs");
     let mut adapters: Vec<String> = std::fs::read_dir(a.root.join("sys/class/infiniband"))
         .into_iter()
@@ -435,39 +443,16 @@ fn accelerator_checks(a: &Accelerators) -> Vec<Check> {
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .collect();
     adapters.sort();
-    let named = if adapters.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", adapters.join(", "))
-    };
-    out.push(if (uverbs.len() as u32) < a.efa {
-        check(
-            Verdict::Fail,
-            "efa",
-            format!(
-                "{} of the {} EFA adapters requested are in this pod{named}",
-                uverbs.len(),
-                a.efa
-            ),
-            Some(
-                "the EFA device plugin must run on the node (eksctl installs it for node \
-                 groups with efaEnabled: kubectl -n kube-system get ds \
-                 aws-efa-k8s-device-plugin-daemonset) and the instance must have EFA"
-                    .into(),
-            ),
-        )
-    } else {
-        check(
-            Verdict::Ok,
-            "efa",
-            format!(
-                "{} EFA adapters in this pod{named}, {} requested",
-                uverbs.len(),
-                a.efa
-            ),
-            None,
-        )
-    });
+    out.push(devices_check(
+        "efa",
+        "EFA adapters",
+        uverbs.len(),
+        &adapters,
+        a.efa,
+        "the EFA device plugin must run on the node (eksctl installs it for node groups with \
+         efaEnabled: kubectl -n kube-system get ds aws-efa-k8s-device-plugin-daemonset) and \
+         the instance must have EFA",
+    ));
     let mut vars: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     vars.sort();
     let provider = a

@@ -312,21 +312,7 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             ..EnvVar::default()
         });
     }
-    let mut volumes = vec![
-        Volume {
-            name: "data".into(),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                claim_name: project.storage.claim.clone(),
-                read_only: Some(false),
-            }),
-            ..Volume::default()
-        },
-        Volume {
-            name: "tmp".into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Volume::default()
-        },
-    ];
+    let mut volumes = vec![claim_volume(project, "data", false), empty_dir("tmp")];
     let mut mounts = vec![
         VolumeMount {
             name: "data".into(),
@@ -358,11 +344,7 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     let copy_binary = o.image != project.trainctl_image;
     let mut init_containers = None;
     let binary = if copy_binary {
-        volumes.push(Volume {
-            name: "trainctl".into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Volume::default()
-        });
+        volumes.push(empty_dir("trainctl"));
         let mount = VolumeMount {
             name: "trainctl".into(),
             mount_path: BINARY_DIR.into(),
@@ -457,6 +439,27 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             security_context: Some(pod_security()),
             ..PodSpec::default()
         }),
+    }
+}
+
+/// The shared claim as volume `name`.
+fn claim_volume(project: &Project, name: &str, read_only: bool) -> Volume {
+    Volume {
+        name: name.into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: project.storage.claim.clone(),
+            read_only: Some(read_only),
+        }),
+        ..Volume::default()
+    }
+}
+
+/// A node-disk emptyDir as volume `name`.
+fn empty_dir(name: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
     }
 }
 
@@ -929,23 +932,9 @@ pub fn etcd(project: &Project) -> Vec<Value> {
     let component = "etcd";
     let mount = "/var/lib/etcd";
     let (volume, data_dir) = match project.job.etcd_storage {
-        EtcdStorage::EmptyDir => (
-            Volume {
-                name: "etcd".into(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Volume::default()
-            },
-            format!("{mount}/data"),
-        ),
+        EtcdStorage::EmptyDir => (empty_dir("etcd"), format!("{mount}/data")),
         EtcdStorage::Claim => (
-            Volume {
-                name: "etcd".into(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: project.storage.claim.clone(),
-                    read_only: Some(false),
-                }),
-                ..Volume::default()
-            },
+            claim_volume(project, "etcd", false),
             format!("{mount}/.etcd/{name}"),
         ),
     };
@@ -1057,21 +1046,7 @@ pub fn tensorboard(project: &Project) -> Vec<Value> {
     };
     let spec = PodSpec {
         containers: vec![container],
-        volumes: Some(vec![
-            Volume {
-                name: "data".into(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: project.storage.claim.clone(),
-                    read_only: Some(true),
-                }),
-                ..Volume::default()
-            },
-            Volume {
-                name: "tmp".into(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Volume::default()
-            },
-        ]),
+        volumes: Some(vec![claim_volume(project, "data", true), empty_dir("tmp")]),
         enable_service_links: Some(false),
         security_context: Some(pod_security()),
         ..PodSpec::default()

@@ -47,6 +47,11 @@ fn ok(body: Value) -> (StatusCode, String) {
     (StatusCode::OK, body.to_string())
 }
 
+/// The API server's answer to a delete that was accepted.
+fn deleted() -> (StatusCode, String) {
+    ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))
+}
+
 impl MockApi {
     fn on(&self, method: Method, path: &str, answers: Vec<(StatusCode, String)>) -> &Self {
         self.routes.lock().unwrap().push(Route {
@@ -576,7 +581,7 @@ async fn delete_removes_the_job_and_its_helpers_but_not_the_storage() {
         "/api/v1/namespaces/default/services/cifar10",
         "/api/v1/namespaces/default/secrets/cifar10-token",
     ] {
-        api.on(Method::DELETE, path, vec![ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))]);
+        api.on(Method::DELETE, path, vec![deleted()]);
     }
     empty_lists(&api);
     let deleted = api.kube().delete("cifar10").await.unwrap();
@@ -851,7 +856,7 @@ async fn delete_removes_the_etcd_and_tensorboard_deployments() {
         "/apis/apps/v1/namespaces/default/deployments/cifar10-tensorboard",
         "/api/v1/namespaces/default/services/cifar10-etcd",
     ] {
-        api.on(Method::DELETE, path, vec![ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))]);
+        api.on(Method::DELETE, path, vec![deleted()]);
     }
     empty_lists(&api);
     let deleted = api.kube().delete("cifar10").await.unwrap();
@@ -900,9 +905,7 @@ async fn tensorboard_is_applied_and_deleted_by_its_component() {
     api.on(
         Method::DELETE,
         "/apis/apps/v1/namespaces/default/deployments/cifar10-tensorboard",
-        vec![ok(
-            json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }),
-        )],
+        vec![deleted()],
     );
     empty_lists(&api);
     let deleted = api
