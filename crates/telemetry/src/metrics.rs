@@ -82,6 +82,21 @@ pub struct RunConfig {
     pub data: String,
     pub backend: String,
     pub version: String,
+    /// The network (`seed-cnn`, `resnet18`, ...); files from before it was recorded trained the
+    /// seed CNN.
+    #[serde(default = "seed_cnn")]
+    pub model: String,
+    /// Side of the square training images in pixels.
+    #[serde(default = "cifar_size")]
+    pub image_size: usize,
+}
+
+fn seed_cnn() -> String {
+    "seed-cnn".into()
+}
+
+fn cifar_size() -> usize {
+    32
 }
 
 impl RunConfig {
@@ -89,6 +104,8 @@ impl RunConfig {
     pub fn rows(&self) -> Vec<(&'static str, String)> {
         vec![
             ("run id", self.run_id.clone()),
+            ("model", self.model.clone()),
+            ("image size", format!("{0}×{0}", self.image_size)),
             ("epochs", self.epochs.to_string()),
             ("batch size per worker", self.batch_size.to_string()),
             ("learning rate", self.learning_rate.to_string()),
@@ -173,6 +190,10 @@ pub struct Eval {
     pub class_accuracy: Vec<Option<f64>>,
     /// `confusion[true][predicted]` counts.
     pub confusion: Vec<Vec<u64>>,
+    /// Percent of images whose class is among the five most probable; recorded for more
+    /// than five classes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top5_accuracy: Option<f64>,
 }
 
 /// The metrics file of `rank` in a run directory.

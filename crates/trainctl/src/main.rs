@@ -26,9 +26,11 @@ struct Cli {
 enum Command {
     /// Launch workers on this node, as torchrun does (same flags, same worker environment).
     Run(commands::run::Args),
-    /// Train the seed CNN on CIFAR-10 (one worker; launch several with `trainctl run`).
+    /// Train the seed CNN on CIFAR-10, or a ResNet on an image folder (one worker; launch
+    /// several with `trainctl run`).
     Train(commands::train::Args),
-    /// Accuracy of a saved model on the CIFAR-10 test set, overall and per class.
+    /// Accuracy of a saved model on CIFAR-10's test set or an image folder's val/: top-1, top-5,
+    /// per class.
     Eval(commands::eval::Args),
     /// Charts (loss, throughput, step time, per-class accuracy, confusion matrix) and one
     /// self-contained HTML page from a run's metrics.
@@ -37,7 +39,7 @@ enum Command {
     Checkpoint(commands::checkpoint::Args),
     /// Classify PNG or JPEG images with a saved model.
     Predict(commands::predict::Args),
-    /// CIFAR-10 data: fetch the official archive, or write a small synthetic set.
+    /// Data sets: fetch CIFAR-10 or tiny-imagenet, or write a small synthetic set.
     #[command(subcommand)]
     Data(commands::data::Command),
     /// Measure a training step and the all-reduce on this machine.

@@ -10,38 +10,13 @@ use collective::{ProcessGroup, World};
 
 use crate::cifar::synthetic;
 use crate::device::{set_cpu_threads, training_device};
-use crate::model::{Net, SeedCnn, buffers, gradients, load, snapshot, to_vec};
-use crate::resnet::{Arch, ResNet};
+use crate::model::{Architecture, Model, buffers, gradients, load, snapshot, to_vec};
 
-/// The network a step is timed on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BenchModel {
-    SeedCnn,
-    ResNet(Arch),
-}
-
-impl BenchModel {
-    /// `seed-cnn`, `resnet18`, ... (what `trainctl bench --model` takes).
-    pub fn parse(name: &str) -> Option<BenchModel> {
-        match name {
-            "seed-cnn" => Some(BenchModel::SeedCnn),
-            other => Arch::parse(other).map(BenchModel::ResNet),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            BenchModel::SeedCnn => "seed-cnn",
-            BenchModel::ResNet(a) => a.name(),
-        }
-    }
-
-    /// Classes of the timed model: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
-    pub fn classes(self) -> usize {
-        match self {
-            BenchModel::SeedCnn => 10,
-            BenchModel::ResNet(_) => 200,
-        }
+/// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
+pub fn bench_classes(arch: Architecture) -> usize {
+    match arch {
+        Architecture::SeedCnn => 10,
+        Architecture::ResNet(_) => 200,
     }
 }
 
@@ -72,7 +47,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// # Panics
 /// The seed CNN at any size but 32 (its classifier is sized for 32×32 inputs).
 pub fn training_step(
-    model: BenchModel,
+    model: Architecture,
     image_size: usize,
     threads: usize,
     batch_size: usize,
@@ -91,39 +66,28 @@ pub fn training_step(
         let pixels = (0..n)
             .map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5)
             .collect();
-        let classes = model.classes() as i64;
+        let classes = bench_classes(model) as i64;
         (
             pixels,
             (0..batch_size as i64).map(|i| i % classes).collect(),
         )
     };
-    let mut times = match model {
-        BenchModel::SeedCnn => {
-            assert_eq!(image_size, 32, "the seed CNN takes 32×32 images");
-            time_steps(
-                SeedCnn::new(&device),
-                SeedCnn::forward,
-                (&pixels, &labels, image_size),
-                batch_size,
-                steps,
-            )
-        }
-        BenchModel::ResNet(arch) => time_steps(
-            ResNet::new(arch, model.classes(), &device),
-            ResNet::forward,
-            (&pixels, &labels, image_size),
-            batch_size,
-            steps,
-        ),
-    };
+    if model == Architecture::SeedCnn {
+        assert_eq!(image_size, 32, "the seed CNN takes 32×32 images");
+    }
+    let mut times = time_steps(
+        Model::new(model, bench_classes(model), &device),
+        (&pixels, &labels, image_size),
+        batch_size,
+        steps,
+    );
     times.model = model.name();
     times.threads = threads;
     times
 }
 
-fn time_steps<M: Net>(
-    mut model: M,
-    forward: fn(&M, Tensor<4>) -> Tensor<2>,
+fn time_steps(
+    mut model: Model,
     (pixels, labels, image_size): (&[f32], &[i64], usize),
     batch_size: usize,
     steps: usize,
@@ -141,7 +105,7 @@ fn time_steps<M: Net>(
         );
         let y =
             Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [batch_size]), &device);
-        let loss = loss_fn.forward(forward(&model, x), y);
+        let loss = loss_fn.forward(model.forward(x), y);
         let loss_value = to_vec(loss.clone())[0];
         let t1 = Instant::now();
         let grads = loss.backward();

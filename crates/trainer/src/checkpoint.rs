@@ -1,7 +1,9 @@
 //! Model files and checkpoints.
 //!
-//! The model file is plain safetensors with PyTorch's names for the seed's `nn.Sequential`, so
-//! `model.load_state_dict(safetensors.torch.load_file(path))` works. A checkpoint is the same
+//! The model file is plain safetensors with PyTorch's names (the seed's `nn.Sequential`,
+//! torchvision's ResNet keys), so `model.load_state_dict(safetensors.torch.load_file(path))`
+//! works; its metadata (`trainctl.model`, [`ModelInfo`]) says which network it is and names its
+//! classes, for `eval` and `predict`. A checkpoint is the same
 //! tensors plus the optimizer's momentum and the training position, inside an envelope with a
 //! checksum, written atomically: a crash leaves the old checkpoint or the new one, never half of
 //! one, and a damaged file is reported, never used.
@@ -13,12 +15,103 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
+use crate::cifar::CLASS_NAMES;
+use crate::data::Normalisation;
 use crate::error::{IoContext, Result, TrainError};
-use crate::model::{Entry, Snapshot};
+use crate::model::{Architecture, Entry, Snapshot};
+use crate::resnet::Arch;
 
 const MAGIC: &[u8; 16] = b"TRAINCTL-CKPT\0v1";
 const HEADER: usize = 16 + 8 + 4;
 const MOMENTUM_PREFIX: &str = "optimizer.momentum.";
+const MODEL_KEY: &str = "trainctl.model";
+const PROGRESS_KEY: &str = "trainctl.progress";
+
+/// What a model file says of its network besides the tensors: enough to rebuild it, feed it
+/// images as it was trained on them, and name its predictions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// `seed-cnn`, `resnet18`, ...
+    pub architecture: String,
+    /// Class names by index.
+    pub classes: Vec<String>,
+    /// Side of the square images it takes.
+    pub image_size: usize,
+    pub normalisation: Normalisation,
+}
+
+impl ModelInfo {
+    pub fn architecture(&self) -> Result<Architecture, String> {
+        Architecture::parse(&self.architecture).ok_or_else(|| {
+            format!(
+                "names the network {:?}, which this trainctl does not know ({})",
+                self.architecture,
+                Architecture::CHOICES
+            )
+        })
+    }
+
+    /// The seed CNN on CIFAR-10, as files from before models were described are.
+    pub fn seed_cifar() -> ModelInfo {
+        ModelInfo {
+            architecture: Architecture::SeedCnn.name().into(),
+            classes: CLASS_NAMES.iter().map(|c| c.to_string()).collect(),
+            image_size: 32,
+            normalisation: Normalisation::Cifar,
+        }
+    }
+
+    /// What a file without trainctl's metadata holds, told from its tensor names: the seed's
+    /// `network.N` keys, or a torchvision ResNet (which one from its blocks).
+    fn infer(tensors: &safetensors::SafeTensors) -> Result<ModelInfo, String> {
+        let names = tensors.names();
+        let has = |n: &str| names.iter().any(|k| *k == n);
+        let classes_of = |bias: &str| {
+            tensors
+                .tensor(bias)
+                .ok()
+                .and_then(|t| t.shape().first().copied())
+        };
+        if has("network.0.weight") {
+            let n = classes_of("network.21.bias")
+                .ok_or("has network.0.weight but no network.21.bias")?;
+            let mut info = ModelInfo::seed_cifar();
+            if n != CLASS_NAMES.len() {
+                info.classes = (0..n).map(|i| format!("class {i}")).collect();
+            }
+            return Ok(info);
+        }
+        if has("conv1.weight") && has("fc.bias") {
+            let bottleneck = has("layer1.0.conv3.weight");
+            let stage3 = (0..64)
+                .take_while(|i| has(&format!("layer3.{i}.conv1.weight")))
+                .count();
+            let arch = match (bottleneck, stage3) {
+                (false, 2) => Arch::ResNet18,
+                (false, 6) => Arch::ResNet34,
+                (true, 6) => Arch::ResNet50,
+                (true, 23) => Arch::ResNet101,
+                _ => {
+                    return Err(format!(
+                        "looks like a ResNet but has {stage3} blocks in layer3 (bottleneck: {bottleneck}); trainctl knows {}",
+                        Architecture::CHOICES
+                    ));
+                }
+            };
+            let n = classes_of("fc.bias").ok_or("fc.bias has no shape")?;
+            return Ok(ModelInfo {
+                architecture: arch.name().into(),
+                classes: (0..n).map(|i| format!("class {i}")).collect(),
+                // torchvision's ImageNet recipe.
+                image_size: 224,
+                normalisation: Normalisation::ImageNet,
+            });
+        }
+        Err(format!(
+            "has no {MODEL_KEY} metadata and its tensors are neither the seed CNN's (network.0.weight, ...) nor a torchvision ResNet's (conv1.weight, ..., fc.bias)"
+        ))
+    }
+}
 
 /// Where training stands, and how it was configured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,6 +138,7 @@ pub struct Progress {
 
 pub struct Checkpoint {
     pub progress: Progress,
+    pub info: ModelInfo,
     pub params: Vec<f32>,
     pub buffers: Vec<f32>,
     pub momentum: Vec<f32>,
@@ -123,7 +217,7 @@ fn encode(
     let mut offset = 0;
     for (entry, values) in snapshot.tensors() {
         let (shape, data) = to_torch(entry, values);
-        let name = entry.torch_name();
+        let name = entry.torch_name.clone();
         if let (Some(m), true) = (momentum, entry.trainable) {
             let (_, m) = to_torch(entry, &m[offset..offset + values.len()]);
             tensors.push((
@@ -168,10 +262,10 @@ fn decode(
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
     let (mut params, mut buffers) = (Vec::new(), Vec::new());
     for entry in template.iter().filter(|e| e.trainable || !trainable_only) {
-        let name = format!("{prefix}{}", entry.torch_name());
-        let view = tensors
-            .tensor(&name)
-            .map_err(|_| format!("has no tensor {name} (not a seed-CNN model?)"))?;
+        let name = format!("{prefix}{}", entry.torch_name);
+        let view = tensors.tensor(&name).map_err(|_| {
+            format!("has no tensor {name} (a model of another network or class count?)")
+        })?;
         let expected = entry.torch_shape();
         if view.dtype() != Dtype::F32 || view.shape() != expected {
             return Err(format!(
@@ -195,22 +289,66 @@ fn decode(
     Ok((params, buffers))
 }
 
-/// Saves the final model as PyTorch-named safetensors.
-pub fn save_model(path: &Path, snapshot: &Snapshot, batches_tracked: u64) -> Result<()> {
-    write_atomic(path, &encode(snapshot, None, batches_tracked, None)?)
+fn to_json<T: Serialize>(value: &T) -> Result<String> {
+    serde_json::to_string(value).map_err(|e| TrainError::Config(e.to_string()))
 }
 
-/// Loads a model file written by [`save_model`] (or by PyTorch from the seed's model) into
-/// buffers laid out like `template`.
-pub fn load_model(path: &Path, template: &Snapshot) -> Result<(Vec<f32>, Vec<f32>)> {
+/// Saves the final model as PyTorch-named safetensors, described by `info`.
+pub fn save_model(
+    path: &Path,
+    snapshot: &Snapshot,
+    batches_tracked: u64,
+    info: &ModelInfo,
+) -> Result<()> {
+    let meta = HashMap::from([(MODEL_KEY.to_string(), to_json(info)?)]);
+    write_atomic(path, &encode(snapshot, None, batches_tracked, Some(meta))?)
+}
+
+/// A model file read and described, its tensors not yet checked against a network.
+pub struct ModelFile {
+    pub info: ModelInfo,
+    bytes: Vec<u8>,
+    path: std::path::PathBuf,
+}
+
+/// Reads a model file written by [`save_model`], by PyTorch from the seed's model or by
+/// torchvision from a ResNet, and says what network it holds.
+pub fn read_model(path: &Path) -> Result<ModelFile> {
     let bytes = std::fs::read(path).at(path)?;
     let bad = |problem: String| TrainError::BadModel {
         path: path.to_path_buf(),
         problem,
     };
-    let tensors = safetensors::SafeTensors::deserialize(&bytes)
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
-    decode(&tensors, &template.entries, "", false).map_err(bad)
+    let info = match meta.metadata().as_ref().and_then(|m| m.get(MODEL_KEY)) {
+        Some(json) => serde_json::from_str::<ModelInfo>(json)
+            .map_err(|e| bad(format!("{MODEL_KEY} metadata: {e}")))?,
+        None => {
+            let tensors = safetensors::SafeTensors::deserialize(&bytes)
+                .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+            ModelInfo::infer(&tensors).map_err(bad)?
+        }
+    };
+    info.architecture().map_err(bad)?;
+    Ok(ModelFile {
+        info,
+        bytes,
+        path: path.to_path_buf(),
+    })
+}
+
+impl ModelFile {
+    /// The tensors laid out like `template` (parameters, buffers), every name and shape checked.
+    pub fn tensors(&self, template: &Snapshot) -> Result<(Vec<f32>, Vec<f32>)> {
+        let bad = |problem: String| TrainError::BadModel {
+            path: self.path.clone(),
+            problem,
+        };
+        let tensors = safetensors::SafeTensors::deserialize(&self.bytes)
+            .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+        decode(&tensors, &template.entries, "", false).map_err(bad)
+    }
 }
 
 pub fn save_checkpoint(
@@ -218,13 +356,16 @@ pub fn save_checkpoint(
     snapshot: &Snapshot,
     momentum: &[f32],
     progress: &Progress,
+    info: &ModelInfo,
 ) -> Result<()> {
-    let meta = serde_json::to_string(progress).map_err(|e| TrainError::Config(e.to_string()))?;
     let payload = encode(
         snapshot,
         Some(momentum),
         progress.global_step,
-        Some(HashMap::from([("trainctl.progress".to_string(), meta)])),
+        Some(HashMap::from([
+            (PROGRESS_KEY.to_string(), to_json(progress)?),
+            (MODEL_KEY.to_string(), to_json(info)?),
+        ])),
     )?;
     let mut bytes = Vec::with_capacity(HEADER + payload.len());
     bytes.extend_from_slice(MAGIC);
@@ -235,8 +376,9 @@ pub fn save_checkpoint(
 }
 
 /// Reads and verifies a checkpoint. `Ok(None)` when there is none; an error, naming what is
-/// wrong, when the file is damaged or belongs to another model.
-pub fn load_checkpoint(path: &Path, template: &Snapshot) -> Result<Option<Checkpoint>> {
+/// wrong, when the file is damaged or belongs to another model. `template` is the network
+/// being trained, or `None` to take the one the checkpoint describes.
+pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Option<Checkpoint>> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -269,17 +411,38 @@ pub fn load_checkpoint(path: &Path, template: &Snapshot) -> Result<Option<Checkp
     let tensors = safetensors::SafeTensors::deserialize(payload).map_err(|e| bad(e.to_string()))?;
     let (_, meta) =
         safetensors::SafeTensors::read_metadata(payload).map_err(|e| bad(e.to_string()))?;
-    let progress = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("trainctl.progress"))
+    let metadata = meta.metadata().as_ref();
+    let progress = metadata
+        .and_then(|m| m.get(PROGRESS_KEY))
         .ok_or_else(|| bad("no training progress recorded".into()))?;
     let progress: Progress =
         serde_json::from_str(progress).map_err(|e| bad(format!("progress record: {e}")))?;
+    let info = match metadata.and_then(|m| m.get(MODEL_KEY)) {
+        Some(json) => {
+            serde_json::from_str(json).map_err(|e| bad(format!("{MODEL_KEY} record: {e}")))?
+        }
+        // Checkpoints from before models were described are the seed CNN's.
+        None => ModelInfo::seed_cifar(),
+    };
+    let own;
+    let template = match template {
+        Some(t) => t,
+        None => {
+            let arch = info.architecture().map_err(&bad)?;
+            let model = crate::model::Model::new(
+                arch,
+                info.classes.len(),
+                &crate::device::inference_device(),
+            );
+            own = crate::model::snapshot(&model);
+            &own
+        }
+    };
     let (params, buffers) = decode(&tensors, &template.entries, "", false).map_err(&bad)?;
     let (momentum, _) = decode(&tensors, &template.entries, MOMENTUM_PREFIX, true).map_err(&bad)?;
     Ok(Some(Checkpoint {
         progress,
+        info,
         params,
         buffers,
         momentum,
@@ -308,7 +471,7 @@ mod tests {
     }
 
     fn model_state() -> (Snapshot, Vec<f32>) {
-        let snap = snapshot(&SeedCnn::new(&crate::device::inference_device()));
+        let snap = snapshot(&SeedCnn::new(10, &crate::device::inference_device()));
         let momentum: Vec<f32> = (0..snap.params.len()).map(|i| i as f32 * 1e-3).collect();
         (snap, momentum)
     }
@@ -318,14 +481,27 @@ mod tests {
         let (snap, momentum) = model_state();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ckpt");
-        save_checkpoint(&path, &snap, &momentum, &progress()).unwrap();
-        let back = load_checkpoint(&path, &snap).unwrap().unwrap();
+        save_checkpoint(
+            &path,
+            &snap,
+            &momentum,
+            &progress(),
+            &ModelInfo::seed_cifar(),
+        )
+        .unwrap();
+        let back = load_checkpoint(&path, Some(&snap)).unwrap().unwrap();
         assert_eq!(back.progress, progress());
+        assert_eq!(back.info, ModelInfo::seed_cifar());
+        let described = load_checkpoint(&path, None).unwrap().unwrap();
+        assert_eq!(
+            described.params, snap.params,
+            "the network it names is rebuilt"
+        );
         assert_eq!(back.params, snap.params);
         assert_eq!(back.buffers, snap.buffers);
         assert_eq!(back.momentum, momentum);
         assert!(
-            load_checkpoint(&dir.path().join("none"), &snap)
+            load_checkpoint(&dir.path().join("none"), Some(&snap))
                 .unwrap()
                 .is_none()
         );
@@ -336,25 +512,41 @@ mod tests {
         let (snap, momentum) = model_state();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ckpt");
-        save_checkpoint(&path, &snap, &momentum, &progress()).unwrap();
+        save_checkpoint(
+            &path,
+            &snap,
+            &momentum,
+            &progress(),
+            &ModelInfo::seed_cifar(),
+        )
+        .unwrap();
         let good = std::fs::read(&path).unwrap();
 
         let mut flipped = good.clone();
         let middle = flipped.len() / 2;
         flipped[middle] ^= 0x40;
         std::fs::write(&path, &flipped).unwrap();
-        let err = load_checkpoint(&path, &snap).err().unwrap().to_string();
+        let err = load_checkpoint(&path, Some(&snap))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             err.contains("checksum mismatch") && err.contains("not used"),
             "{err}"
         );
 
         std::fs::write(&path, &good[..good.len() - 100]).unwrap();
-        let err = load_checkpoint(&path, &snap).err().unwrap().to_string();
+        let err = load_checkpoint(&path, Some(&snap))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("truncated"), "{err}");
 
         std::fs::write(&path, b"hello").unwrap();
-        let err = load_checkpoint(&path, &snap).err().unwrap().to_string();
+        let err = load_checkpoint(&path, Some(&snap))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("not a trainctl checkpoint"), "{err}");
     }
 
@@ -363,7 +555,7 @@ mod tests {
         let (snap, _) = model_state();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");
-        save_model(&path, &snap, 9).unwrap();
+        save_model(&path, &snap, 9, &ModelInfo::seed_cifar()).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let mut names: Vec<String> = st.names().into_iter().map(|s| s.to_string()).collect();
@@ -390,7 +582,9 @@ mod tests {
             st.tensor("network.0.weight").unwrap().shape(),
             [32, 3, 3, 3]
         );
-        let (params, buffers) = load_model(&path, &snap).unwrap();
+        let file = read_model(&path).unwrap();
+        assert_eq!(file.info, ModelInfo::seed_cifar());
+        let (params, buffers) = file.tensors(&snap).unwrap();
         assert_eq!(
             (params, buffers),
             (snap.params.clone(), snap.buffers.clone())

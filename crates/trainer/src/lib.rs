@@ -1,9 +1,11 @@
-//! The worker: the seed CNN on burn, CIFAR-10, data-parallel training over the collective,
+//! The worker: the seed CNN and torchvision's ResNets on burn, CIFAR-10 and image folders,
+//! data-parallel training over the collective,
 //! crash-safe checkpoints, evaluation and prediction.
 
 pub mod bench;
 pub mod checkpoint;
 pub mod cifar;
+pub mod data;
 pub mod device;
 mod error;
 pub mod eval;

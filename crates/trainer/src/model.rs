@@ -1,7 +1,9 @@
-//! The seed CNN, and its parameters as flat `f32` buffers with PyTorch's names.
+//! The networks the trainer knows ([`Model`]: the seed CNN, torchvision's ResNets), and their
+//! tensors as flat `f32` buffers with PyTorch's names.
 //!
-//! Invariant: parameters are always listed in the order of [`SeedCnn`]'s fields, which is the
-//! order of the seed's `nn.Sequential`; flat buffers, checkpoints and the all-reduce rely on it.
+//! Invariant: tensors are always listed in the order of the model's fields (the seed's
+//! `nn.Sequential` order, torchvision's `state_dict` order); flat buffers, checkpoints and the
+//! all-reduce rely on it.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -10,8 +12,96 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, PaddingConfig2d
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use crate::cifar::NUM_CLASSES;
 use crate::ops::{batch_norm, conv2d, max_pool2d};
+use crate::resnet::{Arch, ResNet};
+
+/// Which network `trainctl train --model` trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    SeedCnn,
+    ResNet(Arch),
+}
+
+impl Architecture {
+    /// The names `--model` takes, for messages.
+    pub const CHOICES: &str = "seed-cnn, resnet18, resnet34, resnet50 or resnet101";
+
+    /// `seed-cnn`, `resnet18`, ...
+    pub fn parse(name: &str) -> Option<Architecture> {
+        match name {
+            "seed-cnn" => Some(Architecture::SeedCnn),
+            other => Arch::parse(other).map(Architecture::ResNet),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::SeedCnn => "seed-cnn",
+            Architecture::ResNet(a) => a.name(),
+        }
+    }
+
+    /// Why this network cannot take `size`² images, if it cannot.
+    pub fn check_image_size(self, size: usize) -> Result<(), String> {
+        match self {
+            Architecture::SeedCnn if size != 32 => Err(format!(
+                "the seed CNN takes 32×32 images (its classifier is sized for them), not {size}×{size}: pass --image-size 32 or choose a ResNet with --model"
+            )),
+            Architecture::ResNet(a) if size < 32 => Err(format!(
+                "{} needs images of at least 32×32 pixels, not {size}×{size}: pass a larger --image-size",
+                a.name()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Display for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The network being trained, evaluated or asked for predictions: what the training loop,
+/// checkpoints, evaluation and prediction go through.
+#[derive(Module, Debug)]
+pub enum Model {
+    SeedCnn(SeedCnn),
+    ResNet(ResNet),
+}
+
+impl Model {
+    pub fn new(arch: Architecture, classes: usize, device: &Device) -> Model {
+        match arch {
+            Architecture::SeedCnn => Model::SeedCnn(SeedCnn::new(classes, device)),
+            Architecture::ResNet(a) => Model::ResNet(ResNet::new(a, classes, device)),
+        }
+    }
+
+    /// `[batch, 3, size, size]` → logits `[batch, classes]`.
+    pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
+        match self {
+            Model::SeedCnn(m) => m.forward(x),
+            Model::ResNet(m) => m.forward(x),
+        }
+    }
+}
+
+impl Net for Model {
+    fn settle(&self) {
+        match self {
+            Model::SeedCnn(m) => m.settle(),
+            Model::ResNet(m) => m.settle(),
+        }
+    }
+
+    fn torch_name(&self, path: &str) -> String {
+        match self {
+            Model::SeedCnn(m) => m.torch_name(path),
+            Model::ResNet(m) => m.torch_name(path),
+        }
+    }
+}
 
 /// Conv(3→32) ReLU, Conv(32→64) ReLU, MaxPool2, BatchNorm(64), Conv(64→128) ReLU,
 /// Conv(128→128) ReLU, MaxPool2, BatchNorm(128), Conv(128→256) ReLU, Conv(256→256) ReLU,
@@ -34,8 +124,11 @@ pub struct SeedCnn {
 }
 
 /// A network whose tensors move to and from flat buffers ([`snapshot`], [`load`],
-/// [`gradients`]): the seed CNN, the ResNets.
+/// [`gradients`]): the seed CNN, the ResNets, [`Model`].
 pub trait Net: Module + Sized {
+    /// PyTorch's `state_dict` key of the tensor at burn path `path` (e.g. `conv12.weight`).
+    fn torch_name(&self, path: &str) -> String;
+
     /// Folds the BatchNorm statistics of the last forward pass into the running state.
     ///
     /// burn's `RunningState` keeps a forward's update aside (per thread) and applies it only
@@ -59,7 +152,8 @@ fn conv(i: usize, o: usize, device: &Device) -> Conv2d {
 }
 
 impl SeedCnn {
-    pub fn new(device: &Device) -> Self {
+    /// The seed's network; `classes` is 10 for CIFAR-10.
+    pub fn new(classes: usize, device: &Device) -> Self {
         SeedCnn {
             conv0: conv(3, 32, device),
             conv2: conv(32, 64, device),
@@ -71,7 +165,7 @@ impl SeedCnn {
             conv14: conv(256, 256, device),
             bn17: BatchNormConfig::new(256).init(device),
             fc19: LinearConfig::new(4096, 512).init(device),
-            fc21: LinearConfig::new(512, NUM_CLASSES).init(device),
+            fc21: LinearConfig::new(512, classes).init(device),
             pool: MaxPool2dConfig::new([2, 2]).init(),
         }
     }
@@ -96,6 +190,19 @@ impl Net for SeedCnn {
     fn settle(&self) {
         settle_norms([&self.bn5, &self.bn11, &self.bn17]);
     }
+
+    /// The seed's `nn.Sequential`: `conv12.weight` → `network.12.weight`, `bn5.gamma` →
+    /// `network.5.weight`.
+    fn torch_name(&self, path: &str) -> String {
+        let (module, field) = path.split_once('.').unwrap_or((path, ""));
+        let index: String = module.chars().filter(|c| c.is_ascii_digit()).collect();
+        let field = match field {
+            "gamma" => "weight",
+            "beta" => "bias",
+            other => other,
+        };
+        format!("network.{index}.{field}")
+    }
 }
 
 /// One named tensor of the model.
@@ -103,6 +210,8 @@ impl Net for SeedCnn {
 pub struct Entry {
     /// burn's path, e.g. `fc19.weight`.
     pub path: String,
+    /// PyTorch's name, e.g. `network.19.weight` ([`Net::torch_name`]).
+    pub torch_name: String,
     pub shape: Vec<usize>,
     /// Trained by the optimizer (false for BatchNorm running statistics).
     pub trainable: bool,
@@ -111,19 +220,6 @@ pub struct Entry {
 impl Entry {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
-    }
-
-    /// PyTorch's name in the seed's `nn.Sequential`: `conv12.weight` → `network.12.weight`,
-    /// `bn5.gamma` → `network.5.weight`.
-    pub fn torch_name(&self) -> String {
-        let (module, field) = self.path.split_once('.').unwrap_or((&self.path, ""));
-        let index: String = module.chars().filter(|c| c.is_ascii_digit()).collect();
-        let field = match field {
-            "gamma" => "weight",
-            "beta" => "bias",
-            other => other,
-        };
-        format!("network.{index}.{field}")
     }
 
     /// The shape PyTorch gives this tensor (Linear weights transposed).
@@ -176,11 +272,17 @@ impl Snapshot {
 struct Path(Vec<String>);
 
 impl Path {
-    fn enter(&mut self, name: &str) {
-        self.0.push(name.to_string());
+    /// An enum's variant (burn's container `Enum:...`, e.g. [`Model`]'s) is which network, not
+    /// a part of one: it is left out of the path, as PyTorch's names have no such level.
+    fn enter(&mut self, name: &str, container: &str) {
+        if !container.starts_with("Enum:") {
+            self.0.push(name.to_string());
+        }
     }
-    fn exit(&mut self) {
-        self.0.pop();
+    fn exit(&mut self, container: &str) {
+        if !container.starts_with("Enum:") {
+            self.0.pop();
+        }
     }
     fn leaf(&self) -> String {
         self.0.join(".")
@@ -191,19 +293,20 @@ fn is_buffer(path: &str) -> bool {
     path.ends_with("running_mean") || path.ends_with("running_var")
 }
 
-struct Reader {
+struct Reader<'a> {
     path: Path,
     snapshot: Snapshot,
     /// Read only the buffers (the cheap per-step sync of BatchNorm statistics).
     buffers_only: bool,
+    torch_name: &'a dyn Fn(&str) -> String,
 }
 
-impl ModuleVisitor for Reader {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.enter(name);
+impl ModuleVisitor for Reader<'_> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
     }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.exit();
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.path.exit(container);
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let path = self.path.leaf();
@@ -220,6 +323,7 @@ impl ModuleVisitor for Reader {
             self.snapshot.buffers.extend(values);
         }
         self.snapshot.entries.push(Entry {
+            torch_name: (self.torch_name)(&path),
             path,
             shape,
             trainable,
@@ -244,6 +348,7 @@ fn read<M: Net>(model: &M, buffers_only: bool) -> Snapshot {
             buffers: Vec::new(),
         },
         buffers_only,
+        torch_name: &|path| model.torch_name(path),
     };
     model.visit(&mut reader);
     reader.snapshot
@@ -266,11 +371,11 @@ struct Writer<'a> {
 }
 
 impl ModuleMapper for Writer<'_> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.enter(name);
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
     }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.exit();
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.path.exit(container);
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let values: &mut &[f32] = if is_buffer(&self.path.leaf()) {
@@ -315,11 +420,11 @@ pub fn gradients<M: Net>(model: &M, grads: &burn::tensor::Gradients, out: &mut V
         out: &'a mut Vec<f32>,
     }
     impl ModuleVisitor for Grads<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.enter(name);
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.path.enter(name, container);
         }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.exit();
+        fn exit_module(&mut self, _: &str, container: &str) {
+            self.path.exit(container);
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if is_buffer(&self.path.leaf()) {
@@ -350,7 +455,7 @@ mod tests {
     #[test]
     fn buffers_read_after_a_forward_are_current_and_loads_stick() {
         let device = training_device();
-        let model = SeedCnn::new(&device);
+        let model = SeedCnn::new(10, &device);
         let before = buffers(&model);
         let x = Tensor::<4>::ones([2, 3, 32, 32], &device);
         let _ = model.forward(x.clone());
@@ -380,7 +485,7 @@ mod batchnorm_tests {
     #[test]
     fn inference_matches_training_once_running_stats_converge() {
         let device = training_device();
-        let model = SeedCnn::new(&device);
+        let model = SeedCnn::new(10, &device);
         let data = crate::cifar::synthetic::generate(4, 5);
         let (mut pixels, mut labels) = (Vec::new(), Vec::new());
         data.fill_batch(&(0..4).collect::<Vec<_>>(), &mut pixels, &mut labels);
@@ -391,7 +496,8 @@ mod batchnorm_tests {
             train_logits = to_vec(model.forward(x.clone()));
         }
         let snap = snapshot(&model);
-        let inference = crate::eval::inference_model(&snap.params, &snap.buffers);
+        let inference =
+            crate::eval::inference_model(Architecture::SeedCnn, 10, &snap.params, &snap.buffers);
         let xi = Tensor::<4>::from_data(
             TensorData::new(pixels, [4, 3, 32, 32]),
             &crate::device::inference_device(),

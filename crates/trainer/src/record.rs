@@ -14,7 +14,6 @@ use telemetry::metrics::{Checkpoint, EpochDone, Eval, Record, Start, rank_file};
 use telemetry::tfevents::EventWriter;
 use telemetry::{MetricsWriter, RunConfig, Step};
 
-use crate::cifar::CLASS_NAMES;
 use crate::eval::Confusion;
 use crate::train::Event;
 
@@ -143,7 +142,10 @@ impl Recorder {
     pub fn eval(&mut self, step: u64, confusion: &Confusion, report: &mut dyn FnMut(Event)) {
         let eval = eval_record(self.rank, step, confusion);
         let mut scalars = vec![("test/accuracy".to_string(), eval.accuracy)];
-        for (name, acc) in CLASS_NAMES.iter().zip(&eval.class_accuracy) {
+        if let Some(top5) = eval.top5_accuracy {
+            scalars.push(("test/top5_accuracy".to_string(), top5));
+        }
+        for (name, acc) in eval.classes.iter().zip(&eval.class_accuracy) {
             if let Some(acc) = acc {
                 scalars.push((format!("test/accuracy/{name}"), *acc));
             }
@@ -164,11 +166,14 @@ pub fn eval_record(rank: u32, step: u64, confusion: &Confusion) -> Eval {
         step,
         images: confusion.total(),
         accuracy: confusion.accuracy(),
-        classes: CLASS_NAMES.iter().map(|c| c.to_string()).collect(),
-        class_accuracy: (0..CLASS_NAMES.len())
+        classes: confusion.classes.clone(),
+        class_accuracy: (0..confusion.classes())
             .map(|c| confusion.class_accuracy(c))
             .collect(),
-        confusion: confusion.counts.iter().map(|row| row.to_vec()).collect(),
+        confusion: (0..confusion.classes())
+            .map(|c| confusion.row(c).to_vec())
+            .collect(),
+        top5_accuracy: confusion.top5_accuracy(),
     }
 }
 

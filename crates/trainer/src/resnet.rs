@@ -232,6 +232,10 @@ impl Net for ResNet {
     fn settle(&self) {
         settle_norms(std::iter::once(&self.bn1).chain(self.blocks().flat_map(Block::norms)));
     }
+
+    fn torch_name(&self, path: &str) -> String {
+        torch_name(path)
+    }
 }
 
 /// torchvision's `state_dict` key of the tensor at burn path `path`: BatchNorm's `gamma` and

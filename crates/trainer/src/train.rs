@@ -14,19 +14,33 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Int, Tensor, TensorData};
 use collective::{ProcessGroup, World};
 
-use crate::checkpoint::{Progress, load_checkpoint, save_checkpoint, save_model};
-use crate::cifar::{DataProgress, DownloadOptions, Split, ensure_dataset};
+use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint, save_model};
+use crate::cifar::{DataProgress, DownloadOptions};
+use crate::data::loader::{Loader, LoaderOptions};
+use crate::data::{self, Augment, Dataset, Split, Unreadable};
 use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
-use crate::model::{SeedCnn, Snapshot, buffers, gradients, load, snapshot, to_vec};
+use crate::model::{Architecture, Model, Snapshot, buffers, gradients, load, snapshot, to_vec};
 use crate::record::Recorder;
 use crate::sampler::Shard;
 
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
+    pub model: Architecture,
     pub data: PathBuf,
+    /// Downloaded into `data` when it holds no data set.
+    pub dataset: Dataset,
     pub download: DownloadOptions,
+    /// Side of the square images; `None`: the data set's default (CIFAR 32, folders 64).
+    pub image_size: Option<usize>,
+    /// Training augmentation; `None`: the data set's default ([`data::Layout::default_augment`]).
+    pub augment: Option<Augment>,
+    /// Threads decoding images, and batches prepared ahead of the step.
+    pub loader_threads: usize,
+    pub prefetch: usize,
+    /// Decoded images kept in memory, per split, in bytes.
+    pub cache_bytes: u64,
     pub epochs: usize,
     pub batch_size: usize,
     pub learning_rate: f64,
@@ -105,35 +119,61 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     // One download per node; the others wait at the barrier.
     let ensured = if world.local_rank == 0 {
-        ensure_dataset(&cfg.data, &cfg.download, &mut |p| report(Event::Data(p))).map(|_| ())
+        data::ensure(&cfg.data, cfg.dataset, &cfg.download, &mut |p| {
+            report(Event::Data(p))
+        })
+        .map(|_| ())
     } else {
         Ok(())
     };
     group.barrier()?;
     ensured?;
-    let layout = ensure_dataset(
+    let layout = data::ensure(
         &cfg.data,
+        cfg.dataset,
         &DownloadOptions {
             enabled: false,
             ..cfg.download.clone()
         },
         &mut |_| {},
     )?;
-    let dataset = layout.load(Split::Train)?;
+    let image_size = cfg
+        .image_size
+        .unwrap_or_else(|| layout.default_image_size());
+    cfg.model
+        .check_image_size(image_size)
+        .map_err(TrainError::Config)?;
+    let augment = cfg.augment.unwrap_or_else(|| layout.default_augment());
+    let dataset = Arc::new(layout.open(Split::Train, image_size, cfg.cache_bytes)?);
     if dataset.is_empty() {
         return Err(TrainError::BadData {
             path: layout.dir().to_path_buf(),
             problem: "the training set is empty".into(),
         });
     }
+    // Read before training, so that a missing validation set stops the run now, not after it.
+    let eval_set = match cfg.evaluate {
+        true => Some(Arc::new(layout.open(
+            Split::Eval,
+            image_size,
+            cfg.cache_bytes,
+        )?)),
+        false => None,
+    };
+    let info = ModelInfo {
+        architecture: cfg.model.name().into(),
+        classes: dataset.classes.clone(),
+        image_size,
+        normalisation: dataset.normalisation,
+    };
 
     let device = training_device();
     device.seed(cfg.seed);
-    let mut model = SeedCnn::new(&device);
+    let mut model = Model::new(cfg.model, info.classes.len(), &device);
     let template = snapshot(&model);
-    let mut state = TrainState::fresh(cfg, &template, world_size, dataset.len());
+    let mut state = TrainState::fresh(cfg, &template, world_size, dataset.len(), info);
     let resumed = if rank == 0 {
-        state.resume(cfg, &template, report)?
+        state.resume(cfg, report)?
     } else {
         false
     };
@@ -159,14 +199,14 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             restart: world.restart_count,
             step: state.progress.global_step,
             resumed,
-            config: run_config(cfg, world),
+            config: run_config(cfg, world, image_size),
         },
         world_size,
         report,
     );
 
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    let mut unreadable = Unreadable::default();
     // The gradients, then the loss, the accuracy and the stop flag, all-reduced together.
     let mut grads_flat = Vec::with_capacity(state.params.len() + 3);
     let mut last_checkpoint_step = state.progress.global_step;
@@ -191,18 +231,54 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         let (mut running_loss, mut window, mut window_start, mut window_images) =
             (0.0f64, 0usize, Instant::now(), 0usize);
         let steps_in_epoch = steps_before + shard.steps();
+        let plan = (0..shard.steps())
+            .map(|s| shard.batch(s).to_vec())
+            .collect();
+        let mut loader = Loader::start(
+            Arc::clone(&dataset),
+            plan,
+            LoaderOptions {
+                threads: cfg.loader_threads,
+                prefetch: cfg.prefetch,
+                augment,
+                seed: cfg.seed,
+                epoch,
+            },
+        )
+        .map_err(|e| TrainError::Config(format!("cannot start the data loader: {e}")))?;
         for step in 0..shard.steps() {
             let step_start = Instant::now();
-            let batch = shard.batch(step);
-            dataset.fill_batch(batch, &mut pixels, &mut labels);
+            let batch = loader.next_batch().ok_or_else(|| {
+                TrainError::Config("the data loader ended before the epoch did".into())
+            })?;
+            for (path, problem) in &batch.unreadable {
+                if unreadable.first(path) {
+                    report(Event::Warning(format!(
+                        "{}: {problem}; skipped (left out of every batch it falls in)",
+                        path.display()
+                    )));
+                }
+            }
+            if batch.labels.is_empty() {
+                return Err(TrainError::BadData {
+                    path: batch
+                        .unreadable
+                        .first()
+                        .map(|u| u.0.clone())
+                        .unwrap_or_default(),
+                    problem: format!(
+                        "every image of a batch ({} of them) is unreadable: fix or remove them",
+                        batch.unreadable.len()
+                    ),
+                });
+            }
+            let labels = batch.labels;
+            let n = labels.len();
             let x = Tensor::<4>::from_data(
-                TensorData::new(pixels.clone(), [batch.len(), 3, 32, 32]),
+                TensorData::new(batch.pixels, [n, 3, image_size, image_size]),
                 &device,
             );
-            let y = Tensor::<1, Int>::from_data(
-                TensorData::new(labels.clone(), [batch.len()]),
-                &device,
-            );
+            let y = Tensor::<1, Int>::from_data(TensorData::new(labels.clone(), [n]), &device);
             let data_s = step_start.elapsed().as_secs_f64();
 
             let timer = Instant::now();
@@ -320,24 +396,48 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         }
     }
 
+    if unreadable.count() > 0 {
+        report(Event::Warning(format!(
+            "rank {rank}: {} unreadable images were skipped (each named above)",
+            unreadable.count()
+        )));
+    }
     if rank == 0 {
         save_model(
             &cfg.model_file,
             &state.snapshot(&template),
             state.progress.global_step,
+            &state.info,
         )?;
         report(Event::ModelSaved {
             path: cfg.model_file.clone(),
         });
     }
-    if cfg.evaluate {
-        let test = layout.load(Split::Test)?;
+    if let Some(test) = &eval_set {
         let mine: Vec<usize> = (rank..test.len()).step_by(world_size).collect();
-        let model = inference_model(&state.params, &state.buffers);
-        let mut counts = evaluate(&model, &test, &mine, 500).to_f32();
+        let model = inference_model(
+            cfg.model,
+            state.info.classes.len(),
+            &state.params,
+            &state.buffers,
+        );
+        let mut counts = evaluate(
+            &model,
+            test,
+            &mine,
+            (2 * cfg.batch_size).min(500),
+            cfg.loader_threads,
+            &mut |path, problem| {
+                report(Event::Warning(format!(
+                    "{}: {problem}; left out of the evaluation",
+                    path.display()
+                )))
+            },
+        )?
+        .to_f32();
         group.all_reduce_sum(&mut counts)?;
         if rank == 0 {
-            let confusion = Confusion::from_f32(&counts);
+            let confusion = Confusion::from_f32(state.info.classes.clone(), &counts);
             recorder.eval(state.progress.global_step, &confusion, report);
             report(Event::Evaluated(Box::new(confusion)));
         }
@@ -372,7 +472,7 @@ fn batch_accuracy(logits: &[f32], labels: &[i64]) -> f32 {
     correct as f32 / labels.len() as f32
 }
 
-fn run_config(cfg: &TrainConfig, world: &World) -> telemetry::RunConfig {
+fn run_config(cfg: &TrainConfig, world: &World, image_size: usize) -> telemetry::RunConfig {
     telemetry::RunConfig {
         run_id: world.run_id.clone(),
         epochs: cfg.epochs,
@@ -386,6 +486,8 @@ fn run_config(cfg: &TrainConfig, world: &World) -> telemetry::RunConfig {
         data: cfg.data.display().to_string(),
         backend: crate::device::BACKEND.into(),
         version: env!("CARGO_PKG_VERSION").into(),
+        model: cfg.model.name().into(),
+        image_size,
     }
 }
 
@@ -423,6 +525,7 @@ fn validate(cfg: &TrainConfig) -> Result<()> {
 /// Everything a checkpoint holds, as flat buffers.
 struct TrainState {
     progress: Progress,
+    info: ModelInfo,
     params: Vec<f32>,
     buffers: Vec<f32>,
     momentum: Vec<f32>,
@@ -434,8 +537,10 @@ impl TrainState {
         template: &Snapshot,
         world_size: usize,
         dataset_len: usize,
+        info: ModelInfo,
     ) -> Self {
         TrainState {
+            info,
             progress: Progress {
                 epoch: 0,
                 position: 0,
@@ -456,13 +561,10 @@ impl TrainState {
     }
 
     /// Rank 0: loads the checkpoint if there is one, refusing one that cannot belong to this run.
-    fn resume(
-        &mut self,
-        cfg: &TrainConfig,
-        template: &Snapshot,
-        report: &mut dyn FnMut(Event),
-    ) -> Result<bool> {
-        let Some(ckpt) = load_checkpoint(&cfg.checkpoint_file, template)? else {
+    fn resume(&mut self, cfg: &TrainConfig, report: &mut dyn FnMut(Event)) -> Result<bool> {
+        // Read as the network it describes, so that another network is named, not just found
+        // to lack a tensor.
+        let Some(ckpt) = load_checkpoint(&cfg.checkpoint_file, None)? else {
             return Ok(false);
         };
         let saved = &ckpt.progress;
@@ -472,6 +574,28 @@ impl TrainState {
                 "was written for {what} {saved}, this run has {now}; it was not used: pass another --checkpoint-file (or --out) to start afresh"
             ),
         };
+        let (was, now) = (&ckpt.info, &self.info);
+        if was.architecture != now.architecture {
+            return Err(mismatch(
+                "the network",
+                was.architecture.clone(),
+                format!("--model {}", now.architecture),
+            ));
+        }
+        if was.classes != now.classes {
+            return Err(mismatch(
+                "classes",
+                format!("{} ({})", was.classes.len(), was.classes.join(", ")),
+                format!("{} ({})", now.classes.len(), now.classes.join(", ")),
+            ));
+        }
+        if was.image_size != now.image_size {
+            return Err(mismatch(
+                "images of",
+                format!("{0}×{0}", was.image_size),
+                format!("{0}×{0}", now.image_size),
+            ));
+        }
         if saved.dataset_len != self.progress.dataset_len {
             return Err(mismatch(
                 "a training set of",
@@ -586,6 +710,7 @@ impl TrainState {
             &self.snapshot(template),
             &self.momentum,
             &self.progress,
+            &self.info,
         )?;
         recorder.checkpoint(
             self.progress.global_step,

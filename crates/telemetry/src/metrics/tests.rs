@@ -46,6 +46,8 @@ fn start() -> Record {
             data: "./data".into(),
             backend: "flex".into(),
             version: "0.1.0".into(),
+            model: "seed-cnn".into(),
+            image_size: 32,
         },
     })
 }

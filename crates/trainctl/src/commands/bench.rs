@@ -37,26 +37,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let Some(model) = trainer::bench::BenchModel::parse(&args.model) else {
-        bail!(
-            "--model {:?}: choose seed-cnn, resnet18, resnet34, resnet50 or resnet101",
-            args.model
-        );
-    };
-    match model {
-        trainer::bench::BenchModel::SeedCnn if args.image_size != 32 => {
-            bail!(
-                "--image-size {}: the seed CNN takes 32×32 images",
-                args.image_size
-            )
-        }
-        _ if args.image_size < 32 => {
-            bail!(
-                "--image-size {}: the ResNets need at least 32 pixels",
-                args.image_size
-            )
-        }
-        _ => {}
+    let model = super::train::parse_model(&args.model)?;
+    if let Err(problem) = model.check_image_size(args.image_size) {
+        bail!("--image-size {}: {problem}", args.image_size);
     }
     if args.layers {
         for t in trainer::bench::conv_layers(1, args.batch_size, args.steps) {
@@ -101,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         print!("{}", String::from_utf8_lossy(&out.stdout));
     }
     let floats = trainer::model::snapshot(&trainer::model::SeedCnn::new(
+        10,
         &trainer::device::inference_device(),
     ))
     .params

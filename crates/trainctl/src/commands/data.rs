@@ -1,20 +1,27 @@
-//! `trainctl data`: get CIFAR-10 onto disk.
+//! `trainctl data`: get a data set onto disk.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use trainer::cifar::{DownloadOptions, ensure_dataset, synthetic};
+use trainer::cifar::synthetic;
+use trainer::data;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
-    /// Download and verify the official binary archive unless the data is already there.
+    /// Download the official archive of --dataset, check its size and MD5 and extract it,
+    /// unless a data set is already there.
     Fetch {
         #[arg(long, default_value = "./data")]
         data: PathBuf,
-        #[arg(long, default_value = trainer::cifar::OFFICIAL_URL)]
-        download_url: String,
-        #[arg(long, default_value = trainer::cifar::OFFICIAL_MD5)]
-        download_md5: String,
+        /// cifar10 (the binary archive) or tiny-imagenet (tiny-imagenet-200.zip).
+        #[arg(long, default_value = "cifar10")]
+        dataset: String,
+        /// Download from here instead of the official address.
+        #[arg(long)]
+        download_url: Option<String>,
+        /// Expected MD5 (default: the official archive's).
+        #[arg(long)]
+        download_md5: Option<String>,
     },
     /// In the cluster: a Job that fetches CIFAR-10 onto the shared claim (a no-op when the
     /// data is there), waits for it and prints its logs.
@@ -50,18 +57,16 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
     match cmd {
         Command::Fetch {
             data,
+            dataset,
             download_url,
             download_md5,
         } => {
-            let opts = DownloadOptions {
-                enabled: true,
-                url: download_url,
-                md5: download_md5,
-            };
+            let dataset = super::train::parse_dataset(&dataset)?;
+            let opts = super::train::download_options(dataset, true, download_url, download_md5);
             let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
-            let layout = ensure_dataset(&data, &opts, &mut |p| progress.data(p))?;
+            let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;
             progress.finish();
-            println!("CIFAR-10 ready in {}", layout.dir().display());
+            println!("{} ready", data::describe(&layout));
         }
         Command::Job {
             project,

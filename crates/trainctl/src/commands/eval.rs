@@ -1,25 +1,32 @@
-//! `trainctl eval`: the seed's test job.
+//! `trainctl eval`: the seed's test job, for any model trainctl trains.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 
-use trainer::cifar::{DownloadOptions, Split, ensure_dataset};
+use trainer::data::{self, Split};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (safetensors with the seed's PyTorch names).
+    /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet).
     #[arg(long)]
     model: PathBuf,
-    /// CIFAR-10 directory (either official layout).
+    /// CIFAR-10 (its test batch is used) or an image folder (its val/ images).
     #[arg(long, default_value = "./data")]
     data: PathBuf,
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
-    /// Download the data set if it is missing.
+    /// Download --dataset if --data holds no data set.
     #[arg(long)]
     download: bool,
+    /// What --download fetches: cifar10 or tiny-imagenet.
+    #[arg(long, default_value = "cifar10")]
+    dataset: String,
+    /// Threads decoding images.
+    #[arg(long, default_value_t = 2)]
+    loader_threads: usize,
     /// Also write the confusion matrix (rows: true class, columns: predicted) to FILE: a heat
     /// map if it ends in .png, the metrics file's `eval` record if .json, else CSV.
     #[arg(long, value_name = "FILE")]
@@ -27,20 +34,61 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let model = trainer::eval::load_model_file(&args.model)?;
-    let opts = DownloadOptions {
-        enabled: args.download,
-        ..DownloadOptions::default()
-    };
+    let loaded = trainer::eval::load_model_file(&args.model)?;
+    let dataset = super::train::parse_dataset(&args.dataset)?;
+    let opts = super::train::download_options(dataset, args.download, None, None);
     let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
-    let test = ensure_dataset(&args.data, &opts, &mut |p| progress.data(p))?.load(Split::Test)?;
+    let layout = data::ensure(&args.data, dataset, &opts, &mut |p| progress.data(p))?;
     progress.finish();
+    let info = &loaded.info;
+    let mut test = layout.open(Split::Eval, info.image_size, 1 << 30)?;
+    if test.classes.len() != info.classes.len() {
+        bail!(
+            "{} has {} classes and the model {} predicts {}: evaluate it on the data set it was trained on",
+            data::describe(&layout),
+            test.classes.len(),
+            args.model.display(),
+            info.classes.len()
+        );
+    }
+    if test.classes != info.classes {
+        crate::output::warn(&format!(
+            "the data's class names differ from the model's; reporting the model's ({}, ...)",
+            info.classes
+                .iter()
+                .take(3)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        test.classes = info.classes.clone();
+    }
+    // The images as the model was trained on them.
+    test.normalisation = info.normalisation;
+    let test = Arc::new(test);
     let all: Vec<usize> = (0..test.len()).collect();
-    let confusion = trainer::eval::evaluate(&model, &test, &all, args.batch_size);
+    let mut unreadable = Vec::new();
+    let confusion = trainer::eval::evaluate(
+        &loaded.model,
+        &test,
+        &all,
+        args.batch_size,
+        args.loader_threads.max(1),
+        &mut |path, problem| {
+            crate::output::warn(&format!("{}: {problem}; left out", path.display()));
+            unreadable.push(path.to_path_buf());
+        },
+    )?;
     if let Some(path) = &args.confusion_matrix {
         write_confusion(path, &confusion)?;
     }
     crate::output::train_event(0, trainer::train::Event::Evaluated(Box::new(confusion)));
+    if !unreadable.is_empty() {
+        crate::output::warn(&format!(
+            "{} unreadable images were left out of the evaluation",
+            unreadable.len()
+        ));
+    }
     if let Some(path) = &args.confusion_matrix {
         crate::output::wrote(path);
     }
@@ -56,10 +104,18 @@ fn write_confusion(path: &Path, confusion: &trainer::eval::Confusion) -> anyhow:
     let text = if ext.eq_ignore_ascii_case("json") {
         serde_json::to_string_pretty(&record)? + "\n"
     } else {
-        let mut csv = format!("true\\predicted,{}\n", record.classes.join(","));
+        let quote = |name: &str| {
+            if name.contains([',', '"']) {
+                format!("\"{}\"", name.replace('"', "\"\""))
+            } else {
+                name.to_string()
+            }
+        };
+        let header: Vec<String> = record.classes.iter().map(|c| quote(c)).collect();
+        let mut csv = format!("true\\predicted,{}\n", header.join(","));
         for (class, row) in record.classes.iter().zip(&record.confusion) {
             let cells: Vec<String> = row.iter().map(u64::to_string).collect();
-            csv.push_str(&format!("{class},{}\n", cells.join(",")));
+            csv.push_str(&format!("{},{}\n", quote(class), cells.join(",")));
         }
         csv
     };

@@ -1,22 +1,52 @@
-//! `trainctl train`: one data-parallel worker (the seed job's `cifar10.py`, in Rust).
+//! `trainctl train`: one data-parallel worker (the seed job's `cifar10.py`, in Rust, and the
+//! torchelastic ImageNet example's ResNets on image folders).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 
 use collective::{CollectiveError, World};
 use trainer::TrainError;
 use trainer::cifar::DownloadOptions;
+use trainer::data::{Augment, Dataset};
+use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// CIFAR-10 directory (either official layout); downloaded there if missing.
+    /// The network: seed-cnn, resnet18, resnet34, resnet50 or resnet101 (torchvision's).
+    #[arg(long, default_value = "seed-cnn")]
+    model: String,
+    /// The data: CIFAR-10 (either official layout) or an image folder (train/CLASS/*.jpg and
+    /// val/CLASS/..., or tiny-imagenet-200's layout). --dataset is downloaded here if it holds
+    /// neither.
     #[arg(long, default_value = "./data")]
     data: PathBuf,
+    /// What to download into --data when it holds no data set: cifar10 or tiny-imagenet.
+    #[arg(long, default_value = "cifar10")]
+    dataset: String,
+    /// Side of the square training images (default: 32 for CIFAR-10, 64 for image folders,
+    /// which are resized on the shorter side and centre-cropped to it).
+    #[arg(long)]
+    image_size: Option<usize>,
+    /// Training augmentation: none, crop (pad an eighth, random crop, flip) or resized-crop
+    /// (torchvision's RandomResizedCrop and flip). Default: none for CIFAR-10 (the seed's
+    /// transforms), crop for image folders.
+    #[arg(long)]
+    augment: Option<String>,
+    /// Threads decoding and augmenting images, beside the training threads.
+    #[arg(long, default_value_t = 2)]
+    loader_threads: usize,
+    /// Batches prepared ahead of the one being trained on.
+    #[arg(long, default_value_t = 4)]
+    prefetch: usize,
+    /// Decoded images kept in memory by each worker, per split, in MiB (tiny-imagenet's
+    /// training set is about 1,200 MiB at 64×64).
+    #[arg(long, default_value_t = 2048)]
+    cache_mb: u64,
     #[arg(long, default_value_t = 10)]
     epochs: usize,
     /// Images per step on each worker.
@@ -53,11 +83,12 @@ pub struct Args {
     /// Fail instead of downloading when the data is missing.
     #[arg(long)]
     no_download: bool,
-    #[arg(long, default_value = trainer::cifar::OFFICIAL_URL)]
-    download_url: String,
-    /// Expected MD5 of the downloaded archive.
-    #[arg(long, default_value = trainer::cifar::OFFICIAL_MD5)]
-    download_md5: String,
+    /// Download from here instead of the official address of --dataset.
+    #[arg(long)]
+    download_url: Option<String>,
+    /// Expected MD5 of the downloaded archive (default: the official archive's).
+    #[arg(long)]
+    download_md5: Option<String>,
     /// Skip the test-set evaluation at the end.
     #[arg(long)]
     no_eval: bool,
@@ -71,13 +102,29 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))
         .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
+    let dataset = parse_dataset(&args.dataset)?;
     let cfg = TrainConfig {
+        model: parse_model(&args.model)?,
         data: args.data,
-        download: DownloadOptions {
-            enabled: !args.no_download,
-            url: args.download_url,
-            md5: args.download_md5,
-        },
+        dataset,
+        download: download_options(
+            dataset,
+            !args.no_download,
+            args.download_url,
+            args.download_md5,
+        ),
+        image_size: args.image_size,
+        augment: args
+            .augment
+            .as_deref()
+            .map(|a| {
+                Augment::parse(a)
+                    .with_context(|| format!("--augment {a:?}: choose {}", Augment::CHOICES))
+            })
+            .transpose()?,
+        loader_threads: args.loader_threads.max(1),
+        prefetch: args.prefetch.max(1),
+        cache_bytes: args.cache_mb.saturating_mul(1 << 20),
         epochs: args.epochs,
         batch_size: args.batch_size,
         learning_rate: args.learning_rate,
@@ -125,5 +172,36 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Ok(collective::EXIT_PREEMPTED)
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+pub(crate) fn parse_model(name: &str) -> anyhow::Result<Architecture> {
+    match Architecture::parse(name) {
+        Some(a) => Ok(a),
+        None => bail!("--model {name:?}: choose {}", Architecture::CHOICES),
+    }
+}
+
+pub(crate) fn parse_dataset(name: &str) -> anyhow::Result<Dataset> {
+    match Dataset::parse(name) {
+        Some(d) => Ok(d),
+        None => bail!("--dataset {name:?}: choose {}", Dataset::CHOICES),
+    }
+}
+
+/// The official archive of `dataset`, or the mirror and checksum given. A mirror's size is
+/// not known; its MD5 still is checked.
+pub(crate) fn download_options(
+    dataset: Dataset,
+    enabled: bool,
+    url: Option<String>,
+    md5: Option<String>,
+) -> DownloadOptions {
+    let official = dataset.official();
+    DownloadOptions {
+        enabled,
+        size: official.size.filter(|_| md5.is_none() && url.is_none()),
+        url: url.unwrap_or(official.url),
+        md5: md5.unwrap_or(official.md5),
     }
 }

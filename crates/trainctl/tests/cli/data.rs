@@ -140,7 +140,9 @@ fn missing_data_without_download_says_what_to_do() {
             .arg(dir.path().join("nothing")),
     );
     assert!(
-        err.contains("no CIFAR-10 data") && err.contains("--no-download"),
+        err.contains("no data set here")
+            && err.contains("image folder")
+            && err.contains("--no-download"),
         "{err}"
     );
 }

@@ -57,9 +57,9 @@ fn two_local_workers_learn_agree_and_save_an_evaluable_model() {
     let trained_report: Vec<&str> = stdout
         .lines()
         .filter_map(|l| l.strip_prefix("[0]:"))
-        .filter(|l| l.starts_with("Accuracy"))
+        .filter(|l| l.starts_with("Accuracy") || l.starts_with("Top-5"))
         .collect();
-    assert_eq!(trained_report.len(), 11, "{stdout}");
+    assert_eq!(trained_report.len(), 12, "{stdout}");
     let eval = text(
         &run_ok(trainctl().args([
             "eval",

@@ -10,6 +10,7 @@ use crate::error::{IoContext, Result, TrainError};
 
 pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
 pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
+pub const OFFICIAL_SIZE: u64 = 170_052_171;
 
 #[derive(Debug, Clone)]
 pub struct DownloadOptions {
@@ -17,6 +18,8 @@ pub struct DownloadOptions {
     pub url: String,
     /// Expected MD5 of the archive, lower-case hex.
     pub md5: String,
+    /// Expected size of the archive in bytes, when known (the official archives').
+    pub size: Option<u64>,
 }
 
 impl Default for DownloadOptions {
@@ -25,6 +28,7 @@ impl Default for DownloadOptions {
             enabled: true,
             url: OFFICIAL_URL.into(),
             md5: OFFICIAL_MD5.into(),
+            size: Some(OFFICIAL_SIZE),
         }
     }
 }
@@ -70,18 +74,8 @@ pub fn ensure_dataset(
     std::fs::create_dir_all(dir).at(dir)?;
     let pid = std::process::id();
     let part = dir.join(format!(".cifar-10-binary.tar.gz.{pid}.part"));
-    let result = fetch(&opts.url, &part, progress).and_then(|md5| {
-        if md5 != opts.md5.to_ascii_lowercase() {
-            return Err(TrainError::Download {
-                url: opts.url.clone(),
-                problem: format!(
-                    "MD5 of the archive is {md5}, expected {}: the file is corrupt or not CIFAR-10; the partial file was removed, try again",
-                    opts.md5
-                ),
-            });
-        }
-        extract(&part, dir, progress)
-    });
+    let result = download_verified(opts, &part, "CIFAR-10", progress)
+        .and_then(|()| extract(&part, dir, progress));
     progress(DataProgress::Done);
     let _ = std::fs::remove_file(&part);
     result?;
@@ -91,8 +85,36 @@ pub fn ensure_dataset(
     })
 }
 
-/// Streams `url` into `dest`, returning the MD5 of what was written.
-fn fetch(url: &str, dest: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<String> {
+/// Downloads `opts.url` into `dest` and checks its size (when known) and MD5; `what` names the
+/// data set in messages.
+pub(crate) fn download_verified(
+    opts: &DownloadOptions,
+    dest: &Path,
+    what: &str,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<()> {
+    let (md5, written) = fetch(&opts.url, dest, progress)?;
+    let problem = match opts.size {
+        Some(size) if size != written => Some(format!(
+            "the archive is {written} bytes, expected {size}: the file is corrupt or not {what}"
+        )),
+        _ if md5 != opts.md5.to_ascii_lowercase() => Some(format!(
+            "MD5 of the archive is {md5}, expected {}: the file is corrupt or not {what}",
+            opts.md5
+        )),
+        _ => None,
+    };
+    match problem {
+        Some(problem) => Err(TrainError::Download {
+            url: opts.url.clone(),
+            problem: format!("{problem}; the partial file was removed, try again"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Streams `url` into `dest`, returning the MD5 of what was written and its size.
+fn fetch(url: &str, dest: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<(String, u64)> {
     let fail = |problem: String| TrainError::Download {
         url: url.to_string(),
         problem,
@@ -143,7 +165,7 @@ fn fetch(url: &str, dest: &Path, progress: &mut dyn FnMut(DataProgress)) -> Resu
     {
         return Err(fail(format!("got {written} of {total} bytes")));
     }
-    Ok(format!("{:x}", md5.finalize()))
+    Ok((format!("{:x}", md5.finalize()), written))
 }
 
 /// A reader that reports how many bytes went through it.

@@ -5,7 +5,10 @@ mod download;
 mod pickle;
 pub mod synthetic;
 
-pub use download::{DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_URL, ensure_dataset};
+pub(crate) use download::download_verified;
+pub use download::{
+    DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL, ensure_dataset,
+};
 
 use std::path::{Path, PathBuf};
 

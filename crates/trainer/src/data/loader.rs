@@ -1,0 +1,134 @@
+//! The data loader: one thread walks a plan of batches in order, decoding each batch's images
+//! in parallel on a pool of its own, and hands finished batches over a bounded channel, so
+//! the next `prefetch` batches are ready while the current step computes.
+//!
+//! The loader's pool is not the training pool (rayon's global one): decoding never queues
+//! behind a convolution, nor the reverse.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+use rayon::prelude::*;
+
+use super::DataSet;
+use super::augment::{Augment, sample_seed};
+
+/// How batches are prepared.
+#[derive(Debug, Clone, Copy)]
+pub struct LoaderOptions {
+    /// Decoding threads.
+    pub threads: usize,
+    /// Batches prepared ahead of the one being trained on.
+    pub prefetch: usize,
+    pub augment: Augment,
+    /// Run seed and epoch: with the sample index, they choose each image's augmentation.
+    pub seed: u64,
+    pub epoch: usize,
+}
+
+/// One batch, ready for the network.
+#[derive(Debug, Default)]
+pub struct Batch {
+    /// `[images, 3, size, size]`, normalised.
+    pub pixels: Vec<f32>,
+    pub labels: Vec<i64>,
+    /// Sample indices of the images in `pixels`, in order.
+    pub indices: Vec<usize>,
+    /// Images that could not be read (path, problem): left out of the batch.
+    pub unreadable: Vec<(PathBuf, String)>,
+}
+
+pub struct Loader {
+    batches: Option<Receiver<Batch>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Loader {
+    /// Starts preparing `plan` (batches of sample indices, in the order they will be asked
+    /// for). Fails only if the decoding pool cannot be made.
+    pub fn start(
+        data: Arc<DataSet>,
+        plan: Vec<Vec<usize>>,
+        opts: LoaderOptions,
+    ) -> std::io::Result<Loader> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.threads.max(1))
+            .thread_name(|i| format!("loader-{i}"))
+            .build()
+            .map_err(std::io::Error::other)?;
+        let (tx, rx) = sync_channel(opts.prefetch);
+        let worker = std::thread::Builder::new()
+            .name("loader".into())
+            .spawn(move || prepare_all(&data, plan, &opts, &pool, tx))?;
+        Ok(Loader {
+            batches: Some(rx),
+            worker: Some(worker),
+        })
+    }
+
+    /// The next batch of the plan; `None` after the last.
+    pub fn next_batch(&mut self) -> Option<Batch> {
+        self.batches.as_ref()?.recv().ok()
+    }
+}
+
+impl Drop for Loader {
+    /// Hanging up makes the preparing thread's next send fail, and it returns: joined here.
+    fn drop(&mut self) {
+        drop(self.batches.take());
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+fn prepare_all(
+    data: &DataSet,
+    plan: Vec<Vec<usize>>,
+    opts: &LoaderOptions,
+    pool: &rayon::ThreadPool,
+    tx: SyncSender<Batch>,
+) {
+    for indices in plan {
+        let batch = pool.install(|| prepare(data, &indices, opts));
+        if tx.send(batch).is_err() {
+            return;
+        }
+    }
+}
+
+/// Decodes, augments and normalises the images of `indices` in parallel.
+pub fn prepare(data: &DataSet, indices: &[usize], opts: &LoaderOptions) -> Batch {
+    let floats = data.image_floats();
+    let mut pixels = vec![0.0f32; indices.len() * floats];
+    let outcomes: Vec<Result<(), String>> = pixels
+        .par_chunks_mut(floats)
+        .zip(indices.par_iter())
+        .map(|(out, &i)| data.fill(i, opts.augment, sample_seed(opts.seed, opts.epoch, i), out))
+        .collect();
+    if outcomes.iter().all(Result::is_ok) {
+        return Batch {
+            pixels,
+            labels: indices.iter().map(|&i| data.label(i) as i64).collect(),
+            indices: indices.to_vec(),
+            unreadable: Vec::new(),
+        };
+    }
+    let mut batch = Batch::default();
+    for ((&i, outcome), image) in indices.iter().zip(outcomes).zip(pixels.chunks(floats)) {
+        match outcome {
+            Ok(()) => {
+                batch.pixels.extend_from_slice(image);
+                batch.labels.push(data.label(i) as i64);
+                batch.indices.push(i);
+            }
+            Err(problem) => {
+                let path = data.path(i).map(|p| p.to_path_buf()).unwrap_or_default();
+                batch.unreadable.push((path, problem));
+            }
+        }
+    }
+    batch
+}
