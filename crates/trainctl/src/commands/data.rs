@@ -39,17 +39,32 @@ pub enum Command {
         #[arg(long, value_name = "IMAGES")]
         synthetic: Option<u32>,
     },
-    /// Write a small synthetic data set in CIFAR-10's binary layout (for trying things out).
+    /// Write a small generated data set with learnable classes (for trying things out): in
+    /// CIFAR-10's binary layout, or as an image folder of JPEGs.
     Synth {
         #[arg(long)]
         out: PathBuf,
+        /// Training images (all classes together).
         #[arg(long, default_value_t = 1000)]
         train: usize,
+        /// Test (validation) images.
         #[arg(long, default_value_t = 200)]
         test: usize,
-        /// Write the python (pickle) layout instead.
+        /// Write CIFAR-10's python (pickle) layout instead.
         #[arg(long)]
         python: bool,
+        /// Write an image folder (train/CLASS/*.jpg, val/CLASS/*.jpg) instead.
+        #[arg(long, conflicts_with = "python")]
+        folder: bool,
+        /// Write tiny-imagenet-200's layout instead.
+        #[arg(long, conflicts_with_all = ["python", "folder"])]
+        tiny: bool,
+        /// Classes of an image folder.
+        #[arg(long, default_value_t = 10)]
+        classes: usize,
+        /// Side of an image folder's images.
+        #[arg(long, default_value_t = 64)]
+        image_size: u32,
     },
 }
 
@@ -78,7 +93,39 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             out,
             train,
             test,
+            python: _,
+            folder,
+            tiny,
+            classes,
+            image_size,
+        } if folder || tiny => {
+            if classes == 0 || image_size < 2 {
+                anyhow::bail!(
+                    "--classes {classes} --image-size {image_size}: need at least one class and 2 pixels"
+                );
+            }
+            let spec = data::synth::FolderSpec {
+                classes,
+                train_per_class: train.div_ceil(classes),
+                val_per_class: test.div_ceil(classes),
+                size: image_size,
+                tiny_layout: tiny,
+                seed: 1,
+            };
+            data::synth::write_folder(&out, &spec)?;
+            println!(
+                "wrote {} training and {} validation images of {classes} classes to {}",
+                spec.train_per_class * classes,
+                spec.val_per_class * classes,
+                out.display()
+            );
+        }
+        Command::Synth {
+            out,
+            train,
+            test,
             python,
+            ..
         } => {
             let (tr, te) = (synthetic::generate(train, 1), synthetic::generate(test, 2));
             if python {

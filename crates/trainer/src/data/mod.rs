@@ -6,6 +6,7 @@
 pub mod augment;
 pub mod folder;
 pub mod loader;
+pub mod synth;
 pub mod tiny;
 
 use std::path::{Path, PathBuf};
