@@ -134,3 +134,99 @@ fn pytorch_loads_the_model_file_into_the_seed_network() {
         "PyTorch computes with the loaded weights what trainctl learned: {stdout}"
     );
 }
+
+/// torchvision's resnet18 and resnet50 load trainctl's model files with `strict=True` and
+/// predict, in eval mode, the classes and probabilities `trainctl predict` gives.
+#[test]
+fn torchvision_loads_the_resnet_model_files_and_predicts_the_same() {
+    let with_torchvision = python_with_torch().filter(|p| {
+        std::process::Command::new(p)
+            .args(["-c", "import torchvision"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    let Some(python) = with_torchvision else {
+        eprintln!(
+            "SKIPPED torchvision_loads_the_resnet_model_files_and_predicts_the_same: no Python with torch, torchvision and safetensors (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let spec = trainer::data::synth::FolderSpec {
+        classes: 6,
+        train_per_class: 8,
+        val_per_class: 1,
+        size: 32,
+        tiny_layout: false,
+        seed: 4,
+    };
+    trainer::data::synth::write_folder(&data, &spec).unwrap();
+    // PNG copies of the validation images: both sides decode a PNG to the same pixels (JPEG
+    // decoders may differ in the last bit).
+    let images: Vec<PathBuf> = (0..spec.classes)
+        .map(|c| {
+            let jpeg = data.join(format!("val/colour{c:02}/00000.jpg"));
+            let png = dir.path().join(format!("{c}.png"));
+            image::open(&jpeg).unwrap().save(&png).unwrap();
+            png
+        })
+        .collect();
+    for arch in ["resnet18", "resnet50"] {
+        let model = dir.path().join(format!("{arch}.safetensors"));
+        run_ok(
+            trainctl()
+                .args(["train", "--model", arch, "--data"])
+                .arg(&data)
+                .args(["--epochs", "2", "--batch-size", "8", "--lr", "0.02"])
+                .args(["--threads", "1", "--no-eval", "--model-file"])
+                .arg(&model)
+                .arg("--out")
+                .arg(dir.path().join("runs").join(arch)),
+        );
+        let ours = text(
+            &run_ok(
+                trainctl()
+                    .args(["predict", "--model"])
+                    .arg(&model)
+                    .args(&images),
+            )
+            .stdout,
+        );
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let theirs = text(
+            &run_ok(
+                std::process::Command::new(&python)
+                    .arg(root.join("tests/cli/fixtures/load_in_torchvision.py"))
+                    .arg(&model)
+                    .args([arch, "6", "32"])
+                    .args(&images),
+            )
+            .stdout,
+        );
+        for (image, line) in images.iter().zip(theirs.lines()) {
+            let mut fields = line.rsplit(' ');
+            let percent: f64 = fields.next().unwrap().parse().unwrap();
+            let class: usize = fields.next().unwrap().parse().unwrap();
+            let expected = format!("{}: colour{class:02} (colour{class:02} ", image.display());
+            let mine = ours
+                .lines()
+                .find(|l| l.starts_with(&format!("{}: ", image.display())))
+                .unwrap_or_else(|| panic!("no prediction for {image:?}: {ours}"));
+            assert!(
+                mine.starts_with(&expected),
+                "{arch}: torchvision says {line}, trainctl {mine}"
+            );
+            let our_percent: f64 = mine[expected.len()..]
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(
+                (our_percent - percent).abs() <= 0.2,
+                "{arch}: torchvision {percent} %, trainctl {our_percent} %"
+            );
+        }
+    }
+}
