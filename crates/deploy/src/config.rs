@@ -83,8 +83,9 @@ settings! {
     "storage.claim", "--claim", "name of the shared ReadWriteMany claim";
     "storage.size", "--storage-size", "capacity of the volume";
     "storage.mount_path", "--mount-path", "where pods mount the claim";
-    "data.dir", "--data-dir", "CIFAR-10 directory inside the pods";
-    "data.url", "--download-url", "where the data job downloads CIFAR-10 from";
+    "data.dataset", "--dataset", "the data set the data job fetches: cifar10 or tiny-imagenet";
+    "data.dir", "--data-dir", "the data set's directory inside the pods";
+    "data.url", "--download-url", "where the data job downloads the data set from";
     "data.md5", "--download-md5", "MD5 the download must have";
     "job.name", "--name", "job name (DNS-1123 label)";
     "job.launcher", "--launcher", "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
@@ -96,6 +97,7 @@ settings! {
     "job.cpu", "--cpu", "CPU each pod requests";
     "job.memory", "--memory", "memory each pod requests";
     "job.shm_size", "--shm-size", "size of /dev/shm";
+    "job.model", "--model", "the built-in trainer's network: seed-cnn, resnet18, resnet34, resnet50 or resnet101";
     "job.epochs", "--epochs", "training epochs";
     "job.batch_size", "--batch-size", "images per step on each worker";
     "job.learning_rate", "--lr", "SGD learning rate";
@@ -240,8 +242,8 @@ impl Resolved {
         default("storage.claim", "trainctl-data".into(), Source::Default);
         default("storage.size", "100Gi".into(), Source::Default);
         default("storage.mount_path", "/data".into(), Source::Default);
-        default("data.url", OFFICIAL_URL.into(), Source::Default);
-        default("data.md5", OFFICIAL_MD5.into(), Source::Default);
+        default("data.dataset", "cifar10".into(), Source::Default);
+        default("job.model", "seed-cnn".into(), Source::Default);
         default("job.name", "cifar10".into(), Source::Default);
         default("job.launcher", "indexed".into(), Source::Default);
         default("job.nproc_per_node", "1".into(), Source::Default);
@@ -270,13 +272,24 @@ impl Resolved {
             .get("cluster.instance_type")
             .and_then(catalog::instance_type);
         let image = self.get("image").unwrap_or("trainctl:latest").to_string();
+        let dataset = self.get("data.dataset").unwrap_or("cifar10").to_string();
+        let (url, md5) = match dataset.as_str() {
+            "tiny-imagenet" => (TINY_IMAGENET_URL, TINY_IMAGENET_MD5),
+            _ => (OFFICIAL_URL, OFFICIAL_MD5),
+        };
         let mut derived = |key: &'static str, value: String, from: &'static str| {
             self.values
                 .entry(key)
                 .or_insert((value, Source::Derived(from)));
         };
         derived("trainctl_image", image, "image");
-        derived("data.dir", format!("{mount}/cifar10"), "storage.mount_path");
+        derived("data.url", url.into(), "data.dataset");
+        derived("data.md5", md5.into(), "data.dataset");
+        derived(
+            "data.dir",
+            format!("{mount}/{dataset}"),
+            "storage.mount_path",
+        );
         derived(
             "job.runs_dir",
             format!("{mount}/runs"),
@@ -333,6 +346,11 @@ pub const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
 /// does not depend on: it would pull burn into every Kubernetes command's build).
 pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
 pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
+/// tiny-imagenet-200's official archive (in step with `trainer::data::tiny`).
+pub const TINY_IMAGENET_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
+pub const TINY_IMAGENET_MD5: &str = "90528d7ca1a48142e341f4ef8d21d0de";
+/// The networks of the built-in trainer (`trainctl train --model`).
+pub const MODELS: [&str; 5] = ["seed-cnn", "resnet18", "resnet34", "resnet50", "resnet101"];
 
 /// Flattens `[section] key = value` into `section.key`, refusing keys no setting has.
 fn parse_file(path: &Path, text: &str) -> Result<BTreeMap<String, String>, ConfigError> {
@@ -504,6 +522,8 @@ pub struct Storage {
 
 #[derive(Debug, Clone)]
 pub struct Data {
+    /// `cifar10` or `tiny-imagenet`.
+    pub dataset: String,
     pub dir: String,
     pub url: String,
     pub md5: String,
@@ -533,6 +553,8 @@ pub struct Job {
     pub queue: Option<String>,
     /// The user's program and its arguments; `None`: the built-in trainer.
     pub command: Option<Vec<String>>,
+    /// The built-in trainer's network (`--model`).
+    pub model: String,
     pub rdzv_backend: RdzvBackend,
     pub etcd_image: String,
     pub etcd_storage: EtcdStorage,
@@ -650,6 +672,11 @@ impl Project {
             )?,
         };
         let data = Data {
+            dataset: v.matching(
+                "data.dataset",
+                |s| ["cifar10", "tiny-imagenet"].contains(&s),
+                "cifar10 or tiny-imagenet",
+            )?,
             dir: v.matching(
                 "data.dir",
                 |s| s.starts_with('/'),
@@ -743,6 +770,11 @@ impl Project {
                 Some(_) => Some(v.dns_subdomain("job.queue")?),
             },
             command: v.command()?,
+            model: v.matching(
+                "job.model",
+                |s| MODELS.contains(&s),
+                "seed-cnn, resnet18, resnet34, resnet50 or resnet101",
+            )?,
             rdzv_backend: match v.str("job.rdzv_backend")?.as_str() {
                 "c10d" => RdzvBackend::C10d,
                 "etcd" => RdzvBackend::Etcd,

@@ -602,16 +602,21 @@ fn headless_service(project: &Project, name: &str, component: &str, port: u16) -
 /// layout (to try a cluster out without the download).
 pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
     let args = match synthetic {
-        None => vec![
-            "data".into(),
-            "fetch".into(),
-            "--data".into(),
-            project.data.dir.clone(),
-            "--download-url".into(),
-            project.data.url.clone(),
-            "--download-md5".into(),
-            project.data.md5.clone(),
-        ],
+        None => {
+            let mut args = vec!["data".into(), "fetch".into()];
+            if project.data.dataset != "cifar10" {
+                args.extend(["--dataset".into(), project.data.dataset.clone()]);
+            }
+            args.extend([
+                "--data".into(),
+                project.data.dir.clone(),
+                "--download-url".into(),
+                project.data.url.clone(),
+                "--download-md5".into(),
+                project.data.md5.clone(),
+            ]);
+            args
+        }
         Some(n) => vec![
             "data".into(),
             "synth".into(),
@@ -698,8 +703,11 @@ pub fn token_secret_name(project: &Project) -> String {
 /// The `trainctl train` arguments of the job.
 fn train_args(project: &Project) -> Vec<String> {
     let j = &project.job;
-    vec![
-        "train".into(),
+    let mut args = vec!["train".to_string()];
+    if j.model != "seed-cnn" {
+        args.extend(["--model".into(), j.model.clone()]);
+    }
+    args.extend([
         "--data".into(),
         project.data.dir.clone(),
         "--out".into(),
@@ -711,7 +719,8 @@ fn train_args(project: &Project) -> Vec<String> {
         "--lr".into(),
         j.learning_rate.to_string(),
         "--no-download".into(),
-    ]
+    ]);
+    args
 }
 
 /// The training job: a Secret with the job token, the job's etcd (its Service and Deployment)

@@ -526,6 +526,54 @@ fn data_test_and_doctor_jobs() {
     );
 }
 
+/// tiny-imagenet and a ResNet: the data job fetches the other archive into its own folder,
+/// and the training pods train the chosen network on it.
+#[test]
+fn a_resnet_on_tiny_imagenet() {
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("data.dataset", "tiny-imagenet"),
+        ("job.model", "resnet50"),
+    ]);
+    let args = |doc: &Value| -> Vec<String> {
+        doc["spec"]["template"]["spec"]["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let data = args(&manifests::data_job(&p, None));
+    assert_eq!(
+        data,
+        [
+            "data",
+            "fetch",
+            "--dataset",
+            "tiny-imagenet",
+            "--data",
+            "/data/tiny-imagenet",
+            "--download-url",
+            "http://cs231n.stanford.edu/tiny-imagenet-200.zip",
+            "--download-md5",
+            "90528d7ca1a48142e341f4ef8d21d0de",
+        ]
+    );
+    let docs = manifests::training_job(&p, "token");
+    let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
+    let train = args(job).join(" ");
+    assert!(
+        train.contains("train --model resnet50 --data /data/tiny-imagenet "),
+        "{train}"
+    );
+    for (key, value) in [("job.model", "resnet7"), ("data.dataset", "imagenet")] {
+        let err = Project::from_settings(&[(key, value)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key) && err.contains(value), "{err}");
+    }
+}
+
 #[test]
 fn device_plugin() {
     insta::assert_snapshot!(

@@ -661,6 +661,26 @@ mod tests {
     fn the_data_job_downloads_what_the_trainer_expects() {
         assert_eq!(deploy::config::OFFICIAL_URL, trainer::cifar::OFFICIAL_URL);
         assert_eq!(deploy::config::OFFICIAL_MD5, trainer::cifar::OFFICIAL_MD5);
+        let tiny = trainer::data::Dataset::TinyImageNet.official();
+        assert_eq!(deploy::config::TINY_IMAGENET_URL, tiny.url);
+        assert_eq!(deploy::config::TINY_IMAGENET_MD5, tiny.md5);
+    }
+
+    /// The settings accept exactly the networks the trainer knows.
+    #[test]
+    fn the_job_model_setting_knows_the_trainers_networks() {
+        for name in deploy::config::MODELS {
+            assert!(
+                trainer::model::Architecture::parse(name).is_some(),
+                "{name}"
+            );
+        }
+        let choices = trainer::model::Architecture::CHOICES;
+        assert_eq!(
+            choices.matches(", ").count() + choices.matches(" or ").count() + 1,
+            deploy::config::MODELS.len(),
+            "{choices}"
+        );
     }
 
     /// The podFailurePolicy ignores the exit code the workers and the launcher use after a
