@@ -31,5 +31,10 @@ for model in resnet18 resnet50; do
   target/release/trainctl bench --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --ranks 2 --repeats 1 | grep '"model"'
   bench/.venv/bin/python bench/pytorch_step.py --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --allreduce-ranks ""
 done
+echo "# the data loader alone: a generated 64x64 JPEG folder (tiny-imagenet's layout)"
+loader_data=$(mktemp -d)
+target/release/trainctl data synth --tiny --out "$loader_data" --train 4000 --test 200 --classes 200 --image-size 64 >/dev/null
+target/release/trainctl bench --loader "$loader_data" --image-size 64 --batch-size 32 --threads 1,2 --batches 100
+rm -rf "$loader_data"
 echo "# trainctl release: one more step at 1 thread, then the all-reduce and the loopback ceiling"
 target/release/trainctl bench --threads 1 --steps 1 --ranks 2,4

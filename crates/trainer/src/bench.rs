@@ -365,3 +365,76 @@ pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<Lay
         })
         .collect()
 }
+
+/// Images per second the data loader prepares (decode, resize, augment, normalise), alone.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LoaderTimes {
+    pub data: String,
+    pub image_size: usize,
+    pub augment: &'static str,
+    pub threads: usize,
+    pub batch_size: usize,
+    pub images: usize,
+    /// Every image decoded from its file (the first epoch, or no room in the cache).
+    pub decoded_images_per_s: f64,
+    /// Every image from the in-memory cache (later epochs).
+    pub cached_images_per_s: f64,
+}
+
+/// Runs the loader over `batches` batches of the training split of the data set in `dir`
+/// with `threads` decoding threads: once decoding every image, once from the cache.
+pub fn loader(
+    dir: &std::path::Path,
+    image_size: usize,
+    augment: crate::data::Augment,
+    threads: usize,
+    batch_size: usize,
+    batches: usize,
+) -> crate::Result<LoaderTimes> {
+    use crate::data::loader::{Loader, LoaderOptions};
+    use crate::data::{Layout, Split};
+    use std::sync::Arc;
+    let layout = Layout::locate(dir).ok_or_else(|| crate::TrainError::BadData {
+        path: dir.to_path_buf(),
+        problem: "no data set here".into(),
+    })?;
+    let data = Arc::new(layout.open(Split::Train, image_size, u64::MAX)?);
+    let images = (batches * batch_size).min(data.len());
+    let plan: Vec<Vec<usize>> = (0..images)
+        .collect::<Vec<_>>()
+        .chunks(batch_size)
+        .map(<[usize]>::to_vec)
+        .collect();
+    let pass = |epoch| -> crate::Result<f64> {
+        let start = Instant::now();
+        let mut loader = Loader::start(
+            Arc::clone(&data),
+            plan.clone(),
+            LoaderOptions {
+                threads,
+                prefetch: 4,
+                augment,
+                seed: 0,
+                epoch,
+            },
+        )
+        .map_err(|e| crate::TrainError::Config(e.to_string()))?;
+        let mut n = 0;
+        while let Some(batch) = loader.next_batch() {
+            n += batch.labels.len();
+        }
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let decoded = pass(0)?;
+    let cached = pass(1)?;
+    Ok(LoaderTimes {
+        data: crate::data::describe(&layout),
+        image_size,
+        augment: augment.name(),
+        threads,
+        batch_size,
+        images,
+        decoded_images_per_s: decoded,
+        cached_images_per_s: cached,
+    })
+}

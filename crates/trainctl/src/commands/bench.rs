@@ -31,12 +31,44 @@ pub struct Args {
     /// Time each convolution layer alone instead (forward, backward, GFLOP/s), at 1 thread.
     #[arg(long)]
     layers: bool,
+    /// Time the data loader alone instead, on the training images of this data set (CIFAR-10
+    /// or an image folder): images/s decoding every image, then from the cache, at each
+    /// --threads count of decoding threads.
+    #[arg(long, value_name = "DIR")]
+    loader: Option<std::path::PathBuf>,
+    /// Batches the loader benchmark prepares.
+    #[arg(long, default_value_t = 100)]
+    batches: usize,
+    /// Augmentation of the loader benchmark: none, crop or resized-crop.
+    #[arg(long, default_value = "crop")]
+    augment: String,
     /// Internal: time the step in this process with this many threads.
     #[arg(long, hide = true)]
     step_only: Option<usize>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    if let Some(dir) = &args.loader {
+        let Some(augment) = trainer::data::Augment::parse(&args.augment) else {
+            bail!(
+                "--augment {:?}: choose {}",
+                args.augment,
+                trainer::data::Augment::CHOICES
+            );
+        };
+        for threads in &args.threads {
+            let t = trainer::bench::loader(
+                dir,
+                args.image_size,
+                augment,
+                *threads,
+                args.batch_size,
+                args.batches,
+            )?;
+            println!("{}", serde_json::to_string(&t)?);
+        }
+        return Ok(0);
+    }
     let model = super::train::parse_model(&args.model)?;
     if let Err(problem) = model.check_image_size(args.image_size) {
         bail!("--image-size {}: {problem}", args.image_size);
