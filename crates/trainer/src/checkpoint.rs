@@ -550,6 +550,36 @@ mod tests {
         assert!(err.contains("not a trainctl checkpoint"), "{err}");
     }
 
+    /// A file without trainctl's metadata (saved by PyTorch) is told by its keys.
+    #[test]
+    fn files_without_metadata_are_recognised_by_their_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = crate::device::inference_device();
+        for (arch, classes) in [("resnet18", 7), ("resnet50", 3)] {
+            let model =
+                crate::model::Model::new(Architecture::parse(arch).unwrap(), classes, &device);
+            let snap = snapshot(&model);
+            let path = dir.path().join(arch);
+            std::fs::write(&path, encode(&snap, None, 0, None).unwrap()).unwrap();
+            let file = read_model(&path).unwrap();
+            assert_eq!(file.info.architecture, arch);
+            assert_eq!(file.info.classes.len(), classes);
+            assert_eq!(file.info.normalisation, Normalisation::ImageNet);
+            assert_eq!(file.tensors(&snap).unwrap().0, snap.params);
+        }
+        let (seed, _) = model_state();
+        let path = dir.path().join("seed");
+        std::fs::write(&path, encode(&seed, None, 0, None).unwrap()).unwrap();
+        assert_eq!(read_model(&path).unwrap().info, ModelInfo::seed_cifar());
+        std::fs::write(
+            &path,
+            safetensors::serialize(Vec::<(String, TensorView)>::new(), None).unwrap(),
+        )
+        .unwrap();
+        let err = read_model(&path).err().unwrap().to_string();
+        assert!(err.contains("neither the seed CNN's"), "{err}");
+    }
+
     #[test]
     fn model_file_uses_pytorch_names_and_layout() {
         let (snap, _) = model_state();

@@ -348,6 +348,18 @@ fn wrong_models_sizes_and_folders_are_refused_before_training() {
         let err = run_failing(trainctl().args(&args));
         assert!(err.contains(expected), "{model} {extra:?}: {err}");
     }
+    // A checkpoint of another network is named, not used.
+    let mut seed = resnet_args(&data, &out, 1);
+    seed[2] = "seed-cnn".into();
+    seed.extend(["--no-eval".into(), "--image-size".into(), "32".into()]);
+    run_ok(trainctl().args(&seed));
+    let err = run_failing(trainctl().args(resnet_args(&data, &out, 2)));
+    assert!(
+        err.contains("written for the network seed-cnn, this run has --model resnet18")
+            && err.contains("not used"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
     std::fs::remove_dir_all(data.join("val")).unwrap();
     let err = run_failing(trainctl().args(resnet_args(&data, &out, 1)));
     assert!(

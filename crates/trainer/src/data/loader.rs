@@ -132,3 +132,94 @@ pub fn prepare(data: &DataSet, indices: &[usize], opts: &LoaderOptions) -> Batch
     }
     batch
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::synth::{FolderSpec, write_folder};
+    use crate::data::{Layout, Split};
+
+    fn data(dir: &std::path::Path) -> Arc<DataSet> {
+        let spec = FolderSpec {
+            classes: 3,
+            train_per_class: 5,
+            val_per_class: 0,
+            size: 16,
+            tiny_layout: false,
+            seed: 2,
+        };
+        write_folder(dir, &spec).unwrap();
+        let layout = Layout::locate(dir).unwrap();
+        Arc::new(layout.open(Split::Train, 16, 1 << 20).unwrap())
+    }
+
+    fn options(threads: usize) -> LoaderOptions {
+        LoaderOptions {
+            threads,
+            prefetch: 2,
+            augment: Augment::Crop,
+            seed: 9,
+            epoch: 1,
+        }
+    }
+
+    /// Batches come in the plan's order with the same pixels whatever the number of decoding
+    /// threads; an unreadable image is left out and named.
+    #[test]
+    fn batches_follow_the_plan_whatever_the_threads() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = data(dir.path());
+        let plan = vec![vec![14, 0, 7], vec![3], vec![5, 6, 8, 9]];
+        let run = |threads| {
+            let mut loader =
+                Loader::start(Arc::clone(&data), plan.clone(), options(threads)).unwrap();
+            std::iter::from_fn(|| loader.next_batch()).collect::<Vec<_>>()
+        };
+        let one = run(1);
+        let three = run(3);
+        assert_eq!(one.len(), 3);
+        for (a, b) in one.iter().zip(&three) {
+            assert_eq!(a.indices, b.indices);
+            assert_eq!(a.labels, b.labels);
+            assert_eq!(a.pixels, b.pixels);
+        }
+        assert_eq!(one[0].indices, [14, 0, 7]);
+        assert_eq!(one[0].labels, [2, 0, 1]);
+
+        let broken = data.path(6).unwrap().to_path_buf();
+        let fresh_dir = tempfile::tempdir().unwrap();
+        let fresh = self::data(fresh_dir.path());
+        std::fs::write(fresh.path(6).unwrap(), b"garbage").unwrap();
+        let batch = prepare(&fresh, &[5, 6, 8], &options(2));
+        assert_eq!(batch.indices, [5, 8]);
+        assert_eq!(batch.pixels.len(), 2 * 3 * 16 * 16);
+        assert_eq!(batch.unreadable.len(), 1);
+        assert!(
+            batch.unreadable[0]
+                .0
+                .ends_with(broken.strip_prefix(dir.path()).unwrap())
+        );
+    }
+
+    /// Dropping a loader mid-plan stops its thread and joins it, rather than decoding the
+    /// rest of the plan or blocking on the full channel forever.
+    #[test]
+    fn a_dropped_loader_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = data(dir.path());
+        let plan = vec![vec![0]; 1_000_000];
+        let mut loader = Loader::start(data, plan, options(1)).unwrap();
+        assert!(loader.next_batch().is_some());
+        let (done, dropped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(loader);
+            let _ = done.send(());
+        });
+        assert!(
+            dropped
+                .recv_timeout(std::time::Duration::from_secs(30))
+                .is_ok(),
+            "dropping the loader did not return"
+        );
+    }
+}

@@ -14,16 +14,20 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Int, Tensor, TensorData};
 use collective::{ProcessGroup, World};
 
-use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint, save_model};
+use crate::checkpoint::{ModelInfo, save_model};
 use crate::cifar::{DataProgress, DownloadOptions};
-use crate::data::loader::{Loader, LoaderOptions};
+use crate::data::loader::{Batch, Loader, LoaderOptions};
 use crate::data::{self, Augment, Dataset, Split, Unreadable};
 use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
-use crate::model::{Architecture, Model, Snapshot, buffers, gradients, load, snapshot, to_vec};
+use crate::model::{Architecture, Model, buffers, gradients, load, snapshot, to_vec};
 use crate::record::Recorder;
 use crate::sampler::Shard;
+
+mod state;
+
+use state::TrainState;
 
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
@@ -152,14 +156,11 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         });
     }
     // Read before training, so that a missing validation set stops the run now, not after it.
-    let eval_set = match cfg.evaluate {
-        true => Some(Arc::new(layout.open(
-            Split::Eval,
-            image_size,
-            cfg.cache_bytes,
-        )?)),
-        false => None,
-    };
+    let eval_set = cfg
+        .evaluate
+        .then(|| layout.open(Split::Eval, image_size, cfg.cache_bytes))
+        .transpose()?
+        .map(Arc::new);
     let info = ModelInfo {
         architecture: cfg.model.name().into(),
         classes: dataset.classes.clone(),
@@ -248,30 +249,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         .map_err(|e| TrainError::Config(format!("cannot start the data loader: {e}")))?;
         for step in 0..shard.steps() {
             let step_start = Instant::now();
-            let batch = loader.next_batch().ok_or_else(|| {
-                TrainError::Config("the data loader ended before the epoch did".into())
-            })?;
-            for (path, problem) in &batch.unreadable {
-                if unreadable.first(path) {
-                    report(Event::Warning(format!(
-                        "{}: {problem}; skipped (left out of every batch it falls in)",
-                        path.display()
-                    )));
-                }
-            }
-            if batch.labels.is_empty() {
-                return Err(TrainError::BadData {
-                    path: batch
-                        .unreadable
-                        .first()
-                        .map(|u| u.0.clone())
-                        .unwrap_or_default(),
-                    problem: format!(
-                        "every image of a batch ({} of them) is unreadable: fix or remove them",
-                        batch.unreadable.len()
-                    ),
-                });
-            }
+            let batch = next_batch(&mut loader, &mut unreadable, report)?;
             let labels = batch.labels;
             let n = labels.len();
             let x = Tensor::<4>::from_data(
@@ -452,6 +430,40 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     Ok(())
 }
 
+/// The loader's next batch, its unreadable images reported (each path once per run). A batch
+/// with no readable image at all is an error: there is nothing to train the step on.
+fn next_batch(
+    loader: &mut Loader,
+    unreadable: &mut Unreadable,
+    report: &mut dyn FnMut(Event),
+) -> Result<Batch> {
+    let batch = loader
+        .next_batch()
+        .ok_or_else(|| TrainError::Config("the data loader ended before the epoch did".into()))?;
+    for (path, problem) in &batch.unreadable {
+        if unreadable.first(path) {
+            report(Event::Warning(format!(
+                "{}: {problem}; skipped (left out of every batch it falls in)",
+                path.display()
+            )));
+        }
+    }
+    if batch.labels.is_empty() {
+        return Err(TrainError::BadData {
+            path: batch
+                .unreadable
+                .first()
+                .map(|u| u.0.clone())
+                .unwrap_or_default(),
+            problem: format!(
+                "every image of a batch ({} of them) is unreadable: fix or remove them",
+                batch.unreadable.len()
+            ),
+        });
+    }
+    Ok(batch)
+}
+
 /// Fraction of `labels` the `logits` (rows of classes) get right.
 fn batch_accuracy(logits: &[f32], labels: &[i64]) -> f32 {
     let classes = logits.len() / labels.len().max(1);
@@ -520,217 +532,4 @@ fn validate(cfg: &TrainConfig) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// Everything a checkpoint holds, as flat buffers.
-struct TrainState {
-    progress: Progress,
-    info: ModelInfo,
-    params: Vec<f32>,
-    buffers: Vec<f32>,
-    momentum: Vec<f32>,
-}
-
-impl TrainState {
-    fn fresh(
-        cfg: &TrainConfig,
-        template: &Snapshot,
-        world_size: usize,
-        dataset_len: usize,
-        info: ModelInfo,
-    ) -> Self {
-        TrainState {
-            info,
-            progress: Progress {
-                epoch: 0,
-                position: 0,
-                global_step: 0,
-                samples_seen: 0,
-                seed: cfg.seed,
-                world_size,
-                dataset_len,
-                batch_size: cfg.batch_size,
-                learning_rate: cfg.learning_rate,
-                momentum: cfg.momentum,
-                weight_decay: cfg.weight_decay,
-            },
-            params: template.params.clone(),
-            buffers: template.buffers.clone(),
-            momentum: vec![0.0; template.params.len()],
-        }
-    }
-
-    /// Rank 0: loads the checkpoint if there is one, refusing one that cannot belong to this run.
-    fn resume(&mut self, cfg: &TrainConfig, report: &mut dyn FnMut(Event)) -> Result<bool> {
-        // Read as the network it describes, so that another network is named, not just found
-        // to lack a tensor.
-        let Some(ckpt) = load_checkpoint(&cfg.checkpoint_file, None)? else {
-            return Ok(false);
-        };
-        let saved = &ckpt.progress;
-        let mismatch = |what: &str, saved: String, now: String| TrainError::BadCheckpoint {
-            path: cfg.checkpoint_file.clone(),
-            problem: format!(
-                "was written for {what} {saved}, this run has {now}; it was not used: pass another --checkpoint-file (or --out) to start afresh"
-            ),
-        };
-        let (was, now) = (&ckpt.info, &self.info);
-        if was.architecture != now.architecture {
-            return Err(mismatch(
-                "the network",
-                was.architecture.clone(),
-                format!("--model {}", now.architecture),
-            ));
-        }
-        if was.classes != now.classes {
-            return Err(mismatch(
-                "classes",
-                format!("{} ({})", was.classes.len(), was.classes.join(", ")),
-                format!("{} ({})", now.classes.len(), now.classes.join(", ")),
-            ));
-        }
-        if was.image_size != now.image_size {
-            return Err(mismatch(
-                "images of",
-                format!("{0}×{0}", was.image_size),
-                format!("{0}×{0}", now.image_size),
-            ));
-        }
-        if saved.dataset_len != self.progress.dataset_len {
-            return Err(mismatch(
-                "a training set of",
-                saved.dataset_len.to_string(),
-                self.progress.dataset_len.to_string(),
-            ));
-        }
-        if saved.seed != cfg.seed {
-            return Err(mismatch(
-                "seed",
-                saved.seed.to_string(),
-                cfg.seed.to_string(),
-            ));
-        }
-        for (name, was, now) in [
-            ("batch size", saved.batch_size as f64, cfg.batch_size as f64),
-            ("learning rate", saved.learning_rate, cfg.learning_rate),
-            ("momentum", saved.momentum, cfg.momentum),
-            ("weight decay", saved.weight_decay, cfg.weight_decay),
-        ] {
-            if was != now {
-                report(Event::Warning(format!(
-                    "checkpoint was trained with {name} {was}, continuing with {now}"
-                )));
-            }
-        }
-        report(Event::Resumed {
-            epoch: saved.epoch,
-            position: saved.position,
-            global_step: saved.global_step,
-            saved_world_size: saved.world_size,
-        });
-        let world_size = self.progress.world_size;
-        self.progress = Progress {
-            world_size,
-            batch_size: cfg.batch_size,
-            learning_rate: cfg.learning_rate,
-            momentum: cfg.momentum,
-            weight_decay: cfg.weight_decay,
-            ..ckpt.progress
-        };
-        self.params = ckpt.params;
-        self.buffers = ckpt.buffers;
-        self.momentum = ckpt.momentum;
-        Ok(true)
-    }
-
-    /// The position as floats for the broadcast: each integer in exact 16-bit pieces.
-    fn header(&self, resumed: bool) -> Vec<f32> {
-        let mut h = vec![resumed as u8 as f32];
-        for v in [
-            self.progress.epoch as u64,
-            self.progress.position as u64,
-            self.progress.global_step,
-            self.progress.samples_seen,
-        ] {
-            h.extend([(v >> 32) & 0xffff, (v >> 16) & 0xffff, v & 0xffff].map(|p| p as f32));
-        }
-        h
-    }
-
-    fn apply_header(&mut self, h: &[f32]) -> bool {
-        let v = |i: usize| ((h[i] as u64) << 32) | ((h[i + 1] as u64) << 16) | h[i + 2] as u64;
-        self.progress.epoch = v(1) as usize;
-        self.progress.position = v(4) as usize;
-        self.progress.global_step = v(7);
-        self.progress.samples_seen = v(10);
-        h[0] != 0.0
-    }
-
-    /// PyTorch's SGD: d = g + wd·p; buf = d on the first step, else momentum·buf + d; p -= lr·buf.
-    fn sgd_step(&mut self, cfg: &TrainConfig, grads: &[f32]) {
-        let (lr, mu, wd) = (
-            cfg.learning_rate as f32,
-            cfg.momentum as f32,
-            cfg.weight_decay as f32,
-        );
-        let first = self.progress.global_step == 0;
-        for ((p, b), g) in self
-            .params
-            .iter_mut()
-            .zip(self.momentum.iter_mut())
-            .zip(grads)
-        {
-            let d = g + wd * *p;
-            *b = if first || mu == 0.0 { d } else { mu * *b + d };
-            *p -= lr * *b;
-        }
-    }
-
-    fn snapshot(&self, template: &Snapshot) -> Snapshot {
-        Snapshot {
-            entries: template.entries.clone(),
-            params: self.params.clone(),
-            buffers: self.buffers.clone(),
-        }
-    }
-
-    fn checkpoint(
-        &self,
-        cfg: &TrainConfig,
-        template: &Snapshot,
-        rank: usize,
-        recorder: &mut Recorder,
-        report: &mut dyn FnMut(Event),
-    ) -> Result<()> {
-        if rank != 0 {
-            return Ok(());
-        }
-        save_checkpoint(
-            &cfg.checkpoint_file,
-            &self.snapshot(template),
-            &self.momentum,
-            &self.progress,
-            &self.info,
-        )?;
-        recorder.checkpoint(
-            self.progress.global_step,
-            self.progress.epoch,
-            self.progress.position,
-            report,
-        );
-        report(Event::CheckpointSaved {
-            global_step: self.progress.global_step,
-            epoch: self.progress.epoch,
-            position: self.progress.position,
-        });
-        Ok(())
-    }
-
-    fn fingerprint(&self) -> u32 {
-        let mut h = crc32fast::Hasher::new();
-        for v in self.params.iter().chain(&self.buffers) {
-            h.update(&v.to_le_bytes());
-        }
-        h.finalize()
-    }
 }
