@@ -1,35 +1,9 @@
 //! Getting the data: download from a local HTTP server, MD5 checks, missing data.
 
-use std::io::{Read, Write};
-use std::net::TcpListener;
-
 use md5::{Digest, Md5};
 use trainer::cifar::synthetic;
 
 use crate::support::*;
-
-/// Serves `body` to every GET on 127.0.0.1 until the test ends; returns the URL.
-fn serve(body: Vec<u8>) -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!(
-        "http://{}/cifar-10-binary.tar.gz",
-        listener.local_addr().unwrap()
-    );
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut request = [0u8; 4096];
-            let _ = stream.read(&mut request);
-            let header = format!(
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: application/gzip\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = stream.write_all(header.as_bytes());
-            let _ = stream.write_all(&body);
-        }
-    });
-    url
-}
 
 fn archive() -> (Vec<u8>, String) {
     let bytes = synthetic::binary_archive(&synthetic::generate(50, 1), &synthetic::generate(20, 2))
@@ -42,7 +16,7 @@ fn archive() -> (Vec<u8>, String) {
 fn missing_data_is_downloaded_verified_and_extracted() {
     let (bytes, md5) = archive();
     let bytes_len = bytes.len();
-    let url = serve(bytes);
+    let url = serve(bytes, "cifar-10-binary.tar.gz");
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let out = run_ok(trainctl().args([
@@ -105,7 +79,7 @@ fn missing_data_is_downloaded_verified_and_extracted() {
 #[test]
 fn an_archive_with_the_wrong_md5_is_refused() {
     let (bytes, _) = archive();
-    let url = serve(bytes);
+    let url = serve(bytes, "cifar-10-binary.tar.gz");
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let err = run_failing(

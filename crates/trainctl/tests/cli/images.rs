@@ -145,14 +145,7 @@ fn a_resnet_learns_an_image_folder_on_two_workers_and_resumes_exactly() {
     first.wait_for_line(Duration::from_secs(180), |l| {
         l.contains("checkpoint saved at step 9")
     });
-    let pids = first.wait_for_workers(2, Duration::from_secs(20));
-    first.child.kill().unwrap();
-    first.wait(Duration::from_secs(10));
-    for (_, pid) in &pids {
-        eventually(Duration::from_secs(10), "orphaned workers to die", || {
-            !alive(*pid)
-        });
-    }
+    first.kill_launcher(2);
     let resumed = text(&run_ok(two_workers().args(&args_b)).stdout);
     assert!(resumed.contains("resuming from checkpoint"), "{resumed}");
     assert!(
@@ -165,29 +158,6 @@ fn a_resnet_learns_an_image_folder_on_two_workers_and_resumes_exactly() {
         got[0].2, expected[0].2,
         "resuming mid-epoch is exact, augmentation included"
     );
-}
-
-/// Serves `body` to every GET on 127.0.0.1; returns the URL.
-fn serve(body: Vec<u8>) -> String {
-    use std::io::{Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!(
-        "http://{}/tiny-imagenet-200.zip",
-        listener.local_addr().unwrap()
-    );
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let _ = stream.read(&mut [0u8; 4096]);
-            let header = format!(
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = stream.write_all(header.as_bytes());
-            let _ = stream.write_all(&body);
-        }
-    });
-    url
 }
 
 /// `root`'s files as a zip, named relative to `root`, as the official archive is made.
@@ -228,7 +198,7 @@ fn tiny_imagenet_is_fetched_checked_extracted_and_trained_on() {
     folder(source.path(), true);
     let archive = zip_dir(source.path());
     let md5 = format!("{:x}", Md5::digest(&archive));
-    let url = serve(archive);
+    let url = serve(archive, "tiny-imagenet-200.zip");
 
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");

@@ -290,3 +290,40 @@ pub fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<Strin
     .map(|s| s.to_string())
     .collect()
 }
+
+/// Serves `body` to every GET on 127.0.0.1 until the test ends; returns its URL, ending in
+/// `file`.
+pub fn serve(body: Vec<u8>, file: &str) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/{file}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let header = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(header.as_bytes());
+            let _ = stream.write_all(&body);
+        }
+    });
+    url
+}
+
+impl Running {
+    /// Kills this launcher outright (no chance to clean up) and waits for its `workers` to
+    /// die with it.
+    pub fn kill_launcher(&mut self, workers: usize) {
+        let pids = self.wait_for_workers(workers, Duration::from_secs(20));
+        self.child.kill().unwrap();
+        self.wait(Duration::from_secs(10));
+        for (_, pid) in &pids {
+            eventually(Duration::from_secs(10), "orphaned workers to die", || {
+                !alive(*pid)
+            });
+        }
+    }
+}

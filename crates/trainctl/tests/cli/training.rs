@@ -100,15 +100,8 @@ fn an_interrupted_run_resumes_and_takes_the_same_steps() {
     first.wait_for_line(Duration::from_secs(120), |l| {
         l.contains("checkpoint saved at step 4")
     });
-    let pids = first.wait_for_workers(2, Duration::from_secs(20));
     // The launcher dies without a chance to clean up; its workers must die with it.
-    first.child.kill().unwrap();
-    first.wait(Duration::from_secs(10));
-    for (_, pid) in &pids {
-        eventually(Duration::from_secs(10), "orphaned workers to die", || {
-            !alive(*pid)
-        });
-    }
+    first.kill_launcher(2);
 
     let resumed = text(
         &run_ok(

@@ -71,23 +71,78 @@ pub fn ensure_dataset(
             ),
         });
     }
-    std::fs::create_dir_all(dir).at(dir)?;
-    let pid = std::process::id();
-    let part = dir.join(format!(".cifar-10-binary.tar.gz.{pid}.part"));
-    let result = download_verified(opts, &part, "CIFAR-10", progress)
-        .and_then(|()| extract(&part, dir, progress));
-    progress(DataProgress::Done);
-    let _ = std::fs::remove_file(&part);
-    result?;
+    fetch_into(dir, opts, &CIFAR, progress)?;
     Layout::locate(dir).ok_or_else(|| TrainError::BadData {
         path: dir.to_path_buf(),
         problem: format!("the archive from {} held no CIFAR-10 batches", opts.url),
     })
 }
 
+/// An official archive: what it holds (for messages), its file name, the one folder it
+/// extracts to, how to unpack it, and how to tell its data set is in a directory.
+pub(crate) struct Archive {
+    pub what: &'static str,
+    pub file: &'static str,
+    pub folder: &'static str,
+    /// Unpacks the archive at the first path into the (new) folder at the second.
+    pub unpack: fn(&Path, &Path, &mut dyn FnMut(DataProgress)) -> Result<()>,
+    pub present: fn(&Path) -> bool,
+}
+
+const CIFAR: Archive = Archive {
+    what: "CIFAR-10",
+    file: "cifar-10-binary.tar.gz",
+    folder: BIN_DIR,
+    unpack: untar,
+    present: |dir| Layout::locate(dir).is_some(),
+};
+
+/// Downloads and checks `archive` into `dir` and extracts it there ([`extract`]). Safe against
+/// concurrent callers sharing `dir` (nodes on a shared volume): each works in a part file and
+/// a staging folder of its own, removed whatever happens, and the final rename is atomic.
+pub(crate) fn fetch_into(
+    dir: &Path,
+    opts: &DownloadOptions,
+    archive: &Archive,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<()> {
+    std::fs::create_dir_all(dir).at(dir)?;
+    let part = dir.join(format!(".{}.{}.part", archive.file, std::process::id()));
+    let result = download_verified(opts, &part, archive.what, progress)
+        .and_then(|()| extract(&part, dir, archive, progress));
+    progress(DataProgress::Done);
+    let _ = std::fs::remove_file(&part);
+    result
+}
+
+/// Unpacks the archive file at `path` into a staging folder of `dir`, then renames its one
+/// folder into `dir` (or finds that another node did so first).
+pub(crate) fn extract(
+    path: &Path,
+    dir: &Path,
+    archive: &Archive,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<()> {
+    let staging = dir.join(format!(".extract.{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let moved = (archive.unpack)(path, &staging, progress).and_then(|()| {
+        match std::fs::rename(staging.join(archive.folder), dir.join(archive.folder)) {
+            Ok(()) => Ok(()),
+            // Another node on the same volume finished first.
+            Err(_) if (archive.present)(dir) => Ok(()),
+            Err(e) => Err(TrainError::BadData {
+                path: path.to_path_buf(),
+                problem: format!("archive has no {}/ folder ({e})", archive.folder),
+            }),
+        }
+    });
+    let _ = std::fs::remove_dir_all(&staging);
+    moved
+}
+
 /// Downloads `opts.url` into `dest` and checks its size (when known) and MD5; `what` names the
 /// data set in messages.
-pub(crate) fn download_verified(
+fn download_verified(
     opts: &DownloadOptions,
     dest: &Path,
     what: &str,
@@ -190,9 +245,9 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-fn extract(archive: &Path, dir: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
-    let staging = dir.join(format!(".extract.{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
+/// The `.tar.gz` at `archive` into the folder `staging`; `tar` refuses entries that would land
+/// outside it (absolute paths, `..`).
+fn untar(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
     let file = std::fs::File::open(archive).at(archive)?;
     let total = file.metadata().at(archive)?.len();
     let file = Counting {
@@ -201,29 +256,13 @@ fn extract(archive: &Path, dir: &Path, progress: &mut dyn FnMut(DataProgress)) -
         total,
         progress,
     };
-    // `unpack` refuses entries that would land outside `staging` (absolute paths, `..`).
-    let unpacked = tar::Archive::new(flate2::read::GzDecoder::new(file))
-        .unpack(&staging)
+    tar::Archive::new(flate2::read::GzDecoder::new(file))
+        .unpack(staging)
         .map_err(|e| TrainError::BadData {
             path: archive.to_path_buf(),
             problem: format!("cannot extract: {e}"),
-        });
-    if unpacked.is_ok() {
-        // tar stops at its end marker, before the last read of the file: report the whole.
-        progress(DataProgress::Extracting { done: total, total });
-    }
-    let moved = unpacked.and_then(|()| {
-        let target = dir.join(BIN_DIR);
-        match std::fs::rename(staging.join(BIN_DIR), &target) {
-            Ok(()) => Ok(()),
-            // Another node on the same volume finished first.
-            Err(_) if Layout::locate(dir).is_some() => Ok(()),
-            Err(e) => Err(TrainError::BadData {
-                path: archive.to_path_buf(),
-                problem: format!("archive has no {BIN_DIR}/ folder ({e})"),
-            }),
-        }
-    });
-    let _ = std::fs::remove_dir_all(&staging);
-    moved
+        })?;
+    // tar stops at its end marker, before the last read of the file: report the whole.
+    progress(DataProgress::Extracting { done: total, total });
+    Ok(())
 }

@@ -5,7 +5,7 @@ mod download;
 mod pickle;
 pub mod synthetic;
 
-pub(crate) use download::download_verified;
+pub(crate) use download::{Archive, extract, fetch_into};
 pub use download::{
     DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL, ensure_dataset,
 };

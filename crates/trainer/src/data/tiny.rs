@@ -6,7 +6,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::folder::{Layout, TINY_DIR};
-use crate::cifar::{DataProgress, DownloadOptions, download_verified};
+use crate::cifar::{Archive, DataProgress, DownloadOptions, fetch_into};
 use crate::error::{IoContext, Result, TrainError};
 
 pub const OFFICIAL_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
@@ -15,6 +15,14 @@ pub const OFFICIAL_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip
 pub const OFFICIAL_MD5: &str = "90528d7ca1a48142e341f4ef8d21d0de";
 /// 248,100,043 bytes, as torchvision's download progress reports it (`248100043/248100043`).
 pub const OFFICIAL_SIZE: u64 = 248_100_043;
+
+const TINY: Archive = Archive {
+    what: "tiny-imagenet-200",
+    file: "tiny-imagenet-200.zip",
+    folder: TINY_DIR,
+    unpack,
+    present: |dir| Layout::locate(dir).is_some(),
+};
 
 /// Returns tiny-imagenet-200 in `dir`, downloading and extracting the archive if it is not
 /// there.
@@ -26,44 +34,15 @@ pub fn ensure(
     if let Some(layout) = Layout::locate(dir) {
         return Ok(layout);
     }
-    std::fs::create_dir_all(dir).at(dir)?;
-    let part = dir.join(format!(
-        ".tiny-imagenet-200.zip.{}.part",
-        std::process::id()
-    ));
-    let result = download_verified(opts, &part, "tiny-imagenet-200", progress)
-        .and_then(|()| extract(&part, dir, progress));
-    progress(DataProgress::Done);
-    let _ = std::fs::remove_file(&part);
-    result?;
+    fetch_into(dir, opts, &TINY, progress)?;
     Layout::locate(dir).ok_or_else(|| TrainError::BadData {
         path: dir.to_path_buf(),
         problem: format!("the archive from {} held no {TINY_DIR}/ data set", opts.url),
     })
 }
 
-/// Extracts `archive` into `dir/.extract.PID/`, then renames its `tiny-imagenet-200/` into
-/// `dir`. Entries whose names would leave the staging folder are refused.
-pub fn extract(archive: &Path, dir: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
-    let staging = dir.join(format!(".extract.{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
-    let unpacked = unpack(archive, &staging, progress);
-    let moved = unpacked.and_then(|()| {
-        let target = dir.join(TINY_DIR);
-        match std::fs::rename(staging.join(TINY_DIR), &target) {
-            Ok(()) => Ok(()),
-            // Another node on the same volume finished first.
-            Err(_) if Layout::locate(dir).is_some() => Ok(()),
-            Err(e) => Err(TrainError::BadData {
-                path: archive.to_path_buf(),
-                problem: format!("archive has no {TINY_DIR}/ folder ({e})"),
-            }),
-        }
-    });
-    let _ = std::fs::remove_dir_all(&staging);
-    moved
-}
-
+/// The zip at `archive` into the folder `staging`. Entries whose names would leave it are
+/// refused.
 fn unpack(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
     let bad = |problem: String| TrainError::BadData {
         path: archive.to_path_buf(),
@@ -114,6 +93,7 @@ fn unpack(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cifar::extract;
     use std::io::Write;
 
     fn zip_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
@@ -144,7 +124,7 @@ mod tests {
         .unwrap();
         let data = dir.path().join("data");
         std::fs::create_dir_all(&data).unwrap();
-        extract(&archive, &data, &mut |_| {}).unwrap();
+        extract(&archive, &data, &TINY, &mut |_| {}).unwrap();
         assert!(
             data.join("tiny-imagenet-200/train/n01/images/n01_0.JPEG")
                 .is_file()
@@ -158,7 +138,7 @@ mod tests {
         std::fs::write(&archive, zip_of(&[("../evil.txt", b"x")])).unwrap();
         let other = dir.path().join("other");
         std::fs::create_dir_all(&other).unwrap();
-        let err = extract(&archive, &other, &mut |_| {})
+        let err = extract(&archive, &other, &TINY, &mut |_| {})
             .unwrap_err()
             .to_string();
         assert!(err.contains("outside the folder"), "{err}");
@@ -170,7 +150,7 @@ mod tests {
         );
 
         std::fs::write(&archive, b"PK not a zip").unwrap();
-        let err = extract(&archive, &other, &mut |_| {})
+        let err = extract(&archive, &other, &TINY, &mut |_| {})
             .unwrap_err()
             .to_string();
         assert!(err.contains("not a zip archive"), "{err}");
