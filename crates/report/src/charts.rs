@@ -341,6 +341,14 @@ fn class_accuracy(eval: &telemetry::metrics::Eval, dir: &Path) -> Result<Chart, 
 /// shaded by its share of the row and labelled with its count.
 pub fn confusion_png(eval: &telemetry::metrics::Eval, path: &Path) -> Result<(), ReportError> {
     let n = eval.classes.len().max(1);
+    // With many classes (tiny-imagenet's 200) a cell is a few pixels: no counts in the cells,
+    // and about ten class names per axis, at the cells' corners.
+    let many = n > 20;
+    let (labels, x_offset, y_offset) = if many {
+        (n.div_ceil(n.div_ceil(10)), 0, 0)
+    } else {
+        (n, 30, -26)
+    };
     png(path, SQUARE, |root| {
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let mut chart = ChartBuilder::on(root)
@@ -360,10 +368,10 @@ pub fn confusion_png(eval: &telemetry::metrics::Eval, path: &Path) -> Result<(),
             .disable_mesh()
             .x_desc("predicted")
             .y_desc("true")
-            .x_labels(n)
-            .y_labels(n)
-            .x_label_offset(30)
-            .y_label_offset(-26)
+            .x_labels(labels)
+            .y_labels(labels)
+            .x_label_offset(x_offset)
+            .y_label_offset(y_offset)
             .x_label_formatter(&label)
             .y_label_formatter(&row_label)
             .label_style((FONT, 13))
@@ -381,6 +389,9 @@ pub fn confusion_png(eval: &telemetry::metrics::Eval, path: &Path) -> Result<(),
                 Rectangle::new([(p, y(t)), (p + 1, y(t) + 1)], heat(share).filled())
             }))
             .map_err(|e| e.to_string())?;
+        if many {
+            return Ok(());
+        }
         chart
             .draw_series(cells.iter().map(|&(t, p, count, share)| {
                 let colour = if share > 0.5 { WHITE } else { BLACK };

@@ -5,7 +5,9 @@ mod download;
 mod pickle;
 pub mod synthetic;
 
-pub(crate) use download::{Archive, extract, fetch_into};
+#[cfg(test)]
+pub(crate) use download::extract;
+pub(crate) use download::{Archive, fetch_into};
 pub use download::{
     DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL, ensure_dataset,
 };
