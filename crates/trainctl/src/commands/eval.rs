@@ -41,7 +41,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let layout = data::ensure(&args.data, dataset, &opts, &mut |p| progress.data(p))?;
     progress.finish();
     let info = &loaded.info;
-    let mut test = layout.open(Split::Eval, info.image_size, 1 << 30)?;
+    // Each image is read once: nothing to cache.
+    let mut test = layout.open(Split::Eval, info.image_size, 0)?;
     if test.classes.len() != info.classes.len() {
         bail!(
             "{} has {} classes and the model {} predicts {}: evaluate it on the data set it was trained on",

@@ -43,7 +43,7 @@ pub struct Args {
     /// Batches prepared ahead of the one being trained on.
     #[arg(long, default_value_t = 4)]
     prefetch: usize,
-    /// Decoded images kept in memory by each worker, per split, in MiB (tiny-imagenet's
+    /// Decoded training images kept in memory by each worker, in MiB (tiny-imagenet's
     /// training set is about 1,200 MiB at 64×64).
     #[arg(long, default_value_t = 2048)]
     cache_mb: u64,

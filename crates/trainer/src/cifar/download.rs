@@ -52,32 +52,6 @@ pub enum DataProgress {
 /// Bytes between two progress reports.
 const REPORT_EVERY: u64 = 1 << 20;
 
-/// Returns the data set in `dir`, downloading and extracting the archive first if there is none,
-/// telling `progress` how far it has come. Safe against concurrent callers sharing `dir` (nodes
-/// on a shared volume): each works in files of its own and the final rename is atomic.
-pub fn ensure_dataset(
-    dir: &Path,
-    opts: &DownloadOptions,
-    progress: &mut dyn FnMut(DataProgress),
-) -> Result<Layout> {
-    if let Some(layout) = Layout::locate(dir) {
-        return Ok(layout);
-    }
-    if !opts.enabled {
-        return Err(TrainError::BadData {
-            path: dir.to_path_buf(),
-            problem: format!(
-                "no CIFAR-10 data here (looked for data_batch_1.bin or data_batch_1, also under {BIN_DIR}/): put the data set there, or drop --no-download to fetch it"
-            ),
-        });
-    }
-    fetch_into(dir, opts, &CIFAR, progress)?;
-    Layout::locate(dir).ok_or_else(|| TrainError::BadData {
-        path: dir.to_path_buf(),
-        problem: format!("the archive from {} held no CIFAR-10 batches", opts.url),
-    })
-}
-
 /// An official archive: what it holds (for messages), its file name, the one folder it
 /// extracts to, how to unpack it, and how to tell its data set is in a directory.
 pub(crate) struct Archive {
@@ -89,7 +63,8 @@ pub(crate) struct Archive {
     pub present: fn(&Path) -> bool,
 }
 
-const CIFAR: Archive = Archive {
+/// CIFAR-10's binary archive.
+pub(crate) const CIFAR: Archive = Archive {
     what: "CIFAR-10",
     file: "cifar-10-binary.tar.gz",
     folder: BIN_DIR,
@@ -97,7 +72,8 @@ const CIFAR: Archive = Archive {
     present: |dir| Layout::locate(dir).is_some(),
 };
 
-/// Downloads and checks `archive` into `dir` and extracts it there ([`extract`]). Safe against
+/// Downloads and checks `archive` into `dir` and extracts it there ([`extract`]), telling
+/// `progress` how far it has come. Safe against
 /// concurrent callers sharing `dir` (nodes on a shared volume): each works in a part file and
 /// a staging folder of its own, removed whatever happens, and the final rename is atomic.
 pub(crate) fn fetch_into(

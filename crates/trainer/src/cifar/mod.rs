@@ -7,10 +7,8 @@ pub mod synthetic;
 
 #[cfg(test)]
 pub(crate) use download::extract;
-pub(crate) use download::{Archive, fetch_into};
-pub use download::{
-    DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL, ensure_dataset,
-};
+pub(crate) use download::{Archive, CIFAR, fetch_into};
+pub use download::{DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL};
 
 use std::path::{Path, PathBuf};
 

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cifar::{self, DataProgress, DownloadOptions, IMAGE_BYTES, ensure_dataset};
+use crate::cifar::{self, Archive, DataProgress, DownloadOptions, IMAGE_BYTES, fetch_into};
 use crate::error::{Result, TrainError};
 
 pub use augment::Augment;
@@ -64,6 +64,13 @@ impl Dataset {
         match self {
             Dataset::Cifar10 => "cifar10",
             Dataset::TinyImageNet => "tiny-imagenet",
+        }
+    }
+
+    fn archive(self) -> &'static Archive {
+        match self {
+            Dataset::Cifar10 => &cifar::CIFAR,
+            Dataset::TinyImageNet => &tiny::TINY,
         }
     }
 
@@ -164,7 +171,7 @@ impl Layout {
 }
 
 /// Returns the data set in `dir`, downloading `which` there first if `dir` holds none.
-/// Safe against concurrent callers sharing `dir` (see [`ensure_dataset`]).
+/// Safe against concurrent callers sharing `dir` (see [`fetch_into`]).
 pub fn ensure(
     dir: &Path,
     which: Dataset,
@@ -185,10 +192,15 @@ pub fn ensure(
             ),
         });
     }
-    match which {
-        Dataset::Cifar10 => ensure_dataset(dir, opts, progress).map(Layout::Cifar),
-        Dataset::TinyImageNet => tiny::ensure(dir, opts, progress).map(Layout::Folder),
-    }
+    let archive = which.archive();
+    fetch_into(dir, opts, archive, progress)?;
+    Layout::locate(dir).ok_or_else(|| TrainError::BadData {
+        path: dir.to_path_buf(),
+        problem: format!(
+            "the archive from {} held no {} data set",
+            opts.url, archive.what
+        ),
+    })
 }
 
 /// One split of a data set.

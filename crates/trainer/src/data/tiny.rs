@@ -6,7 +6,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::folder::{Layout, TINY_DIR};
-use crate::cifar::{Archive, DataProgress, DownloadOptions, fetch_into};
+use crate::cifar::{Archive, DataProgress};
 use crate::error::{IoContext, Result, TrainError};
 
 pub const OFFICIAL_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
@@ -16,30 +16,14 @@ pub const OFFICIAL_MD5: &str = "90528d7ca1a48142e341f4ef8d21d0de";
 /// 248,100,043 bytes, as torchvision's download progress reports it (`248100043/248100043`).
 pub const OFFICIAL_SIZE: u64 = 248_100_043;
 
-const TINY: Archive = Archive {
+/// tiny-imagenet-200's archive.
+pub(crate) const TINY: Archive = Archive {
     what: "tiny-imagenet-200",
     file: "tiny-imagenet-200.zip",
     folder: TINY_DIR,
     unpack,
     present: |dir| Layout::locate(dir).is_some(),
 };
-
-/// Returns tiny-imagenet-200 in `dir`, downloading and extracting the archive if it is not
-/// there.
-pub fn ensure(
-    dir: &Path,
-    opts: &DownloadOptions,
-    progress: &mut dyn FnMut(DataProgress),
-) -> Result<Layout> {
-    if let Some(layout) = Layout::locate(dir) {
-        return Ok(layout);
-    }
-    fetch_into(dir, opts, &TINY, progress)?;
-    Layout::locate(dir).ok_or_else(|| TrainError::BadData {
-        path: dir.to_path_buf(),
-        problem: format!("the archive from {} held no {TINY_DIR}/ data set", opts.url),
-    })
-}
 
 /// The zip at `archive` into the folder `staging`. Entries whose names would leave it are
 /// refused.

@@ -43,7 +43,7 @@ pub struct TrainConfig {
     /// Threads decoding images, and batches prepared ahead of the step.
     pub loader_threads: usize,
     pub prefetch: usize,
-    /// Decoded images kept in memory, per split, in bytes.
+    /// Decoded training images kept in memory, in bytes.
     pub cache_bytes: u64,
     pub epochs: usize,
     pub batch_size: usize,
@@ -158,7 +158,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     // Read before training, so that a missing validation set stops the run now, not after it.
     let eval_set = cfg
         .evaluate
-        .then(|| layout.open(Split::Eval, image_size, cfg.cache_bytes))
+        // Evaluated once, at the end: its images are not worth keeping in memory.
+        .then(|| layout.open(Split::Eval, image_size, 0))
         .transpose()?
         .map(Arc::new);
     let info = ModelInfo {
