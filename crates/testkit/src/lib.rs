@@ -1,12 +1,14 @@
 //! Fixtures for tests that need real things: an etcd server (Debian's `etcd-server`, which
 //! `scripts/test` installs) on free ports, and several hosts as network namespaces joined by a
 //! bridge, with links that can be cut; and the reference readers of trainctl's telemetry
-//! (TensorBoard, prometheus_client) in a Python environment. Test code only: every failure here panics with what to
+//! (TensorBoard, prometheus_client) in a Python environment; an S3 server (`s3`). Test code only: every failure here panics with what to
 //! do about it.
 
 // Test fixtures read the test runner's own environment (PATH, TRAINCTL_ETCD, TRAINCTL_PYTHON), not the worker
 // contract that collective::world guards.
 #![allow(clippy::disallowed_methods)]
+
+pub mod s3;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
