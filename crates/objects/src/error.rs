@@ -44,9 +44,10 @@ pub enum Error {
     NoSuchKey { uri: String, parent: String },
 
     #[error(
-        "{uri} holds no objects: nothing to copy (`aws s3 ls --recursive {uri}` shows the same)"
+        "nothing at {uri}: no object has that key and none is under it as a folder; check the \
+         key (`aws s3 ls {parent}` lists what is there)"
     )]
-    EmptyPrefix { uri: String },
+    EmptyPrefix { uri: String, parent: String },
 
     #[error(
         "{uri}: the downloaded bytes do not match the object's checksum ({algorithm} {expected}, \
@@ -165,7 +166,7 @@ pub(crate) fn classify(err: object_store::Error, uri: &crate::S3Uri, action: Act
     }
 }
 
-fn parent_of(uri: &crate::S3Uri) -> String {
+pub(crate) fn parent_of(uri: &crate::S3Uri) -> String {
     match uri.key().rsplit_once('/') {
         Some((parent, _)) => format!("s3://{}/{parent}/", uri.bucket()),
         None => format!("s3://{}/", uri.bucket()),

@@ -207,6 +207,12 @@ impl Client {
             .map(|fetched| fetched.transfer)
     }
 
+    /// Checks what can be checked without a request: that there are credentials to reach `uri`
+    /// with. Call it before work whose result is to go to S3.
+    pub fn preflight(&self, uri: &S3Uri) -> Result<(), Error> {
+        self.check_credentials(uri)
+    }
+
     /// The object store serving `uri`'s bucket (one per bucket: the region is a bucket's).
     fn store(&self, uri: &S3Uri) -> Result<Arc<AmazonS3>, Error> {
         self.check_credentials(uri)?;
@@ -415,15 +421,13 @@ pub(crate) async fn download(
             });
         }
         let actual = hex(&sha256.finalize());
-        if let Some(expected) = &expected_sha256 {
-            if *expected != actual {
-                return Err(Error::Checksum {
-                    uri: from.to_string(),
-                    algorithm: "SHA-256",
-                    expected: expected.clone(),
-                    actual,
-                });
-            }
+        if let Some(expected) = expected_sha256.as_ref().filter(|e| **e != actual) {
+            return Err(Error::Checksum {
+                uri: from.to_string(),
+                algorithm: "SHA-256",
+                expected: expected.clone(),
+                actual,
+            });
         }
         out.sync_all().at(&part)?;
         std::fs::rename(&part, file).at(file)?;

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Action, LocalContext, classify};
+use crate::error::{Action, LocalContext, classify, parent_of};
 use crate::{Client, Error, S3Uri, download, hash_file, object_path, part_path};
 
 /// The journal's name inside the destination folder.
@@ -187,6 +187,7 @@ async fn plan(store: &dyn ObjectStore, from: &S3Uri, dir: &Path) -> Result<Vec<P
         let Some(name) = from.file_name() else {
             return Err(Error::EmptyPrefix {
                 uri: from.to_string(),
+                parent: parent_of(from),
             });
         };
         let meta = match store.head(&object_path(from)?).await {
@@ -194,6 +195,7 @@ async fn plan(store: &dyn ObjectStore, from: &S3Uri, dir: &Path) -> Result<Vec<P
             Err(object_store::Error::NotFound { .. }) => {
                 return Err(Error::EmptyPrefix {
                     uri: from.to_string(),
+                    parent: parent_of(from),
                 });
             }
             Err(e) => return Err(classify(e, from, Action::Read)),
@@ -343,7 +345,7 @@ mod tests {
         let read = read_journal(&path);
         assert_eq!(read.len(), 1);
         assert_eq!(read["a"], line);
-        rewrite_journal(&path, &[line.clone()]).unwrap();
+        rewrite_journal(&path, std::slice::from_ref(&line)).unwrap();
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             format!("{whole}\n")

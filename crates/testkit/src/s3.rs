@@ -267,11 +267,8 @@ fn serve(client: TcpStream, upstream: SocketAddr, shared: &Shared) -> std::io::R
 
     let fate = {
         let mut faults = shared.faults.lock().expect("proxy state");
-        loop {
-            match faults.hold_after {
-                Some(0) => faults = shared.released.wait(faults).expect("proxy state"),
-                _ => break,
-            }
+        while faults.hold_after == Some(0) {
+            faults = shared.released.wait(faults).expect("proxy state");
         }
         if faults.throttle > 0 {
             faults.throttle -= 1;

@@ -233,6 +233,70 @@ pub fn report_written(w: &report::Written, dir: &std::path::Path) {
     }
 }
 
+fn megabytes(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}
+
+pub fn stage_progress(p: &objects::StageProgress) {
+    err(format_args!(
+        "staging: {}/{} files, {} of {} copied",
+        p.files_done,
+        p.files_total,
+        megabytes(p.bytes_copied),
+        megabytes(p.bytes_to_copy)
+    ));
+}
+
+/// The summary of a staging: the result on stdout for `data stage`, a diagnostic on stderr
+/// before `run`'s workers start.
+pub fn staged(
+    from: &objects::S3Uri,
+    dir: &std::path::Path,
+    s: &objects::StageSummary,
+    stderr: bool,
+) {
+    let line = format!(
+        "staged {from} into {}: {} files ({} copied, {} already there), {} copied in {:.1} s ({:.1} MB/s)",
+        dir.display(),
+        s.files,
+        s.copied,
+        s.skipped,
+        megabytes(s.bytes_copied),
+        s.seconds,
+        s.megabytes_per_second()
+    );
+    if stderr {
+        err(format_args!("{line}"));
+    } else {
+        out(format_args!("{line}"));
+    }
+}
+
+pub fn uploaded(path: &std::path::Path, to: &objects::S3Uri, bytes: u64) {
+    err(format_args!(
+        "uploaded {} to {to} ({})",
+        path.display(),
+        megabytes(bytes)
+    ));
+}
+
+pub fn upload_failed(path: &std::path::Path, to: &objects::S3Uri, e: &objects::Error) {
+    warn(&format!(
+        "could not upload {} to {to}: {e}. The local copy stays; upload it later with `aws s3 cp {} {to}`",
+        path.display(),
+        path.display()
+    ));
+}
+
+pub fn uploads_not_tried(files: &[std::path::PathBuf], to: &objects::S3Uri) {
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    warn(&format!(
+        "{} more file(s) were not sent to {to} after that refusal; they stay on disk: {}",
+        files.len(),
+        names.join(", ")
+    ));
+}
+
 pub fn metrics_endpoint(addr: std::net::SocketAddr) {
     err(format_args!(
         "trainctl run: serving metrics at http://{addr}/metrics"

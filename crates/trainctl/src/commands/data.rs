@@ -23,6 +23,19 @@ pub enum Command {
         #[arg(long)]
         download_md5: Option<String>,
     },
+    /// Copy every object under an S3 prefix (or the one object a URI names) into DIR, several
+    /// at a time; files already there with the object's size and checksum are skipped, so an
+    /// interrupted copy resumes. Credentials, region and endpoint from AWS_* (AWS_ENDPOINT_URL
+    /// for S3-compatible stores).
+    Stage {
+        /// s3://BUCKET/PREFIX
+        from: String,
+        /// The destination folder (created if missing).
+        dir: PathBuf,
+        /// Files copied at once.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+    },
     /// In the cluster: a Job that fetches CIFAR-10 onto the shared claim (a no-op when the
     /// data is there), waits for it and prints its logs.
     Job {
@@ -82,6 +95,19 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;
             progress.finish();
             println!("{} ready", data::describe(&layout));
+        }
+        Command::Stage {
+            from,
+            dir,
+            concurrency,
+        } => {
+            let from = super::s3::parse_uri("data stage", &from)?;
+            let client = objects::Client::from_env(objects::Settings {
+                concurrency: concurrency.max(1),
+                ..Default::default()
+            })?;
+            let summary = super::s3::stage(&client, &from, &dir)?;
+            crate::output::staged(&from, &dir, &summary, false);
         }
         Command::Job {
             project,

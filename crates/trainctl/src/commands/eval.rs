@@ -10,7 +10,8 @@ use trainer::data::{self, Split};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet).
+    /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet),
+    /// or s3://BUCKET/KEY of one.
     #[arg(long)]
     model: PathBuf,
     /// CIFAR-10 (its test batch is used) or an image folder (its val/ images).
@@ -34,7 +35,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let loaded = trainer::eval::load_model_file(&args.model)?;
+    let model = super::s3::model_file(&args.model)?;
+    let loaded = trainer::eval::load_model_file(&model.path)?;
     let dataset = super::train::parse_dataset(&args.dataset)?;
     let opts = super::train::download_options(dataset, args.download, None, None);
     let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());

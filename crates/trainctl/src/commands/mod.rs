@@ -10,4 +10,5 @@ pub mod predict;
 pub mod project;
 pub mod report;
 pub mod run;
+pub mod s3;
 pub mod train;

@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet).
+    /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet),
+    /// or s3://BUCKET/KEY of one.
     #[arg(long)]
     model: PathBuf,
     /// PNG or JPEG images of any size (resized on the shorter side to the model's image size
@@ -14,7 +15,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let loaded = trainer::eval::load_model_file(&args.model)?;
+    let model = super::s3::model_file(&args.model)?;
+    let loaded = trainer::eval::load_model_file(&model.path)?;
     let paths: Vec<&std::path::Path> = args.images.iter().map(|p| p.as_path()).collect();
     for (path, prediction) in args
         .images

@@ -77,6 +77,19 @@ pub struct Args {
     /// Shared secret of the job's connections (default: random for one node; set it for several).
     #[arg(long, env = "TRAINCTL_JOB_TOKEN", hide_env_values = true)]
     job_token: Option<String>,
+    /// Before starting the workers, copy this S3 object (a script: s3://BUCKET/main.py) or
+    /// prefix (a folder of code) into --fetch-dir, as the torchelastic example's pods download
+    /// their main.py. Repeatable; files already there and identical are not copied again.
+    #[arg(
+        long,
+        env = "TRAINCTL_FETCH",
+        value_delimiter = ' ',
+        value_name = "S3_URI"
+    )]
+    fetch: Vec<String>,
+    /// Where --fetch copies to.
+    #[arg(long, env = "TRAINCTL_FETCH_DIR", default_value = ".")]
+    fetch_dir: PathBuf,
     /// `train ARGS...` for the built-in trainer, or `-- PROGRAM ARGS...` for any program
     /// (a PyTorch DDP script works: same environment as under torchrun).
     #[arg(
@@ -86,6 +99,24 @@ pub struct Args {
         value_name = "COMMAND"
     )]
     command: Vec<OsString>,
+}
+
+/// `--fetch`: the program's code from S3, before any worker starts.
+fn fetch(uris: &[String], dir: &std::path::Path) -> anyhow::Result<()> {
+    if uris.is_empty() {
+        return Ok(());
+    }
+    let uris = uris
+        .iter()
+        .map(|u| super::s3::parse_uri("--fetch", u))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let client = super::s3::client()?;
+    for uri in &uris {
+        let summary = super::s3::stage(&client, uri, dir)
+            .with_context(|| format!("--fetch {uri}: the program's code could not be fetched"))?;
+        crate::output::staged(uri, dir, &summary, true);
+    }
+    Ok(())
 }
 
 fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
@@ -142,6 +173,7 @@ fn split_endpoint(endpoint: &str, default_port: u16) -> anyhow::Result<(String, 
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
     let nproc_per_node = parse_nproc(&args.nproc_per_node)?;
+    fetch(&args.fetch, &args.fetch_dir)?;
     let limits = if args.standalone {
         Limits { min: 1, max: 1 }
     } else {

@@ -92,6 +92,11 @@ pub struct Args {
     /// Skip the test-set evaluation at the end.
     #[arg(long)]
     no_eval: bool,
+    /// When training ends, rank 0 uploads the model, the checkpoint and the run's report,
+    /// metrics and TensorBoard events under this prefix (s3://BUCKET/PREFIX). A failed upload
+    /// is retried, then reported; it never fails the run, and the local files stay.
+    #[arg(long, value_name = "S3_URI")]
+    upload: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
@@ -103,6 +108,20 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
     let dataset = parse_dataset(&args.dataset)?;
+    // Checked before training, not hours later: the URI, and that there are credentials.
+    let upload = match (&args.upload, world.rank) {
+        (Some(text), 0) => {
+            let to = super::s3::parse_uri("--upload", text)?;
+            let client = super::s3::client()?;
+            client.preflight(&to)?;
+            Some((client, to))
+        }
+        (Some(text), _) => {
+            super::s3::parse_uri("--upload", text)?;
+            None
+        }
+        (None, _) => None,
+    };
     let cfg = TrainConfig {
         model: parse_model(&args.model)?,
         data: args.data,
@@ -158,7 +177,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     });
     progress.finish();
     match result {
-        Ok(()) => Ok(0),
+        Ok(()) => {
+            if let Some((client, to)) = upload {
+                upload_run(&client, &cfg, &to);
+            }
+            Ok(0)
+        }
         // A vanished peer is that peer's failure: say so with the exit code, so an elastic
         // agent restarts without counting it against --max-restarts.
         Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
@@ -172,6 +196,23 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Ok(collective::EXIT_PREEMPTED)
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Rank 0's uploads at the end of a successful run: the report is drawn first so that it goes
+/// up too. Failures are warnings: the run has succeeded and every file is still on disk.
+fn upload_run(client: &objects::Client, cfg: &TrainConfig, to: &objects::S3Uri) {
+    let report_dir = cfg.run_dir.join("report");
+    if let Err(e) = report::write_report(&cfg.run_dir, &report_dir) {
+        crate::output::warn(&format!("no report to upload: {e:#}"));
+    }
+    let files = super::s3::run_files(&cfg.run_dir, &cfg.model_file, &cfg.checkpoint_file);
+    let not_uploaded = super::s3::upload_all(client, &files, to);
+    for (path, uri, err) in &not_uploaded.failed {
+        crate::output::upload_failed(path, uri, err);
+    }
+    if !not_uploaded.not_tried.is_empty() {
+        crate::output::uploads_not_tried(&not_uploaded.not_tried, to);
     }
 }
 

@@ -12,5 +12,6 @@ mod kubernetes;
 mod launch;
 mod pods;
 mod pytorch;
+mod s3;
 mod telemetry;
 mod training;
