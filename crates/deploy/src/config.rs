@@ -74,6 +74,8 @@ settings! {
     "cluster.existing_vpc", "--existing-vpc", "id of an existing VPC to use";
     "cluster.private_subnets", "--private-subnets", "private subnet ids of the existing VPC, comma-separated, in --az order";
     "cluster.capacity_reservation_id", "--capacity-reservation-id", "on-demand capacity reservation (ODCR) of the workers";
+    "cluster.s3_bucket", "--s3-bucket", "the project's S3 bucket: the cluster gets an IRSA service account allowed that bucket alone, the pods run under it, and training uploads its results there";
+    "service_account", "--service-account", "Kubernetes service account of the training, data and test pods (with IRSA, its IAM role is theirs); none: the namespace's default";
     "image", "--image", "container image of the training pods: trainctl's, or your program's with -- PROGRAM";
     "trainctl_image", "--trainctl-image", "image with the trainctl binary: helper jobs run it, and an init container copies trainctl from it into training pods of another image";
     "namespace", "--namespace", "Kubernetes namespace";
@@ -87,6 +89,7 @@ settings! {
     "data.dir", "--data-dir", "the data set's directory inside the pods";
     "data.url", "--download-url", "where the data job downloads the data set from";
     "data.md5", "--download-md5", "MD5 the download must have";
+    "data.from", "--from", "s3://BUCKET/PREFIX the data job copies onto the claim (into data.dir) instead of downloading data.url";
     "job.name", "--name", "job name (DNS-1123 label)";
     "job.launcher", "--launcher", "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
     "job.command", "--command", "your training program and its arguments (shell words; a list in trainctl.toml), run by trainctl run in every pod; or -- PROGRAM ARGS... after job render|launch; none: the built-in trainer";
@@ -109,6 +112,8 @@ settings! {
     "job.metrics_port", "--metrics-port", "port of each training pod's Prometheus metrics (0: none)";
     "job.queue", "--queue", "Kueue LocalQueue the job is submitted to (all pods admitted together), or none";
     "job.runs_dir", "--runs-dir", "where runs write checkpoints and models";
+    "job.upload", "--upload", "s3://BUCKET/PREFIX where rank 0 uploads the model, checkpoint and report when training ends; none: no upload";
+    "job.fetch", "--fetch", "s3:// URIs of your program's code (objects or prefixes, space-separated), copied into each pod before job.command starts";
     "job.ttl_seconds", "--ttl-seconds", "seconds a finished job is kept";
     "tensorboard.image", "--tensorboard-image", "image with TensorBoard for trainctl tensorboard";
 }
@@ -273,6 +278,8 @@ impl Resolved {
             .and_then(catalog::instance_type);
         let image = self.get("image").unwrap_or("trainctl:latest").to_string();
         let dataset = self.get("data.dataset").unwrap_or("cifar10").to_string();
+        let bucket = self.get("cluster.s3_bucket").map(str::to_string);
+        let job_name = self.get("job.name").unwrap_or("cifar10").to_string();
         let (url, md5) = match dataset.as_str() {
             "tiny-imagenet" => (TINY_IMAGENET_URL, TINY_IMAGENET_MD5),
             _ => (OFFICIAL_URL, OFFICIAL_MD5),
@@ -296,6 +303,18 @@ impl Resolved {
             "storage.mount_path",
         );
         derived("job.nnodes", nodes, "cluster.nodes");
+        if let Some(bucket) = bucket {
+            derived(
+                "service_account",
+                S3_SERVICE_ACCOUNT.into(),
+                "cluster.s3_bucket",
+            );
+            derived(
+                "job.upload",
+                format!("s3://{bucket}/runs/{job_name}"),
+                "cluster.s3_bucket",
+            );
+        }
         // A new VPC without a reservation can go anywhere in the region: its first zones. An
         // existing VPC's zones are its subnets', and a reservation's is its own: those are asked.
         if pick_zones {
@@ -349,6 +368,10 @@ pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
 /// tiny-imagenet-200's official archive (in step with `trainer::data::tiny`).
 pub const TINY_IMAGENET_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
 pub const TINY_IMAGENET_MD5: &str = "90528d7ca1a48142e341f4ef8d21d0de";
+/// The service account `cluster.s3_bucket` creates (eksctl, with an IAM role for the bucket)
+/// and the pods run under.
+pub const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
+
 /// The networks of the built-in trainer (`trainctl train --model`).
 pub const MODELS: [&str; 5] = ["seed-cnn", "resnet18", "resnet34", "resnet50", "resnet101"];
 
@@ -510,6 +533,8 @@ pub struct Cluster {
     pub existing_vpc: Option<String>,
     pub private_subnets: Vec<String>,
     pub capacity_reservation_id: Option<String>,
+    /// The bucket the IRSA service account may use.
+    pub s3_bucket: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -527,6 +552,8 @@ pub struct Data {
     pub dir: String,
     pub url: String,
     pub md5: String,
+    /// Stage from S3 instead of downloading `url`.
+    pub from: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -560,6 +587,10 @@ pub struct Job {
     pub etcd_storage: EtcdStorage,
     pub runs_dir: String,
     pub ttl_seconds: i32,
+    /// Where rank 0 uploads the results (`trainctl train --upload`).
+    pub upload: Option<String>,
+    /// The program's code copied from S3 into each pod (`trainctl run --fetch`).
+    pub fetch: Vec<String>,
 }
 
 impl Job {
@@ -598,6 +629,8 @@ pub struct Project {
     /// What `trainctl tensorboard` runs.
     pub tensorboard_image: String,
     pub namespace: String,
+    /// The pods' service account (IRSA).
+    pub service_account: Option<String>,
     pub storage: Storage,
     pub data: Data,
     pub job: Job,
@@ -660,6 +693,13 @@ impl Project {
             existing_vpc: v.optional("cluster.existing_vpc"),
             private_subnets: v.list("cluster.private_subnets"),
             capacity_reservation_id: v.optional("cluster.capacity_reservation_id"),
+            s3_bucket: match v.optional("cluster.s3_bucket") {
+                Some(bucket) => {
+                    v.s3_uri("cluster.s3_bucket", &format!("s3://{bucket}/"))?;
+                    Some(bucket)
+                }
+                None => None,
+            },
         };
         let storage = Storage {
             backend: v.storage_backend()?,
@@ -692,6 +732,7 @@ impl Project {
                 |s| s.len() == 32 && s.chars().all(|c| c.is_ascii_hexdigit()),
                 "32 hexadecimal digits",
             )?,
+            from: v.optional_s3("data.from")?,
         };
         let job_name = v.str("job.name")?;
         if !is_dns_label(&job_name, MAX_JOB_NAME)
@@ -804,7 +845,22 @@ impl Project {
                 "an absolute path in the pod",
             )?,
             ttl_seconds: v.number("job.ttl_seconds")?,
+            upload: v.optional_s3("job.upload")?,
+            fetch: match v.optional("job.fetch") {
+                Some(list) => list
+                    .split_whitespace()
+                    .map(|uri| v.s3_uri("job.fetch", uri))
+                    .collect::<Result<_, _>>()?,
+                None => Vec::new(),
+            },
         };
+        if !job.fetch.is_empty() && job.command.is_none() {
+            return Err(v.invalid(
+                "job.fetch",
+                "fetches your program's code, but no program is set: give it with --command                  (or -- PROGRAM ARGS...)"
+                    .into(),
+            ));
+        }
         let image = v.image("image")?;
         let trainctl_image = v.image("trainctl_image")?;
         if job.command.is_some()
@@ -830,6 +886,10 @@ impl Project {
             trainctl_image,
             tensorboard_image: v.image("tensorboard.image")?,
             namespace: v.dns_label("namespace")?,
+            service_account: match v.optional("service_account").as_deref() {
+                None | Some("none") => None,
+                Some(_) => Some(v.dns_subdomain("service_account")?),
+            },
             storage,
             data,
             job,
@@ -948,6 +1008,22 @@ impl Values<'_> {
                  or after -- on the command line"
                     .into(),
             )),
+        }
+    }
+
+    /// `text` as an S3 URI (checked as trainctl's S3 client will read it).
+    fn s3_uri(&self, key: &'static str, text: &str) -> Result<String, ConfigError> {
+        match text.parse::<objects::S3Uri>() {
+            Ok(_) => Ok(text.to_string()),
+            Err(e) => Err(self.invalid(key, format!("{e}"))),
+        }
+    }
+
+    /// An optional S3 URI; `none` is none.
+    fn optional_s3(&self, key: &'static str) -> Result<Option<String>, ConfigError> {
+        match self.optional(key).as_deref() {
+            None | Some("none") => Ok(None),
+            Some(text) => self.s3_uri(key, text).map(Some),
         }
     }
 

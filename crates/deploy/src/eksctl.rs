@@ -207,7 +207,47 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
             json!([{ "key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule" }]);
     }
     doc["managedNodeGroups"] = json!([system, workers]);
+    if let Some(bucket) = &c.s3_bucket {
+        doc["iam"]["serviceAccounts"] = json!([s3_service_account(project, bucket)]);
+    }
     Ok(doc)
+}
+
+/// IRSA for the pods: a service account whose IAM role may list `bucket` and read, write and
+/// delete its objects (multipart uploads included), and nothing else.
+fn s3_service_account(project: &Project, bucket: &str) -> Value {
+    let name = project
+        .service_account
+        .as_deref()
+        .unwrap_or(crate::config::S3_SERVICE_ACCOUNT);
+    json!({
+        "metadata": {
+            "name": name,
+            "namespace": project.namespace,
+            "labels": { "app.kubernetes.io/managed-by": "trainctl" },
+        },
+        "attachPolicy": {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Effect": "Allow",
+                    "Action": ["s3:ListBucket", "s3:GetBucketLocation"],
+                    "Resource": format!("arn:aws:s3:::{bucket}"),
+                },
+                {
+                    "Effect": "Allow",
+                    "Action": [
+                        "s3:GetObject",
+                        "s3:PutObject",
+                        "s3:DeleteObject",
+                        "s3:AbortMultipartUpload",
+                        "s3:ListMultipartUploadParts",
+                    ],
+                    "Resource": format!("arn:aws:s3:::{bucket}/*"),
+                },
+            ],
+        },
+    })
 }
 
 fn other_zone(zone: &str) -> String {

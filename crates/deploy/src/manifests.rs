@@ -53,6 +53,8 @@ pub const BINARY: &str = "trainctl";
 /// Where the init container of a training pod whose image lacks trainctl puts the binary (an
 /// emptyDir shared with the training container).
 pub const BINARY_DIR: &str = "/opt/trainctl";
+/// Where training pods put the code `job.fetch` copies from S3 (under the /tmp emptyDir).
+pub const FETCH_DIR: &str = "/tmp/code";
 /// The init container that copies trainctl into [`BINARY_DIR`].
 pub const INSTALL_CONTAINER: &str = "install-trainctl";
 /// etcd's client port (`--rdzv-backend etcd`).
@@ -250,6 +252,8 @@ struct PodOptions {
     token_secret: Option<String>,
     /// Indexed Job pods: the headless Service that gives them DNS names.
     subdomain: Option<String>,
+    /// Runs under the project's service account (IRSA: the pods that reach S3).
+    service_account: bool,
 }
 
 fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
@@ -437,6 +441,11 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
             enable_service_links: Some(false),
             security_context: Some(pod_security()),
+            service_account_name: if o.service_account {
+                project.service_account.clone()
+            } else {
+                None
+            },
             ..PodSpec::default()
         }),
     }
@@ -597,12 +606,19 @@ fn headless_service(project: &Project, name: &str, component: &str, port: u16) -
 // ---------------------------------------------------------------------------------------------
 // Jobs
 
-/// `data job`: downloads and verifies CIFAR-10 onto the claim (a no-op when it is there), or,
-/// with `synthetic: Some(n)`, writes a small generated set of `n` training images in the same
+/// `data job`: downloads and verifies the data set onto the claim (a no-op when it is there),
+/// copies it from S3 (`data.from`: files already there are skipped), or, with
+/// `synthetic: Some(n)`, writes a small generated set of `n` training images in the same
 /// layout (to try a cluster out without the download).
 pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
-    let args = match synthetic {
-        None => {
+    let args = match (synthetic, &project.data.from) {
+        (None, Some(from)) => vec![
+            "data".into(),
+            "stage".into(),
+            from.clone(),
+            project.data.dir.clone(),
+        ],
+        (None, None) => {
             let mut args = vec!["data".into(), "fetch".into()];
             if project.data.dataset != "cifar10" {
                 args.extend(["--dataset".into(), project.data.dataset.clone()]);
@@ -617,7 +633,7 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
             ]);
             args
         }
-        Some(n) => vec![
+        (Some(n), _) => vec![
             "data".into(),
             "synth".into(),
             "--out".into(),
@@ -641,6 +657,7 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
             metrics_port: None,
             token_secret: None,
             subdomain: None,
+            service_account: true,
         },
     );
     object(&job(
@@ -674,6 +691,7 @@ pub fn test_job(project: &Project) -> Value {
             metrics_port: None,
             token_secret: None,
             subdomain: None,
+            service_account: true,
         },
     );
     object(&job(
@@ -720,6 +738,9 @@ fn train_args(project: &Project) -> Vec<String> {
         j.learning_rate.to_string(),
         "--no-download".into(),
     ]);
+    if let Some(upload) = &j.upload {
+        args.extend(["--upload".into(), upload.clone()]);
+    }
     args
 }
 
@@ -816,6 +837,13 @@ fn worker_template(
         "--grace-period".into(),
         (TERMINATION_GRACE_SECONDS - 5).to_string(),
     ]);
+    for uri in &j.fetch {
+        args.extend(["--fetch".into(), uri.clone()]);
+    }
+    if !j.fetch.is_empty() {
+        // Writable for the pod's user whatever the image (an emptyDir); the workers start there.
+        args.extend(["--fetch-dir".into(), FETCH_DIR.into()]);
+    }
     match &j.command {
         Some(program) => {
             args.push("--".into());
@@ -836,6 +864,7 @@ fn worker_template(
             metrics_port: j.metrics_port,
             token_secret: Some(token_secret_name(project)),
             subdomain,
+            service_account: true,
         },
     )
 }
@@ -1190,6 +1219,7 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
             metrics_port: None,
             token_secret: None,
             subdomain: Some(name.clone()),
+            service_account: false,
         },
     );
     let mut template = template;

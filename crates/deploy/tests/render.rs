@@ -887,3 +887,121 @@ fn the_doctor_checks_the_accelerators_a_training_pod_gets() {
         .unwrap();
     assert!(!cpu.to_string().contains("--expect-gpus"));
 }
+
+/// `cluster.s3_bucket`: eksctl creates an IRSA service account allowed that bucket alone; the
+/// training, data and test pods run under it, the data job stages from S3 (`data.from`), the
+/// trainer uploads its results, and a user program's code is fetched first (`job.fetch`).
+#[test]
+fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
+    let bucket = [("cluster.s3_bucket", "my-training-bucket")];
+    cluster_case("cluster_cpu_s3", &bucket);
+    let doc = eksctl::cluster_config(&project(&bucket)).unwrap();
+    assert_eq!(doc["iam"]["withOIDC"], true);
+    let account = &doc["iam"]["serviceAccounts"][0];
+    assert_eq!(account["metadata"]["name"], "trainctl-s3");
+    assert_eq!(account["metadata"]["namespace"], "default");
+    let resources: Vec<&str> = account["attachPolicy"]["Statement"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["Resource"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        resources,
+        [
+            "arn:aws:s3:::my-training-bucket",
+            "arn:aws:s3:::my-training-bucket/*"
+        ]
+    );
+
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("cluster.s3_bucket", "my-training-bucket"),
+        ("data.from", "s3://my-training-bucket/datasets/cifar10"),
+    ]);
+    let pod = |doc: &Value| doc["spec"]["template"]["spec"].clone();
+    let args = |pod: &Value| -> Vec<String> {
+        pod["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let data = manifests::data_job(&p, None);
+    insta::assert_snapshot!(
+        "job_data_s3",
+        manifests::to_yaml(std::slice::from_ref(&data))
+    );
+    assert_eq!(
+        args(&pod(&data)),
+        [
+            "data",
+            "stage",
+            "s3://my-training-bucket/datasets/cifar10",
+            "/data/cifar10"
+        ]
+    );
+    let docs = manifests::training_job(&p, "token");
+    let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
+    let train = args(&pod(job)).join(" ");
+    assert!(
+        train.ends_with("--upload s3://my-training-bucket/runs/cifar10"),
+        "{train}"
+    );
+    for doc in [&data, job, &manifests::test_job(&p)] {
+        assert_eq!(pod(doc)["serviceAccountName"], "trainctl-s3");
+    }
+    for doc in manifests::doctor_job(&p) {
+        if doc["kind"] == "Job" {
+            assert!(pod(&doc).get("serviceAccountName").is_none());
+        }
+    }
+
+    // A user program fetched from S3, as the torchelastic example downloads its main.py.
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("cluster.s3_bucket", "my-training-bucket"),
+        ("job.launcher", "pytorchjob"),
+        ("image", "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"),
+        ("trainctl_image", "trainctl:0.1"),
+        ("job.command", "python main.py --epochs 2"),
+        (
+            "job.fetch",
+            "s3://my-training-bucket/code/main.py s3://my-training-bucket/code/lib/",
+        ),
+        ("job.upload", "none"),
+    ]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    let job = docs.last().unwrap();
+    assert_valid(
+        pytorchjob_validator(),
+        job,
+        "PyTorchJob fetching its program",
+    );
+    insta::assert_snapshot!("job_pytorchjob_fetch", manifests::to_yaml(&docs));
+    let worker = &job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"];
+    assert_eq!(worker["serviceAccountName"], "trainctl-s3");
+    let run = args(worker).join(" ");
+    assert!(
+        run.contains(
+            "--fetch s3://my-training-bucket/code/main.py --fetch s3://my-training-bucket/code/lib/ \
+             --fetch-dir /tmp/code -- python main.py --epochs 2"
+        ),
+        "{run}"
+    );
+    assert!(!run.contains("--upload"), "{run}");
+
+    for (settings, says) in [
+        (vec![("cluster.s3_bucket", "My_Bucket")], "'M'"),
+        (vec![("data.from", "https://example.com/data")], "s3://"),
+        (vec![("job.fetch", "s3://b/main.py")], "3 to 63"),
+        (
+            vec![("job.fetch", "s3://bucket/main.py")],
+            "no program is set",
+        ),
+    ] {
+        let err = Project::from_settings(&settings).unwrap_err().to_string();
+        assert!(err.contains(settings[0].0) && err.contains(says), "{err}");
+    }
+}

@@ -44,6 +44,8 @@ pub struct LaunchSpec {
     pub program: Vec<OsString>,
     /// Extra environment for every worker (after torchrun's variables).
     pub extra_env: Vec<(String, String)>,
+    /// Where the workers start (default: the launcher's working directory).
+    pub working_dir: Option<PathBuf>,
     /// Where the workers' metrics records go, if anywhere (`TRAINCTL_TELEMETRY_FD`).
     pub telemetry: Option<Telemetry>,
 }
@@ -182,6 +184,7 @@ mod tests {
             monitor_interval: Duration::from_millis(100),
             program: vec!["true".into()],
             extra_env: vec![],
+            working_dir: None,
             telemetry: None,
         }
     }

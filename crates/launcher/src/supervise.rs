@@ -317,6 +317,9 @@ fn spawn(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if let Some(dir) = &spec.working_dir {
+        cmd.current_dir(dir);
+    }
     let telemetry_fd = telemetry.and_then(TelemetryPipe::fd);
     if let Some(fd) = telemetry_fd {
         cmd.env(collective::world::vars::TELEMETRY_FD, fd.to_string());

@@ -87,7 +87,7 @@ pub struct Args {
         value_name = "S3_URI"
     )]
     fetch: Vec<String>,
-    /// Where --fetch copies to.
+    /// Where --fetch copies to; with --fetch, the workers start in this folder.
     #[arg(long, env = "TRAINCTL_FETCH_DIR", default_value = ".")]
     fetch_dir: PathBuf,
     /// `train ARGS...` for the built-in trainer, or `-- PROGRAM ARGS...` for any program
@@ -395,6 +395,7 @@ fn worker_spec(
             Some(t) => bail!("--collective-timeout must be a positive number of seconds, got {t}"),
             None => vec![],
         },
+        working_dir: (!args.fetch.is_empty()).then(|| args.fetch_dir.clone()),
         telemetry: None,
     })
 }
