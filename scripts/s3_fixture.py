@@ -4,6 +4,8 @@
                                            its access key, and BUCKETs; print the key and secret
   s3_fixture.py put ENDPOINT KEY SECRET BUCKET PREFIX DIR
                                            upload every file under DIR to s3://BUCKET/PREFIX/...
+  s3_fixture.py put-text ENDPOINT KEY SECRET BUCKET KEY TEXT [SHA256]
+                                           put one object (with x-amz-meta-sha256: SHA256)
   s3_fixture.py get ENDPOINT KEY SECRET BUCKET KEY
                                            print the object's size and user metadata as JSON
 
@@ -45,6 +47,12 @@ def put(endpoint, key, secret, bucket, prefix, root):
             s3.upload_file(path, bucket, f"{prefix}/{rel}" if prefix else rel)
 
 
+def put_text(endpoint, key, secret, bucket, object_key, text, sha256=None):
+    metadata = {"sha256": sha256} if sha256 else {}
+    client("s3", endpoint, key, secret).put_object(
+        Bucket=bucket, Key=object_key, Body=text.encode(), Metadata=metadata)
+
+
 def get(endpoint, key, secret, bucket, object_key):
     head = client("s3", endpoint, key, secret).head_object(Bucket=bucket, Key=object_key)
     print(json.dumps({"size": head["ContentLength"], "metadata": head.get("Metadata", {})}))
@@ -54,4 +62,5 @@ if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     {"setup": lambda: setup(args[0], args[1:]),
      "put": lambda: put(*args),
+     "put-text": lambda: put_text(*args),
      "get": lambda: get(*args)}[command]()

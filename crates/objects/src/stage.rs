@@ -208,6 +208,27 @@ async fn plan(store: &dyn ObjectStore, from: &S3Uri, dir: &Path) -> Result<Vec<P
         }]);
     }
     listed.sort_by(|a, b| a.location.cmp(&b.location));
+    // The S3 console's "folders" are empty objects named `folder/`, which object_store lists
+    // as `folder`: copied, they would be files where the folder must go.
+    let folders: std::collections::HashSet<String> = listed
+        .iter()
+        .filter_map(|m| {
+            m.location
+                .as_ref()
+                .rsplit_once('/')
+                .map(|(dir, _)| dir.to_string())
+        })
+        .flat_map(|dir| {
+            let mut parents = vec![dir.clone()];
+            let mut rest = dir.as_str();
+            while let Some((parent, _)) = rest.rsplit_once('/') {
+                parents.push(parent.to_string());
+                rest = parent;
+            }
+            parents
+        })
+        .collect();
+    listed.retain(|m| !(m.size == 0 && folders.contains(m.location.as_ref())));
     let mut planned = Vec::with_capacity(listed.len());
     for meta in listed {
         let key = meta.location.as_ref().to_string();

@@ -125,6 +125,19 @@ fn check_bucket(bucket: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any text is parsed or refused, never a panic; what parses prints back as itself.
+        #[test]
+        fn any_text_parses_or_is_refused(text in "(s3://)?[a-z0-9.\\-/_A-Z ]{0,40}") {
+            if let Ok(uri) = text.parse::<S3Uri>() {
+                let printed = uri.to_string();
+                prop_assert_eq!(printed.trim_end_matches('/'), text.trim_end_matches('/'));
+                prop_assert_eq!(uri.to_string().parse::<S3Uri>().unwrap(), uri);
+            }
+        }
+    }
 
     #[test]
     fn parses_bucket_and_key() {

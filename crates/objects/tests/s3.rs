@@ -130,6 +130,9 @@ fn staging_copies_a_prefix_once_and_skips_it_the_next_time() {
     std::fs::write(&big, pattern(PART + 10, 9)).unwrap();
     s3.upload(&big, &uri("s3://train-data/sets/pets/big.bin"))
         .unwrap();
+    // The S3 console's empty "folder" objects are not files.
+    server.put_text("train-data", "sets/pets/train/", "", None);
+    server.put_text("train-data", "sets/pets/train/cat/", "", None);
     // A neighbouring prefix that shares the name's start is not part of the folder.
     s3.upload(&big, &uri("s3://train-data/sets/pets2/other.bin"))
         .unwrap();
@@ -202,6 +205,49 @@ fn staging_copies_a_prefix_once_and_skips_it_the_next_time() {
     assert_eq!(
         std::fs::read(single.path().join("big.bin")).unwrap(),
         std::fs::read(&big).unwrap()
+    );
+}
+
+#[test]
+fn a_download_that_does_not_match_its_recorded_checksum_is_refused_and_not_kept() {
+    let server = S3Server::start();
+    let s3 = client(&server, &server.endpoint);
+    let wrong = "0".repeat(64);
+    server.put_text(
+        "train-data",
+        "corrupt.bin",
+        "these bytes are not what was recorded",
+        Some(&wrong),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let err = s3
+        .download(
+            &uri("s3://train-data/corrupt.bin"),
+            &dir.path().join("corrupt.bin"),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Checksum { expected, .. } if *expected == wrong),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nothing was kept"), "{err}");
+    assert!(
+        files_in(dir.path()).is_empty(),
+        "{:?}",
+        files_in(dir.path())
+    );
+
+    // Staging stops at it too, leaving no part file; the good files stay for the next run.
+    server.put_text("train-data", "set/a.txt", "fine", None);
+    server.put_text("train-data", "set/b.txt", "corrupt", Some(&wrong));
+    let err = s3
+        .stage(&uri("s3://train-data/set"), dir.path(), &mut |_| {})
+        .unwrap_err();
+    assert!(matches!(err, Error::Checksum { .. }), "{err}");
+    assert!(
+        !files_in(dir.path()).iter().any(|f| f.contains("b.txt")),
+        "{:?}",
+        files_in(dir.path())
     );
 }
 

@@ -106,6 +106,14 @@ impl S3Server {
         self.script(&["put", bucket, prefix, &dir.display().to_string()]);
     }
 
+    /// Puts one object holding `text`, with `sha256` as its recorded checksum if given (true
+    /// or not: a corrupt object is what some tests need).
+    pub fn put_text(&self, bucket: &str, key: &str, text: &str, sha256: Option<&str>) {
+        let mut args = vec!["put-text", bucket, key, text];
+        args.extend(sha256);
+        self.script(&args);
+    }
+
     /// The object's size and user metadata, as boto3 reads them.
     pub fn head(&self, bucket: &str, key: &str) -> serde_json::Value {
         let out = self.script(&["get", bucket, key]);
