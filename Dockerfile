@@ -20,8 +20,9 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && cp target/release/trainctl /usr/local/bin/trainctl
 
 FROM ${RUNTIME_IMAGE}
-# ca-certificates: the data job downloads over HTTPS, and S3 is HTTPS too. The pods run as uid/gid 1000 (the
-# manifests' securityContext); CUDA images based on Ubuntu 24.04 already have a user 1000.
+# ca-certificates: the data job downloads over HTTPS, and S3 is HTTPS. The pods run as
+# uid/gid 1000 (the manifests' securityContext); CUDA images based on Ubuntu 24.04 already have
+# a user 1000.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
