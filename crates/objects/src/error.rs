@@ -70,6 +70,16 @@ pub enum Error {
         expected: u64,
     },
 
+    #[error(
+        "cannot find which region bucket {bucket:?} is in (reaching {uri}): {message}; set \
+         AWS_REGION to its region (or AWS_ENDPOINT_URL for an S3-compatible store)"
+    )]
+    Region {
+        uri: String,
+        bucket: String,
+        message: String,
+    },
+
     #[error("{uri}: the key cannot be a local path under the destination: {reason}")]
     UnsafeKey { uri: String, reason: String },
 

@@ -253,7 +253,14 @@ impl Client {
                     uri.bucket(),
                     &ClientOptions::new(),
                 ))
-                .map_err(|e| classify(e, uri, Action::Read))?;
+                .map_err(|e| match classify(e, uri, Action::Read) {
+                    Error::Store { message, .. } => Error::Region {
+                        uri: uri.to_string(),
+                        bucket: uri.bucket().to_string(),
+                        message,
+                    },
+                    other => other,
+                })?;
             config = config.with_region(region);
         }
         let store = Arc::new(config.build().map_err(|e| Error::Store {
