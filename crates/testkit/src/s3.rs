@@ -64,19 +64,10 @@ impl S3Server {
         eventually("moto's server to listen", Duration::from_secs(60), || {
             TcpStream::connect(addr).is_ok()
         });
-        let out = Command::new(python())
-            .arg(fixture_script())
-            .args(["setup", &server.endpoint])
-            .args(BUCKETS)
-            .output()
-            .expect("python runs");
-        assert!(
-            out.status.success(),
-            "s3_fixture.py setup failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let mut setup = vec!["setup", server.endpoint.as_str()];
+        setup.extend(BUCKETS);
         let keys: serde_json::Value =
-            serde_json::from_slice(&out.stdout).expect("setup prints JSON");
+            serde_json::from_str(&run_fixture(&setup)).expect("setup prints JSON");
         server.access_key = keys["key"].as_str().expect("key").to_string();
         server.secret_key = keys["secret"].as_str().expect("secret").to_string();
         server
@@ -120,21 +111,29 @@ impl S3Server {
         serde_json::from_str(&out).expect("get prints JSON")
     }
 
+    /// `s3_fixture.py COMMAND ENDPOINT KEY SECRET ARGS...` as the test user.
     fn script(&self, args: &[&str]) -> String {
         let (command, rest) = args.split_first().expect("a command");
-        let out = Command::new(python())
-            .arg(fixture_script())
-            .args([*command, &self.endpoint, &self.access_key, &self.secret_key])
-            .args(rest)
-            .output()
-            .expect("python runs");
-        assert!(
-            out.status.success(),
-            "s3_fixture.py {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let mut all = vec![*command, &self.endpoint, &self.access_key, &self.secret_key];
+        all.extend(rest);
+        run_fixture(&all)
     }
+}
+
+/// Runs `scripts/s3_fixture.py ARGS` and returns what it printed.
+fn run_fixture(args: &[&str]) -> String {
+    let out = Command::new(python())
+        .arg(fixture_script())
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "s3_fixture.py {:?} failed: {}",
+        args.first(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 impl Drop for S3Server {
