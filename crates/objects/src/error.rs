@@ -9,12 +9,16 @@ pub enum Error {
 
     #[error(
         "no AWS credentials to reach {uri}: none in the environment (AWS_ACCESS_KEY_ID and \
-         AWS_SECRET_ACCESS_KEY, an IRSA web identity, EKS pod identity) and no instance profile \
-         answers at {metadata}; export some (with the AWS CLI: eval \"$(aws configure \
-         export-credentials --format env)\"), or on EKS run the pods under the S3 service \
-         account (cluster config --s3-bucket)"
+         AWS_SECRET_ACCESS_KEY, an IRSA web identity, EKS pod identity) or in the AWS CLI's \
+         profile{profile}, and no instance profile answers at {metadata}; export some (with \
+         the AWS CLI: eval \"$(aws configure export-credentials --format env)\"), or on EKS \
+         run the pods under the S3 service account (cluster config --s3-bucket)"
     )]
-    NoCredentials { uri: String, metadata: String },
+    NoCredentials {
+        uri: String,
+        metadata: String,
+        profile: String,
+    },
 
     #[error(
         "S3 refused the credentials while reaching {uri} ({code}): check AWS_ACCESS_KEY_ID and \

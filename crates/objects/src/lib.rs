@@ -5,14 +5,16 @@
 //!
 //! Credentials and the endpoint come from the environment as the AWS SDKs read them
 //! (`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_SESSION_TOKEN`, IRSA's
-//! `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN`, EKS pod identity, else the instance profile;
-//! `AWS_REGION`, `AWS_ENDPOINT_URL` for S3-compatible stores). Throttling (503 SlowDown), server
+//! `AWS_WEB_IDENTITY_TOKEN_FILE` + `AWS_ROLE_ARN`, EKS pod identity, then the static keys of the
+//! AWS CLI's profile (`AWS_PROFILE`, `~/.aws/credentials`), else the instance profile;
+//! `AWS_REGION` or the profile's region, `AWS_ENDPOINT_URL` for S3-compatible stores). Throttling (503 SlowDown), server
 //! errors and dropped connections are retried with exponential backoff; a download cut off
 //! mid-body resumes from where it stopped.
 //!
 //! The API is blocking: every call runs on the client's own small tokio runtime.
 
 mod error;
+mod profile;
 mod stage;
 mod uri;
 
@@ -91,12 +93,53 @@ pub struct Client {
     config: AmazonS3Builder,
     stores: Mutex<HashMap<String, Arc<AmazonS3>>>,
     credentials_checked: Mutex<bool>,
+    /// Said with `Error::NoCredentials` when the AWS CLI's profile has no static keys.
+    profile_note: String,
 }
 
+/// Configuration keys that mean the environment itself provides credentials.
+const ENVIRONMENT_CREDENTIALS: [AmazonS3ConfigKey; 4] = [
+    AmazonS3ConfigKey::AccessKeyId,
+    AmazonS3ConfigKey::WebIdentityTokenFile,
+    AmazonS3ConfigKey::ContainerCredentialsRelativeUri,
+    AmazonS3ConfigKey::ContainerCredentialsFullUri,
+];
+
 impl Client {
-    /// A client configured from the `AWS_*` environment.
+    /// A client configured from the `AWS_*` environment, and from the AWS CLI's profile for
+    /// what the environment does not say.
     pub fn from_env(settings: Settings) -> Result<Self, Error> {
-        Self::with_config(AmazonS3Builder::from_env(), settings)
+        let mut config = AmazonS3Builder::from_env();
+        let profile = profile::from_environment();
+        let set = |config: &AmazonS3Builder, keys: &[AmazonS3ConfigKey]| {
+            keys.iter().any(|k| config.get_config_value(k).is_some())
+        };
+        if !set(&config, &ENVIRONMENT_CREDENTIALS)
+            && let Some(keys) = &profile.keys
+        {
+            config = config
+                .with_access_key_id(&keys.access_key_id)
+                .with_secret_access_key(&keys.secret_access_key);
+            if let Some(token) = &keys.session_token {
+                config = config.with_token(token);
+            }
+        }
+        if !set(
+            &config,
+            &[AmazonS3ConfigKey::Region, AmazonS3ConfigKey::DefaultRegion],
+        ) && let Some(region) = &profile.region
+        {
+            config = config.with_region(region);
+        }
+        let mut client = Self::with_config(config, settings)?;
+        client.profile_note = match (&profile.keys, &profile.other_source) {
+            (None, Some(source)) => format!(
+                " (AWS profile {:?} gets them through {source}, which trainctl does not run)",
+                profile.name
+            ),
+            _ => String::new(),
+        };
+        Ok(client)
     }
 
     /// A client from explicit `AWS_*`-style settings (`("aws_endpoint", "...")`), ignoring the
@@ -133,6 +176,7 @@ impl Client {
             config,
             stores: Mutex::new(HashMap::new()),
             credentials_checked: Mutex::new(false),
+            profile_note: String::new(),
         })
     }
 
@@ -284,10 +328,9 @@ impl Client {
             return Ok(());
         }
         let value = |key: AmazonS3ConfigKey| self.config.get_config_value(&key);
-        let from_environment = value(AmazonS3ConfigKey::AccessKeyId).is_some()
-            || value(AmazonS3ConfigKey::WebIdentityTokenFile).is_some()
-            || value(AmazonS3ConfigKey::ContainerCredentialsRelativeUri).is_some()
-            || value(AmazonS3ConfigKey::ContainerCredentialsFullUri).is_some()
+        let from_environment = ENVIRONMENT_CREDENTIALS
+            .iter()
+            .any(|key| self.config.get_config_value(key).is_some())
             || value(AmazonS3ConfigKey::SkipSignature).is_some_and(|v| v == "true");
         if !from_environment {
             let metadata = value(AmazonS3ConfigKey::MetadataEndpoint)
@@ -296,6 +339,7 @@ impl Client {
                 return Err(Error::NoCredentials {
                     uri: uri.to_string(),
                     metadata,
+                    profile: self.profile_note.clone(),
                 });
             }
         }

@@ -36,8 +36,9 @@ pub enum Command {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
     },
-    /// In the cluster: a Job that fetches CIFAR-10 onto the shared claim (a no-op when the
-    /// data is there), waits for it and prints its logs.
+    /// In the cluster: a Job that fetches the data set onto the shared claim (a no-op when
+    /// the data is there), or stages it from S3 (--from s3://BUCKET/PREFIX), waits for it and
+    /// prints its logs.
     Job {
         #[command(flatten)]
         project: super::project::ProjectArgs,

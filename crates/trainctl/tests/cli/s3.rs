@@ -68,14 +68,12 @@ fn a_killed_staging_resumes_without_copying_anything_twice() {
     running.wait(Duration::from_secs(10));
     proxy.release();
 
-    let out = run_ok(
-        &mut with_env(trainctl(), server.env_at(&proxy.endpoint)).args([
-            "data",
-            "stage",
-            "s3://train-data/pets",
-            dest_dir.to_str().unwrap(),
-        ]),
-    );
+    let out = run_ok(with_env(trainctl(), server.env_at(&proxy.endpoint)).args([
+        "data",
+        "stage",
+        "s3://train-data/pets",
+        dest_dir.to_str().unwrap(),
+    ]));
     let summary = text(&out.stdout);
     assert!(
         summary.contains("staged s3://train-data/pets into")
@@ -202,15 +200,17 @@ fn a_failed_upload_warns_and_keeps_the_run_and_its_files() {
     // A URI that cannot be one, or no credentials at all, stop the run before it trains.
     let err = run_failing(
         trainctl()
-            .args(&train_args(&job, "bad", 1))
+            .args(train_args(&job, "bad", 1))
             .args(["--upload", "s3:/x"]),
     );
     assert!(err.contains("--upload \"s3:/x\""), "{err}");
     let err = run_failing(
         trainctl()
-            .args(&train_args(&job, "bad", 1))
+            .args(train_args(&job, "bad", 1))
             .args(["--upload", "s3://train-models/x"])
             .env_remove("AWS_ACCESS_KEY_ID")
+            .env("AWS_SHARED_CREDENTIALS_FILE", job.path("no-such-file"))
+            .env("AWS_CONFIG_FILE", job.path("no-such-file"))
             .env("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9"),
     );
     assert!(
@@ -287,4 +287,36 @@ fn run_fetches_the_program_from_s3_before_starting_its_workers() {
         "{err}"
     );
     assert!(!dest.exists(), "nothing written");
+
+    // An AWS CLI profile's keys and region serve when the environment has none.
+    let aws = work.path().join("aws");
+    std::fs::create_dir_all(&aws).unwrap();
+    std::fs::write(
+        aws.join("credentials"),
+        format!(
+            "[default]\naws_access_key_id = AKIAOTHER\naws_secret_access_key = x\n\n[train]\n\
+             aws_access_key_id = {}\naws_secret_access_key = {}\n",
+            server.access_key, server.secret_key
+        ),
+    )
+    .unwrap();
+    std::fs::write(aws.join("config"), "[profile train]\nregion = us-east-1\n").unwrap();
+    let out = run_ok(
+        trainctl()
+            .args([
+                "data",
+                "stage",
+                "s3://train-data/code",
+                dest.to_str().unwrap(),
+            ])
+            .env("AWS_ENDPOINT_URL", &server.endpoint)
+            .env("AWS_PROFILE", "train")
+            .env("AWS_SHARED_CREDENTIALS_FILE", aws.join("credentials"))
+            .env("AWS_CONFIG_FILE", aws.join("config")),
+    );
+    assert!(
+        text(&out.stdout).contains("1 files (1 copied"),
+        "{}",
+        text(&out.stdout)
+    );
 }
