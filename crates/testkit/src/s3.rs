@@ -62,6 +62,13 @@ impl S3Server {
         };
         // A bare TCP connection: an HTTP probe would count as one of the unauthenticated actions.
         eventually("moto's server to listen", Duration::from_secs(60), || {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!(
+                    "moto's server exited ({status}): {} lacks moto[server]; run scripts/test, \
+                     which installs it into target/pyenv",
+                    python().display()
+                );
+            }
             TcpStream::connect(addr).is_ok()
         });
         let mut setup = vec!["setup", server.endpoint.as_str()];
