@@ -320,3 +320,73 @@ fn run_fetches_the_program_from_s3_before_starting_its_workers() {
         text(&out.stdout)
     );
 }
+
+/// The seed tutorials keep the CIFAR-10 archive in S3: staged into the data folder, it is
+/// checked and extracted there with no download (`--no-download` and no network), and a wrong
+/// one is refused by name and left for the user to replace.
+#[test]
+fn an_archive_staged_from_s3_is_extracted_without_a_download() {
+    use md5::Digest;
+    let server = S3Server::start();
+    let bytes = trainer::cifar::synthetic::binary_archive(
+        &trainer::cifar::synthetic::generate(64, 1),
+        &trainer::cifar::synthetic::generate(32, 2),
+    )
+    .unwrap();
+    let md5 = format!("{:x}", md5::Md5::digest(&bytes));
+    let upload = tempfile::tempdir().unwrap();
+    std::fs::write(upload.path().join("cifar-10-binary.tar.gz"), &bytes).unwrap();
+    server.put_dir(upload.path(), "train-data", "datasets");
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    run_ok(with_env(trainctl(), server.env()).args([
+        "data",
+        "stage",
+        "s3://train-data/datasets/cifar-10-binary.tar.gz",
+        data.to_str().unwrap(),
+    ]));
+
+    // The official archive's size and MD5 are not this generated one's: refused, and kept.
+    let err = run_failing(trainctl().args(["data", "fetch", "--data", data.to_str().unwrap()]));
+    assert!(
+        err.contains("cifar-10-binary.tar.gz")
+            && err.contains(&format!("expected {}", trainer::cifar::OFFICIAL_SIZE))
+            && err.contains("replace it with the official archive"),
+        "{err}"
+    );
+    assert!(data.join("cifar-10-binary.tar.gz").is_file());
+
+    let out = run_ok(
+        trainctl()
+            .args(&train_args_on(
+                &data,
+                work.path().join("out").to_str().unwrap(),
+            ))
+            .args(["--no-download", "--download-md5", &md5]),
+    );
+    assert!(
+        text(&out.stdout).contains("Accuracy"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(data.join("cifar-10-batches-bin/data_batch_1.bin").is_file());
+}
+
+fn train_args_on(data: &Path, out: &str) -> Vec<String> {
+    [
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}

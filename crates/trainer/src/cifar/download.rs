@@ -83,12 +83,22 @@ pub(crate) fn fetch_into(
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<()> {
     std::fs::create_dir_all(dir).at(dir)?;
-    let part = dir.join(format!(".{}.{}.part", archive.file, std::process::id()));
+    let part = dir.join(private_name(&format!("{}.part", archive.file)));
     let result = download_verified(opts, &part, archive.what, progress)
         .and_then(|()| extract(&part, dir, archive, progress));
     progress(DataProgress::Done);
     let _ = std::fs::remove_file(&part);
     result
+}
+
+/// A hidden name of this process's own in a folder other nodes may share: process ids repeat
+/// across pods (each container numbers its own), so a random part goes with the id.
+fn private_name(stem: &str) -> String {
+    format!(
+        ".{stem}.{}.{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    )
 }
 
 /// Unpacks the archive file at `path` into a staging folder of `dir`, then renames its one
@@ -99,7 +109,7 @@ pub(crate) fn extract(
     archive: &Archive,
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<()> {
-    let staging = dir.join(format!(".extract.{}", std::process::id()));
+    let staging = dir.join(private_name("extract"));
     let _ = std::fs::remove_dir_all(&staging);
     let moved = (archive.unpack)(path, &staging, progress).and_then(|()| {
         match std::fs::rename(staging.join(archive.folder), dir.join(archive.folder)) {
@@ -125,23 +135,56 @@ fn download_verified(
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<()> {
     let (md5, written) = fetch(&opts.url, dest, progress)?;
-    let problem = match opts.size {
-        Some(size) if size != written => Some(format!(
-            "the archive is {written} bytes, expected {size}: the file is corrupt or not {what}"
-        )),
-        _ if md5 != opts.md5.to_ascii_lowercase() => Some(format!(
-            "MD5 of the archive is {md5}, expected {}: the file is corrupt or not {what}",
-            opts.md5
-        )),
-        _ => None,
-    };
-    match problem {
+    match archive_problem(opts, what, &md5, written) {
         Some(problem) => Err(TrainError::Download {
             url: opts.url.clone(),
             problem: format!("{problem}; the partial file was removed, try again"),
         }),
         None => Ok(()),
     }
+}
+
+/// What is wrong with an archive of `size` bytes and this MD5, if anything.
+fn archive_problem(opts: &DownloadOptions, what: &str, md5: &str, size: u64) -> Option<String> {
+    match opts.size {
+        Some(expected) if expected != size => Some(format!(
+            "the archive is {size} bytes, expected {expected}: the file is corrupt or not {what}"
+        )),
+        _ if md5 != opts.md5.to_ascii_lowercase() => Some(format!(
+            "MD5 of the archive is {md5}, expected {}: the file is corrupt or not {what}",
+            opts.md5
+        )),
+        _ => None,
+    }
+}
+
+/// Extracts `archive` when its file is already in `dir` under its official name (copied there
+/// by hand, or staged from S3 with `trainctl data stage`), after the checks a download gets.
+/// `Ok(false)`: there is none. A file that fails them is refused and left alone.
+pub(crate) fn extract_present(
+    dir: &Path,
+    opts: &DownloadOptions,
+    archive: &Archive,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<bool> {
+    let path = dir.join(archive.file);
+    if !path.is_file() {
+        return Ok(false);
+    }
+    let mut file = std::fs::File::open(&path).at(&path)?;
+    let mut md5 = Md5::new();
+    let size = std::io::copy(&mut file, &mut md5).at(&path)?;
+    if let Some(problem) =
+        archive_problem(opts, archive.what, &format!("{:x}", md5.finalize()), size)
+    {
+        return Err(TrainError::BadData {
+            path,
+            problem: format!("{problem}; replace it with the official archive, or remove it"),
+        });
+    }
+    let extracted = extract(&path, dir, archive, progress);
+    progress(DataProgress::Done);
+    extracted.map(|()| true)
 }
 
 /// Streams `url` into `dest`, returning the MD5 of what was written and its size.

@@ -7,7 +7,7 @@ pub mod synthetic;
 
 #[cfg(test)]
 pub(crate) use download::extract;
-pub(crate) use download::{Archive, CIFAR, fetch_into};
+pub(crate) use download::{Archive, CIFAR, extract_present, fetch_into};
 pub use download::{DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL};
 
 use std::path::{Path, PathBuf};

@@ -170,8 +170,9 @@ impl Layout {
     }
 }
 
-/// Returns the data set in `dir`, downloading `which` there first if `dir` holds none.
-/// Safe against concurrent callers sharing `dir` (see [`fetch_into`]).
+/// Returns the data set in `dir`: there already, extracted from `which`'s archive found in
+/// `dir` under its official name (staged or copied there; checked like a download), or
+/// downloaded there first. Safe against concurrent callers sharing `dir` (see [`fetch_into`]).
 pub fn ensure(
     dir: &Path,
     which: Dataset,
@@ -181,24 +182,30 @@ pub fn ensure(
     if let Some(layout) = Layout::locate(dir) {
         return Ok(layout);
     }
-    if !opts.enabled {
+    let archive = which.archive();
+    let source = if cifar::extract_present(dir, opts, archive, progress)? {
+        dir.join(archive.file).display().to_string()
+    } else if opts.enabled {
+        fetch_into(dir, opts, archive, progress)?;
+        opts.url.clone()
+    } else {
         return Err(TrainError::BadData {
             path: dir.to_path_buf(),
             problem: format!(
-                "no data set here: expected CIFAR-10 (data_batch_1.bin or data_batch_1, also under {}/), {}; put one there, or drop --no-download to fetch --dataset {}",
+                "no data set here: expected CIFAR-10 (data_batch_1.bin or data_batch_1, also under {}/), {}, or {}'s archive {}; put one there, or drop --no-download to fetch --dataset {}",
                 cifar::BIN_DIR,
                 folder::EXPECTED,
+                which.name(),
+                archive.file,
                 which.name()
             ),
         });
-    }
-    let archive = which.archive();
-    fetch_into(dir, opts, archive, progress)?;
+    };
     Layout::locate(dir).ok_or_else(|| TrainError::BadData {
         path: dir.to_path_buf(),
         problem: format!(
-            "the archive from {} held no {} data set",
-            opts.url, archive.what
+            "the archive from {source} held no {} data set",
+            archive.what
         ),
     })
 }
