@@ -3,6 +3,8 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+use anyhow::Context;
+
 use trainer::cifar::synthetic;
 use trainer::data;
 
@@ -35,6 +37,10 @@ pub enum Command {
         /// Files copied at once.
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
+        /// Leave an official archive (cifar-10-binary.tar.gz, tiny-imagenet-200.zip) that the
+        /// copy brought as it is, instead of checking and extracting it.
+        #[arg(long)]
+        no_extract: bool,
     },
     /// In the cluster: a Job that fetches the data set onto the shared claim (a no-op when
     /// the data is there), or stages it from S3 (--from s3://BUCKET/PREFIX), waits for it and
@@ -101,6 +107,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             from,
             dir,
             concurrency,
+            no_extract,
         } => {
             let from = super::s3::parse_uri("data stage", &from)?;
             let client = objects::Client::from_env(objects::Settings {
@@ -109,6 +116,20 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             })?;
             let summary = super::s3::stage(&client, &from, &dir)?;
             crate::output::staged(&from, &dir, &summary, false);
+            // The data set's official archive, as the seed tutorials keep it in S3: extracted
+            // once here rather than by every worker that finds it.
+            let archive = data::Dataset::ALL
+                .into_iter()
+                .find(|d| dir.join(d.archive_file()).is_file());
+            if let (Some(dataset), None, false) = (archive, data::Layout::locate(&dir), no_extract)
+            {
+                let opts = super::train::download_options(dataset, false, None, None);
+                let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+                let layout = data::ensure(&dir, dataset, &opts, &mut |p| progress.data(p))
+                    .context("the staged archive was not extracted (pass --no-extract to keep it as it is)")?;
+                progress.finish();
+                println!("{} ready", data::describe(&layout));
+            }
         }
         Command::Job {
             project,

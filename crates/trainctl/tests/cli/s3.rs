@@ -322,8 +322,8 @@ fn run_fetches_the_program_from_s3_before_starting_its_workers() {
 }
 
 /// The seed tutorials keep the CIFAR-10 archive in S3: staged into the data folder, it is
-/// checked and extracted there with no download (`--no-download` and no network), and a wrong
-/// one is refused by name and left for the user to replace.
+/// checked and extracted there with no download (`--no-download` and no network), and one that
+/// fails the checks is refused by name and left for the user to replace.
 #[test]
 fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     use md5::Digest;
@@ -339,23 +339,26 @@ fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     server.put_dir(upload.path(), "train-data", "datasets");
     let work = tempfile::tempdir().unwrap();
     let data = work.path().join("data");
-    run_ok(with_env(trainctl(), server.env()).args([
+
+    // `data stage` extracts the official archive it brought; this generated one has neither
+    // the official size nor MD5: refused by name, and kept.
+    let err = run_failing(with_env(trainctl(), server.env()).args([
         "data",
         "stage",
         "s3://train-data/datasets/cifar-10-binary.tar.gz",
         data.to_str().unwrap(),
     ]));
-
-    // The official archive's size and MD5 are not this generated one's: refused, and kept.
-    let err = run_failing(trainctl().args(["data", "fetch", "--data", data.to_str().unwrap()]));
     assert!(
         err.contains("cifar-10-binary.tar.gz")
             && err.contains(&format!("expected {}", trainer::cifar::OFFICIAL_SIZE))
-            && err.contains("replace it with the official archive"),
+            && err.contains("replace it with the official archive")
+            && err.contains("--no-extract"),
         "{err}"
     );
     assert!(data.join("cifar-10-binary.tar.gz").is_file());
+    assert!(!data.join("cifar-10-batches-bin").exists());
 
+    // Training finds it, checks it against the MD5 it is given and extracts it, offline.
     let out = run_ok(
         trainctl()
             .args(&train_args_on(

@@ -51,6 +51,7 @@ pub enum Dataset {
 
 impl Dataset {
     pub const CHOICES: &str = "cifar10 or tiny-imagenet";
+    pub const ALL: [Dataset; 2] = [Dataset::Cifar10, Dataset::TinyImageNet];
 
     pub fn parse(name: &str) -> Option<Dataset> {
         match name {
@@ -65,6 +66,11 @@ impl Dataset {
             Dataset::Cifar10 => "cifar10",
             Dataset::TinyImageNet => "tiny-imagenet",
         }
+    }
+
+    /// The official archive's file name (`cifar-10-binary.tar.gz`, `tiny-imagenet-200.zip`).
+    pub fn archive_file(self) -> &'static str {
+        self.archive().file
     }
 
     fn archive(self) -> &'static Archive {
