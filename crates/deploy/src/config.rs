@@ -857,7 +857,8 @@ impl Project {
         if !job.fetch.is_empty() && job.command.is_none() {
             return Err(v.invalid(
                 "job.fetch",
-                "fetches your program's code, but no program is set: give it with --command                  (or -- PROGRAM ARGS...)"
+                "fetches your program's code, but no program is set: give it with --command \
+                 (or -- PROGRAM ARGS...)"
                     .into(),
             ));
         }
