@@ -361,10 +361,7 @@ fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     // Training finds it, checks it against the MD5 it is given and extracts it, offline.
     let out = run_ok(
         trainctl()
-            .args(&train_args_on(
-                &data,
-                work.path().join("out").to_str().unwrap(),
-            ))
+            .args(train_args_at(&data, &work.path().join("out"), 1, "0.001"))
             .args(["--no-download", "--download-md5", &md5]),
     );
     assert!(
@@ -373,23 +370,4 @@ fn an_archive_staged_from_s3_is_extracted_without_a_download() {
         text(&out.stdout)
     );
     assert!(data.join("cifar-10-batches-bin/data_batch_1.bin").is_file());
-}
-
-fn train_args_on(data: &Path, out: &str) -> Vec<String> {
-    [
-        "train",
-        "--data",
-        data.to_str().unwrap(),
-        "--epochs",
-        "1",
-        "--batch-size",
-        "32",
-        "--threads",
-        "1",
-        "--out",
-        out,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
 }

@@ -267,10 +267,15 @@ pub fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
 }
 
 pub fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
+    train_args_at(&job.data(), &job.path(out), epochs, lr)
+}
+
+/// The same settings on the data at `data`, writing under `out`.
+pub fn train_args_at(data: &Path, out: &Path, epochs: usize, lr: &str) -> Vec<String> {
     [
         "train",
         "--data",
-        job.data().to_str().unwrap(),
+        data.to_str().unwrap(),
         "--epochs",
         &epochs.to_string(),
         "--batch-size",
@@ -284,7 +289,7 @@ pub fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<Strin
         "--threads",
         "1",
         "--out",
-        job.path(out).to_str().unwrap(),
+        out.to_str().unwrap(),
     ]
     .iter()
     .map(|s| s.to_string())
