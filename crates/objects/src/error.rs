@@ -94,7 +94,7 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("could not {action} {uri}: {message}")]
+    #[error("could not {action} {uri}: {message}; check the network and AWS_ENDPOINT_URL (if set)")]
     Store {
         uri: String,
         action: &'static str,

@@ -180,10 +180,6 @@ impl Client {
         })
     }
 
-    pub fn settings(&self) -> &Settings {
-        &self.settings
-    }
-
     /// Uploads `file` to `to`, in parts when it is larger than one, recording its SHA-256.
     /// A failed multipart upload is aborted, so no orphaned parts stay billed.
     pub fn upload(&self, file: &Path, to: &S3Uri) -> Result<Transfer, Error> {
