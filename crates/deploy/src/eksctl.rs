@@ -102,6 +102,8 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     let pinned_zone =
         (worker.supports_efa() || c.capacity_reservation_id.is_some()).then(|| zones[0].clone());
     let mut worker_subnet = None;
+    // One zone given for a new VPC: the workers go there, whatever their type.
+    let mut only_zone = None;
     match &c.existing_vpc {
         Some(vpc) => {
             if !is_aws_id(vpc, "vpc-") {
@@ -153,16 +155,13 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
                 ));
             }
             if zones.len() == 1 {
-                return Err(refuse(
-                    "a new VPC needs at least two availability zones (EKS's control plane spans two)",
-                    format!(
-                        "add a second zone: --az {},{}",
-                        zones[0],
-                        other_zone(&zones[0])
-                    ),
-                ));
-            }
-            if !zones.is_empty() {
+                // EKS's control plane spans two zones: a new VPC gets a second one for it, and
+                // the workers stay in the zone given (a reservation's, EFA's, or the user's).
+                doc["availabilityZones"] = json!([zones[0].clone(), other_zone(&zones[0])]);
+                if pinned_zone.is_none() {
+                    only_zone = Some(zones[0].clone());
+                }
+            } else if !zones.is_empty() {
                 doc["availabilityZones"] = json!(zones);
             }
         }
@@ -194,7 +193,7 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     }
     if let Some(subnet) = worker_subnet {
         workers["subnets"] = json!([subnet]);
-    } else if let Some(zone) = &pinned_zone {
+    } else if let Some(zone) = pinned_zone.as_ref().or(only_zone.as_ref()) {
         workers["availabilityZones"] = json!([zone]);
     }
     if let Some(id) = &c.capacity_reservation_id {

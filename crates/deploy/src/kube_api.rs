@@ -43,14 +43,22 @@ pub enum ApiError {
     )]
     MetricsMissing,
     #[error(
-        "{what}: forbidden: {message}; your identity needs RBAC permission for this in \
-         namespace {namespace}"
+        "{what}: forbidden: {message}; your identity needs RBAC permission for this {}",
+        scope_words(namespace)
     )]
     Forbidden {
         what: String,
         message: String,
+        /// Empty for cluster-scoped objects.
         namespace: String,
     },
+    #[error(
+        "{what}: the cluster does not accept your credentials (401 {message}): the token in your \
+         kubeconfig may have expired; refresh it (EKS: `aws eks update-kubeconfig --name \
+         CLUSTER`, or log in to AWS again), and check the current context (`kubectl config \
+         current-context`)"
+    )]
+    Unauthorized { what: String, message: String },
     #[error(
         "job {name} already exists in namespace {namespace} ({state}); delete it first with \
          `trainctl job delete --name {name}`, or give another --name"
@@ -75,36 +83,159 @@ pub enum ApiError {
     #[error("{what}: {message}")]
     Other { what: String, message: String },
     #[error(
-        "job {name} did not finish within {after:?} (still {state}); `trainctl job status` shows where it stands"
+        "PersistentVolume {volume} is bound to claim {claim} in namespace {bound}, so a claim in \
+         namespace {namespace} could never bind it: use --namespace {bound}, or move the storage \
+         (`kubectl delete pvc {claim} -n {bound} && kubectl delete pv {volume}`, which keeps the \
+         data: the volume's reclaim policy is Retain) and run `trainctl storage` again"
+    )]
+    StorageElsewhere {
+        volume: String,
+        claim: String,
+        bound: String,
+        namespace: String,
+    },
+    #[error(
+        "{what} exists with other settings that cannot be changed in place ({message}); nothing \
+         was changed. To replace the storage, stop the jobs that use it, remove it (`{undo}`; the \
+         data stays on the file system: the reclaim policy is Retain) and run `trainctl storage` \
+         again"
+    )]
+    StorageChange {
+        what: String,
+        message: String,
+        undo: String,
+    },
+    #[error(
+        "no pod of job {name} has started yet, so there are no logs ({pods}); `trainctl job \
+         status --name {name} --namespace {namespace}` shows where it stands"
+    )]
+    NoLogsYet {
+        name: String,
+        namespace: String,
+        pods: String,
+    },
+    #[error(
+        "the cluster runs Kubernetes {version}; trainctl's training Job needs 1.{MIN_KUBERNETES_MINOR} \
+         or later (podFailurePolicy, which retries evictions without counting them): upgrade the \
+         cluster (EKS: `eksctl upgrade cluster`), or use --launcher pytorchjob"
+    )]
+    TooOld { version: String },
+    #[error(
+        "namespace {namespace} does not exist: create it (`kubectl create namespace {namespace}`) \
+         or pass another --namespace"
+    )]
+    NoNamespace { namespace: String },
+    #[error("{cause}; {undone}")]
+    RolledBack {
+        cause: Box<ApiError>,
+        /// What was removed, and what could not be.
+        undone: String,
+    },
+    #[error(
+        "job {name} did not finish within {after:?} (still {state}); `trainctl job status --name \
+         {name} --namespace {namespace}` shows where it stands"
     )]
     WaitTimeout {
         name: String,
+        namespace: String,
         after: Duration,
         state: String,
     },
 }
 
-/// Turns a kube error into an [`ApiError`] for the action `what`.
+/// The namespace argument of [`api_error`] for cluster-scoped calls.
+const CLUSTER: &str = "";
+
+fn scope_words(namespace: &str) -> String {
+    if namespace.is_empty() {
+        "at the cluster scope (a ClusterRole)".into()
+    } else {
+        format!("in namespace {namespace}")
+    }
+}
+
+/// Turns a kube error into an [`ApiError`] for the action `what` in `namespace` ([`CLUSTER`]
+/// for cluster-scoped objects).
 fn api_error(what: &str, namespace: &str, e: kube::Error) -> ApiError {
     match e {
+        kube::Error::Api(status) if status.code == 401 => ApiError::Unauthorized {
+            what: what.into(),
+            message: status.message,
+        },
         kube::Error::Api(status) if status.code == 403 => ApiError::Forbidden {
             what: what.into(),
             message: status.message,
             namespace: namespace.into(),
         },
+        // The API server names the namespace as what was not found when it is the namespace
+        // that is missing.
+        kube::Error::Api(status)
+            if status.code == 404
+                && !namespace.is_empty()
+                && status
+                    .details
+                    .as_ref()
+                    .is_some_and(|d| d.kind == "namespaces" && d.name == namespace) =>
+        {
+            ApiError::NoNamespace {
+                namespace: namespace.into(),
+            }
+        }
         kube::Error::Api(status) => ApiError::Api {
             what: what.into(),
             code: status.code,
             reason: status.reason,
             message: status.message,
         },
-        kube::Error::HyperError(e) => ApiError::Unreachable(e.to_string()),
-        kube::Error::Service(e) => ApiError::Unreachable(e.to_string()),
+        kube::Error::HyperError(e) => ApiError::Unreachable(connect_problem(&e)),
+        kube::Error::Service(e) => ApiError::Unreachable(connect_problem(e.as_ref())),
+        kube::Error::Auth(e) => ApiError::Unreachable(format!(
+            "the credentials in your kubeconfig cannot be used: {}",
+            error_chain(&e)
+        )),
         other => ApiError::Other {
             what: what.into(),
-            message: other.to_string(),
+            message: error_chain(&other),
         },
     }
+}
+
+/// An error and its sources, outermost first: `client error (Connect): invalid peer
+/// certificate: UnknownIssuer`, not just `client error (Connect)`.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = s.source();
+    }
+    parts.join(": ")
+}
+
+/// What a failed connection to the API server means, with its whole chain of causes.
+fn connect_problem(e: &(dyn std::error::Error + 'static)) -> String {
+    let chain = error_chain(e);
+    let lower = chain.to_ascii_lowercase();
+    let meaning = if lower.contains("certificate") || lower.contains("unknownissuer") {
+        "the server's TLS certificate is not one your kubeconfig trusts (its \
+         certificate-authority-data is for another cluster, or the server's certificate \
+         changed): fetch the kubeconfig again"
+    } else if lower.contains("connection refused") {
+        "nothing listens at the API server's address: is the cluster up, and is the kubeconfig's \
+         server address right?"
+    } else if lower.contains("dns error") || lower.contains("failed to lookup") {
+        "the API server's host name does not resolve: check the kubeconfig's server address and \
+         your network"
+    } else if lower.contains("timed out") || lower.contains("deadline") {
+        "the API server did not answer in time: check your network, VPN or the cluster's \
+         endpoint access (EKS private endpoints answer only inside the VPC)"
+    } else {
+        "the connection to the API server failed"
+    };
+    format!("{meaning} ({chain})")
 }
 
 fn is_not_found(e: &kube::Error) -> bool {
@@ -159,6 +290,63 @@ fn pytorchjob_resource() -> ApiResource {
     )
 }
 
+/// The oldest Kubernetes minor version (1.x) the training Job's fields work on: podFailurePolicy
+/// (with the DisruptionTarget condition) is on by default from 1.26; Indexed Jobs since 1.24.
+pub const MIN_KUBERNETES_MINOR: u32 = 26;
+
+/// The minor version of a Kubernetes 1.x server (`minor` may carry a suffix: EKS says "30+").
+fn minor_version(major: &str, minor: &str) -> Option<u32> {
+    if major != "1" {
+        return None;
+    }
+    let digits: String = minor.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+fn operator_missing(what: &str) -> ApiError {
+    ApiError::NotServed {
+        what: what.into(),
+        api: "kubeflow.org/v1 PyTorchJob".into(),
+        hint: "install the Kubeflow training operator (`trainctl cluster addons --launcher \
+               pytorchjob` says how), or use --launcher indexed"
+            .into(),
+    }
+}
+
+fn is_job_kind(doc: &Value) -> bool {
+    matches!(doc["kind"].as_str(), Some("Job" | "PyTorchJob"))
+}
+
+/// An owner reference to the applied job `object` (rendered as `doc`), when it has a uid.
+fn owner_reference(doc: &Value, object: &DynamicObject) -> Option<Value> {
+    let uid = object.metadata.uid.as_deref()?;
+    Some(serde_json::json!({
+        "apiVersion": doc["apiVersion"],
+        "kind": doc["kind"],
+        "name": doc["metadata"]["name"],
+        "uid": uid,
+    }))
+}
+
+/// The commands that remove the storage objects `docs` (claim first), for a change that cannot
+/// be applied in place.
+fn storage_undo(docs: &[Value], namespace: &str) -> String {
+    let name = |kind: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind)
+            .and_then(|d| d["metadata"]["name"].as_str())
+            .map(str::to_string)
+    };
+    let mut steps = Vec::new();
+    if let Some(claim) = name("PersistentVolumeClaim") {
+        steps.push(format!("kubectl delete pvc {claim} -n {namespace}"));
+    }
+    if let Some(volume) = name("PersistentVolume") {
+        steps.push(format!("kubectl delete pv {volume}"));
+    }
+    steps.join(" && ")
+}
+
 /// The API of the cluster, in one namespace.
 #[derive(Clone)]
 pub struct Kube {
@@ -175,6 +363,15 @@ pub struct Applied {
     pub name: String,
 }
 
+impl Applied {
+    fn of(doc: &Value) -> Applied {
+        Applied {
+            kind: doc["kind"].as_str().unwrap_or("?").to_string(),
+            name: doc["metadata"]["name"].as_str().unwrap_or("?").to_string(),
+        }
+    }
+}
+
 impl Kube {
     pub fn new(client: Client, namespace: &str) -> Kube {
         Kube {
@@ -189,16 +386,70 @@ impl Kube {
         Kube { poll, ..self }
     }
 
-    /// A client from KUBECONFIG (or ~/.kube/config), or the pod's service account.
-    pub async fn connect(namespace: &str) -> Result<Kube, ApiError> {
-        let client = Client::try_default()
+    /// A client from `kubeconfig` (KUBECONFIG's value: files separated by `:`, merged, those that
+    /// do not exist skipped as kubectl skips them), else ~/.kube/config, else the pod's service
+    /// account.
+    pub async fn connect(
+        namespace: &str,
+        kubeconfig: Option<&std::ffi::OsStr>,
+    ) -> Result<Kube, ApiError> {
+        let paths: Vec<std::path::PathBuf> = kubeconfig
+            .map(|v| {
+                std::env::split_paths(v)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let client = if paths.is_empty() {
+            Client::try_default()
+                .await
+                .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+        } else {
+            let unreadable = |e: kube::config::KubeconfigError| {
+                ApiError::Unreachable(format!("reading KUBECONFIG: {e}"))
+            };
+            let existing: Vec<_> = paths.iter().filter(|p| p.exists()).collect();
+            if existing.is_empty() {
+                // As kubectl and kube-rs do without a kubeconfig: the pod's service account.
+                let config = kube::Config::incluster().map_err(|_| {
+                    ApiError::Unreachable(format!(
+                        "KUBECONFIG names no file that exists ({}), and this is not a pod with \
+                         a service account",
+                        paths
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                })?;
+                let client = Client::try_from(config)
+                    .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?;
+                return Ok(Kube::new(client, namespace));
+            }
+            let mut merged = kube::config::Kubeconfig::default();
+            for path in existing {
+                merged = merged
+                    .merge(kube::config::Kubeconfig::read_from(path).map_err(unreadable)?)
+                    .map_err(unreadable)?;
+            }
+            let config = kube::Config::from_custom_kubeconfig(
+                merged,
+                &kube::config::KubeConfigOptions::default(),
+            )
             .await
-            .map_err(|e| ApiError::Unreachable(e.to_string()))?;
+            .map_err(unreadable)?;
+            Client::try_from(config).map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+        };
         Ok(Kube::new(client, namespace))
     }
 
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// The namespace for [`api_error`] of a call on a namespaced or a cluster-scoped object.
+    fn scope(&self, namespaced: bool) -> &str {
+        if namespaced { &self.namespace } else { CLUSTER }
     }
 
     fn no_job(&self, name: &str) -> ApiError {
@@ -226,37 +477,120 @@ impl Kube {
     pub async fn apply(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
         let mut applied = Vec::new();
         for doc in docs {
-            let kind = doc["kind"].as_str().unwrap_or("?").to_string();
-            let name = doc["metadata"]["name"].as_str().unwrap_or("?").to_string();
-            let what = format!("apply {kind} {name}");
-            let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
-                what: what.clone(),
-                message: "trainctl does not know where this kind lives".into(),
-            })?;
-            let params = PatchParams::apply("trainctl").force();
-            let result = self
-                .api(&resource, namespaced)
-                .patch(&name, &params, &Patch::Apply(doc))
-                .await;
-            match result {
-                Ok(_) => applied.push(Applied { kind, name }),
-                Err(e) if is_not_found(&e) && resource.group == "kubeflow.org" => {
-                    return Err(ApiError::NotServed {
-                        what,
-                        api: format!("{}/{} {}", resource.group, resource.version, kind),
-                        hint: "install the Kubeflow training operator (`trainctl cluster addons \
-                               --launcher pytorchjob` says how), or use --launcher indexed"
-                            .into(),
-                    });
-                }
-                Err(e) => return Err(api_error(&what, &self.namespace, e)),
-            }
+            self.apply_one(doc).await?;
+            applied.push(Applied::of(doc));
         }
         Ok(applied)
     }
 
+    /// Applies the storage objects (StorageClass, PersistentVolume, claim) only if all of them
+    /// can be: a volume bound to a claim in another namespace, or a change the API server
+    /// refuses (a volume's source or a claim's size are immutable), is said with what to delete
+    /// first, before anything is written.
+    pub async fn apply_storage(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+        if let Some(volume) = docs.iter().find(|d| d["kind"] == "PersistentVolume") {
+            let name = volume["metadata"]["name"].as_str().unwrap_or_default();
+            let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> =
+                Api::all(self.client.clone());
+            let existing = volumes
+                .get_opt(name)
+                .await
+                .map_err(|e| api_error(&format!("get PersistentVolume {name}"), CLUSTER, e))?;
+            let claim = existing
+                .and_then(|v| v.spec)
+                .and_then(|s| s.claim_ref)
+                .and_then(|c| Some((c.namespace?, c.name?)));
+            if let Some((namespace, claim)) = claim
+                && namespace != self.namespace
+            {
+                return Err(ApiError::StorageElsewhere {
+                    volume: name.into(),
+                    claim,
+                    bound: namespace,
+                    namespace: self.namespace.clone(),
+                });
+            }
+        }
+        for doc in docs {
+            if let Err(e) = self.apply_doc(doc, true).await {
+                let Applied { kind, name } = Applied::of(doc);
+                return Err(match e {
+                    ApiError::Api {
+                        code: 422, message, ..
+                    } => ApiError::StorageChange {
+                        what: format!("{kind} {name}"),
+                        message,
+                        undo: storage_undo(docs, &self.namespace),
+                    },
+                    other => other,
+                });
+            }
+        }
+        self.apply(docs).await
+    }
+
+    /// Deletes the storage objects `docs` (claim, then volume, then class); returns those that
+    /// existed.
+    pub async fn delete_storage(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+        let mut deleted = Vec::new();
+        for doc in docs.iter().rev() {
+            let Applied { kind, name } = Applied::of(doc);
+            let Some((resource, namespaced)) = resource_of(doc) else {
+                continue;
+            };
+            match self
+                .api(&resource, namespaced)
+                .delete(&name, &DeleteParams::default())
+                .await
+            {
+                Ok(_) => deleted.push(Applied { kind, name }),
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => {
+                    return Err(api_error(
+                        &format!("delete {kind} {name}"),
+                        self.scope(namespaced),
+                        e,
+                    ));
+                }
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Server-side applies one object; returns it as the server stored it.
+    async fn apply_one(&self, doc: &Value) -> Result<DynamicObject, ApiError> {
+        self.apply_doc(doc, false).await
+    }
+
+    /// Server-side applies one object, or only asks whether it would apply (`dry_run`).
+    async fn apply_doc(&self, doc: &Value, dry_run: bool) -> Result<DynamicObject, ApiError> {
+        let Applied { kind, name } = Applied::of(doc);
+        let what = format!("apply {kind} {name}");
+        let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
+            what: what.clone(),
+            message: "trainctl does not know where this kind lives".into(),
+        })?;
+        let mut params = PatchParams::apply("trainctl").force();
+        params.dry_run = dry_run;
+        match self
+            .api(&resource, namespaced)
+            .patch(&name, &params, &Patch::Apply(doc))
+            .await
+        {
+            Ok(object) => Ok(object),
+            Err(e) if is_not_found(&e) && resource.group == "kubeflow.org" => {
+                Err(operator_missing(&what))
+            }
+            Err(e) => Err(api_error(&what, self.scope(namespaced), e)),
+        }
+    }
+
     /// Launches a training job: refuses if a job of that name exists (a finished Job cannot be
-    /// changed, and a running one must not be), then applies the objects.
+    /// changed, and a running one must not be), checks what the job needs from the cluster
+    /// before writing anything (see [`Kube::preflight`]), applies the objects, and makes the job
+    /// the owner of the others (token Secret, Services, etcd), so that the garbage collector
+    /// removes them with it (its `ttlSecondsAfterFinished` too). A launch that fails half-way
+    /// removes what it applied.
     pub async fn launch(&self, name: &str, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
         if let Some(status) = self.find_job(name).await? {
             return Err(ApiError::Exists {
@@ -265,7 +599,184 @@ impl Kube {
                 state: status.phase.to_string(),
             });
         }
-        self.apply(docs).await
+        self.preflight(docs).await?;
+        let mut applied: Vec<&Value> = Vec::new();
+        let mut owner = None;
+        for doc in docs {
+            match self.apply_one(doc).await {
+                Ok(object) => {
+                    applied.push(doc);
+                    if is_job_kind(doc) && object.metadata.name.as_deref() == Some(name) {
+                        owner = owner_reference(doc, &object);
+                    }
+                }
+                Err(e) => return Err(self.roll_back(&applied, e).await),
+            }
+        }
+        if let Some(owner) = owner {
+            for doc in applied.iter().filter(|d| !is_job_kind(d)) {
+                let mut owned = (*doc).clone();
+                owned["metadata"]["ownerReferences"] = serde_json::json!([owner]);
+                if let Err(e) = self.apply_one(&owned).await {
+                    return Err(self.roll_back(&applied, e).await);
+                }
+            }
+        }
+        Ok(applied.into_iter().map(Applied::of).collect())
+    }
+
+    /// What a training job needs from the cluster, asked before anything is written: a server
+    /// recent enough for the Job's fields, the namespace, and the PyTorchJob CRD when the job
+    /// is one.
+    pub async fn preflight(&self, docs: &[Value]) -> Result<(), ApiError> {
+        if docs.iter().any(|d| d["kind"] == "Job") {
+            let info = self
+                .client
+                .apiserver_version()
+                .await
+                .map_err(|e| api_error("ask the API server's version", CLUSTER, e))?;
+            if let Some(found) = minor_version(&info.major, &info.minor)
+                && found < MIN_KUBERNETES_MINOR
+            {
+                return Err(ApiError::TooOld {
+                    version: info.git_version,
+                });
+            }
+        }
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
+        match namespaces.get_opt(&self.namespace).await {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                return Err(ApiError::NoNamespace {
+                    namespace: self.namespace.clone(),
+                });
+            }
+            // Allowed to work in the namespace but not to read it: carry on.
+            Err(kube::Error::Api(status)) if status.code == 403 => {}
+            Err(e) => return Err(api_error("get the namespace", &self.namespace, e)),
+        }
+        if let Some(doc) = docs.iter().find(|d| d["kind"] == "PyTorchJob") {
+            let what = format!("launch PyTorchJob {}", doc["metadata"]["name"]);
+            let api_version = doc["apiVersion"].as_str().unwrap_or("kubeflow.org/v1");
+            match self.client.list_api_group_resources(api_version).await {
+                Ok(list) if list.resources.iter().any(|r| r.name == "pytorchjobs") => {}
+                Ok(_) => return Err(operator_missing(&what)),
+                Err(e) if is_not_found(&e) => return Err(operator_missing(&what)),
+                Err(e) => return Err(api_error(&what, &self.namespace, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any node can take a pod of the training size: one with the node selector's label
+    /// (when there is one), and that much allocatable CPU and memory. `Some(why)` when none can,
+    /// naming the selector and the nodes' instance types, and what to pass instead; `None`
+    /// when one can, or the nodes cannot be read. (A cluster that scales from zero, as EKS node
+    /// groups and Karpenter do, has no matching node until the pods ask: it is a warning.)
+    pub async fn no_node_fits(
+        &self,
+        selector: Option<&(String, String)>,
+        cpu: &str,
+        memory: &str,
+    ) -> Option<String> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let list = nodes.list(&ListParams::default()).await.ok()?;
+        if list.items.is_empty() {
+            return None;
+        }
+        let (want_cpu, want_mem) = (millicores(cpu)?, bytes(memory)?);
+        let describe = |n: &Node| {
+            let labels = n.metadata.labels.clone().unwrap_or_default();
+            let a = n
+                .status
+                .as_ref()
+                .and_then(|s| s.allocatable.clone())
+                .unwrap_or_default();
+            format!(
+                "{} ({}, {} CPU, {} memory)",
+                n.metadata.name.as_deref().unwrap_or("?"),
+                labels
+                    .get("node.kubernetes.io/instance-type")
+                    .map_or("no instance type", String::as_str),
+                a.get("cpu").map_or("?", |q| q.0.as_str()),
+                a.get("memory").map_or("?", |q| q.0.as_str()),
+            )
+        };
+        let all: Vec<String> = list.items.iter().take(8).map(describe).collect();
+        let matching: Vec<&Node> = list
+            .items
+            .iter()
+            .filter(|n| {
+                selector.is_none_or(|(k, v)| {
+                    n.metadata.labels.as_ref().and_then(|l| l.get(k)) == Some(v)
+                })
+            })
+            .collect();
+        if let Some((k, v)) = selector
+            && matching.is_empty()
+        {
+            return Some(format!(
+                "no node has the label {k}={v} that the pods select (nodes: {}); pass \
+                 --node-selector none (or a label a node has), or add nodes of that type",
+                all.join(", ")
+            ));
+        }
+        let fits = matching.iter().any(|n| {
+            let a = n.status.as_ref().and_then(|s| s.allocatable.as_ref());
+            let have = |k: &str, f: fn(&str) -> Option<u64>| {
+                a.and_then(|a| a.get(k)).and_then(|q| f(&q.0)).unwrap_or(0)
+            };
+            have("cpu", millicores) >= want_cpu && have("memory", bytes) >= want_mem
+        });
+        if fits {
+            return None;
+        }
+        Some(format!(
+            "no node can give a pod {cpu} CPU and {memory} memory (nodes: {}); pass a smaller \
+             --cpu and --memory (or --node-selector none), or add larger nodes",
+            all.join(", ")
+        ))
+    }
+
+    /// Deletes what a failed launch applied (newest first) and says so beside its error.
+    async fn roll_back(&self, applied: &[&Value], cause: ApiError) -> ApiError {
+        let mut removed = Vec::new();
+        let mut left = Vec::new();
+        for doc in applied.iter().rev() {
+            let Applied { kind, name } = Applied::of(doc);
+            let Some((resource, namespaced)) = resource_of(doc) else {
+                continue;
+            };
+            match self
+                .api(&resource, namespaced)
+                .delete(&name, &delete_with_pods())
+                .await
+            {
+                Ok(_) => removed.push(format!("{kind} {name}")),
+                Err(e) if is_not_found(&e) => {}
+                Err(_) => left.push(format!("{kind} {name}")),
+            }
+        }
+        let mut undone = Vec::new();
+        if !removed.is_empty() {
+            undone.push(format!(
+                "removed what this launch had applied ({})",
+                removed.join(", ")
+            ));
+        }
+        if !left.is_empty() {
+            undone.push(format!(
+                "could not remove {}: `trainctl job delete` does",
+                left.join(", ")
+            ));
+        }
+        if undone.is_empty() {
+            return cause;
+        }
+        ApiError::RolledBack {
+            cause: Box::new(cause),
+            undone: undone.join("; "),
+        }
     }
 
     /// The job `name` (a Job or a PyTorchJob), or None.
@@ -294,13 +805,50 @@ impl Kube {
     pub async fn status(&self, name: &str) -> Result<JobStatus, ApiError> {
         let mut status = self.require_job(name).await?;
         (status.pods, status.companions) = self.pods_and_companions(name).await?;
+        self.mark_lost_nodes(status.pods.iter_mut().chain(status.companions.iter_mut()))
+            .await;
         status.settle();
         Ok(status)
     }
 
+    /// A pod on a node that is gone or NotReady (its kubelet stopped reporting) still reads
+    /// Running and ready; say that its node is lost, and that its ranks are. Where nodes
+    /// cannot be read (RBAC), pods stay as the API server reports them.
+    async fn mark_lost_nodes(&self, pods: impl Iterator<Item = &mut PodStatus>) {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let mut known: BTreeMap<String, Option<String>> = BTreeMap::new();
+        for pod in pods {
+            let Some(node) = pod.node.clone() else {
+                continue;
+            };
+            if !known.contains_key(&node) {
+                let problem = match nodes.get_opt(&node).await {
+                    Ok(None) => Some(format!("node {node} is gone")),
+                    Ok(Some(n)) => node_problem(&n).map(|p| format!("node {node} {p}")),
+                    Err(_) => None,
+                };
+                known.insert(node.clone(), problem);
+            }
+            if let Some(Some(problem)) = known.get(&node)
+                && pod.phase == "Running"
+            {
+                pod.ready = false;
+                let lost = format!("{problem}: this pod's workers are lost");
+                pod.why = if pod.why.is_empty() {
+                    lost
+                } else {
+                    format!("{lost}; {}", pod.why)
+                };
+                pod.node_lost = true;
+            }
+        }
+    }
+
     /// The pods of job `name`, by node index.
     async fn pods(&self, name: &str) -> Result<Vec<PodStatus>, ApiError> {
-        Ok(self.pods_and_companions(name).await?.0)
+        let mut pods = self.pods_and_companions(name).await?.0;
+        self.mark_lost_nodes(pods.iter_mut()).await;
+        Ok(pods)
     }
 
     /// The pods of job `name` by node index, and the pods of its etcd and TensorBoard.
@@ -342,10 +890,15 @@ impl Kube {
                 if status.phase.is_finished() {
                     return Ok(status);
                 }
+                let mut state = status.phase.to_string();
+                for p in status.pods.iter().filter(|p| !p.why.is_empty()) {
+                    let _ = write!(state, "; {}: {}", p.name, p.why);
+                }
                 return Err(ApiError::WaitTimeout {
                     name: name.into(),
+                    namespace: self.namespace.clone(),
                     after: timeout,
-                    state: status.phase.to_string(),
+                    state,
                 });
             }
             tokio::time::sleep(self.poll).await;
@@ -467,7 +1020,7 @@ impl Kube {
         let node_list = nodes
             .list(&ListParams::default())
             .await
-            .map_err(|e| api_error("list nodes", &self.namespace, e))?;
+            .map_err(|e| api_error("list nodes", CLUSTER, e))?;
         let allocatable: BTreeMap<String, (u64, u64)> = node_list
             .items
             .iter()
@@ -553,10 +1106,34 @@ impl Kube {
             if pods.is_empty() {
                 self.require_job(name).await?;
             }
+            if !pods.is_empty() && !pods.iter().any(PodStatus::has_started) {
+                return Err(ApiError::NoLogsYet {
+                    name: name.into(),
+                    namespace: self.namespace.clone(),
+                    pods: pods
+                        .iter()
+                        .map(|p| match p.why.as_str() {
+                            "" => format!("{} {}", p.name, p.phase.to_lowercase()),
+                            why => format!("{} {}: {why}", p.name, p.phase.to_lowercase()),
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                });
+            }
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
             let mut lines: Vec<(String, usize, String)> = Vec::new();
             for (order, pod) in pods.iter().enumerate() {
                 if !pod.has_started() {
+                    continue;
+                }
+                if pod.node_lost {
+                    // The kubelet that serves its logs is gone: the API server would answer a
+                    // bare 500 "connection refused".
+                    lines.push((
+                        String::new(),
+                        order,
+                        format!("{}(no logs: {})", pod.prefix(), pod.why),
+                    ));
                     continue;
                 }
                 let params = LogParams {
@@ -591,6 +1168,7 @@ impl Kube {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
         let mut streaming: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
         let mut seen_job = false;
+        let mut pending: BTreeMap<String, String> = BTreeMap::new();
         loop {
             let status = match self.find_job(name).await? {
                 Some(s) => s,
@@ -599,7 +1177,20 @@ impl Kube {
             };
             seen_job = true;
             for pod in self.pods(name).await? {
-                if !pod.has_started() || streaming.contains_key(&pod.uid) {
+                if !pod.has_started() {
+                    // Why it waits (unschedulable, pulling its image), once each time it changes.
+                    if !pod.why.is_empty() && pending.get(&pod.uid) != Some(&pod.why) {
+                        out(&format!(
+                            "{}{} pending: {}",
+                            pod.prefix(),
+                            pod.name,
+                            pod.why
+                        ));
+                        pending.insert(pod.uid.clone(), pod.why.clone());
+                    }
+                    continue;
+                }
+                if streaming.contains_key(&pod.uid) {
                     continue;
                 }
                 let api = api.clone();
@@ -841,32 +1432,93 @@ impl JobStatus {
             }
             s.push('\n');
         }
+        if self.kind == "PyTorchJob" && self.conditions.is_empty() && self.pods.is_empty() {
+            // The training operator sets a Created condition at once: none means nothing
+            // reconciles PyTorchJobs here.
+            s.push_str(
+                "  no conditions and no pods: nothing has picked this PyTorchJob up; is the \
+                 Kubeflow training operator running? (`kubectl get pods -A | grep training-operator`)\n",
+            );
+        }
         if self.pods.is_empty() {
             s.push_str("  no pods yet\n");
             if self.companions.is_empty() {
                 return s;
             }
         }
+        // Columns as wide as their longest entry: long pod and node names keep the table.
+        let all = || self.pods.iter().chain(&self.companions);
+        let pod_w = all().map(|p| p.name.len()).max().unwrap_or(0).max(3);
+        let on = |p: &PodStatus| p.node.clone().unwrap_or_else(|| "(unscheduled)".into());
+        let on_w = all().map(|p| on(p).len()).max().unwrap_or(0).max(2);
         let _ = writeln!(
             s,
-            "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} WHY",
-            "POD", "NODE", "PHASE", "READY", "RESTARTS", "ON"
+            "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  WHY",
+            "POD", "INDEX", "PHASE", "READY", "RESTARTS", "ON"
         );
-        for p in self.pods.iter().chain(&self.companions) {
+        for p in all() {
             let _ = writeln!(
                 s,
-                "  {:<32} {:>4} {:<10} {:>5} {:>8}  {:<20} {}",
+                "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  {}",
                 p.name,
                 p.index.map_or("-".into(), |i| i.to_string()),
                 p.phase,
                 if p.ready { "yes" } else { "no" },
                 p.restarts,
-                p.node.as_deref().unwrap_or("(unscheduled)"),
+                on(p),
                 p.why
             );
         }
+        if self.pods.iter().any(|p| p.index.is_some()) {
+            s.push_str(
+                "  (INDEX is the pod's place in the job; the rendezvous gives each round's node \
+                 ranks in join order, which `job logs` shows as \"node rank N of M\")\n",
+            );
+        }
+        for p in self.pods.iter().chain(&self.companions) {
+            if let Some(words) = &p.last_words {
+                let _ = writeln!(s, "  {} failed; its last lines:", p.name);
+                for line in last_lines(words, LAST_WORDS_LINES) {
+                    let _ = writeln!(s, "    {line}");
+                }
+            }
+        }
         s
     }
+}
+
+/// How many of a failed container's last lines `job status` shows.
+const LAST_WORDS_LINES: usize = 10;
+
+/// The last `n` non-empty lines of `text`, without terminal colour codes.
+fn last_lines(text: &str, n: usize) -> Vec<String> {
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| strip_ansi(l).trim_end().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines[lines.len().saturating_sub(n)..].to_vec()
+}
+
+/// `line` without ANSI escape sequences (CSI: ESC [ ... final byte).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn phase_from_conditions(cs: &[Condition], success: &[&str], failure: &[&str]) -> Option<Phase> {
@@ -881,6 +1533,30 @@ fn phase_from_conditions(cs: &[Condition], success: &[&str], failure: &[&str]) -
     } else {
         None
     }
+}
+
+/// What is wrong with `node`, if it is not Ready: "is NotReady (Kubelet stopped posting node
+/// status.)".
+fn node_problem(node: &Node) -> Option<String> {
+    let ready = node
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    if ready.status == "True" {
+        return None;
+    }
+    let state = if ready.status == "Unknown" {
+        "is unreachable"
+    } else {
+        "is NotReady"
+    };
+    Some(match ready.message.as_deref() {
+        Some(m) if !m.is_empty() => format!("{state} ({m})"),
+        _ => state.to_string(),
+    })
 }
 
 /// One pod of a job.
@@ -899,6 +1575,11 @@ pub struct PodStatus {
     /// Why it is not running well: unschedulable and the scheduler's message, a waiting reason
     /// (ImagePullBackOff...), the last termination (OOMKilled, exit code).
     pub why: String,
+    /// A failed container's termination message: what it wrote there, or its last log lines
+    /// (`FallbackToLogsOnError`).
+    pub last_words: Option<String>,
+    /// Its node is gone or not ready: no logs can be read from it.
+    pub node_lost: bool,
 }
 
 impl PodStatus {
@@ -915,6 +1596,7 @@ impl PodStatus {
         let restarts = containers.iter().map(|c| c.restart_count).sum();
         let ready = !containers.is_empty() && containers.iter().all(|c| c.ready);
         let mut why = Vec::new();
+        let mut last_words = None;
         for c in status.conditions.iter().flatten() {
             if c.type_ == "PodScheduled" && c.status == "False" {
                 why.push(format!(
@@ -940,6 +1622,7 @@ impl PodStatus {
                     t.exit_code,
                     t.reason.unwrap_or_else(|| "Error".into())
                 ));
+                last_words = last_words.or(t.message);
             }
             if let Some(t) = c.last_state.as_ref().and_then(|s| s.terminated.as_ref()) {
                 why.push(format!(
@@ -947,6 +1630,7 @@ impl PodStatus {
                     t.exit_code,
                     t.reason.clone().unwrap_or_else(|| "Error".into())
                 ));
+                last_words = last_words.or_else(|| t.message.clone());
             }
         }
         PodStatus {
@@ -959,6 +1643,8 @@ impl PodStatus {
             node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
             ip: status.pod_ip.clone(),
             why: why.join("; "),
+            last_words: last_words.filter(|m: &String| !m.trim().is_empty()),
+            node_lost: false,
         }
     }
 
@@ -968,7 +1654,7 @@ impl PodStatus {
 
     fn prefix(&self) -> String {
         match self.index {
-            Some(i) => format!("[{} node {i}] ", self.name),
+            Some(i) => format!("[{} pod {i}] ", self.name),
             None => format!("[{}] ", self.name),
         }
     }

@@ -63,9 +63,11 @@ pub const ETCD_PORT: u16 = 2379;
 pub const TENSORBOARD_PORT: u16 = 6006;
 /// The user the pods run as (the image's `trainctl` user).
 pub const RUN_AS: i64 = 1000;
-/// Exit codes of `trainctl` that no retry can fix: the job failed past its restarts (1) or the
-/// command line is wrong (2).
-pub const PERMANENT_EXIT_CODES: [i32; 2] = [1, 2];
+/// Exit codes that no retry can fix: `trainctl`'s own (the job failed past its restarts (1),
+/// the command line is wrong (2)) and the shell's for a program that cannot run at all (126: not
+/// executable; 127: not found, or the binary's loader lacks a library). The job fails at once,
+/// instead of retrying to its backoff limit.
+pub const PERMANENT_EXIT_CODES: [i32; 4] = [1, 2, 126, 127];
 /// `trainctl run`'s exit code when SIGTERM stopped it (an eviction, a spot interruption, a
 /// deleted job) and its workers checkpointed the step they were in: 128 + SIGTERM, equal to
 /// `collective::EXIT_PREEMPTED` (a test keeps them equal). Retried without counting.
@@ -408,6 +410,9 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
             ..ResourceRequirements::default()
         }),
         volume_mounts: Some(mounts),
+        // A container that fails without writing its termination message leaves its last log
+        // lines there instead: `job status` and `job wait` show why without `kubectl logs`.
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
         working_dir: (!o.user_program).then(|| "/tmp".into()),
         security_context: Some(restricted(!o.user_program)),
         ..Container::default()
@@ -525,12 +530,13 @@ fn gpu_toleration() -> Toleration {
     }
 }
 
-/// A Job of `completions` pods (Indexed when more than one).
+/// A Job of `completions` pods; `indexed` gives each pod a stable name `NAME-INDEX` (the
+/// training job's, even of one pod: the rendezvous endpoint names pod 0).
 fn job(
     project: &Project,
     name: &str,
     template: PodTemplateSpec,
-    completions: i32,
+    (completions, indexed): (i32, bool),
     backoff_limit: i32,
 ) -> Job {
     let component = template
@@ -543,7 +549,7 @@ fn job(
     Job {
         metadata: meta(project, name, &component),
         spec: Some(JobSpec {
-            completion_mode: (completions > 1).then(|| "Indexed".to_string()),
+            completion_mode: indexed.then(|| "Indexed".to_string()),
             completions: Some(completions),
             parallelism: Some(completions),
             backoff_limit: Some(backoff_limit),
@@ -664,7 +670,7 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
         project,
         &format!("{}-data", project.job.name),
         template,
-        1,
+        (1, false),
         3,
     ))
 }
@@ -698,7 +704,7 @@ pub fn test_job(project: &Project) -> Value {
         project,
         &format!("{}-test", project.job.name),
         template,
-        1,
+        (1, false),
         1,
     ))
 }
@@ -882,7 +888,7 @@ fn indexed_job(project: &Project) -> (Service, Job) {
     // A lost pod is replaced under the same index and rejoins; each node may be lost
     // max_restarts times before Kubernetes gives up on the job.
     let backoff = (j.max_restarts as i32).saturating_mul(pods).max(1);
-    let mut job = job(project, &j.name, template, pods, backoff);
+    let mut job = job(project, &j.name, template, (pods, true), backoff);
     queue_label(project, &mut job.metadata);
     (service, job)
 }
@@ -1236,7 +1242,8 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
     let service = headless_service(project, &name, "doctor", j.rdzv_port);
     vec![
         object(&service),
-        object(&job(project, &name, template, pods as i32, 0)),
+        // Indexed whatever the count: the peers are named NAME-INDEX.NAME.
+        object(&job(project, &name, template, (pods as i32, true), 0)),
     ]
 }
 

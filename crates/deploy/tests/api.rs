@@ -47,6 +47,23 @@ fn ok(body: Value) -> (StatusCode, String) {
     (StatusCode::OK, body.to_string())
 }
 
+/// A node whose Ready condition has `status` ("True", "False", "Unknown").
+fn node(name: &str, ready: &str, message: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": { "name": name },
+        "status": { "conditions": [{ "type": "Ready", "status": ready, "message": message }] },
+    })
+}
+
+/// `/version` of a server of version `major.minor`.
+fn version_info(major: &str, minor: &str) -> (StatusCode, String) {
+    ok(json!({
+        "major": major, "minor": minor, "gitVersion": format!("v{major}.{minor}.2"),
+        "gitCommit": "abc", "gitTreeState": "clean", "buildDate": "2026-10-01T00:00:00Z",
+        "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64",
+    }))
+}
+
 /// The API server's answer to a delete that was accepted.
 fn deleted() -> (StatusCode, String) {
     ok(json!({ "kind": "Status", "apiVersion": "v1", "status": "Success", "metadata": {} }))
@@ -99,6 +116,19 @@ impl MockApi {
                             let i = route.served.min(route.answers.len() - 1);
                             route.served += 1;
                             route.answers[i].clone()
+                        }
+                        // What every real API server answers, unless a test says otherwise.
+                        None if method == Method::GET && path == "/version" => {
+                            version_info("1", "36")
+                        }
+                        None if method == Method::GET && path == "/api/v1/namespaces/default" => {
+                            ok(json!({
+                                "apiVersion": "v1", "kind": "Namespace",
+                                "metadata": { "name": "default" },
+                            }))
+                        }
+                        None if method == Method::GET && path.starts_with("/api/v1/nodes/") => {
+                            ok(node(&path["/api/v1/nodes/".len()..], "True", ""))
                         }
                         None => not_found(&path),
                     }
@@ -256,6 +286,110 @@ async fn status_of_a_restarting_pod() {
     assert!(text.contains("ip-10-0-1-2"), "{text}");
 }
 
+/// A node whose kubelet stopped (NotReady, or Unknown once the node controller notices) leaves
+/// its pods Running and ready in the API: status says the node is lost and its pod's workers
+/// with it, and logs say so instead of the API server's bare 500.
+#[tokio::test]
+async fn a_pod_on_a_lost_node_is_named_in_status_and_logs() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 2 })));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(
+                    0,
+                    "Running",
+                    Some("n1"),
+                    json!({ "containerStatuses": [running_container(0)] }),
+                ),
+                pod(
+                    1,
+                    "Running",
+                    Some("n2"),
+                    json!({ "containerStatuses": [running_container(0)] }),
+                ),
+            ],
+        ),
+    );
+    api.get(
+        "/api/v1/nodes/n2",
+        node("n2", "Unknown", "Kubelet stopped posting node status."),
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
+        vec![(
+            StatusCode::OK,
+            "2026-11-21T10:00:01.000000000Z step 1\n".into(),
+        )],
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-1-abcde/log",
+        vec![status(
+            500,
+            "InternalError",
+            "dial tcp 10.0.0.2:10250: connect: connection refused",
+        )],
+    );
+    let kube = api.kube();
+    let status = kube.status("cifar10").await.unwrap();
+    assert!(status.pods[0].ready);
+    assert!(!status.pods[1].ready);
+    let text = status.render();
+    assert!(
+        text.contains("node n2 is unreachable (Kubelet stopped posting node status.): this pod's workers are lost"),
+        "{text}"
+    );
+    let mut lines = Vec::new();
+    kube.logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+        .await
+        .unwrap();
+    assert!(
+        lines.iter().any(|l| l == "[cifar10-0-abcde pod 0] step 1"),
+        "{lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("[cifar10-1-abcde pod 1] (no logs: node n2 is unreachable")),
+        "{lines:?}"
+    );
+}
+
+/// `job logs` while every pod is still pending says so, and why, instead of printing nothing.
+#[tokio::test]
+async fn logs_of_a_job_whose_pods_have_not_started_say_why() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 1 })));
+    let unschedulable = json!({
+        "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector.",
+        }],
+    });
+    api.get(
+        PODS,
+        list("PodList", vec![pod(0, "Pending", None, unschedulable)]),
+    );
+    let e = api
+        .kube()
+        .logs("cifar10", false, &mut |_: &str| {})
+        .await
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("no pod of job cifar10 has started yet"),
+        "{text}"
+    );
+    assert!(
+        text.contains("didn't match Pod's node affinity/selector"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn a_failed_job_says_why_and_wait_returns_it() {
     let api = MockApi::default();
@@ -307,6 +441,69 @@ async fn a_failed_job_says_why_and_wait_returns_it() {
     assert!(polls >= 3, "{polls}");
 }
 
+/// A binary that cannot start (its loader lacks a library: exit 127) fails the job at once by
+/// the FailJob rule; `status` and `wait` show the container's last lines (its termination
+/// message, from `FallbackToLogsOnError`), colour codes stripped.
+#[tokio::test]
+async fn a_container_that_cannot_start_shows_its_last_lines() {
+    let api = MockApi::default();
+    api.get(
+        JOB,
+        job(json!({
+            "failed": 1,
+            "conditions": [{
+                "type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+                "message": "Container trainctl for pod default/cifar10-0-abcde failed with exit code 127 matching FailJob rule at index 2",
+            }],
+        })),
+    );
+    let mut terminated = running_container(0);
+    terminated["ready"] = json!(false);
+    let lines: Vec<String> = (0..30).map(|i| format!("line {i}")).collect();
+    let message = format!(
+        "{}\n\u{1b}[31m/opt/trainctl/trainctl: error while loading shared libraries: libgcc_s.so.1: cannot open shared object file: No such file or directory\u{1b}[0m\n",
+        lines.join("\n")
+    );
+    terminated["state"] =
+        json!({ "terminated": { "exitCode": 127, "reason": "Error", "message": message } });
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![pod(
+                0,
+                "Failed",
+                Some("n1"),
+                json!({ "containerStatuses": [terminated] }),
+            )],
+        ),
+    );
+    let status = api
+        .kube()
+        .wait("cifar10", Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(status.phase, Phase::Failed);
+    let text = status.render();
+    assert!(text.contains("exited 127 (Error)"), "{text}");
+    assert!(
+        text.contains("cifar10-0-abcde failed; its last lines:"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "    /opt/trainctl/trainctl: error while loading shared libraries: libgcc_s.so.1"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains('\u{1b}'), "{text}");
+    // The last ten lines only: the first screen, not the whole log.
+    assert!(
+        text.contains("line 29") && !text.contains("line 20\n"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn wait_gives_up_at_its_deadline() {
     let api = MockApi::default();
@@ -340,6 +537,31 @@ async fn a_pytorchjob_is_found_when_there_is_no_job() {
     let status = api.kube().status("cifar10").await.unwrap();
     assert_eq!(status.kind, "PyTorchJob");
     assert_eq!(status.phase, Phase::Succeeded);
+    assert!(!status.render().contains("nothing has picked"));
+}
+
+/// A PyTorchJob that no operator reconciles has no condition at all: say so rather than
+/// "pending" forever.
+#[tokio::test]
+async fn a_pytorchjob_nobody_reconciles_says_so() {
+    let api = MockApi::default();
+    api.get(
+        PYTORCHJOB,
+        json!({
+            "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+            "metadata": { "name": "cifar10", "namespace": "default" },
+            "spec": {},
+        }),
+    );
+    api.get(PODS, list("PodList", vec![]));
+    let text = api.kube().status("cifar10").await.unwrap().render();
+    assert!(text.contains("PyTorchJob cifar10: pending"), "{text}");
+    assert!(
+        text.contains(
+            "nothing has picked this PyTorchJob up; is the Kubeflow training operator running?"
+        ),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -489,17 +711,43 @@ async fn launch_applies_each_object_server_side() {
             "Job" => JOB,
             k => panic!("{k}"),
         };
-        api.on(Method::PATCH, path, vec![ok(doc.clone())]);
+        let mut stored = doc.clone();
+        stored["metadata"]["uid"] = json!(format!("uid-{}", doc["kind"].as_str().unwrap()));
+        api.on(Method::PATCH, path, vec![ok(stored)]);
     }
     let applied = api.kube().launch("cifar10", &docs).await.unwrap();
     let kinds: Vec<&str> = applied.iter().map(|a| a.kind.as_str()).collect();
     assert_eq!(kinds, ["Secret", "Service", "Job"]);
-    let patches: Vec<String> = api
-        .requests()
+    let requests = api.requests();
+    // The cluster is asked what the job needs before anything is written.
+    let first_patch = requests
+        .iter()
+        .position(|r| r.starts_with("PATCH"))
+        .unwrap();
+    assert!(
+        requests[..first_patch].iter().any(|r| r == "GET /version")
+            && requests[..first_patch]
+                .iter()
+                .any(|r| r == "GET /api/v1/namespaces/default"),
+        "{requests:?}"
+    );
+    let patches: Vec<String> = requests
         .into_iter()
         .filter(|r| r.starts_with("PATCH"))
         .collect();
-    assert_eq!(patches.len(), 3);
+    // The three objects, then the Secret and the Service again, owned by the Job: the garbage
+    // collector removes them with it (and with its TTL).
+    assert_eq!(patches.len(), 5, "{patches:?}");
+    let bodies = api.bodies.lock().unwrap().clone();
+    for owned in &bodies[3..] {
+        assert_eq!(
+            owned["metadata"]["ownerReferences"],
+            json!([{ "apiVersion": "batch/v1", "kind": "Job", "name": "cifar10", "uid": "uid-Job" }]),
+            "{owned}"
+        );
+    }
+    assert_eq!(bodies[3]["kind"], "Secret");
+    assert_eq!(bodies[4]["kind"], "Service");
     for p in &patches {
         assert!(
             p.contains("fieldManager=trainctl") && p.contains("force=true"),
@@ -507,8 +755,77 @@ async fn launch_applies_each_object_server_side() {
         );
     }
     // The bodies sent are the rendered objects.
-    let bodies = api.bodies.lock().unwrap().clone();
-    assert_eq!(bodies.last().unwrap()["spec"]["completionMode"], "Indexed");
+    assert_eq!(bodies[2]["spec"]["completionMode"], "Indexed");
+}
+
+/// A server too old for the Job's fields, or a namespace that does not exist, is said before
+/// anything is written.
+#[tokio::test]
+async fn launch_checks_the_server_and_the_namespace_first() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::training_job(&p, "T");
+    let api = MockApi::default();
+    api.on(Method::GET, "/version", vec![version_info("1", "25+")]);
+    let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    assert!(matches!(e, ApiError::TooOld { .. }), "{e}");
+    assert!(
+        e.to_string().contains("Kubernetes v1.25+.2") && e.to_string().contains("needs 1.26"),
+        "{e}"
+    );
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
+
+    let api = MockApi::default();
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default",
+        vec![not_found("namespaces \"default\"")],
+    );
+    let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "namespace default does not exist: create it (`kubectl create namespace default`) or \
+         pass another --namespace"
+    );
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
+}
+
+/// A launch refused half-way (here the Job, by the API server's validation) removes what it
+/// had applied: no token or Service is left behind for `job status` to call "no job".
+#[tokio::test]
+async fn a_launch_refused_half_way_removes_what_it_applied() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::training_job(&p, "T");
+    let secret = "/api/v1/namespaces/default/secrets/cifar10-token";
+    let service = "/api/v1/namespaces/default/services/cifar10";
+    api.on(Method::PATCH, secret, vec![ok(docs[0].clone())]);
+    api.on(Method::PATCH, service, vec![ok(docs[1].clone())]);
+    api.on(
+        Method::PATCH,
+        JOB,
+        vec![status(
+            422,
+            "Invalid",
+            "Job.batch \"cifar10\" is invalid: spec.podFailurePolicy: Forbidden",
+        )],
+    );
+    api.on(Method::DELETE, secret, vec![deleted()]);
+    api.on(Method::DELETE, service, vec![deleted()]);
+    let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("answered 422 Invalid"), "{text}");
+    assert!(
+        text.ends_with(
+            "removed what this launch had applied (Service cifar10, Secret cifar10-token)"
+        ),
+        "{text}"
+    );
+    let deletes: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("DELETE"))
+        .collect();
+    assert_eq!(deletes.len(), 2, "{deletes:?}");
 }
 
 #[tokio::test]
@@ -542,8 +859,10 @@ async fn launching_a_pytorchjob_without_the_operator_says_install_it() {
         "/api/v1/namespaces/default/secrets/cifar10-token",
         vec![ok(docs[0].clone())],
     );
-    // The CRD is missing: the API server answers 404 for the whole resource path.
+    // The CRD is missing: the API server answers 404 for the group's discovery and the whole
+    // resource path. Nothing is written (the token Secret was, before the check came first).
     let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
     let text = e.to_string();
     assert!(
         text.starts_with("the cluster does not serve kubeflow.org/v1 PyTorchJob"),
@@ -654,9 +973,9 @@ async fn logs_are_merged_in_time_order_with_pod_and_node() {
     assert_eq!(
         lines,
         [
-            "[cifar10-0-abcde node 0] epoch 1 step 10",
-            "[cifar10-1-abcde node 1] joined round 1",
-            "[cifar10-0-abcde node 0] epoch 1 step 20",
+            "[cifar10-0-abcde pod 0] epoch 1 step 10",
+            "[cifar10-1-abcde pod 1] joined round 1",
+            "[cifar10-0-abcde pod 0] epoch 1 step 20",
         ]
     );
     assert!(
@@ -700,8 +1019,8 @@ async fn follow_streams_until_the_job_has_finished() {
     assert_eq!(
         lines,
         [
-            "[cifar10-0-abcde node 0] training",
-            "[cifar10-0-abcde node 0] done"
+            "[cifar10-0-abcde pod 0] training",
+            "[cifar10-0-abcde pod 0] done"
         ]
     );
     let streams = api
@@ -815,11 +1134,13 @@ async fn status_shows_the_jobs_etcd_beside_its_pods() {
         Phase::Pending,
         "the etcd runs, no worker does"
     );
-    let mut lines = Vec::new();
-    api.kube()
-        .logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+    // No worker has started: logs say so (the etcd's pod is not one of the job's).
+    let e = api
+        .kube()
+        .logs("cifar10", false, &mut |_: &str| {})
         .await
-        .unwrap();
+        .unwrap_err();
+    assert!(matches!(e, ApiError::NoLogsYet { .. }), "{e}");
     assert!(
         !api.requests().iter().any(|r| r.contains("cifar10-etcd")),
         "{:?}",
@@ -921,4 +1242,176 @@ async fn tensorboard_is_applied_and_deleted_by_its_component() {
         "{:?}",
         api.requests()
     );
+}
+
+/// `storage` with a volume already bound to a claim in another namespace: a new claim here
+/// could never bind it. Said before anything is written.
+#[tokio::test]
+async fn storage_bound_in_another_namespace_is_refused() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::storage(&p).unwrap();
+    api.get(
+        "/api/v1/persistentvolumes/trainctl-data",
+        json!({
+            "apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": { "name": "trainctl-data" },
+            "spec": { "claimRef": { "namespace": "ml", "name": "trainctl-data" } },
+        }),
+    );
+    let e = api.kube().apply_storage(&docs).await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with(
+            "PersistentVolume trainctl-data is bound to claim trainctl-data in namespace ml, so a \
+             claim in namespace default could never bind it: use --namespace ml"
+        ),
+        "{text}"
+    );
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
+}
+
+/// `storage --efs` after `--host-path`: the volume's source is immutable. Every object is tried
+/// with a server-side dry run first, so the refusal leaves no stray StorageClass, and the error
+/// says what to delete.
+#[tokio::test]
+async fn a_storage_change_that_cannot_apply_writes_nothing() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::storage(&p).unwrap();
+    let class = format!(
+        "/apis/storage.k8s.io/v1/storageclasses/{}",
+        docs[0]["metadata"]["name"].as_str().unwrap()
+    );
+    api.on(Method::PATCH, &class, vec![ok(docs[0].clone())]);
+    api.on(
+        Method::PATCH,
+        "/api/v1/persistentvolumes/trainctl-data",
+        vec![status(
+            422,
+            "Invalid",
+            "PersistentVolume \"trainctl-data\" is invalid: spec.persistentvolumesource: Forbidden: spec.persistentvolumesource is immutable after creation",
+        )],
+    );
+    let e = api.kube().apply_storage(&docs).await.unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("PersistentVolume trainctl-data exists with other settings that cannot be changed in place"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "kubectl delete pvc trainctl-data -n default && kubectl delete pv trainctl-data"
+        ),
+        "{text}"
+    );
+    let patches: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.starts_with("PATCH"))
+        .collect();
+    assert_eq!(patches.len(), 2, "{patches:?}");
+    assert!(
+        patches.iter().all(|r| r.contains("dryRun=All")),
+        "{patches:?}"
+    );
+}
+
+/// `KUBECONFIG=/missing:/real`: the missing file is skipped, as kubectl skips it. A port where
+/// nothing listens reads as that, with the whole chain of causes, not a bare "client error
+/// (Connect)".
+#[tokio::test]
+async fn kubeconfig_skips_missing_files_and_a_closed_port_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let real = dir.path().join("config");
+    std::fs::write(
+        &real,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: \
+             http://127.0.0.1:{port}\ncontexts:\n- name: x\n  context:\n    cluster: c\n    \
+             user: u\ncurrent-context: x\nusers:\n- name: u\n  user:\n    token: abc\n"
+        ),
+    )
+    .unwrap();
+    let value = format!(
+        "{}:{}",
+        dir.path().join("missing").display(),
+        real.display()
+    );
+    let kube = Kube::connect("default", Some(std::ffi::OsStr::new(&value)))
+        .await
+        .unwrap();
+    let e = kube.status("cifar10").await.unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, ApiError::Unreachable(_)), "{text}");
+    assert!(
+        text.contains("nothing listens at the API server's address"),
+        "{text}"
+    );
+    assert!(text.contains("Connection refused"), "{text}");
+}
+
+/// 401 says the credentials are refused and how to refresh them; a 403 on a cluster-scoped
+/// object names the cluster scope, not a namespace; a 404 for the namespace itself names it.
+#[tokio::test]
+async fn unauthorized_forbidden_and_missing_namespace_say_what_to_do() {
+    let api = MockApi::default();
+    api.on(
+        Method::GET,
+        JOB,
+        vec![status(401, "Unauthorized", "Unauthorized")],
+    );
+    let e = api.kube().status("cifar10").await.unwrap_err().to_string();
+    assert!(
+        e.contains("the cluster does not accept your credentials")
+            && e.contains("aws eks update-kubeconfig"),
+        "{e}"
+    );
+
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1")]);
+    let docs = manifests::storage(&p).unwrap();
+    api.on(
+        Method::GET,
+        "/api/v1/persistentvolumes/trainctl-data",
+        vec![status(
+            403,
+            "Forbidden",
+            "persistentvolumes \"trainctl-data\" is forbidden: User \"dev\" cannot get resource \"persistentvolumes\" in API group \"\" at the cluster scope",
+        )],
+    );
+    let e = api
+        .kube()
+        .apply_storage(&docs)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.ends_with("needs RBAC permission for this at the cluster scope (a ClusterRole)"),
+        "{e}"
+    );
+    assert!(!e.contains("in namespace"), "{e}");
+
+    let api = MockApi::default();
+    let secret = manifests::training_job(&p, "T").remove(0);
+    api.on(
+        Method::PATCH,
+        "/api/v1/namespaces/default/secrets/cifar10-token",
+        vec![(
+            StatusCode::NOT_FOUND,
+            json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": "namespaces \"default\" not found", "reason": "NotFound",
+                "details": { "name": "default", "kind": "namespaces" }, "code": 404,
+            })
+            .to_string(),
+        )],
+    );
+    let e = api.kube().apply(&[secret]).await.unwrap_err();
+    assert!(matches!(e, ApiError::NoNamespace { .. }), "{e}");
 }

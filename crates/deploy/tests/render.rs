@@ -175,6 +175,33 @@ fn odcr_subnet_and_zone_match_the_reservation() {
     assert_eq!(doc["iam"]["withOIDC"], true);
 }
 
+/// One zone for a new VPC (a reservation's zone, as `--az us-east-2b` says it): the control
+/// plane gets a second zone, the workers stay in the one given.
+#[test]
+fn one_zone_for_a_new_vpc_keeps_the_workers_there() {
+    for (preset, zone, extra) in [
+        ("p4de-odcr", "us-east-2b", "us-east-2a"),
+        ("cpu", "us-west-2a", "us-west-2b"),
+    ] {
+        let mut flags = vec![
+            ("cluster.preset", preset),
+            ("cluster.availability_zones", zone),
+        ];
+        if preset == "p4de-odcr" {
+            flags.push(("cluster.region", "us-east-2"));
+            flags.push(("cluster.capacity_reservation_id", "cr-0123456789abcdef0"));
+        }
+        let doc = eksctl::cluster_config(&project(&flags)).unwrap_or_else(|e| panic!("{e}"));
+        assert_valid(eksctl_validator(), &doc, preset);
+        assert_eq!(doc["availabilityZones"], serde_json::json!([zone, extra]));
+        assert_eq!(
+            doc["managedNodeGroups"][1]["availabilityZones"],
+            serde_json::json!([zone]),
+            "{preset}"
+        );
+    }
+}
+
 #[test]
 fn presets_render_without_zones_in_the_regions_first_ones() {
     for preset in ["cpu", "g4dn", "p5"] {
@@ -215,8 +242,6 @@ fn impossible_clusters_are_refused_with_what_to_do() {
         ("cluster.private_subnets", "subnet-1,subnet-2"),
     ]);
     assert!(e.contains("EFA, which needs one availability zone"), "{e}");
-    let e = refuse(&[("cluster.availability_zones", "us-west-2a")]);
-    assert!(e.contains("--az us-west-2a,us-west-2b"), "{e}");
     let e = refuse(&[("cluster.availability_zones", "eu-west-1a,eu-west-1b")]);
     assert!(e.contains("not in region us-west-2"), "{e}");
     let e = refuse(&[
@@ -304,6 +329,57 @@ fn indexed_training_job() {
             .any(|v| v["persistentVolumeClaim"]["claimName"] == "trainctl-data")
     );
     assert!(job["spec"]["ttlSecondsAfterFinished"].as_i64().unwrap() > 0);
+}
+
+/// A job of one node is still Indexed: its pod is NAME-0 in the Service's subdomain, so the
+/// rendezvous endpoint (and the doctor's peer) resolves, as it did not when a one-pod Job got a
+/// random pod name.
+#[test]
+fn a_one_node_job_names_its_pod_like_the_endpoint() {
+    let p = project(&[("storage.efs", "fs-1"), ("job.nnodes", "1")]);
+    let docs = manifests::training_job(&p, "TOKEN");
+    let job = docs.last().unwrap();
+    assert_eq!(job["spec"]["completionMode"], "Indexed");
+    assert_eq!(job["spec"]["completions"], 1);
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["subdomain"], "cifar10");
+    let args = pod["containers"][0]["args"].to_string();
+    assert!(
+        args.contains(r#""--rdzv-endpoint","cifar10-0.cifar10:29400""#),
+        "{args}"
+    );
+    let doctor = manifests::doctor_job(&p);
+    assert_eq!(doctor[1]["spec"]["completionMode"], "Indexed");
+    assert_eq!(
+        doctor[1]["spec"]["template"]["spec"]["subdomain"],
+        "cifar10-doctor"
+    );
+}
+
+/// What cannot get better on a retry fails the job at once: trainctl's own permanent codes and
+/// a program that cannot run (126, 127: a missing binary or library); every container leaves
+/// its last log lines as its termination message when it fails without writing one.
+#[test]
+fn permanent_exit_codes_fail_the_job_and_failures_keep_their_last_lines() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let mut jobs = manifests::training_job(&p, "TOKEN");
+    jobs.push(manifests::data_job(&p, None));
+    jobs.push(manifests::test_job(&p));
+    jobs.extend(manifests::doctor_job(&p));
+    for job in jobs.iter().filter(|d| d["kind"] == "Job") {
+        let rules = job["spec"]["podFailurePolicy"]["rules"].as_array().unwrap();
+        let fail = rules.iter().find(|r| r["action"] == "FailJob").unwrap();
+        let codes = &fail["onExitCodes"]["values"];
+        for code in [1, 2, 126, 127] {
+            assert!(codes.as_array().unwrap().contains(&code.into()), "{codes}");
+        }
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            container["terminationMessagePolicy"], "FallbackToLogsOnError",
+            "{}",
+            job["metadata"]["name"]
+        );
+    }
 }
 
 /// The pods serve `trainctl run --metrics-port` and say so to Prometheus; `--metrics-port 0`

@@ -108,10 +108,17 @@ fn run_rounds(
                         .iter()
                         .any(|code| failure.exit == ExitKind::Code(*code));
                     match rdzv.worker_failed(counted, &report, spec.max_restarts) {
-                        // Without the store no round can follow: this failure is the report.
+                        // The store is gone, most likely with the node that hosted it (a c10d
+                        // store dies with its agent; its workers' deaths are what failed ours).
+                        // Join again: joining waits, up to the join timeout, for a store at the
+                        // same address, which the host's replacement (a new pod 0) starts afresh.
                         Err(e) => {
-                            events(LaunchEvent::StoreUnreachable(e.to_string()));
-                            return Ok(Outcome::Failed(failure));
+                            events(LaunchEvent::StoreLost {
+                                error: e.to_string(),
+                                failure,
+                                wait: rdzv.config().join_timeout,
+                            });
+                            break;
                         }
                         Ok(None) => {
                             events(LaunchEvent::Restarting {

@@ -81,6 +81,13 @@ pub enum LaunchEvent {
     JobAlreadyOver,
     /// The rendezvous store cannot be reached; the workers go on.
     StoreUnreachable(String),
+    /// A worker failed and the store cannot record it: the agent joins again, waiting up to
+    /// `wait` for a store at the endpoint (a replacement of the node that hosted it).
+    StoreLost {
+        error: String,
+        failure: Failure,
+        wait: std::time::Duration,
+    },
     StoreBack,
 }
 

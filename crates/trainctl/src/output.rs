@@ -330,7 +330,7 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             tracing::info!(node, "joining the rendezvous");
         }
         LaunchEvent::Joined(a) => err(format_args!(
-            "trainctl run: round {}: node {} of {}, first rank {}, world size {}, restart count {}, store at {}:{}",
+            "trainctl run: round {}: node rank {} of {}, first rank {}, world size {}, restart count {}, store at {}:{}",
             a.round,
             a.node_rank,
             a.nnodes,
@@ -348,6 +348,20 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         )),
         LaunchEvent::StoreUnreachable(e) => warn(&format!(
             "rendezvous store unreachable ({e}); the workers go on, membership changes wait for it"
+        )),
+        LaunchEvent::StoreLost {
+            error,
+            failure,
+            wait,
+        } => warn(&format!(
+            "rendezvous store lost ({error}) after rank {} (pid {}) stopped with {}: \
+             the node that hosted the store is probably gone; waiting up to {} s for a store at \
+             the same endpoint (its replacement starts a fresh one), then the workers start again \
+             from the last checkpoint",
+            failure.rank,
+            failure.pid,
+            failure.exit,
+            wait.as_secs()
         )),
         LaunchEvent::StoreBack => err(format_args!(
             "trainctl run: rendezvous store reachable again"

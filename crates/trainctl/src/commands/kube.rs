@@ -12,6 +12,7 @@ use deploy::{doctor, eksctl, manifests};
 use serde_json::Value;
 
 use super::project::ProjectArgs;
+use crate::output;
 
 #[derive(clap::Subcommand)]
 pub enum ConfigCommand {
@@ -136,6 +137,10 @@ pub struct StorageArgs {
     /// Print the objects instead of creating them.
     #[arg(long)]
     dry_run: bool,
+    /// Remove the claim, the volume and the class instead (the data stays on the file system:
+    /// the volume's reclaim policy is Retain). Stop the jobs that use it first.
+    #[arg(long, conflicts_with = "dry_run")]
+    delete: bool,
 }
 
 #[derive(clap::Args)]
@@ -223,7 +228,24 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
 }
 
 async fn connect(project: &Project) -> anyhow::Result<Kube> {
-    Ok(Kube::connect(&project.namespace).await?)
+    Ok(Kube::connect(&project.namespace, kubeconfig().as_deref()).await?)
+}
+
+/// KUBECONFIG, read here as kubectl reads it (the client skips the files it names that do not
+/// exist); the Kubernetes client's own variable, not one of trainctl's settings.
+#[allow(clippy::disallowed_methods)]
+fn kubeconfig() -> Option<std::ffi::OsString> {
+    std::env::var_os("KUBECONFIG")
+}
+
+/// ` --namespace NS` when the project is not in the default namespace: hints that name a job
+/// must name where it is.
+fn at_namespace(project: &Project) -> String {
+    if project.namespace == "default" {
+        String::new()
+    } else {
+        format!(" --namespace {}", project.namespace)
+    }
 }
 
 fn print_yaml(docs: &[Value]) {
@@ -385,21 +407,56 @@ pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
         print_yaml(&docs);
         return Ok(0);
     }
-    runtime()?.block_on(async { apply_and_report(&connect(&project).await?, &docs).await })?;
+    runtime()?.block_on(async {
+        let kube = connect(&project).await?;
+        if args.delete {
+            let deleted = kube.delete_storage(&docs).await?;
+            if deleted.is_empty() {
+                println!("no storage {} to delete", project.storage.claim);
+            }
+            for d in deleted {
+                println!("deleted {} {}", d.kind, d.name);
+            }
+        } else {
+            for a in kube.apply_storage(&docs).await? {
+                println!("applied {} {}", a.kind, a.name);
+            }
+        }
+        anyhow::Ok(())
+    })?;
     Ok(0)
 }
 
-/// Starts helper job `name` (data, test, doctor): a finished one from before is replaced, a
-/// running one is waited for instead of starting another.
-async fn start_or_attach(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result<()> {
-    if kube.clear_finished(name).await? {
-        for a in kube.launch(name, docs).await? {
-            eprintln!("applied {} {}", a.kind, a.name);
-        }
-    } else {
-        eprintln!("job {name} is already running; waiting for it");
+/// Starts helper job `name` (data, test, doctor): a finished one from before is replaced; a
+/// running one is refused, named, rather than silently waited for in place of this request.
+async fn start_helper(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result<()> {
+    if !kube.clear_finished(name).await? {
+        let ns = kube.namespace();
+        anyhow::bail!(
+            "job {name} is still running from an earlier request in namespace {ns}; wait for it \
+             (`trainctl job wait --name {name} --namespace {ns}`) or remove it (`kubectl delete \
+             job {name} -n {ns}`), then run this again"
+        );
+    }
+    for a in kube.launch(name, docs).await? {
+        eprintln!("applied {} {}", a.kind, a.name);
     }
     Ok(())
+}
+
+/// Says up front when no node can take the training-sized pods (a selector no node has, more
+/// CPU or memory than any node has), as the scheduler would only say per pod.
+async fn warn_if_no_node_fits(kube: &Kube, project: &Project) {
+    let j = &project.job;
+    if let Some(why) = kube
+        .no_node_fits(j.node_selector.as_ref(), &j.cpu, &j.memory)
+        .await
+    {
+        output::warn(&format!(
+            "the pods may never be scheduled: {why} (a cluster that adds nodes on demand can \
+             still schedule them)"
+        ));
+    }
 }
 
 /// Launches a one-pod helper job (data, test), waits for it and prints its logs.
@@ -410,7 +467,7 @@ fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Resul
         .to_string();
     runtime()?.block_on(async {
         let kube = connect(project).await?;
-        start_or_attach(&kube, &name, std::slice::from_ref(&doc)).await?;
+        start_helper(&kube, &name, std::slice::from_ref(&doc)).await?;
         // Its output as it comes (a download's progress), until it has finished.
         let mut print = |line: &str| println!("{line}");
         let follow = kube.logs(&name, true, &mut print);
@@ -470,11 +527,13 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             let name = project.job.name.clone();
             runtime()?.block_on(async {
                 let kube = connect(&project).await?;
+                warn_if_no_node_fits(&kube, &project).await;
                 for a in kube.launch(&name, &docs).await? {
                     println!("applied {} {}", a.kind, a.name);
                 }
+                let at = at_namespace(&project);
                 println!(
-                    "next: trainctl job status --name {name}; trainctl job logs --name {name} --follow"
+                    "next: trainctl job status --name {name}{at}; trainctl job logs --name {name}{at} --follow"
                 );
                 Ok(0)
             })
@@ -594,12 +653,16 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
     runtime()?.block_on(async {
         let kube = connect(&project).await?;
         let selector = manifests::component_selector(&project.job.name, "doctor");
-        start_or_attach(&kube, &name, &docs).await?;
-        let status = kube.wait(&name, timeout).await?;
-        kube.logs(&name, false, &mut |line: &str| println!("{line}"))
-            .await?;
-        // The doctor's objects go; its findings are printed above.
+        warn_if_no_node_fits(&kube, &project).await;
+        start_helper(&kube, &name, &docs).await?;
+        let waited = kube.wait(&name, timeout).await;
+        if waited.is_ok() {
+            kube.logs(&name, false, &mut |line: &str| println!("{line}"))
+                .await?;
+        }
+        // The doctor's objects go, whatever happened; its findings are printed above.
         kube.delete_matching(&selector).await?;
+        let status = waited?;
         if status.phase == Phase::Succeeded {
             println!("doctor: every check passed on every node");
             Ok(0)

@@ -330,6 +330,32 @@ fn c10d_worker_killed_restarts_until_max_restarts() {
     worker_killed(Store::C10d, "c10d-worker");
 }
 
+/// The c10d store lives in the agent of host 1 (pod 0 on Kubernetes). Killing that agent takes
+/// the store with it; the other agent waits for a store at the same endpoint instead of failing
+/// the job, the host's replacement starts a fresh one, and training resumes from the checkpoint
+/// and finishes with every sample trained exactly once.
+#[test]
+fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
+    let Some(mut c) = Cluster::new(Store::C10d, "c10d-store-lost") else {
+        return;
+    };
+    let host = c.start(1, 0);
+    let survivor = c.start(2, 0);
+    c.wait_for_step(2);
+    c.kill(host);
+    c.agents[survivor].wait_for_line(JOB_TIMEOUT, |l| {
+        l.contains("rendezvous store lost") && l.contains("waiting up to")
+    });
+    let replacement = c.start(1, 0);
+    let outputs = vec![c.succeeds(survivor), c.succeeds(replacement)];
+    c.verify_finished(&outputs, 2);
+    assert!(
+        outputs[1].contains("resum"),
+        "the replacement resumes from the checkpoint:\n{}",
+        outputs[1]
+    );
+}
+
 #[test]
 fn etcd_agent_killed_mid_epoch_the_others_finish() {
     agent_lost(Store::Etcd, "etcd-kill", false);
