@@ -1,0 +1,459 @@
+//! Applying the rendered objects and watching jobs, through the Kubernetes API (kube-rs).
+//!
+//! Every call goes through one [`kube::Client`], so the tests give it a mock service (kube-rs's
+//! tower-test pattern) and the CLI one made from KUBECONFIG or the pod's service account.
+//! API errors become [`ApiError`]s that say what to do: a missing CRD names the operator to
+//! install, a missing metrics API names metrics-server, a refused request names the permission.
+
+mod error;
+mod launch;
+mod logs;
+mod status;
+mod top;
+
+pub use error::ApiError;
+pub use launch::MIN_KUBERNETES_MINOR;
+pub use status::{Condition, JobStatus, Phase, PodStatus};
+pub use top::{Top, Usage, bytes, millicores};
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PropagationPolicy,
+};
+use serde_json::Value;
+
+use error::{CLUSTER, api_error, is_not_found};
+use status::node_problem;
+
+use crate::manifests;
+
+/// The training operator release whose CRD the PyTorchJobs are validated against.
+pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
+
+/// The kinds trainctl renders: group, version, kind, plural, namespaced.
+const KINDS: &[(&str, &str, &str, &str, bool)] = &[
+    ("", "v1", "Secret", "secrets", true),
+    ("", "v1", "Service", "services", true),
+    ("", "v1", "PersistentVolume", "persistentvolumes", false),
+    (
+        "",
+        "v1",
+        "PersistentVolumeClaim",
+        "persistentvolumeclaims",
+        true,
+    ),
+    (
+        "storage.k8s.io",
+        "v1",
+        "StorageClass",
+        "storageclasses",
+        false,
+    ),
+    ("batch", "v1", "Job", "jobs", true),
+    ("apps", "v1", "DaemonSet", "daemonsets", true),
+    ("apps", "v1", "Deployment", "deployments", true),
+    ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs", true),
+];
+
+fn resource_of(doc: &Value) -> Option<(ApiResource, bool)> {
+    let api_version = doc["apiVersion"].as_str()?;
+    let kind = doc["kind"].as_str()?;
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    KINDS
+        .iter()
+        .find(|(g, v, k, _, _)| *g == group && *v == version && *k == kind)
+        .map(|(g, v, k, plural, namespaced)| {
+            let gvk = GroupVersionKind::gvk(g, v, k);
+            (ApiResource::from_gvk_with_plural(&gvk, plural), *namespaced)
+        })
+}
+
+fn pytorchjob_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kubeflow.org", "v1", "PyTorchJob"),
+        "pytorchjobs",
+    )
+}
+
+/// The API of the cluster, in one namespace.
+#[derive(Clone)]
+pub struct Kube {
+    client: Client,
+    namespace: String,
+    /// How often `wait` and `logs --follow` look at the job again.
+    poll: Duration,
+}
+
+/// What `apply` did to one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    pub kind: String,
+    pub name: String,
+}
+
+impl Applied {
+    fn of(doc: &Value) -> Applied {
+        Applied {
+            kind: doc["kind"].as_str().unwrap_or("?").to_string(),
+            name: doc["metadata"]["name"].as_str().unwrap_or("?").to_string(),
+        }
+    }
+}
+
+impl Kube {
+    pub fn new(client: Client, namespace: &str) -> Kube {
+        Kube {
+            client,
+            namespace: namespace.into(),
+            poll: Duration::from_secs(2),
+        }
+    }
+
+    /// Looks at a job every `poll` when waiting or following (default 2 s).
+    pub fn with_poll(self, poll: Duration) -> Kube {
+        Kube { poll, ..self }
+    }
+
+    /// A client from `kubeconfig` (KUBECONFIG's value: files separated by `:`, merged, those that
+    /// do not exist skipped as kubectl skips them), else ~/.kube/config, else the pod's service
+    /// account.
+    pub async fn connect(
+        namespace: &str,
+        kubeconfig: Option<&std::ffi::OsStr>,
+    ) -> Result<Kube, ApiError> {
+        let paths: Vec<std::path::PathBuf> = kubeconfig
+            .map(|v| {
+                std::env::split_paths(v)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let client = if paths.is_empty() {
+            Client::try_default()
+                .await
+                .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+        } else {
+            let unreadable = |e: kube::config::KubeconfigError| {
+                ApiError::Unreachable(format!("reading KUBECONFIG: {e}"))
+            };
+            let existing: Vec<_> = paths.iter().filter(|p| p.exists()).collect();
+            if existing.is_empty() {
+                // As kubectl and kube-rs do without a kubeconfig: the pod's service account.
+                let config = kube::Config::incluster().map_err(|_| {
+                    ApiError::Unreachable(format!(
+                        "KUBECONFIG names no file that exists ({}), and this is not a pod with \
+                         a service account",
+                        paths
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                })?;
+                let client = Client::try_from(config)
+                    .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?;
+                return Ok(Kube::new(client, namespace));
+            }
+            let mut merged = kube::config::Kubeconfig::default();
+            for path in existing {
+                merged = merged
+                    .merge(kube::config::Kubeconfig::read_from(path).map_err(unreadable)?)
+                    .map_err(unreadable)?;
+            }
+            let config = kube::Config::from_custom_kubeconfig(
+                merged,
+                &kube::config::KubeConfigOptions::default(),
+            )
+            .await
+            .map_err(unreadable)?;
+            Client::try_from(config).map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+        };
+        Ok(Kube::new(client, namespace))
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The namespace for [`api_error`] of a call on a namespaced or a cluster-scoped object.
+    fn scope(&self, namespaced: bool) -> &str {
+        if namespaced { &self.namespace } else { CLUSTER }
+    }
+
+    fn no_job(&self, name: &str) -> ApiError {
+        ApiError::NoJob {
+            name: name.into(),
+            namespace: self.namespace.clone(),
+        }
+    }
+
+    /// The job `name`, which must exist.
+    async fn require_job(&self, name: &str) -> Result<JobStatus, ApiError> {
+        self.find_job(name).await?.ok_or_else(|| self.no_job(name))
+    }
+
+    fn api(&self, resource: &ApiResource, namespaced: bool) -> Api<DynamicObject> {
+        if namespaced {
+            Api::namespaced_with(self.client.clone(), &self.namespace, resource)
+        } else {
+            Api::all_with(self.client.clone(), resource)
+        }
+    }
+
+    /// The job `name` (a Job or a PyTorchJob), or None.
+    async fn find_job(&self, name: &str) -> Result<Option<JobStatus>, ApiError> {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &self.namespace);
+        match jobs.get_opt(name).await {
+            Ok(Some(job)) => return Ok(Some(JobStatus::from_job(&job))),
+            Ok(None) => {}
+            Err(e) => return Err(api_error(&format!("get Job {name}"), &self.namespace, e)),
+        }
+        let api = self.api(&pytorchjob_resource(), true);
+        match api.get_opt(name).await {
+            Ok(Some(job)) => Ok(Some(JobStatus::from_pytorchjob(&job))),
+            Ok(None) => Ok(None),
+            // No PyTorchJob CRD: then there is no such PyTorchJob either.
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(api_error(
+                &format!("get PyTorchJob {name}"),
+                &self.namespace,
+                e,
+            )),
+        }
+    }
+
+    /// The job, its conditions, its pods and the pods beside it (its etcd, TensorBoard).
+    pub async fn status(&self, name: &str) -> Result<JobStatus, ApiError> {
+        let mut status = self.require_job(name).await?;
+        (status.pods, status.companions) = self.pods_and_companions(name).await?;
+        self.mark_lost_nodes(status.pods.iter_mut().chain(status.companions.iter_mut()))
+            .await;
+        status.settle();
+        Ok(status)
+    }
+
+    /// A pod on a node that is gone or NotReady (its kubelet stopped reporting) still reads
+    /// Running and ready; say that its node is lost, and that its ranks are. Where nodes
+    /// cannot be read (RBAC), pods stay as the API server reports them.
+    async fn mark_lost_nodes(&self, pods: impl Iterator<Item = &mut PodStatus>) {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let mut known: BTreeMap<String, Option<String>> = BTreeMap::new();
+        for pod in pods {
+            let Some(node) = pod.node.clone() else {
+                continue;
+            };
+            if !known.contains_key(&node) {
+                let problem = match nodes.get_opt(&node).await {
+                    Ok(None) => Some(format!("node {node} is gone")),
+                    Ok(Some(n)) => node_problem(&n).map(|p| format!("node {node} {p}")),
+                    Err(_) => None,
+                };
+                known.insert(node.clone(), problem);
+            }
+            if let Some(Some(problem)) = known.get(&node)
+                && pod.phase == "Running"
+            {
+                pod.ready = false;
+                let lost = format!("{problem}: this pod's workers are lost");
+                pod.why = if pod.why.is_empty() {
+                    lost
+                } else {
+                    format!("{lost}; {}", pod.why)
+                };
+                pod.node_lost = true;
+            }
+        }
+    }
+
+    /// The pods of job `name`, by node index.
+    async fn pods(&self, name: &str) -> Result<Vec<PodStatus>, ApiError> {
+        let mut pods = self.pods_and_companions(name).await?.0;
+        self.mark_lost_nodes(pods.iter_mut()).await;
+        Ok(pods)
+    }
+
+    /// The pods of job `name` by node index, and the pods of its etcd and TensorBoard.
+    async fn pods_and_companions(
+        &self,
+        name: &str,
+    ) -> Result<(Vec<PodStatus>, Vec<PodStatus>), ApiError> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        // The data, test and doctor jobs' pods carry the training job's label, so select on
+        // what every trainctl pod has and keep the pods of job `name` itself.
+        let selector = format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1);
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| api_error("list pods", &self.namespace, e))?;
+        let mut out: Vec<PodStatus> = list
+            .items
+            .iter()
+            .filter(|p| owned_by(p, name))
+            .map(PodStatus::from_pod)
+            .collect();
+        out.sort_by(|a, b| (a.index, &a.name).cmp(&(b.index, &b.name)));
+        let mut companions: Vec<PodStatus> = list
+            .items
+            .iter()
+            .filter(|p| companion_of(p, name))
+            .map(PodStatus::from_pod)
+            .collect();
+        companions.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok((out, companions))
+    }
+
+    /// Polls until the job succeeds (Ok) or fails (Err), up to `timeout`.
+    pub async fn wait(&self, name: &str, timeout: Duration) -> Result<JobStatus, ApiError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let status = self.status(name).await?;
+            if status.phase.is_finished() || tokio::time::Instant::now() >= deadline {
+                if status.phase.is_finished() {
+                    return Ok(status);
+                }
+                let mut state = status.phase.to_string();
+                for p in status.pods.iter().filter(|p| !p.why.is_empty()) {
+                    let _ = write!(state, "; {}: {}", p.name, p.why);
+                }
+                return Err(ApiError::WaitTimeout {
+                    name: name.into(),
+                    namespace: self.namespace.clone(),
+                    after: timeout,
+                    state,
+                });
+            }
+            tokio::time::sleep(self.poll).await;
+        }
+    }
+
+    /// Deletes the job `name` and everything labelled with it (its Service, token Secret, pods,
+    /// etcd, TensorBoard, and its data, test and doctor jobs), but never the storage: the claim
+    /// holds the data set, the checkpoints and the model.
+    pub async fn delete(&self, name: &str) -> Result<Vec<Applied>, ApiError> {
+        let deleted = self.delete_matching(&manifests::job_selector(name)).await?;
+        if deleted.is_empty() {
+            return Err(self.no_job(name));
+        }
+        Ok(deleted)
+    }
+
+    /// Deletes the jobs, Deployments (etcd, TensorBoard), Services and Secrets that `selector`
+    /// matches, jobs first.
+    pub async fn delete_matching(&self, selector: &str) -> Result<Vec<Applied>, ApiError> {
+        let params = delete_with_pods();
+        let mut deleted = Vec::new();
+        // The jobs first, so that their workers stop before their etcd, Service and token go.
+        for wanted in ["PyTorchJob", "Job", "Deployment", "Service", "Secret"] {
+            let Some((group, version, kind, plural, _)) =
+                KINDS.iter().find(|(_, _, k, _, _)| *k == wanted)
+            else {
+                continue;
+            };
+            let resource = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(group, version, kind),
+                plural,
+            );
+            let api = self.api(&resource, true);
+            let list = match api.list(&ListParams::default().labels(selector)).await {
+                Ok(list) => list,
+                Err(e) if is_not_found(&e) && *group == "kubeflow.org" => continue,
+                Err(e) => return Err(api_error(&format!("list {plural}"), &self.namespace, e)),
+            };
+            for object in list.items {
+                let Some(object_name) = object.metadata.name.clone() else {
+                    continue;
+                };
+                match api.delete(&object_name, &params).await {
+                    Ok(_) => deleted.push(Applied {
+                        kind: kind.to_string(),
+                        name: object_name,
+                    }),
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => {
+                        return Err(api_error(
+                            &format!("delete {kind} {object_name}"),
+                            &self.namespace,
+                            e,
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// Makes room for a helper job (data, test, doctor) called `name`: a finished one from
+    /// before is deleted, and this waits until it is gone. Returns false when one is still
+    /// running, which the caller then waits for instead of starting another.
+    pub async fn clear_finished(&self, name: &str) -> Result<bool, ApiError> {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &self.namespace);
+        let what = format!("replace Job {name}");
+        let Some(job) = jobs
+            .get_opt(name)
+            .await
+            .map_err(|e| api_error(&what, &self.namespace, e))?
+        else {
+            return Ok(true);
+        };
+        if !JobStatus::from_job(&job).phase.is_finished() {
+            return Ok(false);
+        }
+        let params = delete_with_pods();
+        match jobs.delete(name, &params).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => return Ok(true),
+            Err(e) => return Err(api_error(&what, &self.namespace, e)),
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match jobs.get_opt(name).await {
+                Ok(None) => return Ok(true),
+                Ok(Some(_)) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(self.poll).await;
+                }
+                Ok(Some(_)) => {
+                    return Err(ApiError::Other {
+                        what,
+                        message: "the finished Job was not gone after 60 s".into(),
+                    });
+                }
+                Err(e) => return Err(api_error(&what, &self.namespace, e)),
+            }
+        }
+    }
+}
+
+/// Deletes that take the objects' pods with them (a Job's default would orphan them).
+fn delete_with_pods() -> DeleteParams {
+    DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..DeleteParams::default()
+    }
+}
+
+/// Whether pod `p` belongs to job `name` itself (not its data, test or doctor job).
+fn owned_by(p: &Pod, name: &str) -> bool {
+    let labels = p.metadata.labels.as_ref();
+    let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+    // Pods of a Job carry job-name; the operator's carry training.kubeflow.org/job-name.
+    label("job-name") == Some(name)
+        || label("batch.kubernetes.io/job-name") == Some(name)
+        || label("training.kubeflow.org/job-name") == Some(name)
+}
+
+/// Whether pod `p` runs beside job `name`: its etcd or its TensorBoard.
+fn companion_of(p: &Pod, name: &str) -> bool {
+    let labels = p.metadata.labels.as_ref();
+    let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
+    label(manifests::JOB_LABEL) == Some(name)
+        && matches!(
+            label(manifests::COMPONENT_LABEL),
+            Some("etcd" | "tensorboard")
+        )
+}

@@ -1,0 +1,393 @@
+//! Where a job stands: its phase and conditions, its pods, why they wait or failed, and the
+//! text of `job status`.
+
+use std::fmt::Write as _;
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::DynamicObject;
+
+/// Where a job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Created; no pod running yet.
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl Phase {
+    pub fn is_finished(self) -> bool {
+        matches!(self, Phase::Succeeded | Phase::Failed)
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Pending => "pending",
+            Phase::Running => "running",
+            Phase::Succeeded => "succeeded",
+            Phase::Failed => "failed",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+}
+
+/// A job and its pods.
+#[derive(Debug, Clone)]
+pub struct JobStatus {
+    pub name: String,
+    /// `Job` or `PyTorchJob`.
+    pub kind: String,
+    pub phase: Phase,
+    pub conditions: Vec<Condition>,
+    /// Pods that failed and were replaced (a Job's `status.failed`).
+    pub failed_pods: i32,
+    pub pods: Vec<PodStatus>,
+    /// The pods beside the job: its etcd (`--rdzv-backend etcd`), its TensorBoard.
+    pub companions: Vec<PodStatus>,
+}
+
+impl JobStatus {
+    pub(super) fn from_job(job: &Job) -> JobStatus {
+        let status = job.status.clone().unwrap_or_default();
+        let conditions: Vec<Condition> = status
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| Condition {
+                type_: c.type_,
+                status: c.status,
+                reason: c.reason.unwrap_or_default(),
+                message: c.message.unwrap_or_default(),
+            })
+            .collect();
+        let phase = phase_from_conditions(&conditions, &["Complete"], &["Failed"]).unwrap_or(
+            if status.active.unwrap_or(0) > 0 {
+                Phase::Running
+            } else {
+                Phase::Pending
+            },
+        );
+        JobStatus {
+            name: job.metadata.name.clone().unwrap_or_default(),
+            kind: "Job".into(),
+            phase,
+            conditions,
+            failed_pods: status.failed.unwrap_or(0),
+            pods: Vec::new(),
+            companions: Vec::new(),
+        }
+    }
+
+    pub(super) fn from_pytorchjob(job: &DynamicObject) -> JobStatus {
+        let conditions: Vec<Condition> = job.data["status"]["conditions"]
+            .as_array()
+            .map(|cs| {
+                cs.iter()
+                    .map(|c| {
+                        let s = |k: &str| c[k].as_str().unwrap_or("").to_string();
+                        Condition {
+                            type_: s("type"),
+                            status: s("status"),
+                            reason: s("reason"),
+                            message: s("message"),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let phase = phase_from_conditions(&conditions, &["Succeeded"], &["Failed"]).unwrap_or(
+            if conditions
+                .iter()
+                .any(|c| c.type_ == "Running" && c.status == "True")
+            {
+                Phase::Running
+            } else {
+                Phase::Pending
+            },
+        );
+        JobStatus {
+            name: job.metadata.name.clone().unwrap_or_default(),
+            kind: "PyTorchJob".into(),
+            phase,
+            conditions,
+            failed_pods: 0,
+            pods: Vec::new(),
+            companions: Vec::new(),
+        }
+    }
+
+    /// A job Kubernetes counts as active is only running once one of its pods is.
+    pub(super) fn settle(&mut self) {
+        if self.phase == Phase::Running && !self.pods.iter().any(|p| p.phase == "Running") {
+            self.phase = Phase::Pending;
+        }
+        if self.phase == Phase::Pending && self.pods.iter().any(|p| p.phase == "Running") {
+            self.phase = Phase::Running;
+        }
+    }
+
+    /// The failure condition's reason and message, when the job failed.
+    pub fn failure(&self) -> Option<&Condition> {
+        self.conditions
+            .iter()
+            .find(|c| c.type_ == "Failed" && c.status == "True")
+    }
+
+    /// `job status` as text: the job line, conditions, then one row per pod.
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{} {}: {}", self.kind, self.name, self.phase);
+        if self.failed_pods > 0 {
+            let _ = writeln!(s, "  failed pods so far: {}", self.failed_pods);
+        }
+        for c in &self.conditions {
+            if c.status != "True" {
+                continue;
+            }
+            let _ = write!(s, "  condition {}", c.type_);
+            if !c.reason.is_empty() {
+                let _ = write!(s, " ({})", c.reason);
+            }
+            if !c.message.is_empty() {
+                let _ = write!(s, ": {}", c.message);
+            }
+            s.push('\n');
+        }
+        if self.kind == "PyTorchJob" && self.conditions.is_empty() && self.pods.is_empty() {
+            // The training operator sets a Created condition at once: none means nothing
+            // reconciles PyTorchJobs here.
+            s.push_str(
+                "  no conditions and no pods: nothing has picked this PyTorchJob up; is the \
+                 Kubeflow training operator running? (`kubectl get pods -A | grep training-operator`)\n",
+            );
+        }
+        if self.pods.is_empty() {
+            s.push_str("  no pods yet\n");
+            if self.companions.is_empty() {
+                return s;
+            }
+        }
+        // Columns as wide as their longest entry: long pod and node names keep the table.
+        let all = || self.pods.iter().chain(&self.companions);
+        let pod_w = all().map(|p| p.name.len()).max().unwrap_or(0).max(3);
+        let on = |p: &PodStatus| p.node.clone().unwrap_or_else(|| "(unscheduled)".into());
+        let on_w = all().map(|p| on(p).len()).max().unwrap_or(0).max(2);
+        let _ = writeln!(
+            s,
+            "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  WHY",
+            "POD", "INDEX", "PHASE", "READY", "RESTARTS", "ON"
+        );
+        for p in all() {
+            let _ = writeln!(
+                s,
+                "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  {}",
+                p.name,
+                p.index.map_or("-".into(), |i| i.to_string()),
+                p.phase,
+                if p.ready { "yes" } else { "no" },
+                p.restarts,
+                on(p),
+                p.why
+            );
+        }
+        if self.pods.iter().any(|p| p.index.is_some()) {
+            s.push_str(
+                "  (INDEX is the pod's place in the job; the rendezvous gives each round's node \
+                 ranks in join order, which `job logs` shows as \"node rank N of M\")\n",
+            );
+        }
+        for p in self.pods.iter().chain(&self.companions) {
+            if let Some(words) = &p.last_words {
+                let _ = writeln!(s, "  {} failed; its last lines:", p.name);
+                for line in last_lines(words, LAST_WORDS_LINES) {
+                    let _ = writeln!(s, "    {line}");
+                }
+            }
+        }
+        s
+    }
+}
+
+/// How many of a failed container's last lines `job status` shows.
+const LAST_WORDS_LINES: usize = 10;
+
+/// The last `n` non-empty lines of `text`, without terminal colour codes.
+fn last_lines(text: &str, n: usize) -> Vec<String> {
+    let lines: Vec<String> = text
+        .lines()
+        .map(|l| strip_ansi(l).trim_end().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines[lines.len().saturating_sub(n)..].to_vec()
+}
+
+/// `line` without ANSI escape sequences (CSI: ESC [ ... final byte).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn phase_from_conditions(cs: &[Condition], success: &[&str], failure: &[&str]) -> Option<Phase> {
+    let is_true = |names: &[&str]| {
+        cs.iter()
+            .any(|c| names.contains(&c.type_.as_str()) && c.status == "True")
+    };
+    if is_true(failure) {
+        Some(Phase::Failed)
+    } else if is_true(success) {
+        Some(Phase::Succeeded)
+    } else {
+        None
+    }
+}
+
+/// What is wrong with `node`, if it is not Ready: "is NotReady (Kubelet stopped posting node
+/// status.)".
+pub(super) fn node_problem(node: &Node) -> Option<String> {
+    let ready = node
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    if ready.status == "True" {
+        return None;
+    }
+    let state = if ready.status == "Unknown" {
+        "is unreachable"
+    } else {
+        "is NotReady"
+    };
+    Some(match ready.message.as_deref() {
+        Some(m) if !m.is_empty() => format!("{state} ({m})"),
+        _ => state.to_string(),
+    })
+}
+
+/// One pod of a job.
+#[derive(Debug, Clone)]
+pub struct PodStatus {
+    pub name: String,
+    pub uid: String,
+    /// The node index: the Indexed Job's completion index or the PyTorchJob's replica index.
+    /// (The rendezvous assigns node ranks in join order; the logs say which each got.)
+    pub index: Option<u32>,
+    pub phase: String,
+    pub ready: bool,
+    pub restarts: i32,
+    pub node: Option<String>,
+    pub ip: Option<String>,
+    /// Why it is not running well: unschedulable and the scheduler's message, a waiting reason
+    /// (ImagePullBackOff...), the last termination (OOMKilled, exit code).
+    pub why: String,
+    /// A failed container's termination message: what it wrote there, or its last log lines
+    /// (`FallbackToLogsOnError`).
+    pub last_words: Option<String>,
+    /// Its node is gone or not ready: no logs can be read from it.
+    pub node_lost: bool,
+}
+
+impl PodStatus {
+    pub(super) fn from_pod(p: &Pod) -> PodStatus {
+        let labels = p.metadata.labels.clone().unwrap_or_default();
+        let index = [
+            "batch.kubernetes.io/job-completion-index",
+            "training.kubeflow.org/replica-index",
+        ]
+        .iter()
+        .find_map(|k| labels.get(*k).and_then(|v| v.parse().ok()));
+        let status = p.status.clone().unwrap_or_default();
+        let containers = status.container_statuses.clone().unwrap_or_default();
+        let restarts = containers.iter().map(|c| c.restart_count).sum();
+        let ready = !containers.is_empty() && containers.iter().all(|c| c.ready);
+        let mut why = Vec::new();
+        let mut last_words = None;
+        for c in status.conditions.iter().flatten() {
+            if c.type_ == "PodScheduled" && c.status == "False" {
+                why.push(format!(
+                    "{}: {}",
+                    c.reason.as_deref().unwrap_or("not scheduled"),
+                    c.message.as_deref().unwrap_or("")
+                ));
+            }
+        }
+        for c in &containers {
+            let state = c.state.clone().unwrap_or_default();
+            if let Some(w) = state.waiting
+                && let Some(reason) = w.reason.filter(|r| r != "ContainerCreating")
+            {
+                why.push(match w.message {
+                    Some(m) => format!("{reason}: {m}"),
+                    None => reason,
+                });
+            }
+            if let Some(t) = state.terminated.filter(|t| t.exit_code != 0) {
+                why.push(format!(
+                    "exited {} ({})",
+                    t.exit_code,
+                    t.reason.unwrap_or_else(|| "Error".into())
+                ));
+                last_words = last_words.or(t.message);
+            }
+            if let Some(t) = c.last_state.as_ref().and_then(|s| s.terminated.as_ref()) {
+                why.push(format!(
+                    "last run exited {} ({})",
+                    t.exit_code,
+                    t.reason.clone().unwrap_or_else(|| "Error".into())
+                ));
+                last_words = last_words.or_else(|| t.message.clone());
+            }
+        }
+        PodStatus {
+            name: p.metadata.name.clone().unwrap_or_default(),
+            uid: p.metadata.uid.clone().unwrap_or_default(),
+            index,
+            phase: status.phase.clone().unwrap_or_else(|| "Unknown".into()),
+            ready,
+            restarts,
+            node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+            ip: status.pod_ip.clone(),
+            why: why.join("; "),
+            last_words: last_words.filter(|m: &String| !m.trim().is_empty()),
+            node_lost: false,
+        }
+    }
+
+    pub(super) fn has_started(&self) -> bool {
+        matches!(self.phase.as_str(), "Running" | "Succeeded" | "Failed")
+    }
+
+    pub(super) fn prefix(&self) -> String {
+        match self.index {
+            Some(i) => format!("[{} pod {i}] ", self.name),
+            None => format!("[{}] ", self.name),
+        }
+    }
+}
