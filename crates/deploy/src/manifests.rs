@@ -72,6 +72,8 @@ pub const PERMANENT_EXIT_CODES: [i32; 4] = [1, 2, 126, 127];
 /// deleted job) and its workers checkpointed the step they were in: 128 + SIGTERM, equal to
 /// `collective::EXIT_PREEMPTED` (a test keeps them equal). Retried without counting.
 pub const PREEMPTED_EXIT_CODE: i32 = 128 + 15;
+/// What a helper pod (data, test, doctor) requests: CPU, memory.
+pub const HELPER_SIZE: (&str, &str) = ("500m", "1Gi");
 /// How long a training pod has between SIGTERM and SIGKILL: the step in progress and a
 /// checkpoint must fit in it.
 pub const TERMINATION_GRACE_SECONDS: i64 = 30;
@@ -270,8 +272,8 @@ fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
         // (a limit throttles the all-reduce and the data loader for no gain).
         limits.insert("memory".into(), quantity(&job.memory));
     } else {
-        requests.insert("cpu".into(), quantity("500m"));
-        requests.insert("memory".into(), quantity("1Gi"));
+        requests.insert("cpu".into(), quantity(HELPER_SIZE.0));
+        requests.insert("memory".into(), quantity(HELPER_SIZE.1));
         limits.insert("memory".into(), quantity("2Gi"));
     }
     if gpus > 0 {

@@ -1415,3 +1415,94 @@ async fn unauthorized_forbidden_and_missing_namespace_say_what_to_do() {
     let e = api.kube().apply(&[secret]).await.unwrap_err();
     assert!(matches!(e, ApiError::NoNamespace { .. }), "{e}");
 }
+
+/// The cpu preset's pods on a cluster that is not EKS (kind, k3s): no node has the instance-type
+/// label they select, nor 13 CPUs. Said up front, naming the selector, the nodes and what to
+/// pass; nothing is said where a node fits.
+#[tokio::test]
+async fn no_node_fits_names_the_selector_the_nodes_and_what_to_pass() {
+    let kind_node = json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": { "name": "kind-control-plane", "labels": { "kubernetes.io/hostname": "kind-control-plane" } },
+        "status": { "allocatable": { "cpu": "2", "memory": "8029876Ki" } },
+    });
+    let api = MockApi::default();
+    api.get("/api/v1/nodes", list("NodeList", vec![kind_node]));
+    let kube = api.kube();
+    let selector = (
+        "node.kubernetes.io/instance-type".to_string(),
+        "c5.4xlarge".to_string(),
+    );
+    let why = kube
+        .no_node_fits(Some(&selector), "13", "25Gi")
+        .await
+        .expect("nothing fits");
+    assert!(
+        why.starts_with(
+            "no node has the label node.kubernetes.io/instance-type=c5.4xlarge that the pods select \
+             (nodes: kind-control-plane (no instance type, 2 CPU, 8029876Ki memory)); pass \
+             --node-selector none"
+        ),
+        "{why}"
+    );
+    let why = kube
+        .no_node_fits(None, "13", "25Gi")
+        .await
+        .expect("too big");
+    assert!(
+        why.starts_with("no node can give a pod 13 CPU and 25Gi memory")
+            && why.contains("--cpu and --memory"),
+        "{why}"
+    );
+    assert_eq!(kube.no_node_fits(None, "500m", "1Gi").await, None);
+}
+
+/// A kubeconfig whose CA is another cluster's: the TLS handshake fails, and the error says the
+/// server's certificate is not one the kubeconfig trusts (a closed port says something else,
+/// above), with rustls's own reason.
+#[tokio::test]
+async fn a_server_certificate_from_another_ca_says_so() {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let cert = CertificateDer::from_pem_file(fixtures.join("server.crt")).unwrap();
+    let key = PrivateKeyDer::from_pem_file(fixtures.join("server.key")).unwrap();
+    let config = tokio_rustls::rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        // Handshakes only: the client gives up in them.
+        while let Ok((socket, _)) = listener.accept().await {
+            let _ = acceptor.accept(socket).await;
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("config");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: \
+             https://127.0.0.1:{port}\n    certificate-authority: {}\ncontexts:\n- name: x\n  \
+             context:\n    cluster: c\n    user: u\ncurrent-context: x\nusers:\n- name: u\n  \
+             user:\n    token: abc\n",
+            fixtures.join("other-ca.crt").display()
+        ),
+    )
+    .unwrap();
+    let kube = Kube::connect("default", Some(kubeconfig.as_os_str()))
+        .await
+        .unwrap();
+    let e = kube.status("cifar10").await.unwrap_err();
+    server.abort();
+    let text = e.to_string();
+    assert!(matches!(e, ApiError::Unreachable(_)), "{text}");
+    assert!(
+        text.contains("the server's TLS certificate is not one your kubeconfig trusts"),
+        "{text}"
+    );
+    assert!(text.contains("UnknownIssuer"), "{text}");
+}

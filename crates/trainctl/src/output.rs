@@ -82,6 +82,40 @@ impl Write for LineSink {
     }
 }
 
+/// A long count said in plain lines at every tenth ("evaluating: 5000 of 10000 images
+/// (50 %)"), on a terminal or not: a pod's log shows the test job at work.
+pub struct Tenths {
+    what: &'static str,
+    unit: &'static str,
+    last: Option<usize>,
+}
+
+impl Tenths {
+    pub fn new(what: &'static str, unit: &'static str) -> Tenths {
+        Tenths {
+            what,
+            unit,
+            last: None,
+        }
+    }
+
+    pub fn update(&mut self, done: usize, total: usize) {
+        if total == 0 {
+            return;
+        }
+        let tenth = done * 10 / total;
+        if self.last != Some(tenth) {
+            self.last = Some(tenth);
+            err(format_args!(
+                "{}: {done} of {total} {} ({} %)",
+                self.what,
+                self.unit,
+                done * 100 / total
+            ));
+        }
+    }
+}
+
 /// Progress of the data download and of training: a bar on a terminal; on anything else
 /// (a pod's log, CI) plain lines, at every tenth of a download and at the loss lines.
 pub struct Progress {

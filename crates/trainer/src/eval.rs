@@ -209,7 +209,7 @@ fn top_k(p: &[f32], k: usize) -> Vec<usize> {
 
 /// Evaluates `model` on the images of `data` at `indices`, `batch_size` at a time, decoding
 /// on `threads` threads ahead of the network. Images that cannot be read are left out and
-/// handed to `unreadable`.
+/// handed to `unreadable`; `progress` hears (images done, images in all) after each batch.
 pub fn evaluate(
     model: &Model,
     data: &Arc<DataSet>,
@@ -217,7 +217,9 @@ pub fn evaluate(
     batch_size: usize,
     threads: usize,
     unreadable: &mut dyn FnMut(&Path, &str),
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Confusion> {
+    let mut done = 0;
     let mut confusion = Confusion::new(data.classes.clone());
     let plan: Vec<Vec<usize>> = indices
         .chunks(batch_size.max(1))
@@ -239,6 +241,8 @@ pub fn evaluate(
         for (path, problem) in &batch.unreadable {
             unreadable(path, problem);
         }
+        done += batch.labels.len() + batch.unreadable.len();
+        progress(done, indices.len());
         if batch.labels.is_empty() {
             continue;
         }

@@ -184,7 +184,7 @@ pub(super) fn api_error(what: &str, namespace: &str, e: kube::Error) -> ApiError
 
 /// An error and its sources, outermost first: `client error (Connect): invalid peer
 /// certificate: UnknownIssuer`, not just `client error (Connect)`.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+pub(super) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut parts = vec![e.to_string()];
     let mut source = e.source();
     while let Some(s) = source {

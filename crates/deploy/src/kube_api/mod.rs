@@ -36,6 +36,17 @@ use crate::manifests;
 /// The training operator release whose CRD the PyTorchJobs are validated against.
 pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
 
+/// A client that cannot be built from a kubeconfig: its TLS material (client certificate and
+/// key, CA) is what fails there.
+fn unusable_credentials(e: kube::Error) -> ApiError {
+    ApiError::Unreachable(format!(
+        "the kubeconfig's TLS settings cannot be used ({}): check its client-certificate-data, \
+         client-key-data and certificate-authority-data (a key that does not match its \
+         certificate, or a file cut short, reads as an invalid key)",
+        error::error_chain(&e)
+    ))
+}
+
 /// The kinds trainctl renders: group, version, kind, plural, namespaced.
 const KINDS: &[(&str, &str, &str, &str, bool)] = &[
     ("", "v1", "Secret", "secrets", true),
@@ -137,7 +148,7 @@ impl Kube {
         let client = if paths.is_empty() {
             Client::try_default()
                 .await
-                .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+                .map_err(|e| ApiError::Unreachable(error::error_chain(&e)))?
         } else {
             let unreadable = |e: kube::config::KubeconfigError| {
                 ApiError::Unreachable(format!("reading KUBECONFIG: {e}"))
@@ -156,8 +167,7 @@ impl Kube {
                             .join(", ")
                     ))
                 })?;
-                let client = Client::try_from(config)
-                    .map_err(|e| ApiError::Unreachable(format!("{e:#}")))?;
+                let client = Client::try_from(config).map_err(unusable_credentials)?;
                 return Ok(Kube::new(client, namespace));
             }
             let mut merged = kube::config::Kubeconfig::default();
@@ -172,7 +182,7 @@ impl Kube {
             )
             .await
             .map_err(unreadable)?;
-            Client::try_from(config).map_err(|e| ApiError::Unreachable(format!("{e:#}")))?
+            Client::try_from(config).map_err(unusable_credentials)?
         };
         Ok(Kube::new(client, namespace))
     }

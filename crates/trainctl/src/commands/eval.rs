@@ -71,6 +71,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let test = Arc::new(test);
     let all: Vec<usize> = (0..test.len()).collect();
     let mut unreadable = Vec::new();
+    let mut evaluating = crate::output::Tenths::new("evaluating", "images");
     let confusion = trainer::eval::evaluate(
         &loaded.model,
         &test,
@@ -81,6 +82,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             crate::output::warn(&format!("{}: {problem}; left out", path.display()));
             unreadable.push(path.to_path_buf());
         },
+        &mut |done, total| evaluating.update(done, total),
     )?;
     if let Some(path) = &args.confusion_matrix {
         write_confusion(path, &confusion)?;

@@ -444,12 +444,11 @@ async fn start_helper(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result
     Ok(())
 }
 
-/// Says up front when no node can take the training-sized pods (a selector no node has, more
-/// CPU or memory than any node has), as the scheduler would only say per pod.
-async fn warn_if_no_node_fits(kube: &Kube, project: &Project) {
-    let j = &project.job;
+/// Says up front when no node can take pods of `(cpu, memory)` on the job's nodes (a selector
+/// no node has, more CPU or memory than any node has), as the scheduler would only say per pod.
+async fn warn_if_no_node_fits(kube: &Kube, project: &Project, (cpu, memory): (&str, &str)) {
     if let Some(why) = kube
-        .no_node_fits(j.node_selector.as_ref(), &j.cpu, &j.memory)
+        .no_node_fits(project.job.node_selector.as_ref(), cpu, memory)
         .await
     {
         output::warn(&format!(
@@ -527,7 +526,8 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             let name = project.job.name.clone();
             runtime()?.block_on(async {
                 let kube = connect(&project).await?;
-                warn_if_no_node_fits(&kube, &project).await;
+                let j = &project.job;
+                warn_if_no_node_fits(&kube, &project, (&j.cpu, &j.memory)).await;
                 for a in kube.launch(&name, &docs).await? {
                     println!("applied {} {}", a.kind, a.name);
                 }
@@ -653,7 +653,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
     runtime()?.block_on(async {
         let kube = connect(&project).await?;
         let selector = manifests::component_selector(&project.job.name, "doctor");
-        warn_if_no_node_fits(&kube, &project).await;
+        warn_if_no_node_fits(&kube, &project, manifests::HELPER_SIZE).await;
         start_helper(&kube, &name, &docs).await?;
         let waited = kube.wait(&name, timeout).await;
         if waited.is_ok() {

@@ -60,18 +60,30 @@ fn two_local_workers_learn_agree_and_save_an_evaluable_model() {
         .filter(|l| l.starts_with("Accuracy") || l.starts_with("Top-5"))
         .collect();
     assert_eq!(trained_report.len(), 12, "{stdout}");
-    let eval = text(
-        &run_ok(trainctl().args([
-            "eval",
-            "--model",
-            model.to_str().unwrap(),
-            "--data",
-            job.data().to_str().unwrap(),
-        ]))
-        .stdout,
-    );
+    let out = run_ok(trainctl().args([
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        job.data().to_str().unwrap(),
+        "--batch-size",
+        "4",
+    ]));
+    let eval = text(&out.stdout);
     assert_eq!(eval.lines().collect::<Vec<_>>(), trained_report);
     assert!(eval.contains("Accuracy for class: plane is"), "{eval}");
+    // Its progress in plain lines (a test job's pod log says it is at work), once a tenth.
+    let said = text(&out.stderr);
+    let tenths: Vec<&str> = said
+        .lines()
+        .filter(|l| l.starts_with("evaluating: "))
+        .collect();
+    assert!(tenths.len() >= 5, "{said}");
+    assert_eq!(
+        tenths.last(),
+        Some(&"evaluating: 100 of 100 images (100 %)"),
+        "{said}"
+    );
 }
 
 #[test]

@@ -412,6 +412,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
                     path.display()
                 )))
             },
+            &mut |_, _| {},
         )?
         .to_f32();
         group.all_reduce_sum(&mut counts)?;
