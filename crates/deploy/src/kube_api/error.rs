@@ -78,9 +78,9 @@ pub enum ApiError {
     },
     #[error(
         "{what} exists with other settings that cannot be changed in place ({message}); nothing \
-         was changed. To replace the storage, stop the jobs that use it, remove it (`{undo}`; the \
-         data stays on the file system: the reclaim policy is Retain) and run `trainctl storage` \
-         again"
+         was changed. To replace the storage, stop the jobs that use it, remove it (`trainctl \
+         storage --delete`, or `{undo}`; the data stays on the file system: the reclaim policy \
+         is Retain) and run `trainctl storage` again"
     )]
     StorageChange {
         what: String,
