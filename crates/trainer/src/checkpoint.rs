@@ -61,20 +61,56 @@ impl ModelInfo {
         }
     }
 
+    /// Checks what a file's metadata says against the network's limits and the file's own
+    /// tensors, before anything is sized from it: the network is known, its image size is one
+    /// it takes, and it has as many classes as its classifier's bias has entries.
+    fn check(&self, tensors: &safetensors::SafeTensors) -> Result<(), String> {
+        let arch = self.architecture()?;
+        arch.check_image_size(self.image_size)
+            .map_err(|e| format!("{MODEL_KEY} says image_size {}: {e}", self.image_size))?;
+        let n = self.classes.len();
+        if n == 0 || n > crate::model::MAX_CLASSES {
+            return Err(format!(
+                "{MODEL_KEY} names {n} classes; a model has 1 to {}",
+                crate::model::MAX_CLASSES
+            ));
+        }
+        let bias = match arch {
+            Architecture::SeedCnn => "network.21.bias",
+            Architecture::ResNet(_) => "fc.bias",
+        };
+        let have = tensors
+            .tensor(bias)
+            .ok()
+            .map(|t| t.shape().iter().product::<usize>());
+        match have {
+            Some(have) if have == n => Ok(()),
+            Some(have) => Err(format!(
+                "{MODEL_KEY} names {n} classes but its classifier ({bias}) has {have} outputs"
+            )),
+            None => Err(format!(
+                "{MODEL_KEY} describes a {arch} but the file has no {bias}"
+            )),
+        }
+    }
+
     /// What a file without trainctl's metadata holds, told from its tensor names: the seed's
     /// `network.N` keys, or a torchvision ResNet (which one from its blocks).
     fn infer(tensors: &safetensors::SafeTensors) -> Result<ModelInfo, String> {
         let names = tensors.names();
         let has = |n: &str| names.iter().any(|k| *k == n);
+        // The class count sizes a list of names: bounded before anything is allocated.
         let classes_of = |bias: &str| {
             tensors
                 .tensor(bias)
                 .ok()
                 .and_then(|t| t.shape().first().copied())
+                .filter(|&n| n <= crate::model::MAX_CLASSES)
         };
         if has("network.0.weight") {
-            let n = classes_of("network.21.bias")
-                .ok_or("has network.0.weight but no network.21.bias")?;
+            let n = classes_of("network.21.bias").ok_or(
+                "has network.0.weight but no network.21.bias (or one of too many classes)",
+            )?;
             let mut info = ModelInfo::seed_cifar();
             if n != CLASS_NAMES.len() {
                 info.classes = (0..n).map(|i| format!("class {i}")).collect();
@@ -98,7 +134,8 @@ impl ModelInfo {
                     ));
                 }
             };
-            let n = classes_of("fc.bias").ok_or("fc.bias has no shape")?;
+            let n =
+                classes_of("fc.bias").ok_or("fc.bias has no shape, or one of too many classes")?;
             return Ok(ModelInfo {
                 architecture: arch.name().into(),
                 classes: (0..n).map(|i| format!("class {i}")).collect(),
@@ -321,16 +358,15 @@ pub fn read_model(path: &Path) -> Result<ModelFile> {
     };
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+    let tensors = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
     let info = match meta.metadata().as_ref().and_then(|m| m.get(MODEL_KEY)) {
         Some(json) => serde_json::from_str::<ModelInfo>(json)
             .map_err(|e| bad(format!("{MODEL_KEY} metadata: {e}")))?,
-        None => {
-            let tensors = safetensors::SafeTensors::deserialize(&bytes)
-                .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
-            ModelInfo::infer(&tensors).map_err(bad)?
-        }
+        None => ModelInfo::infer(&tensors).map_err(bad)?,
     };
-    info.architecture().map_err(bad)?;
+    info.check(&tensors).map_err(bad)?;
+    drop(tensors);
     Ok(ModelFile {
         info,
         bytes,
@@ -424,6 +460,7 @@ pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Optio
         // Checkpoints from before models were described are the seed CNN's.
         None => ModelInfo::seed_cifar(),
     };
+    info.check(&tensors).map_err(&bad)?;
     let own;
     let template = match template {
         Some(t) => t,
@@ -578,6 +615,78 @@ mod tests {
         .unwrap();
         let err = read_model(&path).err().unwrap().to_string();
         assert!(err.contains("neither the seed CNN's"), "{err}");
+    }
+
+    /// Sizes in a file's metadata are checked before anything is built from them: a seed CNN
+    /// file claiming a 1,000,000-pixel image (which once made `predict` take all the machine's
+    /// memory), a ResNet past the largest size, more classes than the classifier has, or none.
+    #[test]
+    fn metadata_sizes_are_checked_against_the_network_and_the_tensors() {
+        let (snap, momentum) = model_state();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        let refused = |info: ModelInfo| {
+            save_model(&path, &snap, 0, &info).unwrap();
+            let model = read_model(&path).err().unwrap().to_string();
+            let ckpt = dir.path().join("ckpt");
+            save_checkpoint(&ckpt, &snap, &momentum, &progress(), &info).unwrap();
+            let checkpoint = load_checkpoint(&ckpt, None).err().unwrap().to_string();
+            (model, checkpoint)
+        };
+        let huge = ModelInfo {
+            image_size: 1_000_000,
+            ..ModelInfo::seed_cifar()
+        };
+        let (model, checkpoint) = refused(huge);
+        for e in [&model, &checkpoint] {
+            assert!(
+                e.contains("trainctl.model says image_size 1000000: the seed CNN takes 32×32"),
+                "{e}"
+            );
+        }
+        let (model, _) = refused(ModelInfo {
+            classes: (0..11).map(|i| i.to_string()).collect(),
+            ..ModelInfo::seed_cifar()
+        });
+        assert!(
+            model.contains("names 11 classes but its classifier (network.21.bias) has 10 outputs"),
+            "{model}"
+        );
+        let (model, _) = refused(ModelInfo {
+            classes: vec![],
+            ..ModelInfo::seed_cifar()
+        });
+        assert!(
+            model.contains("names 0 classes; a model has 1 to 100000"),
+            "{model}"
+        );
+        // A ResNet file past the largest image size.
+        let device = crate::device::inference_device();
+        let resnet = snapshot(&crate::model::Model::new(
+            Architecture::parse("resnet18").unwrap(),
+            3,
+            &device,
+        ));
+        let info = ModelInfo {
+            architecture: "resnet18".into(),
+            classes: vec!["a".into(), "b".into(), "c".into()],
+            image_size: 4096,
+            normalisation: Normalisation::ImageNet,
+        };
+        save_model(&path, &resnet, 0, &info).unwrap();
+        let e = read_model(&path).err().unwrap().to_string();
+        assert!(e.contains("at most 1024×1024 pixels"), "{e}");
+        save_model(
+            &path,
+            &resnet,
+            0,
+            &ModelInfo {
+                image_size: 64,
+                ..info
+            },
+        )
+        .unwrap();
+        assert_eq!(read_model(&path).unwrap().info.image_size, 64);
     }
 
     #[test]

@@ -41,7 +41,8 @@ impl Architecture {
         }
     }
 
-    /// Why this network cannot take `size`² images, if it cannot.
+    /// Why this network cannot take `size`² images, if it cannot (sizes from files are checked
+    /// here too, before anything is allocated for them).
     pub fn check_image_size(self, size: usize) -> Result<(), String> {
         match self {
             Architecture::SeedCnn if size != 32 => Err(format!(
@@ -51,10 +52,22 @@ impl Architecture {
                 "{} needs images of at least 32×32 pixels, not {size}×{size}: pass a larger --image-size",
                 a.name()
             )),
+            Architecture::ResNet(a) if size > MAX_IMAGE_SIZE => Err(format!(
+                "{} takes images of at most {MAX_IMAGE_SIZE}×{MAX_IMAGE_SIZE} pixels here, not \
+                 {size}×{size} (one larger image's activations alone outgrow a machine's memory): \
+                 pass a smaller --image-size",
+                a.name()
+            )),
             _ => Ok(()),
         }
     }
 }
+
+/// The largest image side a ResNet is built for (ImageNet's recipe trains at 224).
+pub const MAX_IMAGE_SIZE: usize = 1024;
+
+/// The most classes a model may have (ImageNet-21k has 21,841).
+pub const MAX_CLASSES: usize = 100_000;
 
 impl std::fmt::Display for Architecture {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
