@@ -130,27 +130,29 @@ impl Kube {
     pub async fn delete_storage(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
         let mut deleted = Vec::new();
         for doc in docs.iter().rev() {
-            let Applied { kind, name } = Applied::of(doc);
-            let Some((resource, namespaced)) = resource_of(doc) else {
-                continue;
-            };
-            match self
-                .api(&resource, namespaced)
-                .delete(&name, &DeleteParams::default())
-                .await
-            {
-                Ok(_) => deleted.push(Applied { kind, name }),
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => {
-                    return Err(api_error(
-                        &format!("delete {kind} {name}"),
-                        self.scope(namespaced),
-                        e,
-                    ));
-                }
+            if self.delete_doc(doc, &DeleteParams::default()).await? {
+                deleted.push(Applied::of(doc));
             }
         }
         Ok(deleted)
+    }
+
+    /// Deletes the object `doc` names: `Ok(false)` when it was not there.
+    async fn delete_doc(&self, doc: &Value, params: &DeleteParams) -> Result<bool, ApiError> {
+        let Applied { kind, name } = Applied::of(doc);
+        let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
+            what: format!("delete {kind} {name}"),
+            message: "trainctl does not know where this kind lives".into(),
+        })?;
+        match self.api(&resource, namespaced).delete(&name, params).await {
+            Ok(_) => Ok(true),
+            Err(e) if is_not_found(&e) => Ok(false),
+            Err(e) => Err(api_error(
+                &format!("delete {kind} {name}"),
+                self.scope(namespaced),
+                e,
+            )),
+        }
     }
 
     /// Server-side applies one object; returns it as the server stored it.
@@ -340,16 +342,9 @@ impl Kube {
         let mut left = Vec::new();
         for doc in applied.iter().rev() {
             let Applied { kind, name } = Applied::of(doc);
-            let Some((resource, namespaced)) = resource_of(doc) else {
-                continue;
-            };
-            match self
-                .api(&resource, namespaced)
-                .delete(&name, &delete_with_pods())
-                .await
-            {
-                Ok(_) => removed.push(format!("{kind} {name}")),
-                Err(e) if is_not_found(&e) => {}
+            match self.delete_doc(doc, &delete_with_pods()).await {
+                Ok(true) => removed.push(format!("{kind} {name}")),
+                Ok(false) => {}
                 Err(_) => left.push(format!("{kind} {name}")),
             }
         }
