@@ -158,10 +158,6 @@ impl World {
             telemetry_fd,
         })
     }
-
-    pub fn is_leader(&self) -> bool {
-        self.rank == 0
-    }
 }
 
 /// Whether the launcher's own environment sets `name` (torchrun keeps a user's OMP_NUM_THREADS).

@@ -37,16 +37,16 @@ pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     dst
 }
 
-/// `[n, h, w, c]` → `[n, c, h, w]`.
-pub fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut dst = vec![0.0; src.len()];
-    transpose_batched(src, &mut dst, pixels, channels);
-    dst
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[n, h, w, c]` → `[n, c, h, w]`: the way back, to check the way there.
+    fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
+        let mut dst = vec![0.0; src.len()];
+        transpose_batched(src, &mut dst, pixels, channels);
+        dst
+    }
 
     #[test]
     fn round_trip_and_element_positions() {

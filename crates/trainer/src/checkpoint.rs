@@ -98,7 +98,7 @@ impl ModelInfo {
     /// `network.N` keys, or a torchvision ResNet (which one from its blocks).
     fn infer(tensors: &safetensors::SafeTensors) -> Result<ModelInfo, String> {
         let names = tensors.names();
-        let has = |n: &str| names.iter().any(|k| *k == n);
+        let has = |n: &str| names.contains(&n);
         // The class count sizes a list of names: bounded before anything is allocated.
         let classes_of = |bias: &str| {
             tensors

@@ -1,7 +1,7 @@
 //! Evaluation (top-1 and top-5, per-class accuracy, confusion matrix) and prediction on
 //! images, for any [`Model`] with the classes and input its model file describes.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
@@ -316,19 +316,6 @@ pub fn inspect_checkpoint(path: &Path) -> Result<crate::checkpoint::Progress> {
             source: std::io::Error::new(std::io::ErrorKind::NotFound, "no checkpoint there"),
         }),
     }
-}
-
-/// Paths for the report of unreadable images: the first few, then a count.
-pub fn summarise_paths(paths: &[PathBuf], shown: usize) -> String {
-    let mut names: Vec<String> = paths
-        .iter()
-        .take(shown)
-        .map(|p| p.display().to_string())
-        .collect();
-    if paths.len() > shown {
-        names.push(format!("and {} more", paths.len() - shown));
-    }
-    names.join(", ")
 }
 
 #[cfg(test)]

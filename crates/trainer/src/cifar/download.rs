@@ -52,6 +52,9 @@ pub enum DataProgress {
 /// Bytes between two progress reports.
 const REPORT_EVERY: u64 = 1 << 20;
 
+/// Unpacks an archive (first path) into a new folder (second), saying how far it got.
+pub(crate) type Unpack = fn(&Path, &Path, &mut dyn FnMut(DataProgress)) -> Result<()>;
+
 /// An official archive: what it holds (for messages), its file name, the one folder it
 /// extracts to, how to unpack it, and how to tell its data set is in a directory.
 pub(crate) struct Archive {
@@ -59,7 +62,7 @@ pub(crate) struct Archive {
     pub file: &'static str,
     pub folder: &'static str,
     /// Unpacks the archive at the first path into the (new) folder at the second.
-    pub unpack: fn(&Path, &Path, &mut dyn FnMut(DataProgress)) -> Result<()>,
+    pub unpack: Unpack,
     pub present: fn(&Path) -> bool,
 }
 

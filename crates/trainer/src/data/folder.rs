@@ -280,6 +280,10 @@ impl Images {
         self.files.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
     pub fn label(&self, i: usize) -> usize {
         self.labels[i] as usize
     }
