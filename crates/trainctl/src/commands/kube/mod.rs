@@ -1,0 +1,181 @@
+//! The Kubernetes and EKS commands, one file each: `config`, `cluster`, `storage`, `job`, the
+//! helper jobs (`data job`, `test job`), `doctor` and `tensorboard`. Rendering is in
+//! `deploy::{eksctl, manifests}`, the API calls in `deploy::kube_api`; these files parse, call
+//! and print. What several of them share is here.
+
+mod cluster;
+mod config;
+mod doctor;
+mod helpers;
+mod job;
+mod storage;
+mod tensorboard;
+
+pub use cluster::{ClusterCommand, cluster};
+pub use config::{ConfigCommand, config};
+pub use doctor::{DoctorArgs, doctor};
+pub use helpers::{TestCommand, data_job, test};
+pub use job::{JobCommand, job};
+pub use storage::{StorageArgs, storage};
+pub use tensorboard::{TensorboardArgs, tensorboard};
+
+use std::time::Duration;
+
+use deploy::config::Project;
+use deploy::kube_api::{Kube, Phase};
+use deploy::manifests;
+use serde_json::Value;
+
+use super::project::ProjectArgs;
+use crate::output;
+
+/// The project with `-- PROGRAM ARGS...` as its job.command, as if given by flag.
+fn with_program(mut project: ProjectArgs, program: Vec<String>) -> anyhow::Result<ProjectArgs> {
+    if !program.is_empty() {
+        let words = deploy::config::join_words(&program).map_err(anyhow::Error::msg)?;
+        project.flags.push(("job.command", words));
+    }
+    Ok(project)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        v.is_finite() && v > 0.0,
+        "--{name} must be a positive number of seconds, got {v}"
+    );
+    Ok(Duration::from_secs_f64(v))
+}
+
+async fn connect(project: &Project) -> anyhow::Result<Kube> {
+    Ok(Kube::connect(&project.namespace, kubeconfig().as_deref()).await?)
+}
+
+/// KUBECONFIG, read here as kubectl reads it (the client skips the files it names that do not
+/// exist); the Kubernetes client's own variable, not one of trainctl's settings.
+#[allow(clippy::disallowed_methods)]
+fn kubeconfig() -> Option<std::ffi::OsString> {
+    std::env::var_os("KUBECONFIG")
+}
+
+/// ` --namespace NS` when the project is not in the default namespace: hints that name a job
+/// must name where it is.
+fn at_namespace(project: &Project) -> String {
+    if project.namespace == "default" {
+        String::new()
+    } else {
+        format!(" --namespace {}", project.namespace)
+    }
+}
+
+fn print_yaml(docs: &[Value]) {
+    print!("{}", manifests::to_yaml(docs));
+}
+
+async fn apply_and_report(kube: &Kube, docs: &[Value]) -> anyhow::Result<()> {
+    for a in kube.apply(docs).await? {
+        println!("applied {} {}", a.kind, a.name);
+    }
+    Ok(())
+}
+
+/// Starts helper job `name` (data, test, doctor): a finished one from before is replaced; a
+/// running one is refused, named, rather than silently waited for in place of this request.
+async fn start_helper(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result<()> {
+    if !kube.clear_finished(name).await? {
+        let ns = kube.namespace();
+        anyhow::bail!(
+            "job {name} is still running from an earlier request in namespace {ns}; wait for it \
+             (`trainctl job wait --name {name} --namespace {ns}`) or remove it (`kubectl delete \
+             job {name} -n {ns}`), then run this again"
+        );
+    }
+    for a in kube.launch(name, docs).await? {
+        eprintln!("applied {} {}", a.kind, a.name);
+    }
+    Ok(())
+}
+
+/// Says up front when no node can take pods of `(cpu, memory)` on the job's nodes (a selector
+/// no node has, more CPU or memory than any node has), as the scheduler would only say per pod.
+async fn warn_if_no_node_fits(kube: &Kube, project: &Project, (cpu, memory): (&str, &str)) {
+    if let Some(why) = kube
+        .no_node_fits(project.job.node_selector.as_ref(), cpu, memory)
+        .await
+    {
+        output::warn(&format!(
+            "the pods may never be scheduled: {why} (a cluster that adds nodes on demand can \
+             still schedule them)"
+        ));
+    }
+}
+
+/// Launches a one-pod helper job (data, test), waits for it and prints its logs.
+fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Result<i32> {
+    let name = doc["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    runtime()?.block_on(async {
+        let kube = connect(project).await?;
+        start_helper(&kube, &name, std::slice::from_ref(&doc)).await?;
+        // Its output as it comes (a download's progress), until it has finished.
+        let mut print = |line: &str| println!("{line}");
+        let follow = kube.logs(&name, true, &mut print);
+        if tokio::time::timeout(timeout, follow).await.is_err() {
+            eprintln!("job {name} has not finished after {timeout:?}");
+        }
+        let status = kube.status(&name).await?;
+        if status.phase == Phase::Succeeded {
+            Ok(0)
+        } else {
+            eprint!("{}", status.render());
+            Ok(1)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    /// deploy keeps its own copy (it must not build burn); the two must agree.
+    #[test]
+    fn the_data_job_downloads_what_the_trainer_expects() {
+        assert_eq!(deploy::config::OFFICIAL_URL, trainer::cifar::OFFICIAL_URL);
+        assert_eq!(deploy::config::OFFICIAL_MD5, trainer::cifar::OFFICIAL_MD5);
+        let tiny = trainer::data::Dataset::TinyImageNet.official();
+        assert_eq!(deploy::config::TINY_IMAGENET_URL, tiny.url);
+        assert_eq!(deploy::config::TINY_IMAGENET_MD5, tiny.md5);
+    }
+
+    /// The settings accept exactly the networks the trainer knows.
+    #[test]
+    fn the_job_model_setting_knows_the_trainers_networks() {
+        for name in deploy::config::MODELS {
+            assert!(
+                trainer::model::Architecture::parse(name).is_some(),
+                "{name}"
+            );
+        }
+        let choices = trainer::model::Architecture::CHOICES;
+        assert_eq!(
+            choices.matches(", ").count() + choices.matches(" or ").count() + 1,
+            deploy::config::MODELS.len(),
+            "{choices}"
+        );
+    }
+
+    /// The podFailurePolicy ignores the exit code the workers and the launcher use after a
+    /// SIGTERM and a checkpoint; deploy does not depend on collective, so it keeps a copy.
+    #[test]
+    fn the_failure_policy_knows_the_preempted_exit_code() {
+        assert_eq!(
+            deploy::manifests::PREEMPTED_EXIT_CODE,
+            collective::EXIT_PREEMPTED
+        );
+    }
+}

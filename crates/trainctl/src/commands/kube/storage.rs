@@ -1,0 +1,47 @@
+//! `trainctl storage`: the StorageClass, PersistentVolume and ReadWriteMany claim (applied
+//! only when all of them can be; `--delete` removes them).
+
+use deploy::manifests;
+
+use super::super::project::ProjectArgs;
+use super::{connect, print_yaml, runtime};
+
+#[derive(clap::Args)]
+pub struct StorageArgs {
+    #[command(flatten)]
+    project: ProjectArgs,
+    /// Print the objects instead of creating them.
+    #[arg(long)]
+    dry_run: bool,
+    /// Remove the claim, the volume and the class instead (the data stays on the file system:
+    /// the volume's reclaim policy is Retain). Stop the jobs that use it first.
+    #[arg(long, conflicts_with = "dry_run")]
+    delete: bool,
+}
+
+pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
+    let project = args.project.project()?;
+    let docs = manifests::storage(&project)?;
+    if args.dry_run {
+        print_yaml(&docs);
+        return Ok(0);
+    }
+    runtime()?.block_on(async {
+        let kube = connect(&project).await?;
+        if args.delete {
+            let deleted = kube.delete_storage(&docs).await?;
+            if deleted.is_empty() {
+                println!("no storage {} to delete", project.storage.claim);
+            }
+            for d in deleted {
+                println!("deleted {} {}", d.kind, d.name);
+            }
+        } else {
+            for a in kube.apply_storage(&docs).await? {
+                println!("applied {} {}", a.kind, a.name);
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    Ok(0)
+}
