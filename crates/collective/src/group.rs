@@ -165,6 +165,11 @@ impl ProcessGroup {
 
     /// Copies `root`'s `buf` to every rank, forwarded along the ring segment by segment.
     pub fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), root)
+    }
+
+    /// Copies `root`'s bytes to every rank: integers and records travel exactly, not as floats.
+    pub fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CollectiveError> {
         let n = self.world_size;
         if n == 1 {
             return Ok(());
@@ -182,13 +187,13 @@ impl ProcessGroup {
         if forwards {
             send_header(next, seq, buf.len(), timeout, self.rank)?;
         }
-        for segment in buf.chunks_mut(SEGMENT_FLOATS) {
+        for segment in buf.chunks_mut(SEGMENT_FLOATS * size_of::<f32>()) {
             if receives {
-                read_exact(prev, bytemuck::cast_slice_mut(segment))
+                read_exact(prev, segment)
                     .map_err(|e| link_error(e, "receiving a broadcast", timeout, self.rank, -1))?;
             }
             if forwards {
-                next.write_all(bytemuck::cast_slice(segment)).map_err(|e| {
+                next.write_all(segment).map_err(|e| {
                     link_error(e.into(), "forwarding a broadcast", timeout, self.rank, 1)
                 })?;
             }
@@ -311,7 +316,7 @@ fn recv_header(
     let got_len = u64::from_le_bytes(header[8..].try_into().unwrap_or_default());
     if got_seq != seq || got_len != len as u64 {
         return Err(CollectiveError::Desync(format!(
-            "expected collective #{seq} of {len} floats, the peer sent #{got_seq} of {got_len}: ranks are calling different collectives"
+            "expected collective #{seq} of {len} elements, the peer sent #{got_seq} of {got_len}: ranks are calling different collectives"
         )));
     }
     Ok(())

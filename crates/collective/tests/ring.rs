@@ -91,6 +91,24 @@ fn broadcast_copies_the_root_buffer() {
     }
 }
 
+/// Bytes of any length (not a multiple of a float) travel exactly, across segments.
+#[test]
+fn broadcast_bytes_copies_the_root_bytes() {
+    let bytes =
+        |rank: usize| -> Vec<u8> { (0..300_001).map(|i| (i * 31 + rank * 7) as u8).collect() };
+    for n in [2u32, 3] {
+        let results = on_ranks(n, move |mut g| {
+            let mut buf = bytes(g.rank());
+            g.broadcast_bytes(&mut buf, 1).unwrap();
+            g.barrier().unwrap();
+            buf
+        });
+        for got in &results {
+            assert_eq!(got, &bytes(1), "world {n}");
+        }
+    }
+}
+
 #[test]
 fn repeated_collectives_stay_in_step() {
     let results = on_ranks(3, |mut g| {

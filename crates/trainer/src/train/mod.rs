@@ -182,7 +182,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     // Rank 0's state (fresh or resumed) becomes everyone's.
     let mut header = state.header(resumed);
-    group.broadcast(&mut header, 0)?;
+    group.broadcast_bytes(&mut header, 0)?;
     let resumed = state.apply_header(&header);
     group.broadcast(&mut state.params, 0)?;
     group.broadcast(&mut state.buffers, 0)?;

@@ -8,6 +8,9 @@ use crate::record::Recorder;
 
 use super::{Event, TrainConfig};
 
+/// The resume header's size: a flag and four u64s.
+pub(super) const HEADER_BYTES: usize = 1 + 4 * 8;
+
 /// Everything a checkpoint holds, as flat buffers.
 pub(super) struct TrainState {
     pub(super) progress: Progress,
@@ -129,27 +132,37 @@ impl TrainState {
         Ok(true)
     }
 
-    /// The position as floats for the broadcast: each integer in exact 16-bit pieces.
-    pub(super) fn header(&self, resumed: bool) -> Vec<f32> {
-        let mut h = vec![resumed as u8 as f32];
-        for v in [
+    /// Whether this rank resumed and where training stands, as bytes for the broadcast: the
+    /// flag, then epoch, position, global step and samples seen as whole little-endian u64s.
+    pub(super) fn header(&self, resumed: bool) -> [u8; HEADER_BYTES] {
+        let mut h = [0u8; HEADER_BYTES];
+        h[0] = resumed as u8;
+        for (i, v) in [
             self.progress.epoch as u64,
             self.progress.position as u64,
             self.progress.global_step,
             self.progress.samples_seen,
-        ] {
-            h.extend([(v >> 32) & 0xffff, (v >> 16) & 0xffff, v & 0xffff].map(|p| p as f32));
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            h[1 + 8 * i..9 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
         h
     }
 
-    pub(super) fn apply_header(&mut self, h: &[f32]) -> bool {
-        let v = |i: usize| ((h[i] as u64) << 32) | ((h[i + 1] as u64) << 16) | h[i + 2] as u64;
-        self.progress.epoch = v(1) as usize;
-        self.progress.position = v(4) as usize;
-        self.progress.global_step = v(7);
-        self.progress.samples_seen = v(10);
-        h[0] != 0.0
+    /// Takes rank 0's [`header`](Self::header); returns whether rank 0 resumed.
+    pub(super) fn apply_header(&mut self, h: &[u8; HEADER_BYTES]) -> bool {
+        let v = |i: usize| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&h[1 + 8 * i..9 + 8 * i]);
+            u64::from_le_bytes(word)
+        };
+        self.progress.epoch = v(0) as usize;
+        self.progress.position = v(1) as usize;
+        self.progress.global_step = v(2);
+        self.progress.samples_seen = v(3);
+        h[0] != 0
     }
 
     /// PyTorch's SGD: d = g + wd·p; buf = d on the first step, else momentum·buf + d; p -= lr·buf.
@@ -230,4 +243,47 @@ fn some(classes: &[String]) -> String {
         ""
     };
     format!("{} ({}{more})", classes.len(), shown.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::ModelInfo;
+
+    /// The header carries whole u64s: positions past 2^48 (which the old 16-bit float pieces
+    /// dropped) and every bit of the flag come back exactly.
+    #[test]
+    fn the_resume_header_carries_whole_integers() {
+        let progress = Progress {
+            epoch: 7,
+            position: (1 << 50) + 3,
+            global_step: u64::MAX - 1,
+            samples_seen: (1 << 48) + 1,
+            seed: 5,
+            world_size: 2,
+            dataset_len: 50_000,
+            batch_size: 128,
+            learning_rate: 1e-3,
+            momentum: 0.9,
+            weight_decay: 1e-4,
+        };
+        let state = |progress: Progress| TrainState {
+            progress,
+            info: ModelInfo::seed_cifar(),
+            params: vec![],
+            buffers: vec![],
+            momentum: vec![],
+        };
+        let header = state(progress.clone()).header(true);
+        let mut other = state(Progress {
+            epoch: 0,
+            position: 0,
+            global_step: 0,
+            samples_seen: 0,
+            ..progress.clone()
+        });
+        assert!(other.apply_header(&header));
+        assert_eq!(other.progress, progress);
+        assert!(!other.apply_header(&state(progress).header(false)));
+    }
 }
