@@ -487,11 +487,12 @@ pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Optio
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::{SeedCnn, snapshot};
 
-    fn progress() -> Progress {
+    /// A mid-run position, for tests that need one.
+    pub(crate) fn progress() -> Progress {
         Progress {
             epoch: 3,
             position: 1280,

@@ -226,7 +226,7 @@ impl Kube {
     /// What a training job needs from the cluster, asked before anything is written: a server
     /// recent enough for the Job's fields, the namespace, and the PyTorchJob CRD when the job
     /// is one.
-    pub async fn preflight(&self, docs: &[Value]) -> Result<(), ApiError> {
+    async fn preflight(&self, docs: &[Value]) -> Result<(), ApiError> {
         if docs.iter().any(|d| d["kind"] == "Job") {
             let info = self
                 .client

@@ -145,45 +145,44 @@ impl Kube {
                     .collect()
             })
             .unwrap_or_default();
-        let client = if paths.is_empty() {
-            Client::try_default()
+        if paths.is_empty() {
+            let client = Client::try_default()
                 .await
-                .map_err(|e| ApiError::Unreachable(error::error_chain(&e)))?
+                .map_err(|e| ApiError::Unreachable(error::error_chain(&e)))?;
+            return Ok(Kube::new(client, namespace));
+        }
+        let unreadable = |e: kube::config::KubeconfigError| {
+            ApiError::Unreachable(format!("reading KUBECONFIG: {e}"))
+        };
+        let existing: Vec<_> = paths.iter().filter(|p| p.exists()).collect();
+        let config = if existing.is_empty() {
+            // As kubectl and kube-rs do without a kubeconfig: the pod's service account.
+            kube::Config::incluster().map_err(|_| {
+                ApiError::Unreachable(format!(
+                    "KUBECONFIG names no file that exists ({}), and this is not a pod with a \
+                     service account",
+                    paths
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?
         } else {
-            let unreadable = |e: kube::config::KubeconfigError| {
-                ApiError::Unreachable(format!("reading KUBECONFIG: {e}"))
-            };
-            let existing: Vec<_> = paths.iter().filter(|p| p.exists()).collect();
-            if existing.is_empty() {
-                // As kubectl and kube-rs do without a kubeconfig: the pod's service account.
-                let config = kube::Config::incluster().map_err(|_| {
-                    ApiError::Unreachable(format!(
-                        "KUBECONFIG names no file that exists ({}), and this is not a pod with \
-                         a service account",
-                        paths
-                            .iter()
-                            .map(|p| p.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ))
-                })?;
-                let client = Client::try_from(config).map_err(unusable_credentials)?;
-                return Ok(Kube::new(client, namespace));
-            }
             let mut merged = kube::config::Kubeconfig::default();
             for path in existing {
                 merged = merged
                     .merge(kube::config::Kubeconfig::read_from(path).map_err(unreadable)?)
                     .map_err(unreadable)?;
             }
-            let config = kube::Config::from_custom_kubeconfig(
+            kube::Config::from_custom_kubeconfig(
                 merged,
                 &kube::config::KubeConfigOptions::default(),
             )
             .await
-            .map_err(unreadable)?;
-            Client::try_from(config).map_err(unusable_credentials)?
+            .map_err(unreadable)?
         };
+        let client = Client::try_from(config).map_err(unusable_credentials)?;
         Ok(Kube::new(client, namespace))
     }
 

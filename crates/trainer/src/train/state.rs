@@ -259,13 +259,7 @@ mod tests {
             position: (1 << 50) + 3,
             global_step: u64::MAX - 1,
             samples_seen: (1 << 48) + 1,
-            seed: 5,
-            world_size: 2,
-            dataset_len: 50_000,
-            batch_size: 128,
-            learning_rate: 1e-3,
-            momentum: 0.9,
-            weight_decay: 1e-4,
+            ..crate::checkpoint::tests::progress()
         };
         let state = |progress: Progress| TrainState {
             progress,
