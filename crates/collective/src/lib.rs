@@ -7,6 +7,7 @@
 //!
 //! Invariant: buffers travel as little-endian `f32` (every platform trainctl targets).
 
+pub mod bench;
 mod group;
 pub mod store;
 pub mod wire;

@@ -6,6 +6,7 @@
 //! deterministic: the same inputs give bit-identical outputs whatever the thread count, which
 //! data-parallel training relies on (every rank must hold the same weights).
 
+pub mod bench;
 pub mod conv;
 pub mod layout;
 pub mod matmul;

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::Mutex;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use trainer::cifar::DataProgress;
+use trainer::data::DataProgress;
 use trainer::train::Event;
 
 /// The progress bar on screen, if any.

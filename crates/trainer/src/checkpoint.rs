@@ -15,11 +15,11 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
-use crate::cifar::CLASS_NAMES;
 use crate::data::Normalisation;
+use crate::data::cifar::CLASS_NAMES;
 use crate::error::{IoContext, Result, TrainError};
+use crate::model::resnet::Arch;
 use crate::model::{Architecture, Entry, Snapshot};
-use crate::resnet::Arch;
 
 const MAGIC: &[u8; 16] = b"TRAINCTL-CKPT\0v1";
 const HEADER: usize = 16 + 8 + 4;
@@ -484,6 +484,18 @@ pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Optio
         buffers,
         momentum,
     }))
+}
+
+/// Reads and verifies a checkpoint (envelope, checksum, tensor names and shapes of the
+/// network it describes) and returns where its training stands.
+pub fn inspect_checkpoint(path: &Path) -> Result<Progress> {
+    match load_checkpoint(path, None)? {
+        Some(ckpt) => Ok(ckpt.progress),
+        None => Err(TrainError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no checkpoint there"),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, TensorData};
 use crate::checkpoint::{ModelInfo, read_model};
 use crate::data::augment;
 use crate::data::loader::{Loader, LoaderOptions};
-use crate::data::{Augment, DataSet};
+use crate::data::{Augment, Samples};
 use crate::device::inference_device;
 use crate::error::{Result, TrainError};
 use crate::model::{Architecture, Model, load, snapshot, to_vec};
@@ -212,7 +212,7 @@ fn top_k(p: &[f32], k: usize) -> Vec<usize> {
 /// handed to `unreadable`; `progress` hears (images done, images in all) after each batch.
 pub fn evaluate(
     model: &Model,
-    data: &Arc<DataSet>,
+    data: &Arc<Samples>,
     indices: &[usize],
     batch_size: usize,
     threads: usize,
@@ -306,18 +306,6 @@ pub fn predict(loaded: &Loaded, images: &[&Path]) -> Result<Vec<Prediction>> {
         .collect())
 }
 
-/// Reads and verifies a checkpoint (envelope, checksum, tensor names and shapes of the
-/// network it describes) and returns where its training stands.
-pub fn inspect_checkpoint(path: &Path) -> Result<crate::checkpoint::Progress> {
-    match crate::checkpoint::load_checkpoint(path, None)? {
-        Some(ckpt) => Ok(ckpt.progress),
-        None => Err(crate::TrainError::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no checkpoint there"),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,7 +317,7 @@ mod tests {
     #[test]
     fn report_has_the_seed_format() {
         let mut c = Confusion::new(
-            crate::cifar::CLASS_NAMES
+            crate::data::cifar::CLASS_NAMES
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),

@@ -4,16 +4,13 @@
 
 pub mod bench;
 pub mod checkpoint;
-pub mod cifar;
 pub mod data;
 pub mod device;
 mod error;
 pub mod eval;
 pub mod model;
-pub mod ops;
-pub mod record;
-pub mod resnet;
-pub mod sampler;
+pub(crate) mod ops;
+pub(crate) mod sampler;
 pub mod train;
 
 pub use error::{Result, TrainError};

@@ -74,7 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         bail!("--image-size {}: {problem}", args.image_size);
     }
     if args.layers {
-        for t in trainer::bench::conv_layers(1, args.batch_size, args.steps) {
+        for t in kernels::bench::conv_layers(1, args.batch_size, args.steps) {
             println!("{}", serde_json::to_string(&t)?);
         }
         return Ok(0);
@@ -122,10 +122,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     .params
     .len();
     for ranks in &args.ranks {
-        let t = trainer::bench::all_reduce(*ranks, floats, args.repeats)?;
+        let t = collective::bench::all_reduce(*ranks, floats, args.repeats)?;
         println!("{}", serde_json::to_string(&t)?);
     }
-    let copy = trainer::bench::loopback_copy(floats * 4, args.repeats)?;
+    let copy = collective::bench::loopback_copy(floats * 4, args.repeats)?;
     println!(
         "{}",
         serde_json::json!({ "loopback_tcp_copy_bytes": floats * 4, "gbytes_per_s": copy })

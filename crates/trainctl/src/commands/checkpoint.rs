@@ -12,7 +12,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let progress = trainer::eval::inspect_checkpoint(&args.path)?;
+    let progress = trainer::checkpoint::inspect_checkpoint(&args.path)?;
     crate::output::checkpoint(&args.path, &progress, args.json);
     Ok(0)
 }

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use trainer::cifar::synthetic;
 use trainer::data;
+use trainer::data::synthetic;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -118,7 +118,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             crate::output::staged(&from, &dir, &summary, false);
             // The data set's official archive, as the seed tutorials keep it in S3: extracted
             // once here rather than by every worker that finds it.
-            let archive = data::Dataset::ALL
+            let archive = data::DatasetName::ALL
                 .into_iter()
                 .find(|d| dir.join(d.archive_file()).is_file());
             if let (Some(dataset), None, false) = (archive, data::Layout::locate(&dir), no_extract)
@@ -152,7 +152,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                     "--classes {classes} --image-size {image_size}: need at least one class and 2 pixels"
                 );
             }
-            let spec = data::synth::FolderSpec {
+            let spec = data::synthetic::FolderSpec {
                 classes,
                 train_per_class: train.div_ceil(classes),
                 val_per_class: test.div_ceil(classes),
@@ -160,7 +160,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                 tiny_layout: tiny,
                 seed: 1,
             };
-            data::synth::write_folder(&out, &spec)?;
+            data::synthetic::write_folder(&out, &spec)?;
             println!(
                 "wrote {} training and {} validation images of {classes} classes to {}",
                 spec.train_per_class * classes,
@@ -175,7 +175,7 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             python,
             ..
         } => {
-            let (tr, te) = (synthetic::generate(train, 1), synthetic::generate(test, 2));
+            let (tr, te) = (synthetic::cifar(train, 1), synthetic::cifar(test, 2));
             if python {
                 synthetic::write_python(&out, &tr, &te)?;
             } else {

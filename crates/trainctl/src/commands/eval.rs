@@ -101,7 +101,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
 }
 
 fn write_confusion(path: &Path, confusion: &trainer::eval::Confusion) -> anyhow::Result<()> {
-    let record = trainer::record::eval_record(0, 0, confusion);
+    let record = trainer::train::record::eval_record(0, 0, confusion);
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     if ext.eq_ignore_ascii_case("png") {
         return Ok(report::confusion_png(&record, path)?);

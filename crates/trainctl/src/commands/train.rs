@@ -10,8 +10,8 @@ use anyhow::{Context, bail};
 
 use collective::{CollectiveError, World};
 use trainer::TrainError;
-use trainer::cifar::DownloadOptions;
-use trainer::data::{Augment, Dataset};
+use trainer::data::DownloadOptions;
+use trainer::data::{Augment, DatasetName};
 use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
 
@@ -223,17 +223,17 @@ pub(crate) fn parse_model(name: &str) -> anyhow::Result<Architecture> {
     }
 }
 
-pub(crate) fn parse_dataset(name: &str) -> anyhow::Result<Dataset> {
-    match Dataset::parse(name) {
+pub(crate) fn parse_dataset(name: &str) -> anyhow::Result<DatasetName> {
+    match DatasetName::parse(name) {
         Some(d) => Ok(d),
-        None => bail!("--dataset {name:?}: choose {}", Dataset::CHOICES),
+        None => bail!("--dataset {name:?}: choose {}", DatasetName::CHOICES),
     }
 }
 
 /// The official archive of `dataset`, or the mirror and checksum given. A mirror's size is
 /// not known; its MD5 still is checked.
 pub(crate) fn download_options(
-    dataset: Dataset,
+    dataset: DatasetName,
     enabled: bool,
     url: Option<String>,
     md5: Option<String>,

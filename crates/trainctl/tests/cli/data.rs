@@ -1,13 +1,11 @@
 //! Getting the data: download from a local HTTP server, MD5 checks, missing data.
 
 use md5::{Digest, Md5};
-use trainer::cifar::synthetic;
 
 use crate::support::*;
 
 fn archive() -> (Vec<u8>, String) {
-    let bytes = synthetic::binary_archive(&synthetic::generate(50, 1), &synthetic::generate(20, 2))
-        .unwrap();
+    let bytes = cifar_archive(50, 20);
     let md5 = format!("{:x}", Md5::digest(&bytes));
     (bytes, md5)
 }
@@ -95,7 +93,7 @@ fn an_archive_with_the_wrong_md5_is_refused() {
             .arg(dir.path()),
     );
     assert!(
-        err.contains("MD5") && err.contains(trainer::cifar::OFFICIAL_MD5),
+        err.contains("MD5") && err.contains(trainer::data::cifar::OFFICIAL_MD5),
         "{err}"
     );
     let leftovers: Vec<_> = std::fs::read_dir(&data).unwrap().collect();

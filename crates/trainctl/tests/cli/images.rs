@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use trainer::data::synth::{FolderSpec, write_folder};
+use trainer::data::synthetic::{FolderSpec, write_folder};
 
 use crate::support::*;
 

@@ -153,7 +153,7 @@ fn torchvision_loads_the_resnet_model_files_and_predicts_the_same() {
     };
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let spec = trainer::data::synth::FolderSpec {
+    let spec = trainer::data::synthetic::FolderSpec {
         classes: 6,
         train_per_class: 8,
         val_per_class: 1,
@@ -161,7 +161,7 @@ fn torchvision_loads_the_resnet_model_files_and_predicts_the_same() {
         tiny_layout: false,
         seed: 4,
     };
-    trainer::data::synth::write_folder(&data, &spec).unwrap();
+    trainer::data::synthetic::write_folder(&data, &spec).unwrap();
     // PNG copies of the validation images: both sides decode a PNG to the same pixels (JPEG
     // decoders may differ in the last bit).
     let images: Vec<PathBuf> = (0..spec.classes)

@@ -328,11 +328,7 @@ fn run_fetches_the_program_from_s3_before_starting_its_workers() {
 fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     use md5::Digest;
     let server = S3Server::start();
-    let bytes = trainer::cifar::synthetic::binary_archive(
-        &trainer::cifar::synthetic::generate(64, 1),
-        &trainer::cifar::synthetic::generate(32, 2),
-    )
-    .unwrap();
+    let bytes = cifar_archive(64, 32);
     let md5 = format!("{:x}", md5::Md5::digest(&bytes));
     let upload = tempfile::tempdir().unwrap();
     std::fs::write(upload.path().join("cifar-10-binary.tar.gz"), &bytes).unwrap();
@@ -350,7 +346,7 @@ fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     ]));
     assert!(
         err.contains("cifar-10-binary.tar.gz")
-            && err.contains(&format!("expected {}", trainer::cifar::OFFICIAL_SIZE))
+            && err.contains(&format!("expected {}", trainer::data::cifar::OFFICIAL_SIZE))
             && err.contains("replace it with the official archive")
             && err.contains("--no-extract"),
         "{err}"

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use trainer::cifar::synthetic;
+use trainer::data::synthetic;
 
 pub fn trainctl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainctl"));
@@ -24,6 +24,33 @@ pub fn trainctl() -> Command {
     cmd
 }
 
+/// A `.tar.gz` laid out like CIFAR-10's official binary archive (`cifar-10-batches-bin/...`),
+/// holding `train` and `test` generated images.
+pub fn cifar_archive(train: usize, test: usize) -> Vec<u8> {
+    use std::io::Write;
+    let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    let mut tar = tar::Builder::new(gz);
+    for (name, images) in [
+        ("data_batch_1.bin", synthetic::cifar(train, 1)),
+        ("test_batch.bin", synthetic::cifar(test, 2)),
+    ] {
+        let bytes = synthetic::binary_bytes(&images);
+        let mut header = tar::Header::new_gnu();
+        header.set_size(bytes.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        tar.append_data(
+            &mut header,
+            format!("{}/{name}", trainer::data::cifar::BIN_DIR),
+            &bytes[..],
+        )
+        .unwrap();
+    }
+    let mut gz = tar.into_inner().unwrap();
+    gz.flush().unwrap();
+    gz.finish().unwrap()
+}
+
 /// A temporary directory with a small learnable data set in `data/`.
 pub struct Job {
     pub dir: tempfile::TempDir,
@@ -34,8 +61,8 @@ impl Job {
         let dir = tempfile::tempdir().unwrap();
         synthetic::write_binary(
             &dir.path().join("data"),
-            &synthetic::generate(train, 1),
-            &synthetic::generate(test, 2),
+            &synthetic::cifar(train, 1),
+            &synthetic::cifar(test, 2),
         )
         .unwrap();
         Job { dir }

@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 
 use rayon::prelude::*;
 
-use super::DataSet;
+use super::Samples;
 use super::augment::{Augment, sample_seed};
 
 /// How batches are prepared.
@@ -49,7 +49,7 @@ impl Loader {
     /// Starts preparing `plan` (batches of sample indices, in the order they will be asked
     /// for). Fails only if the decoding pool cannot be made.
     pub fn start(
-        data: Arc<DataSet>,
+        data: Arc<Samples>,
         plan: Vec<Vec<usize>>,
         opts: LoaderOptions,
     ) -> std::io::Result<Loader> {
@@ -85,7 +85,7 @@ impl Drop for Loader {
 }
 
 fn prepare_all(
-    data: &DataSet,
+    data: &Samples,
     plan: Vec<Vec<usize>>,
     opts: &LoaderOptions,
     pool: &rayon::ThreadPool,
@@ -100,7 +100,7 @@ fn prepare_all(
 }
 
 /// Decodes, augments and normalises the images of `indices` in parallel.
-pub fn prepare(data: &DataSet, indices: &[usize], opts: &LoaderOptions) -> Batch {
+pub fn prepare(data: &Samples, indices: &[usize], opts: &LoaderOptions) -> Batch {
     let floats = data.image_floats();
     let mut pixels = vec![0.0f32; indices.len() * floats];
     let outcomes: Vec<Result<(), String>> = pixels
@@ -136,10 +136,10 @@ pub fn prepare(data: &DataSet, indices: &[usize], opts: &LoaderOptions) -> Batch
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::synth::{FolderSpec, write_folder};
+    use crate::data::synthetic::{FolderSpec, write_folder};
     use crate::data::{Layout, Split};
 
-    fn data(dir: &std::path::Path) -> Arc<DataSet> {
+    fn data(dir: &std::path::Path) -> Arc<Samples> {
         let spec = FolderSpec {
             classes: 3,
             train_per_class: 5,

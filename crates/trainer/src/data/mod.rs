@@ -1,21 +1,25 @@
 //! What the trainer trains and evaluates on: CIFAR-10 (both official layouts) and image folders
-//! (torchvision's `ImageFolder` layout and tiny-imagenet-200's own), behind one [`DataSet`],
+//! (torchvision's `ImageFolder` layout and tiny-imagenet-200's own), behind one [`Samples`],
 //! with training augmentation that is a pure function of (seed, epoch, sample) and a
 //! [`loader::Loader`] that decodes the next batches in parallel while the current step runs.
 
-pub mod augment;
-pub mod folder;
-pub mod loader;
-pub mod synth;
-pub mod tiny;
+pub(crate) mod archive;
+pub(crate) mod augment;
+pub mod cifar;
+pub(crate) mod folder;
+pub(crate) mod loader;
+pub mod synthetic;
+pub(crate) mod tiny;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::cifar::{self, Archive, DataProgress, DownloadOptions, IMAGE_BYTES, fetch_into};
 use crate::error::{Result, TrainError};
+use archive::{Archive, extract_present, fetch_into};
+use cifar::IMAGE_BYTES;
 
+pub use archive::{DataProgress, DownloadOptions};
 pub use augment::Augment;
 
 /// How pixels become the network's inputs.
@@ -44,27 +48,27 @@ impl Normalisation {
 
 /// Which data set `--dataset` downloads when `--data` holds none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dataset {
+pub enum DatasetName {
     Cifar10,
     TinyImageNet,
 }
 
-impl Dataset {
+impl DatasetName {
     pub const CHOICES: &str = "cifar10 or tiny-imagenet";
-    pub const ALL: [Dataset; 2] = [Dataset::Cifar10, Dataset::TinyImageNet];
+    pub const ALL: [DatasetName; 2] = [DatasetName::Cifar10, DatasetName::TinyImageNet];
 
-    pub fn parse(name: &str) -> Option<Dataset> {
+    pub fn parse(name: &str) -> Option<DatasetName> {
         match name {
-            "cifar10" | "cifar-10" => Some(Dataset::Cifar10),
-            "tiny-imagenet" | "tiny-imagenet-200" => Some(Dataset::TinyImageNet),
+            "cifar10" | "cifar-10" => Some(DatasetName::Cifar10),
+            "tiny-imagenet" | "tiny-imagenet-200" => Some(DatasetName::TinyImageNet),
             _ => None,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Dataset::Cifar10 => "cifar10",
-            Dataset::TinyImageNet => "tiny-imagenet",
+            DatasetName::Cifar10 => "cifar10",
+            DatasetName::TinyImageNet => "tiny-imagenet",
         }
     }
 
@@ -75,16 +79,16 @@ impl Dataset {
 
     fn archive(self) -> &'static Archive {
         match self {
-            Dataset::Cifar10 => &cifar::CIFAR,
-            Dataset::TinyImageNet => &tiny::TINY,
+            DatasetName::Cifar10 => &cifar::CIFAR,
+            DatasetName::TinyImageNet => &tiny::TINY,
         }
     }
 
     /// The official archive's address, MD5 and size.
     pub fn official(self) -> DownloadOptions {
         match self {
-            Dataset::Cifar10 => DownloadOptions::default(),
-            Dataset::TinyImageNet => DownloadOptions {
+            DatasetName::Cifar10 => DownloadOptions::default(),
+            DatasetName::TinyImageNet => DownloadOptions {
                 enabled: true,
                 url: tiny::OFFICIAL_URL.into(),
                 md5: tiny::OFFICIAL_MD5.into(),
@@ -144,7 +148,7 @@ impl Layout {
 
     /// Reads one split: CIFAR-10 into memory; an image folder's file list (the images are
     /// decoded by the loader, cached up to `cache_bytes`).
-    pub fn open(&self, split: Split, image_size: usize, cache_bytes: u64) -> Result<DataSet> {
+    pub fn open(&self, split: Split, image_size: usize, cache_bytes: u64) -> Result<Samples> {
         match self {
             Layout::Cifar(layout) => {
                 if image_size != 32 {
@@ -156,7 +160,7 @@ impl Layout {
                     Split::Train => cifar::Split::Train,
                     Split::Eval => cifar::Split::Test,
                 })?;
-                Ok(DataSet {
+                Ok(Samples {
                     source: Source::Cifar(data),
                     classes: cifar::CLASS_NAMES.iter().map(|c| c.to_string()).collect(),
                     image_size,
@@ -165,7 +169,7 @@ impl Layout {
             }
             Layout::Folder(layout) => {
                 let (classes, images) = layout.scan(split, image_size, cache_bytes)?;
-                Ok(DataSet {
+                Ok(Samples {
                     source: Source::Folder(images),
                     classes,
                     image_size,
@@ -181,7 +185,7 @@ impl Layout {
 /// downloaded there first. Safe against concurrent callers sharing `dir` (see [`fetch_into`]).
 pub fn ensure(
     dir: &Path,
-    which: Dataset,
+    which: DatasetName,
     opts: &DownloadOptions,
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<Layout> {
@@ -189,7 +193,7 @@ pub fn ensure(
         return Ok(layout);
     }
     let archive = which.archive();
-    let source = if cifar::extract_present(dir, opts, archive, progress)? {
+    let source = if extract_present(dir, opts, archive, progress)? {
         dir.join(archive.file).display().to_string()
     } else if opts.enabled {
         fetch_into(dir, opts, archive, progress)?;
@@ -217,7 +221,7 @@ pub fn ensure(
 }
 
 /// One split of a data set.
-pub struct DataSet {
+pub struct Samples {
     source: Source,
     /// Class names, by label.
     pub classes: Vec<String>,
@@ -227,11 +231,11 @@ pub struct DataSet {
 }
 
 enum Source {
-    Cifar(cifar::Dataset),
+    Cifar(cifar::CifarImages),
     Folder(folder::Images),
 }
 
-impl DataSet {
+impl Samples {
     pub fn len(&self) -> usize {
         match &self.source {
             Source::Cifar(d) => d.len(),

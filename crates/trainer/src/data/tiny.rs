@@ -2,12 +2,8 @@
 //! published size and MD5, extracted into a staging folder and renamed into place, so a
 //! crash or a second node never leaves half a data set where the trainer looks.
 
-use std::io::Read;
-use std::path::Path;
-
+use super::archive::{Archive, unzip};
 use super::folder::{Layout, TINY_DIR};
-use crate::cifar::{Archive, DataProgress};
-use crate::error::{IoContext, Result, TrainError};
 
 pub const OFFICIAL_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
 /// As the data set loaders of ContinualAI/avalanche (benchmarks/datasets/tiny_imagenet) and
@@ -21,63 +17,14 @@ pub(crate) const TINY: Archive = Archive {
     what: "tiny-imagenet-200",
     file: "tiny-imagenet-200.zip",
     folder: TINY_DIR,
-    unpack,
+    unpack: unzip,
     present: |dir| Layout::locate(dir).is_some(),
 };
-
-/// The zip at `archive` into the folder `staging`. Entries whose names would leave it are
-/// refused.
-fn unpack(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
-    let bad = |problem: String| TrainError::BadData {
-        path: archive.to_path_buf(),
-        problem: format!("cannot extract: {problem}"),
-    };
-    let file = std::fs::File::open(archive).at(archive)?;
-    let total = file.metadata().at(archive)?.len();
-    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
-        .map_err(|e| bad(format!("not a zip archive ({e})")))?;
-    let mut done = 0u64;
-    let mut buf = vec![0u8; 256 * 1024];
-    for i in 0..zip.len() {
-        let mut entry = zip.by_index(i).map_err(|e| bad(e.to_string()))?;
-        let Some(name) = entry.enclosed_name() else {
-            return Err(bad(format!(
-                "entry {:?} would be written outside the folder",
-                entry.name()
-            )));
-        };
-        let target = staging.join(name);
-        if entry.is_dir() {
-            std::fs::create_dir_all(&target).at(&target)?;
-            continue;
-        }
-        if let Some(parent) = target.parent() {
-            std::fs::create_dir_all(parent).at(parent)?;
-        }
-        let mut out = std::fs::File::create(&target).at(&target)?;
-        loop {
-            let n = entry
-                .read(&mut buf)
-                .map_err(|e| bad(format!("{}: {e}", target.display())))?;
-            if n == 0 {
-                break;
-            }
-            std::io::Write::write_all(&mut out, &buf[..n]).at(&target)?;
-        }
-        let before = done;
-        done += entry.compressed_size();
-        if done / (1 << 20) != before / (1 << 20) {
-            progress(DataProgress::Extracting { done, total });
-        }
-    }
-    progress(DataProgress::Extracting { done: total, total });
-    Ok(())
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cifar::extract;
+    use crate::data::archive::extract;
     use std::io::Write;
 
     fn zip_of(entries: &[(&str, &[u8])]) -> Vec<u8> {

@@ -81,7 +81,7 @@ fn conv(c_in: usize, c_out: usize, kernel: usize, stride: usize, padding: usize)
 
 #[test]
 fn seed_cnn_layers_match_burn() {
-    for (c_in, c_out, size) in crate::bench::CONV_LAYERS.map(|(_, i, o, s)| (i, o, s)) {
+    for (c_in, c_out, size) in kernels::bench::CONV_LAYERS.map(|(_, i, o, s)| (i, o, s)) {
         compare(&conv(c_in, c_out, 3, 1, 1), [3, c_in, size, size], true);
     }
 }

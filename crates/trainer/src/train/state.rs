@@ -1,10 +1,10 @@
 //! Everything a checkpoint holds, as flat buffers, and what is done to it: fresh start,
 //! resume (refusing a checkpoint of another run), the broadcast header, the SGD update.
 
+use super::record::Recorder;
 use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint};
 use crate::error::{Result, TrainError};
 use crate::model::Snapshot;
-use crate::record::Recorder;
 
 use super::{Event, TrainConfig};
 

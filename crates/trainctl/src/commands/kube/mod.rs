@@ -145,9 +145,15 @@ mod tests {
     /// deploy keeps its own copy (it must not build burn); the two must agree.
     #[test]
     fn the_data_job_downloads_what_the_trainer_expects() {
-        assert_eq!(deploy::config::OFFICIAL_URL, trainer::cifar::OFFICIAL_URL);
-        assert_eq!(deploy::config::OFFICIAL_MD5, trainer::cifar::OFFICIAL_MD5);
-        let tiny = trainer::data::Dataset::TinyImageNet.official();
+        assert_eq!(
+            deploy::config::OFFICIAL_URL,
+            trainer::data::cifar::OFFICIAL_URL
+        );
+        assert_eq!(
+            deploy::config::OFFICIAL_MD5,
+            trainer::data::cifar::OFFICIAL_MD5
+        );
+        let tiny = trainer::data::DatasetName::TinyImageNet.official();
         assert_eq!(deploy::config::TINY_IMAGENET_URL, tiny.url);
         assert_eq!(deploy::config::TINY_IMAGENET_MD5, tiny.md5);
     }

@@ -1,13 +1,115 @@
-//! Generated image folders with structure a ResNet learns in a few dozen steps, in the
-//! `ImageFolder` layout or tiny-imagenet-200's: for tests, benchmarks and trying things out.
+//! Generated data sets with structure a network learns in a few steps, for tests, benchmarks
+//! and trying things out (`trainctl data synth`):
 //!
-//! Each class is a colour (hues spread around the wheel) painted as a square at a random
-//! place on a noisy grey background, so crops and flips keep the class and a network must
-//! look at colour, not position.
+//! - CIFAR-format ([`cifar`], written in both official layouts): each class has its own pair of
+//!   colour (which channels are lit) and stripe orientation, under noise; the seed CNN learns it.
+//! - Image folders ([`write_folder`], in the `ImageFolder` layout or tiny-imagenet-200's): each
+//!   class is a colour (hues spread around the wheel) painted as a square at a random place on a
+//!   noisy grey background, so crops and flips keep the class and a network must look at
+//!   colour, not position; a ResNet learns it in a few dozen steps.
 
 use std::path::Path;
 
 use image::{Rgb, RgbImage};
+
+use super::cifar::{CLASS_NAMES, CifarImages, IMAGE_BYTES, NUM_CLASSES};
+
+/// `n` images, classes in rotation, reproducible from `seed`.
+pub fn cifar(n: usize, seed: u64) -> CifarImages {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut noise = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) % 64) as i32 - 32
+    };
+    let mut out = CifarImages::default();
+    for i in 0..n {
+        let class = i % NUM_CLASSES;
+        out.labels.push(class as u8);
+        for channel in 0..3 {
+            // Colour: each class lights a different mix of channels.
+            let base = if (class >> channel) & 1 == 1 { 170 } else { 60 };
+            for y in 0..32 {
+                for x in 0..32 {
+                    // Colours repeat after 8 classes; the orientation tells 8 and 9 apart.
+                    let orientation = if class >= 8 { class - 6 } else { class % 2 };
+                    let stripe = match orientation {
+                        0 => y % 8 < 4,
+                        1 => x % 8 < 4,
+                        2 => (x + y) % 8 < 4,
+                        _ => (x + 32 - y) % 8 < 4,
+                    };
+                    let v = base + if stripe { 40 } else { -40 } + noise();
+                    out.images.push(v.clamp(0, 255) as u8);
+                }
+            }
+        }
+    }
+    debug_assert_eq!(out.images.len(), n * IMAGE_BYTES);
+    out
+}
+
+/// Writes `train` as `data_batch_1.bin` and `test` as `test_batch.bin` in `dir`.
+pub fn write_binary(dir: &Path, train: &CifarImages, test: &CifarImages) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("data_batch_1.bin"), binary_bytes(train))?;
+    std::fs::write(dir.join("test_batch.bin"), binary_bytes(test))?;
+    std::fs::write(dir.join("batches.meta.txt"), CLASS_NAMES.join("\n"))?;
+    Ok(())
+}
+
+pub fn binary_bytes(d: &CifarImages) -> Vec<u8> {
+    let mut out = Vec::with_capacity(d.len() * (IMAGE_BYTES + 1));
+    for i in 0..d.len() {
+        out.push(d.labels[i]);
+        out.extend_from_slice(d.image(i));
+    }
+    out
+}
+
+/// Writes `train` as `data_batch_1` and `test` as `test_batch` in `dir`, pickled the way the
+/// official python files are (protocol 2, numpy array through `_reconstruct`).
+pub fn write_python(dir: &Path, train: &CifarImages, test: &CifarImages) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("data_batch_1"), python_bytes(train))?;
+    std::fs::write(dir.join("test_batch"), python_bytes(test))?;
+    Ok(())
+}
+
+pub fn python_bytes(d: &CifarImages) -> Vec<u8> {
+    let mut p = vec![0x80, 2, b'}', b'('];
+    let short = |p: &mut Vec<u8>, s: &[u8]| {
+        p.push(b'U');
+        p.push(s.len() as u8);
+        p.extend_from_slice(s);
+    };
+    short(&mut p, b"labels");
+    p.extend_from_slice(b"](");
+    for &l in &d.labels {
+        p.extend_from_slice(&[b'K', l]);
+    }
+    p.push(b'e');
+    short(&mut p, b"data");
+    p.extend_from_slice(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85");
+    short(&mut p, b"b");
+    p.extend_from_slice(b"\x87R(K\x01");
+    p.push(b'J');
+    p.extend_from_slice(&(d.len() as u32).to_le_bytes());
+    p.push(b'M');
+    p.extend_from_slice(&(IMAGE_BYTES as u16).to_le_bytes());
+    p.extend_from_slice(b"\x86cnumpy\ndtype\n");
+    short(&mut p, b"u1");
+    p.extend_from_slice(b"K\x00K\x01\x87R(K\x03");
+    short(&mut p, b"|");
+    p.extend_from_slice(b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89T");
+    p.extend_from_slice(&(d.images.len() as u32).to_le_bytes());
+    p.extend_from_slice(&d.images);
+    p.extend_from_slice(b"tbu.");
+    p
+}
 
 /// What to generate.
 #[derive(Debug, Clone, Copy)]

@@ -1,18 +1,24 @@
-//! CIFAR-10 on disk: both official layouts, detection, loading, download, and a generator of
-//! small CIFAR-format data sets with learnable structure (for tests and quick tries).
+//! CIFAR-10 on disk: both official layouts, detection, loading, and the official archive.
 
-mod download;
 mod pickle;
-pub mod synthetic;
-
-#[cfg(test)]
-pub(crate) use download::extract;
-pub(crate) use download::{Archive, CIFAR, extract_present, fetch_into};
-pub use download::{DataProgress, DownloadOptions, OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL};
 
 use std::path::{Path, PathBuf};
 
+use super::archive::{Archive, untar_gz};
 use crate::error::{IoContext, Result, TrainError};
+
+pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
+pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
+pub const OFFICIAL_SIZE: u64 = 170_052_171;
+
+/// CIFAR-10's binary archive.
+pub(crate) const CIFAR: Archive = Archive {
+    what: "CIFAR-10",
+    file: "cifar-10-binary.tar.gz",
+    folder: BIN_DIR,
+    unpack: untar_gz,
+    present: |dir| Layout::locate(dir).is_some(),
+};
 
 pub const IMAGE_BYTES: usize = 3 * 32 * 32;
 pub const NUM_CLASSES: usize = 10;
@@ -25,12 +31,12 @@ pub const PY_DIR: &str = "cifar-10-batches-py";
 
 /// Images as CIFAR stores them: per image 1024 red, 1024 green, then 1024 blue bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Dataset {
+pub struct CifarImages {
     pub images: Vec<u8>,
     pub labels: Vec<u8>,
 }
 
-impl Dataset {
+impl CifarImages {
     pub fn len(&self) -> usize {
         self.labels.len()
     }
@@ -108,8 +114,8 @@ impl Layout {
         }
     }
 
-    pub fn load(&self, split: Split) -> Result<Dataset> {
-        let mut all = Dataset::default();
+    pub fn load(&self, split: Split) -> Result<CifarImages> {
+        let mut all = CifarImages::default();
         for file in self.files(split) {
             let bytes = std::fs::read(&file).at(&file)?;
             let part = match self {
@@ -128,7 +134,7 @@ impl Layout {
 }
 
 /// Binary layout: records of one label byte and 3072 pixel bytes.
-pub fn parse_binary(bytes: &[u8]) -> Result<Dataset, String> {
+pub fn parse_binary(bytes: &[u8]) -> Result<CifarImages, String> {
     const RECORD: usize = 1 + IMAGE_BYTES;
     if bytes.is_empty() || !bytes.len().is_multiple_of(RECORD) {
         return Err(format!(
@@ -137,7 +143,7 @@ pub fn parse_binary(bytes: &[u8]) -> Result<Dataset, String> {
             10_000 * RECORD
         ));
     }
-    let mut out = Dataset {
+    let mut out = CifarImages {
         images: Vec::with_capacity(bytes.len() / RECORD * IMAGE_BYTES),
         labels: Vec::with_capacity(bytes.len() / RECORD),
     };
@@ -155,7 +161,7 @@ pub fn parse_binary(bytes: &[u8]) -> Result<Dataset, String> {
 }
 
 /// Python layout: a pickled dict with `data` (uint8 array N×3072) and `labels`.
-pub fn parse_python(bytes: &[u8]) -> Result<Dataset, String> {
+pub fn parse_python(bytes: &[u8]) -> Result<CifarImages, String> {
     let value = pickle::unpickle(bytes).map_err(|e| format!("not a readable pickle: {e}"))?;
     let data = value
         .get("data")
@@ -182,7 +188,7 @@ pub fn parse_python(bytes: &[u8]) -> Result<Dataset, String> {
             other => Err(format!("label {i} is {other:?}, expected 0-9")),
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Dataset {
+    Ok(CifarImages {
         images: raw.to_vec(),
         labels,
     })
@@ -194,12 +200,12 @@ mod tests {
 
     #[test]
     fn both_layouts_load_the_same_images() {
-        let data = synthetic::generate(40, 7);
+        let data = crate::data::synthetic::cifar(40, 7);
         let dir = tempfile::tempdir().unwrap();
         let bin = dir.path().join("bin");
         let py = dir.path().join("py");
-        synthetic::write_binary(&bin, &data, &data).unwrap();
-        synthetic::write_python(&py, &data, &data).unwrap();
+        crate::data::synthetic::write_binary(&bin, &data, &data).unwrap();
+        crate::data::synthetic::write_python(&py, &data, &data).unwrap();
         let a = Layout::locate(&bin).unwrap();
         let b = Layout::locate(&py).unwrap();
         assert!(matches!(a, Layout::Binary(_)) && matches!(b, Layout::Python(_)));
@@ -210,9 +216,9 @@ mod tests {
 
     #[test]
     fn truncated_files_name_the_file_and_the_expectation() {
-        let data = synthetic::generate(5, 1);
+        let data = crate::data::synthetic::cifar(5, 1);
         let dir = tempfile::tempdir().unwrap();
-        synthetic::write_binary(dir.path(), &data, &data).unwrap();
+        crate::data::synthetic::write_binary(dir.path(), &data, &data).unwrap();
         let file = dir.path().join("data_batch_1.bin");
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() - 10]).unwrap();
@@ -227,7 +233,7 @@ mod tests {
         );
 
         let py = dir.path().join("py");
-        synthetic::write_python(&py, &data, &data).unwrap();
+        crate::data::synthetic::write_python(&py, &data, &data).unwrap();
         let file = py.join("test_batch");
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();

@@ -14,7 +14,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, Pa
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
-use crate::model::{Net, settle_norms};
+use super::{Net, settle_norms};
 use crate::ops::{batch_norm, conv2d, max_pool2d};
 
 /// Which ResNet.

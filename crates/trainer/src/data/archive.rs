@@ -1,16 +1,14 @@
-//! Fetching the official binary archive when the data directory holds no data set.
+//! Every data set's archive: downloading it (checked against its size and MD5), taking one
+//! already in the data directory, and extracting it (`.tar.gz`, `.zip`), safely beside other
+//! nodes sharing the folder.
 
 use std::io::{Read, Write};
 use std::path::Path;
 
 use md5::{Digest, Md5};
 
-use super::{BIN_DIR, Layout};
+use super::cifar::{OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL};
 use crate::error::{IoContext, Result, TrainError};
-
-pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
-pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
-pub const OFFICIAL_SIZE: u64 = 170_052_171;
 
 #[derive(Debug, Clone)]
 pub struct DownloadOptions {
@@ -65,15 +63,6 @@ pub(crate) struct Archive {
     pub unpack: Unpack,
     pub present: fn(&Path) -> bool,
 }
-
-/// CIFAR-10's binary archive.
-pub(crate) const CIFAR: Archive = Archive {
-    what: "CIFAR-10",
-    file: "cifar-10-binary.tar.gz",
-    folder: BIN_DIR,
-    unpack: untar,
-    present: |dir| Layout::locate(dir).is_some(),
-};
 
 /// Downloads and checks `archive` into `dir` and extracts it there ([`extract`]), telling
 /// `progress` how far it has come. Safe against
@@ -269,7 +258,11 @@ impl<R: Read> Read for Counting<'_, R> {
 
 /// The `.tar.gz` at `archive` into the folder `staging`; `tar` refuses entries that would land
 /// outside it (absolute paths, `..`).
-fn untar(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<()> {
+pub(crate) fn untar_gz(
+    archive: &Path,
+    staging: &Path,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<()> {
     let file = std::fs::File::open(archive).at(archive)?;
     let total = file.metadata().at(archive)?.len();
     let file = Counting {
@@ -285,6 +278,59 @@ fn untar(archive: &Path, staging: &Path, progress: &mut dyn FnMut(DataProgress))
             problem: format!("cannot extract: {e}"),
         })?;
     // tar stops at its end marker, before the last read of the file: report the whole.
+    progress(DataProgress::Extracting { done: total, total });
+    Ok(())
+}
+
+/// The zip at `archive` into the folder `staging`. Entries whose names would leave it are
+/// refused.
+pub(crate) fn unzip(
+    archive: &Path,
+    staging: &Path,
+    progress: &mut dyn FnMut(DataProgress),
+) -> Result<()> {
+    let bad = |problem: String| TrainError::BadData {
+        path: archive.to_path_buf(),
+        problem: format!("cannot extract: {problem}"),
+    };
+    let file = std::fs::File::open(archive).at(archive)?;
+    let total = file.metadata().at(archive)?.len();
+    let mut zip = zip::ZipArchive::new(std::io::BufReader::new(file))
+        .map_err(|e| bad(format!("not a zip archive ({e})")))?;
+    let mut done = 0u64;
+    let mut buf = vec![0u8; 256 * 1024];
+    for i in 0..zip.len() {
+        let mut entry = zip.by_index(i).map_err(|e| bad(e.to_string()))?;
+        let Some(name) = entry.enclosed_name() else {
+            return Err(bad(format!(
+                "entry {:?} would be written outside the folder",
+                entry.name()
+            )));
+        };
+        let target = staging.join(name);
+        if entry.is_dir() {
+            std::fs::create_dir_all(&target).at(&target)?;
+            continue;
+        }
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).at(parent)?;
+        }
+        let mut out = std::fs::File::create(&target).at(&target)?;
+        loop {
+            let n = entry
+                .read(&mut buf)
+                .map_err(|e| bad(format!("{}: {e}", target.display())))?;
+            if n == 0 {
+                break;
+            }
+            std::io::Write::write_all(&mut out, &buf[..n]).at(&target)?;
+        }
+        let before = done;
+        done += entry.compressed_size();
+        if done / (1 << 20) != before / (1 << 20) {
+            progress(DataProgress::Extracting { done, total });
+        }
+    }
     progress(DataProgress::Extracting { done: total, total });
     Ok(())
 }

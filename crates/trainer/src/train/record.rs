@@ -14,8 +14,8 @@ use telemetry::metrics::{Checkpoint, EpochDone, Eval, Record, Start, rank_file};
 use telemetry::tfevents::EventWriter;
 use telemetry::{MetricsWriter, RunConfig, Step};
 
+use super::Event;
 use crate::eval::Confusion;
-use crate::train::Event;
 
 pub struct Recorder {
     rank: u32,

@@ -1,0 +1,151 @@
+//! The kernels' benchmark behind `trainctl bench --layers`: each convolution of the seed CNN
+//! timed alone by each algorithm, with Winograd's error against im2col.
+
+use std::time::Instant;
+
+use crate::conv::{self, ConvShape, PackedWeight, Prepared};
+use crate::winograd::WinogradWeight;
+
+/// Forward and backward (both gradients) time of one algorithm on one layer.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AlgorithmTimes {
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// GFLOP/s of the direct convolution's arithmetic (2·MACs, the backward twice the forward):
+    /// comparable across algorithms, so Winograd can exceed the machine's peak.
+    pub gflops_per_s: f64,
+}
+
+/// One 3×3 convolution of the seed CNN at its place in the network (input
+/// `[batch, c_in, size, size]`), by each of trainctl's algorithms.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LayerTimes {
+    pub layer: String,
+    pub input: [usize; 4],
+    pub c_out: usize,
+    /// What the training step uses for this shape.
+    pub chosen: &'static str,
+    pub im2col: AlgorithmTimes,
+    pub winograd: AlgorithmTimes,
+    /// Largest difference between Winograd's and im2col's forward output and gradients,
+    /// relative to the largest magnitude of each.
+    pub winograd_error: f64,
+}
+
+/// The seed CNN's convolutions: (name, c_in, c_out, spatial size).
+pub const CONV_LAYERS: [(&str, usize, usize, usize); 6] = [
+    ("network.0", 3, 32, 32),
+    ("network.2", 32, 64, 32),
+    ("network.6", 64, 128, 16),
+    ("network.8", 128, 128, 16),
+    ("network.12", 128, 256, 8),
+    ("network.14", 256, 256, 8),
+];
+
+/// Times each convolution's kernels alone (median of `repeats` after one warm-up), forward with
+/// bias and ReLU, backward with both gradients, on random data.
+pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<LayerTimes> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .expect("a thread pool of a few threads");
+    pool.install(|| {
+        CONV_LAYERS
+            .iter()
+            .map(|&(name, c_in, c_out, size)| {
+                let shape = ConvShape::same_3x3(batch_size, c_in, c_out, size);
+                let x = random(shape.input_len(), 1);
+                let w: Vec<f32> = random(shape.weight_len(), 2)
+                    .iter()
+                    .map(|v| v / (c_in as f32 * 9.0).sqrt())
+                    .collect();
+                let bias = random(c_out, 3);
+                let dy = random(shape.output_len(), 4);
+                let flops = 2.0 * (batch_size * size * size * c_out * c_in * 9) as f64;
+                let time = |prepared: &Prepared| {
+                    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+                    for i in 0..repeats + 1 {
+                        let t0 = Instant::now();
+                        let y = conv::forward(&shape, &x, prepared, Some(&bias), true);
+                        let t1 = Instant::now();
+                        let g = conv::backward(&shape, &x, prepared, Some(&y), &dy, true);
+                        let t2 = Instant::now();
+                        assert!(g.weight.iter().all(|v| v.is_finite()));
+                        if i > 0 {
+                            fwd.push((t1 - t0).as_secs_f64());
+                            bwd.push((t2 - t1).as_secs_f64());
+                        }
+                    }
+                    let (forward_s, backward_s) = (median(fwd), median(bwd));
+                    AlgorithmTimes {
+                        forward_s,
+                        backward_s,
+                        gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
+                    }
+                };
+                let im2col = Prepared::Im2col(PackedWeight::from_torch(&shape, &w));
+                let winograd = Prepared::Winograd(WinogradWeight::from_torch(&shape, &w));
+                // The error without the ReLU: through it, an output of ±1e-7 either side of zero
+                // passes the whole upstream gradient or none of it, in either algorithm.
+                let plain = |prepared: &Prepared| {
+                    let y = conv::forward(&shape, &x, prepared, Some(&bias), false);
+                    let g = conv::backward(&shape, &x, prepared, None, &dy, true);
+                    (y, g)
+                };
+                let ((y1, g1), (y2, g2)) = (plain(&im2col), plain(&winograd));
+                let relative = |a: &[f32], b: &[f32]| {
+                    let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+                    a.iter()
+                        .zip(b)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0.0f32, f32::max)
+                        / scale
+                };
+                let winograd_error = [
+                    relative(&y2, &y1),
+                    relative(
+                        g2.input.as_deref().unwrap_or(&[]),
+                        g1.input.as_deref().unwrap_or(&[]),
+                    ),
+                    relative(&g2.weight, &g1.weight),
+                    relative(&g2.bias, &g1.bias),
+                ]
+                .into_iter()
+                .fold(0.0f32, f32::max) as f64;
+                let (im2col, winograd) = (time(&im2col), time(&winograd));
+                LayerTimes {
+                    layer: name.to_string(),
+                    input: [batch_size, c_in, size, size],
+                    c_out,
+                    chosen: match Prepared::new(&shape, &w) {
+                        Prepared::Im2col(_) => "im2col",
+                        Prepared::Winograd(_) => "winograd",
+                    },
+                    im2col,
+                    winograd,
+                    winograd_error,
+                }
+            })
+            .collect()
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Uniform in [-1, 1), reproducible from `seed` (a 64-bit LCG; benchmarks need no better).
+fn random(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}

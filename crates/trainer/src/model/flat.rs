@@ -1,0 +1,278 @@
+//! A network's tensors as flat `f32` buffers, in the order of its fields, with PyTorch's
+//! names: what checkpoints, model files and the all-reduce carry.
+
+use burn::module::{ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorData};
+
+use super::Net;
+
+/// One named tensor of the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// burn's path, e.g. `fc19.weight`.
+    pub path: String,
+    /// PyTorch's name, e.g. `network.19.weight` ([`Net::torch_name`]).
+    pub torch_name: String,
+    pub shape: Vec<usize>,
+    /// Trained by the optimizer (false for BatchNorm running statistics).
+    pub trainable: bool,
+}
+
+impl Entry {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The shape PyTorch gives this tensor (Linear weights transposed).
+    pub fn torch_shape(&self) -> Vec<usize> {
+        if self.is_linear_weight() {
+            vec![self.shape[1], self.shape[0]]
+        } else {
+            self.shape.clone()
+        }
+    }
+
+    /// burn stores Linear weights as `[in, out]`, PyTorch as `[out, in]`.
+    pub fn is_linear_weight(&self) -> bool {
+        self.path.starts_with("fc") && self.path.ends_with(".weight")
+    }
+}
+
+/// The model's tensors as flat buffers, in field order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub entries: Vec<Entry>,
+    /// Trainable parameters, concatenated.
+    pub params: Vec<f32>,
+    /// Buffers (BatchNorm running mean and variance), concatenated.
+    pub buffers: Vec<f32>,
+}
+
+impl Snapshot {
+    /// `(entry, values)` for every tensor in order, parameters and buffers interleaved as in the
+    /// model.
+    pub fn tensors(&self) -> Vec<(&Entry, &[f32])> {
+        let (mut p, mut b) = (0, 0);
+        self.entries
+            .iter()
+            .map(|e| {
+                let n = e.numel();
+                if e.trainable {
+                    p += n;
+                    (e, &self.params[p - n..p])
+                } else {
+                    b += n;
+                    (e, &self.buffers[b - n..b])
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Default)]
+struct Path(Vec<String>);
+
+impl Path {
+    /// An enum's variant (burn's container `Enum:...`, e.g. [`Model`]'s) is which network, not
+    /// a part of one: it is left out of the path, as PyTorch's names have no such level.
+    fn enter(&mut self, name: &str, container: &str) {
+        if !container.starts_with("Enum:") {
+            self.0.push(name.to_string());
+        }
+    }
+    fn exit(&mut self, container: &str) {
+        if !container.starts_with("Enum:") {
+            self.0.pop();
+        }
+    }
+    fn leaf(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+fn is_buffer(path: &str) -> bool {
+    path.ends_with("running_mean") || path.ends_with("running_var")
+}
+
+struct Reader<'a> {
+    path: Path,
+    snapshot: Snapshot,
+    /// Read only the buffers (the cheap per-step sync of BatchNorm statistics).
+    buffers_only: bool,
+    torch_name: &'a dyn Fn(&str) -> String,
+}
+
+impl ModuleVisitor for Reader<'_> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.path.exit(container);
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let path = self.path.leaf();
+        let trainable = !is_buffer(&path);
+        if self.buffers_only && trainable {
+            return;
+        }
+        let tensor = param.val();
+        let shape = tensor.shape().dims::<D>().to_vec();
+        let values = to_vec(tensor);
+        if trainable {
+            self.snapshot.params.extend(values);
+        } else {
+            self.snapshot.buffers.extend(values);
+        }
+        self.snapshot.entries.push(Entry {
+            torch_name: (self.torch_name)(&path),
+            path,
+            shape,
+            trainable,
+        });
+    }
+}
+
+pub(crate) fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("a float tensor converts to f32")
+}
+
+fn read<M: Net>(model: &M, buffers_only: bool) -> Snapshot {
+    model.settle();
+    let mut reader = Reader {
+        path: Path::default(),
+        snapshot: Snapshot {
+            entries: Vec::new(),
+            params: Vec::new(),
+            buffers: Vec::new(),
+        },
+        buffers_only,
+        torch_name: &|path| model.torch_name(path),
+    };
+    model.visit(&mut reader);
+    reader.snapshot
+}
+
+/// Reads every tensor of `model`.
+pub fn snapshot<M: Net>(model: &M) -> Snapshot {
+    read(model, false)
+}
+
+/// Reads only the BatchNorm running statistics.
+pub fn buffers<M: Net>(model: &M) -> Vec<f32> {
+    read(model, true).buffers
+}
+
+struct Writer<'a> {
+    path: Path,
+    params: Option<&'a [f32]>,
+    buffers: &'a [f32],
+}
+
+impl ModuleMapper for Writer<'_> {
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.path.enter(name, container);
+    }
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.path.exit(container);
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let values: &mut &[f32] = if is_buffer(&self.path.leaf()) {
+            &mut self.buffers
+        } else {
+            match self.params.as_mut() {
+                Some(params) => params,
+                None => return param,
+            }
+        };
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let (mine, rest) = values.split_at(shape.num_elements());
+        *values = rest;
+        let device = tensor.device();
+        let require_grad = tensor.is_require_grad();
+        let mut fresh = Tensor::<D>::from_data(TensorData::new(mine.to_vec(), shape), &device);
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Replaces the model's parameters (when given) and buffers with flat buffers laid out as
+/// [`snapshot`] produces them.
+pub fn load<M: Net>(model: M, params: Option<&[f32]>, buffers: &[f32]) -> M {
+    model.settle();
+    model.map(&mut Writer {
+        path: Path::default(),
+        params,
+        buffers,
+    })
+}
+
+/// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
+/// gradient contribute zeros, so every rank's buffer has the same layout.
+pub fn gradients<M: Net>(model: &M, grads: &burn::tensor::Gradients, out: &mut Vec<f32>) {
+    struct Grads<'a> {
+        path: Path,
+        grads: &'a burn::tensor::Gradients,
+        out: &'a mut Vec<f32>,
+    }
+    impl ModuleVisitor for Grads<'_> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.path.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, container: &str) {
+            self.path.exit(container);
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if is_buffer(&self.path.leaf()) {
+                return;
+            }
+            let tensor = param.val();
+            match tensor.grad(self.grads) {
+                Some(g) => self.out.extend(to_vec(g)),
+                None => self
+                    .out
+                    .extend(std::iter::repeat_n(0.0, tensor.shape().num_elements())),
+            }
+        }
+    }
+    out.clear();
+    model.visit(&mut Grads {
+        path: Path::default(),
+        grads,
+        out,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::training_device;
+    use crate::model::SeedCnn;
+
+    #[test]
+    fn buffers_read_after_a_forward_are_current_and_loads_stick() {
+        let device = training_device();
+        let model = SeedCnn::new(10, &device);
+        let before = buffers(&model);
+        let x = Tensor::<4>::ones([2, 3, 32, 32], &device);
+        let _ = model.forward(x.clone());
+        let after = buffers(&model);
+        assert_ne!(
+            before, after,
+            "the forward's statistics are visible at once"
+        );
+
+        let wanted: Vec<f32> = (0..after.len()).map(|i| i as f32).collect();
+        let model = load(model, None, &wanted);
+        assert_eq!(
+            buffers(&model),
+            wanted,
+            "a loaded value is not overwritten by a pending update"
+        );
+    }
+}

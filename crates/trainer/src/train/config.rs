@@ -1,0 +1,102 @@
+//! What a run is asked to do, checked before anything starts.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use collective::World;
+
+use crate::data::{Augment, DatasetName, DownloadOptions};
+use crate::error::{Result, TrainError};
+use crate::model::Architecture;
+
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub model: Architecture,
+    pub data: PathBuf,
+    /// Downloaded into `data` when it holds no data set.
+    pub dataset: DatasetName,
+    pub download: DownloadOptions,
+    /// Side of the square images; `None`: the data set's default (CIFAR 32, folders 64).
+    pub image_size: Option<usize>,
+    /// Training augmentation; `None`: the data set's default ([`crate::data::Layout::default_augment`]).
+    pub augment: Option<Augment>,
+    /// Threads decoding images, and batches prepared ahead of the step.
+    pub loader_threads: usize,
+    pub prefetch: usize,
+    /// Decoded training images kept in memory, in bytes.
+    pub cache_bytes: u64,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    pub momentum: f64,
+    pub weight_decay: f64,
+    pub print_freq: usize,
+    pub model_file: PathBuf,
+    pub checkpoint_file: PathBuf,
+    /// Also checkpoint every this many steps (besides every epoch end).
+    pub checkpoint_every: Option<u64>,
+    pub seed: u64,
+    pub threads: usize,
+    /// Evaluate on the test set after training.
+    pub evaluate: bool,
+    /// Where the metrics files (`metrics/`) and TensorBoard events (`tensorboard/`) go.
+    pub run_dir: PathBuf,
+    /// Set (by a SIGTERM handler) to stop after the step in progress: every rank learns it in
+    /// that step's all-reduce, rank 0 checkpoints, and all return [`TrainError::Preempted`].
+    pub stop: Arc<AtomicBool>,
+}
+
+pub(super) fn run_config(
+    cfg: &TrainConfig,
+    world: &World,
+    image_size: usize,
+) -> telemetry::RunConfig {
+    telemetry::RunConfig {
+        run_id: world.run_id.clone(),
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        learning_rate: cfg.learning_rate,
+        momentum: cfg.momentum,
+        weight_decay: cfg.weight_decay,
+        seed: cfg.seed,
+        threads: cfg.threads,
+        checkpoint_every: cfg.checkpoint_every,
+        data: cfg.data.display().to_string(),
+        backend: crate::device::BACKEND.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        model: cfg.model.name().into(),
+        image_size,
+    }
+}
+
+pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
+    let positive = |name: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(TrainError::Config(format!(
+                "{name} must be a positive number, got {v}"
+            )))
+        }
+    };
+    if cfg.batch_size == 0 {
+        return Err(TrainError::Config(
+            "--batch-size must be at least 1, got 0".into(),
+        ));
+    }
+    positive("--learning-rate", cfg.learning_rate)?;
+    if !(0.0..1.0).contains(&cfg.momentum) {
+        return Err(TrainError::Config(format!(
+            "--momentum must be in [0, 1), got {}",
+            cfg.momentum
+        )));
+    }
+    if !(cfg.weight_decay.is_finite() && cfg.weight_decay >= 0.0) {
+        return Err(TrainError::Config(format!(
+            "--weight-decay must be zero or positive, got {}",
+            cfg.weight_decay
+        )));
+    }
+    Ok(())
+}

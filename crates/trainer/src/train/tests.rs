@@ -1,0 +1,138 @@
+//! The training step in-process: two ranks as threads over the real collective on 127.0.0.1.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use collective::{ProcessGroup, World};
+
+use super::TrainConfig;
+use super::state::TrainState;
+use super::step::Step;
+use crate::checkpoint::ModelInfo;
+use crate::data::{DatasetName, DownloadOptions, Normalisation, synthetic};
+use crate::device::training_device;
+use crate::model::{Architecture, Model, Snapshot, load, snapshot};
+
+fn config() -> TrainConfig {
+    TrainConfig {
+        model: Architecture::SeedCnn,
+        data: PathBuf::new(),
+        dataset: DatasetName::Cifar10,
+        download: DownloadOptions::default(),
+        image_size: None,
+        augment: None,
+        loader_threads: 1,
+        prefetch: 1,
+        cache_bytes: 0,
+        epochs: 1,
+        batch_size: 8,
+        learning_rate: 0.05,
+        momentum: 0.9,
+        weight_decay: 5e-4,
+        print_freq: 0,
+        model_file: PathBuf::new(),
+        checkpoint_file: PathBuf::new(),
+        checkpoint_every: None,
+        seed: 7,
+        threads: 1,
+        evaluate: false,
+        run_dir: PathBuf::new(),
+        stop: Arc::new(AtomicBool::new(false)),
+    }
+}
+
+/// Pixels and labels of generated CIFAR images `indices`.
+fn batch(indices: &[usize]) -> (Vec<f32>, Vec<i64>) {
+    let images = synthetic::cifar(16, 3);
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    images.fill_batch(indices, &mut pixels, &mut labels);
+    (pixels, labels)
+}
+
+/// One step on each rank of a world of `batches.len()` threads, every rank starting from
+/// `start`; returns each rank's parameters and buffers after the step.
+fn step_on(start: &Snapshot, batches: Vec<(Vec<f32>, Vec<i64>)>) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let ranks = batches.len();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let threads: Vec<_> = batches
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (pixels, labels))| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let world = World {
+                    rank: rank as u32,
+                    world_size: ranks as u32,
+                    local_rank: rank as u32,
+                    local_world_size: ranks as u32,
+                    master_port: port,
+                    run_id: "step-test".into(),
+                    ..World::single()
+                };
+                let mut group = ProcessGroup::join(&world).unwrap();
+                let cfg = config();
+                let device = training_device();
+                let model = load(
+                    Model::new(Architecture::SeedCnn, 10, &device),
+                    Some(&start.params),
+                    &start.buffers,
+                );
+                let info = ModelInfo {
+                    architecture: "cnn".into(),
+                    classes: (0..10).map(|c| c.to_string()).collect(),
+                    image_size: 32,
+                    normalisation: Normalisation::Cifar,
+                };
+                let mut state = TrainState::fresh(&cfg, &start, ranks, 16, info);
+                let mut step = Step::new(model, &device, 32, state.params.len());
+                let outcome = step
+                    .run(pixels, &labels, false, &mut group, &mut state, &cfg)
+                    .unwrap();
+                assert!(outcome.loss.is_finite() && !outcome.stopping);
+                (state.params, state.buffers)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+fn start() -> Snapshot {
+    snapshot(&Model::new(Architecture::SeedCnn, 10, &training_device()))
+}
+
+/// Two ranks given the same images average two equal gradients: the step is exactly the
+/// one-rank step (and so is every buffer), which pins the all-reduce, the averaging, SGD and
+/// the buffer broadcast to the arithmetic of a single process.
+#[test]
+fn two_ranks_on_the_same_batch_take_exactly_the_one_rank_step() {
+    let start = start();
+    let all: Vec<usize> = (0..8).collect();
+    let one = step_on(&start, vec![batch(&all)]);
+    let two = step_on(&start, vec![batch(&all), batch(&all)]);
+    assert_ne!(one[0].0, start.params, "the step changed the weights");
+    assert!(
+        one[0].0 == two[0].0 && one[0].1 == two[0].1,
+        "rank 0 = one rank"
+    );
+    assert!(
+        one[0].0 == two[1].0 && one[0].1 == two[1].1,
+        "rank 1 = one rank"
+    );
+}
+
+/// Two ranks on different halves end the step with bit-identical parameters and buffers, and
+/// not the weights either half alone would give.
+#[test]
+fn two_ranks_on_different_shards_end_the_step_identical() {
+    let start = start();
+    let (first, second): (Vec<usize>, Vec<usize>) = ((0..8).collect(), (8..16).collect());
+    let two = step_on(&start, vec![batch(&first), batch(&second)]);
+    assert!(two[0].0 == two[1].0, "parameters differ between ranks");
+    assert!(two[0].1 == two[1].1, "buffers differ between ranks");
+    let alone = step_on(&start, vec![batch(&first)]);
+    assert_ne!(two[0].0, alone[0].0, "the other rank's gradients count");
+}
