@@ -18,18 +18,6 @@ pub use world::World;
 
 use std::time::Duration;
 
-/// Exit code of a worker whose peer vanished (its connection closed): the failure is somebody
-/// else's, so the elastic agent restarts without counting it against `--max-restarts`
-/// (EX_TEMPFAIL: "try again").
-pub const EXIT_PEER_LOST: i32 = 75;
-
-/// Exit code of a worker that was asked to stop (SIGTERM: an eviction, a spot interruption, a
-/// deleted job) and saved a checkpoint at the step it finished first: not a failure, and nothing
-/// to redo, so the elastic agent does not count it. It is 128 + SIGTERM, the code a process
-/// stopped by SIGTERM conventionally ends with, which Kubeflow's `ExitCode` restart policy
-/// retries; a worker *killed* by the signal reports the signal instead, and is counted.
-pub const EXIT_PREEMPTED: i32 = 128 + 15;
-
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
     #[error(

@@ -1,34 +1,11 @@
 //! The torchrun worker-environment contract, read in one place.
 //!
 //! Invariant: this is the only module of the workspace that reads the worker environment
-//! (RANK, WORLD_SIZE, MASTER_ADDR, ...). The launcher writes the same names from [`vars`].
+//! (RANK, WORLD_SIZE, MASTER_ADDR, ...). The launcher writes the same names (`contract::env`).
 
 use std::time::Duration;
 
-/// Names of the environment variables a worker receives, as torchrun spells them.
-pub mod vars {
-    pub const RANK: &str = "RANK";
-    pub const LOCAL_RANK: &str = "LOCAL_RANK";
-    pub const WORLD_SIZE: &str = "WORLD_SIZE";
-    pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
-    pub const GROUP_RANK: &str = "GROUP_RANK";
-    pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
-    pub const ROLE_RANK: &str = "ROLE_RANK";
-    pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
-    pub const MASTER_ADDR: &str = "MASTER_ADDR";
-    pub const MASTER_PORT: &str = "MASTER_PORT";
-    pub const RUN_ID: &str = "TORCHELASTIC_RUN_ID";
-    pub const RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
-    pub const MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
-    pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
-    /// trainctl's own: the secret every collective connection must present.
-    pub const JOB_TOKEN: &str = "TRAINCTL_JOB_TOKEN";
-    /// trainctl's own: seconds after which a silent peer is an error.
-    pub const COLLECTIVE_TIMEOUT: &str = "TRAINCTL_COLLECTIVE_TIMEOUT";
-    /// trainctl's own: a file descriptor (a pipe to `trainctl run`) the worker writes its
-    /// metrics records to, one JSON line each, for the agent's progress bar and `/metrics`.
-    pub const TELEMETRY_FD: &str = "TRAINCTL_TELEMETRY_FD";
-}
+use contract::env as vars;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorldError {
@@ -61,7 +38,7 @@ pub struct World {
     pub telemetry_fd: Option<i32>,
 }
 
-pub const DEFAULT_MASTER_PORT: u16 = 29500;
+pub const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl World {

@@ -104,7 +104,7 @@ fn run_rounds(
                         return Ok(Outcome::Failed(failure));
                     }
                     // A lost peer is another node's failure; a preempted worker saved its work.
-                    let counted = ![collective::EXIT_PEER_LOST, collective::EXIT_PREEMPTED]
+                    let counted = ![contract::exit::PEER_LOST, contract::exit::PREEMPTED]
                         .iter()
                         .any(|code| failure.exit == ExitKind::Code(*code));
                     match rdzv.worker_failed(counted, &report, spec.max_restarts) {

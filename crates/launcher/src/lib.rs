@@ -138,7 +138,7 @@ pub fn worker_env(
     restart_count: u32,
     omp_is_set: bool,
 ) -> Vec<(String, String)> {
-    use collective::world::vars;
+    use contract::env as vars;
     let rank = spec.rank_offset + local_rank;
     let world_size = spec.world_size;
     let mut env: Vec<(String, String)> = [

@@ -42,7 +42,7 @@ pub enum Outcome {
     Succeeded,
     Failed(Failure),
     /// Stopped by a signal to the launcher (Ctrl-C, SIGTERM); `checkpointed` when a worker saved
-    /// a checkpoint before it exited (exit code `collective::EXIT_PREEMPTED`).
+    /// a checkpoint before it exited (exit code `contract::exit::PREEMPTED`).
     Interrupted {
         signal: i32,
         checkpointed: bool,

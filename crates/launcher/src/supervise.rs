@@ -208,7 +208,7 @@ impl Group {
 
     pub(crate) fn poll(&mut self) -> Status {
         let mut running = 0;
-        // A worker that exited because its peer vanished (EXIT_PEER_LOST) is a consequence:
+        // A worker that exited because its peer vanished (contract::exit::PEER_LOST) is a consequence:
         // when the peer's own failure is seen in the same poll, that one is the root cause.
         let mut failed: Option<&Worker> = None;
         for w in self.workers.iter_mut() {
@@ -216,9 +216,9 @@ impl Group {
                 None => running += 1,
                 Some(ExitKind::Code(0)) => {}
                 Some(exit) => {
-                    let consequence = *exit == ExitKind::Code(collective::EXIT_PEER_LOST);
+                    let consequence = *exit == ExitKind::Code(contract::exit::PEER_LOST);
                     let better = failed.is_none_or(|f| {
-                        f.exited == Some(ExitKind::Code(collective::EXIT_PEER_LOST)) && !consequence
+                        f.exited == Some(ExitKind::Code(contract::exit::PEER_LOST)) && !consequence
                     });
                     if better {
                         failed = Some(w);
@@ -252,12 +252,12 @@ impl Group {
     }
 
     /// [`Group::stop`] because the launcher was told to stop; whether a worker saved a checkpoint
-    /// on its way out (it exited with `collective::EXIT_PREEMPTED`).
+    /// on its way out (it exited with `contract::exit::PREEMPTED`).
     pub(crate) fn stop_interrupted(mut self, grace: Duration) -> bool {
         self.halt(grace);
         self.workers
             .iter()
-            .any(|w| w.exited == Some(ExitKind::Code(collective::EXIT_PREEMPTED)))
+            .any(|w| w.exited == Some(ExitKind::Code(contract::exit::PREEMPTED)))
     }
 
     /// [`Group::stop`] after `failure`, whose report gets the worker's last lines of stderr.
@@ -322,7 +322,7 @@ fn spawn(
     }
     let telemetry_fd = telemetry.and_then(TelemetryPipe::fd);
     if let Some(fd) = telemetry_fd {
-        cmd.env(collective::world::vars::TELEMETRY_FD, fd.to_string());
+        cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
     }
     // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
     unsafe {

@@ -92,7 +92,7 @@ pub struct RunConfig {
 }
 
 fn seed_cnn() -> String {
-    "seed-cnn".into()
+    contract::models::SEED_CNN.into()
 }
 
 fn cifar_size() -> usize {

@@ -103,6 +103,17 @@ fn reach(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeMap<Str
     seen
 }
 
+/// The contract is what every crate agrees on, so every crate may depend on it: it depends on
+/// nothing at all.
+#[test]
+fn the_contract_depends_on_nothing() {
+    let graph = graph();
+    let deps = graph.get("contract").expect("a crate named contract");
+    assert!(deps.is_empty(), "contract depends on {deps:?}");
+    assert!(reach(&graph, "deploy").contains_key("contract"));
+    assert!(reach(&graph, "collective").contains_key("contract"));
+}
+
 #[test]
 fn no_crate_depends_on_what_architecture_md_forbids() {
     let graph = graph();

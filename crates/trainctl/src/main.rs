@@ -6,6 +6,8 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[cfg(test)]
+mod argv_tests;
 mod commands;
 mod output;
 

@@ -407,12 +407,12 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Restarting {
             failure,
             restart_count,
-        } if failure.exit == launcher::ExitKind::Code(collective::EXIT_PEER_LOST) => {
+        } if failure.exit == launcher::ExitKind::Code(contract::exit::PEER_LOST) => {
             err(format_args!(
                 "trainctl run: rank {} (pid {}) lost a peer (exit code {}); restarting all workers (not counted as a failure: restart count stays {restart_count})",
                 failure.rank,
                 failure.pid,
-                collective::EXIT_PEER_LOST
+                contract::exit::PEER_LOST
             ))
         }
         LaunchEvent::Restarting {

@@ -15,7 +15,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
     /// The network whose step is timed: seed-cnn, resnet18, resnet34, resnet50 or resnet101.
-    #[arg(long, default_value = "seed-cnn")]
+    #[arg(long, default_value = contract::models::SEED_CNN)]
     model: String,
     /// Image side in pixels (the seed CNN: 32 only; the ResNets: 32 or more).
     #[arg(long, default_value_t = 32)]

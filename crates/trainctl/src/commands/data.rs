@@ -16,7 +16,7 @@ pub enum Command {
         #[arg(long, default_value = "./data")]
         data: PathBuf,
         /// cifar10 (the binary archive) or tiny-imagenet (tiny-imagenet-200.zip).
-        #[arg(long, default_value = "cifar10")]
+        #[arg(long, default_value = contract::CIFAR10.name)]
         dataset: String,
         /// Download from here instead of the official address.
         #[arg(long)]

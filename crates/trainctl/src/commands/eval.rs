@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long)]
     download: bool,
     /// What --download fetches: cifar10 or tiny-imagenet.
-    #[arg(long, default_value = "cifar10")]
+    #[arg(long, default_value = contract::CIFAR10.name)]
     dataset: String,
     /// Threads decoding images.
     #[arg(long, default_value_t = 2)]

@@ -17,66 +17,66 @@ use telemetry::prometheus::JobGauges;
 pub struct Args {
     /// Single-node job on this machine: loopback rendezvous on a free port.
     #[arg(long, env = "PET_STANDALONE")]
-    standalone: bool,
+    pub(crate) standalone: bool,
     /// Workers on this node: a number, or `auto`/`cpu` for one per CPU core.
     #[arg(long, env = "PET_NPROC_PER_NODE", default_value = "1")]
-    nproc_per_node: String,
+    pub(crate) nproc_per_node: String,
     /// Number of nodes: `N`, or `MIN:MAX` for an elastic job.
     #[arg(long, env = "PET_NNODES", default_value = "1")]
-    nnodes: String,
+    pub(crate) nnodes: String,
     /// Rendezvous: `static` (fixed nodes, --node-rank and --master-addr), `c10d` (a store
     /// hosted by the agent at the endpoint) or `etcd` (etcd's v3 API). Default: c10d when
     /// --rdzv-endpoint or a MIN:MAX range is given, else static.
     #[arg(long, env = "PET_RDZV_BACKEND", value_parser = ["static", "c10d", "etcd", "etcd-v2"])]
-    rdzv_backend: Option<String>,
+    pub(crate) rdzv_backend: Option<String>,
     /// HOST[:PORT] of the rendezvous store (c10d: default port 29400; etcd: 2379, or a URL).
     #[arg(long, env = "PET_RDZV_ENDPOINT")]
-    rdzv_endpoint: Option<String>,
+    pub(crate) rdzv_endpoint: Option<String>,
     /// Rendezvous settings, `key=value,...`: join_timeout (600), last_call_timeout (1),
     /// close_timeout (10), heartbeat (0.5), heartbeat_timeout (2), timeout (3), is_host.
     #[arg(long, env = "PET_RDZV_CONF", default_value = "")]
-    rdzv_conf: String,
+    pub(crate) rdzv_conf: String,
     /// Address other nodes reach this node's workers at (default: this host's address on the
     /// route to the rendezvous store).
     #[arg(long, env = "PET_LOCAL_ADDR")]
-    local_addr: Option<String>,
+    pub(crate) local_addr: Option<String>,
     /// This node's rank among the nodes.
     #[arg(long, env = "PET_NODE_RANK", default_value_t = 0)]
-    node_rank: u32,
+    pub(crate) node_rank: u32,
     /// Address of node 0, where rank 0 hosts the store.
     #[arg(long, env = "PET_MASTER_ADDR", default_value = "127.0.0.1")]
-    master_addr: String,
+    pub(crate) master_addr: String,
     /// Port of the store on node 0 (0: pick a free one; single node only).
-    #[arg(long, env = "PET_MASTER_PORT", default_value_t = collective::world::DEFAULT_MASTER_PORT)]
-    master_port: u16,
+    #[arg(long, env = "PET_MASTER_PORT", default_value_t = contract::ports::MASTER)]
+    pub(crate) master_port: u16,
     /// Job id: names the output folder and must match across nodes.
     #[arg(long = "rdzv-id", alias = "run-id", env = "PET_RDZV_ID")]
-    run_id: Option<String>,
+    pub(crate) run_id: Option<String>,
     /// Restarts after a worker fails; workers resume from their checkpoint. Elastic jobs count
     /// failures across all nodes (a lost or new node is not a failure). Passed to workers as
     /// TORCHELASTIC_MAX_RESTARTS.
     #[arg(long, env = "PET_MAX_RESTARTS", default_value_t = 0)]
-    max_restarts: u32,
+    pub(crate) max_restarts: u32,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
-    log_dir: Option<PathBuf>,
+    pub(crate) log_dir: Option<PathBuf>,
     /// Seconds between checks of the workers.
     #[arg(long, env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
-    monitor_interval: f64,
+    pub(crate) monitor_interval: f64,
     /// Seconds a worker gets to exit after SIGTERM before SIGKILL.
     #[arg(long, env = "TRAINCTL_GRACE_PERIOD", default_value_t = 5.0)]
-    grace_period: f64,
+    pub(crate) grace_period: f64,
     /// Seconds after which a silent or vanished peer is an error in the workers' collective.
     #[arg(long, env = "TRAINCTL_COLLECTIVE_TIMEOUT")]
-    collective_timeout: Option<f64>,
+    pub(crate) collective_timeout: Option<f64>,
     /// Serve this node's metrics (the agent's and its workers': steps, images/s, restarts,
     /// world size, last checkpoint age) in Prometheus's text format at
     /// http://0.0.0.0:PORT/metrics; 0 picks a free port.
     #[arg(long, env = "TRAINCTL_METRICS_PORT")]
-    metrics_port: Option<u16>,
+    pub(crate) metrics_port: Option<u16>,
     /// Shared secret of the job's connections (default: random for one node; set it for several).
     #[arg(long, env = "TRAINCTL_JOB_TOKEN", hide_env_values = true)]
-    job_token: Option<String>,
+    pub(crate) job_token: Option<String>,
     /// Before starting the workers, copy this S3 object (a script: s3://BUCKET/main.py) or
     /// prefix (a folder of code) into --fetch-dir, as the torchelastic example's pods download
     /// their main.py. Repeatable; files already there and identical are not copied again.
@@ -86,10 +86,10 @@ pub struct Args {
         value_delimiter = ' ',
         value_name = "S3_URI"
     )]
-    fetch: Vec<String>,
+    pub(crate) fetch: Vec<String>,
     /// Where --fetch copies to; with --fetch, the workers start in this folder.
     #[arg(long, env = "TRAINCTL_FETCH_DIR", default_value = ".")]
-    fetch_dir: PathBuf,
+    pub(crate) fetch_dir: PathBuf,
     /// `train ARGS...` for the built-in trainer, or `-- PROGRAM ARGS...` for any program
     /// (a PyTorch DDP script works: same environment as under torchrun).
     #[arg(
@@ -98,7 +98,7 @@ pub struct Args {
         allow_hyphen_values = true,
         value_name = "COMMAND"
     )]
-    command: Vec<OsString>,
+    pub(crate) command: Vec<OsString>,
 }
 
 /// `--fetch`: the program's code from S3, before any worker starts.
@@ -472,13 +472,13 @@ fn run_elastic(
             let url = if endpoint.contains("://") {
                 endpoint.clone()
             } else {
-                let (host, port) = split_endpoint(&endpoint, 2379)?;
+                let (host, port) = split_endpoint(&endpoint, contract::ports::ETCD)?;
                 format!("http://{host}:{port}")
             };
             BackendKind::Etcd { url }
         }
         _ => {
-            let (host, port) = split_endpoint(&endpoint, 29400)?;
+            let (host, port) = split_endpoint(&endpoint, contract::ports::C10D)?;
             BackendKind::C10d {
                 host,
                 port,

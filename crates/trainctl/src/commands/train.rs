@@ -18,85 +18,85 @@ use trainer::train::{Event, TrainConfig};
 #[derive(clap::Args)]
 pub struct Args {
     /// The network: seed-cnn, resnet18, resnet34, resnet50 or resnet101 (torchvision's).
-    #[arg(long, default_value = "seed-cnn")]
-    model: String,
+    #[arg(long, default_value = contract::models::SEED_CNN)]
+    pub(crate) model: String,
     /// The data: CIFAR-10 (either official layout) or an image folder (train/CLASS/*.jpg and
     /// val/CLASS/..., or tiny-imagenet-200's layout). --dataset is downloaded here if it holds
     /// neither.
     #[arg(long, default_value = "./data")]
-    data: PathBuf,
+    pub(crate) data: PathBuf,
     /// What to download into --data when it holds no data set: cifar10 or tiny-imagenet.
-    #[arg(long, default_value = "cifar10")]
-    dataset: String,
+    #[arg(long, default_value = contract::CIFAR10.name)]
+    pub(crate) dataset: String,
     /// Side of the square training images (default: 32 for CIFAR-10, 64 for image folders,
     /// which are resized on the shorter side and centre-cropped to it).
     #[arg(long)]
-    image_size: Option<usize>,
+    pub(crate) image_size: Option<usize>,
     /// Training augmentation: none, crop (pad an eighth, random crop, flip) or resized-crop
     /// (torchvision's RandomResizedCrop and flip). Default: none for CIFAR-10 (the seed's
     /// transforms), crop for image folders.
     #[arg(long)]
-    augment: Option<String>,
+    pub(crate) augment: Option<String>,
     /// Threads decoding and augmenting images, beside the training threads.
     #[arg(long, default_value_t = 2)]
-    loader_threads: usize,
+    pub(crate) loader_threads: usize,
     /// Batches prepared ahead of the one being trained on.
     #[arg(long, default_value_t = 4)]
-    prefetch: usize,
+    pub(crate) prefetch: usize,
     /// Decoded training images kept in memory by each worker, in MiB (tiny-imagenet's
     /// training set is about 1,200 MiB at 64×64).
     #[arg(long, default_value_t = 2048)]
-    cache_mb: u64,
+    pub(crate) cache_mb: u64,
     #[arg(long, default_value_t = 10)]
-    epochs: usize,
+    pub(crate) epochs: usize,
     /// Images per step on each worker.
     #[arg(long, default_value_t = 128)]
-    batch_size: usize,
+    pub(crate) batch_size: usize,
     #[arg(long, alias = "lr", default_value_t = 1e-3)]
-    learning_rate: f64,
+    pub(crate) learning_rate: f64,
     #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
+    pub(crate) momentum: f64,
     #[arg(long, default_value_t = 1e-4)]
-    weight_decay: f64,
+    pub(crate) weight_decay: f64,
     /// Print the mean loss every this many steps.
     #[arg(long, default_value_t = 10)]
-    print_freq: usize,
+    pub(crate) print_freq: usize,
     /// Final model (safetensors, PyTorch names). Default: OUT/RUN_ID/model.safetensors.
     #[arg(long)]
-    model_file: Option<PathBuf>,
+    pub(crate) model_file: Option<PathBuf>,
     /// Checkpoint to resume from and write to. Default: OUT/RUN_ID/checkpoint.ckpt.
     #[arg(long)]
-    checkpoint_file: Option<PathBuf>,
+    pub(crate) checkpoint_file: Option<PathBuf>,
     /// Where runs write their files: OUT/RUN_ID/ holds the checkpoint, the model, the metrics
     /// (metrics/rank-N.jsonl) and TensorBoard's events (tensorboard/).
     #[arg(long, default_value = "./runs")]
-    out: PathBuf,
+    pub(crate) out: PathBuf,
     /// Also checkpoint every this many steps (besides every epoch end).
     #[arg(long)]
-    checkpoint_every: Option<u64>,
+    pub(crate) checkpoint_every: Option<u64>,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(crate) seed: u64,
     /// CPU threads of this worker (default: cores / workers on this node).
     #[arg(long)]
-    threads: Option<usize>,
+    pub(crate) threads: Option<usize>,
     /// Fail instead of downloading when the data is missing.
     #[arg(long)]
-    no_download: bool,
+    pub(crate) no_download: bool,
     /// Download from here instead of the official address of --dataset.
     #[arg(long)]
-    download_url: Option<String>,
+    pub(crate) download_url: Option<String>,
     /// Expected MD5 of the downloaded archive (default: the official archive's).
     #[arg(long)]
     download_md5: Option<String>,
     /// Skip the test-set evaluation at the end.
     #[arg(long)]
-    no_eval: bool,
+    pub(crate) no_eval: bool,
     /// When training ends, rank 0 uploads the model, the checkpoint and the run's report,
     /// metrics and TensorBoard events under this prefix (s3://BUCKET/PREFIX). A failed upload
     /// is retried, then reported; it never fails the run, and the local files stay.
     #[arg(long, value_name = "S3_URI")]
-    upload: Option<String>,
+    pub(crate) upload: Option<String>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
@@ -187,13 +187,13 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         // agent restarts without counting it against --max-restarts.
         Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
             crate::output::error(&anyhow::Error::new(e));
-            Ok(collective::EXIT_PEER_LOST)
+            Ok(contract::exit::PEER_LOST)
         }
         Err(e @ TrainError::Preempted { .. }) => {
             if rank == 0 {
                 crate::output::warn(&e.to_string());
             }
-            Ok(collective::EXIT_PREEMPTED)
+            Ok(contract::exit::PREEMPTED)
         }
         Err(e) => Err(e.into()),
     }

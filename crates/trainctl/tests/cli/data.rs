@@ -93,7 +93,7 @@ fn an_archive_with_the_wrong_md5_is_refused() {
             .arg(dir.path()),
     );
     assert!(
-        err.contains("MD5") && err.contains(trainer::data::cifar::OFFICIAL_MD5),
+        err.contains("MD5") && err.contains(contract::CIFAR10.md5),
         "{err}"
     );
     let leftovers: Vec<_> = std::fs::read_dir(&data).unwrap().collect();

@@ -175,7 +175,7 @@ fn a_killed_training_worker_stops_the_job_with_a_report() {
 }
 
 /// When the launcher sees a failed worker and one that exited because it lost that peer
-/// (EXIT_PEER_LOST) in the same poll, the report names the failure, not its consequence.
+/// (contract::exit::PEER_LOST) in the same poll, the report names the failure, not its consequence.
 #[test]
 fn the_root_cause_is_the_failure_not_the_peer_that_lost_it() {
     // One poll a second: both exits land between two polls.

@@ -346,7 +346,7 @@ fn an_archive_staged_from_s3_is_extracted_without_a_download() {
     ]));
     assert!(
         err.contains("cifar-10-binary.tar.gz")
-            && err.contains(&format!("expected {}", trainer::data::cifar::OFFICIAL_SIZE))
+            && err.contains(&format!("expected {}", contract::CIFAR10.size))
             && err.contains("replace it with the official archive")
             && err.contains("--no-extract"),
         "{err}"

@@ -7,7 +7,6 @@ use std::path::Path;
 
 use md5::{Digest, Md5};
 
-use super::cifar::{OFFICIAL_MD5, OFFICIAL_SIZE, OFFICIAL_URL};
 use crate::error::{IoContext, Result, TrainError};
 
 #[derive(Debug, Clone)]
@@ -22,12 +21,7 @@ pub struct DownloadOptions {
 
 impl Default for DownloadOptions {
     fn default() -> Self {
-        DownloadOptions {
-            enabled: true,
-            url: OFFICIAL_URL.into(),
-            md5: OFFICIAL_MD5.into(),
-            size: Some(OFFICIAL_SIZE),
-        }
+        super::DatasetName::Cifar10.official()
     }
 }
 

@@ -54,22 +54,26 @@ pub enum DatasetName {
 }
 
 impl DatasetName {
-    pub const CHOICES: &str = "cifar10 or tiny-imagenet";
+    pub const CHOICES: &str = contract::DATASET_CHOICES;
     pub const ALL: [DatasetName; 2] = [DatasetName::Cifar10, DatasetName::TinyImageNet];
 
-    pub fn parse(name: &str) -> Option<DatasetName> {
-        match name {
-            "cifar10" | "cifar-10" => Some(DatasetName::Cifar10),
-            "tiny-imagenet" | "tiny-imagenet-200" => Some(DatasetName::TinyImageNet),
-            _ => None,
+    /// Its name, aliases and official archive, as every crate knows them.
+    pub fn contract(self) -> contract::Dataset {
+        match self {
+            DatasetName::Cifar10 => contract::CIFAR10,
+            DatasetName::TinyImageNet => contract::TINY_IMAGENET,
         }
     }
 
+    pub fn parse(name: &str) -> Option<DatasetName> {
+        let wanted = contract::Dataset::parse(name)?;
+        DatasetName::ALL
+            .into_iter()
+            .find(|d| d.contract() == wanted)
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            DatasetName::Cifar10 => "cifar10",
-            DatasetName::TinyImageNet => "tiny-imagenet",
-        }
+        self.contract().name
     }
 
     /// The official archive's file name (`cifar-10-binary.tar.gz`, `tiny-imagenet-200.zip`).
@@ -86,14 +90,12 @@ impl DatasetName {
 
     /// The official archive's address, MD5 and size.
     pub fn official(self) -> DownloadOptions {
-        match self {
-            DatasetName::Cifar10 => DownloadOptions::default(),
-            DatasetName::TinyImageNet => DownloadOptions {
-                enabled: true,
-                url: tiny::OFFICIAL_URL.into(),
-                md5: tiny::OFFICIAL_MD5.into(),
-                size: Some(tiny::OFFICIAL_SIZE),
-            },
+        let archive = self.contract();
+        DownloadOptions {
+            enabled: true,
+            url: archive.url.into(),
+            md5: archive.md5.into(),
+            size: Some(archive.size),
         }
     }
 }
@@ -334,5 +336,22 @@ impl Unreadable {
 
     pub fn count(&self) -> usize {
         self.seen.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DatasetName;
+
+    /// Every data set the other crates offer (`data.dataset`) is one the trainer downloads.
+    #[test]
+    fn every_data_set_of_the_contract_is_known_by_name_and_alias() {
+        assert_eq!(DatasetName::ALL.len(), contract::DATASETS.len());
+        for archive in contract::DATASETS {
+            for name in archive.aliases.iter().chain([&archive.name]) {
+                let known = DatasetName::parse(name).unwrap_or_else(|| panic!("{name}"));
+                assert_eq!(known.contract(), archive);
+            }
+        }
     }
 }

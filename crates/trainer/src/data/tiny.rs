@@ -5,17 +5,10 @@
 use super::archive::{Archive, unzip};
 use super::folder::{Layout, TINY_DIR};
 
-pub const OFFICIAL_URL: &str = "http://cs231n.stanford.edu/tiny-imagenet-200.zip";
-/// As the data set loaders of ContinualAI/avalanche (benchmarks/datasets/tiny_imagenet) and
-/// others check it.
-pub const OFFICIAL_MD5: &str = "90528d7ca1a48142e341f4ef8d21d0de";
-/// 248,100,043 bytes, as torchvision's download progress reports it (`248100043/248100043`).
-pub const OFFICIAL_SIZE: u64 = 248_100_043;
-
 /// tiny-imagenet-200's archive.
 pub(crate) const TINY: Archive = Archive {
-    what: "tiny-imagenet-200",
-    file: "tiny-imagenet-200.zip",
+    what: contract::TINY_IMAGENET.what,
+    file: contract::TINY_IMAGENET.file,
     folder: TINY_DIR,
     unpack: unzip,
     present: |dir| Layout::locate(dir).is_some(),

@@ -28,19 +28,19 @@ pub enum Architecture {
 
 impl Architecture {
     /// The names `--model` takes, for messages.
-    pub const CHOICES: &str = "seed-cnn, resnet18, resnet34, resnet50 or resnet101";
+    pub const CHOICES: &str = contract::models::CHOICES;
 
     /// `seed-cnn`, `resnet18`, ...
     pub fn parse(name: &str) -> Option<Architecture> {
         match name {
-            "seed-cnn" => Some(Architecture::SeedCnn),
+            contract::models::SEED_CNN => Some(Architecture::SeedCnn),
             other => Arch::parse(other).map(Architecture::ResNet),
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Architecture::SeedCnn => "seed-cnn",
+            Architecture::SeedCnn => contract::models::SEED_CNN,
             Architecture::ResNet(a) => a.name(),
         }
     }
@@ -142,5 +142,20 @@ pub(crate) fn settle_norms<'a>(norms: impl IntoIterator<Item = &'a BatchNorm>) {
     for bn in norms {
         bn.running_mean.value_sync();
         bn.running_var.value_sync();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Architecture;
+
+    /// The trainer knows exactly the networks the other crates offer (`job.model`).
+    #[test]
+    fn every_model_name_of_the_contract_is_a_network_and_back() {
+        for name in contract::models::ALL {
+            let arch = Architecture::parse(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(arch.name(), name);
+        }
+        assert_eq!(Architecture::parse("resnet152"), None);
     }
 }

@@ -30,7 +30,7 @@ pub enum DoctorCommand {
         /// Every node's stable name, pod 0 (the rendezvous host) first.
         #[arg(long, value_delimiter = ',', required = true)]
         peers: Vec<String>,
-        #[arg(long, default_value_t = 29400)]
+        #[arg(long, default_value_t = contract::ports::C10D)]
         port: u16,
         /// Where the claim is mounted.
         #[arg(long, default_value = "/data")]

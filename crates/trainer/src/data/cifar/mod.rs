@@ -7,14 +7,10 @@ use std::path::{Path, PathBuf};
 use super::archive::{Archive, untar_gz};
 use crate::error::{IoContext, Result, TrainError};
 
-pub const OFFICIAL_URL: &str = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz";
-pub const OFFICIAL_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
-pub const OFFICIAL_SIZE: u64 = 170_052_171;
-
 /// CIFAR-10's binary archive.
 pub(crate) const CIFAR: Archive = Archive {
-    what: "CIFAR-10",
-    file: "cifar-10-binary.tar.gz",
+    what: contract::CIFAR10.what,
+    file: contract::CIFAR10.file,
     folder: BIN_DIR,
     unpack: untar_gz,
     present: |dir| Layout::locate(dir).is_some(),

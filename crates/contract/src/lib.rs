@@ -1,0 +1,158 @@
+//! What several of trainctl's crates must agree on, written once: the exit codes the launcher,
+//! the workers and the Kubernetes failure policy read the same way, the worker environment's
+//! names, the default ports, the names of the networks and data sets with their official
+//! archives, and the `trainctl run ... train ...` command line that deploy renders into pods
+//! and the CLI parses back ([`argv`]).
+//!
+//! Invariant: this crate depends on nothing, so that every crate can depend on it; a value two
+//! crates must keep equal lives here, not in a copy kept equal by a test.
+
+pub mod argv;
+
+/// Exit codes with a meaning beyond "failed".
+pub mod exit {
+    /// A worker whose peer vanished (its connection closed): the failure is somebody else's,
+    /// so the elastic agent restarts without counting it against `--max-restarts`
+    /// (EX_TEMPFAIL: "try again").
+    pub const PEER_LOST: i32 = 75;
+    /// A worker (or `trainctl run`) that was asked to stop (SIGTERM: an eviction, a spot
+    /// interruption, a deleted job) and saved a checkpoint at the step it finished first: not a
+    /// failure, and nothing to redo, so the elastic agent does not count it and Kubernetes
+    /// retries it without counting. It is 128 + SIGTERM, the code a process stopped by SIGTERM
+    /// conventionally ends with, which Kubeflow's `ExitCode` restart policy retries; a worker
+    /// *killed* by the signal reports the signal instead, and is counted.
+    pub const PREEMPTED: i32 = 128 + 15;
+    /// Codes no retry can fix: `trainctl`'s own (the job failed past its restarts (1), the
+    /// command line is wrong (2)) and the shell's for a program that cannot run at all (126:
+    /// not executable; 127: not found, or the binary's loader lacks a library). A Kubernetes
+    /// job fails at once on them instead of retrying to its backoff limit.
+    pub const PERMANENT: [i32; 4] = [1, 2, 126, 127];
+}
+
+/// Names of the environment variables a worker receives: torchrun's, and trainctl's own.
+/// The launcher writes them; `collective::world` is the one module that reads them.
+pub mod env {
+    pub const RANK: &str = "RANK";
+    pub const LOCAL_RANK: &str = "LOCAL_RANK";
+    pub const WORLD_SIZE: &str = "WORLD_SIZE";
+    pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+    pub const GROUP_RANK: &str = "GROUP_RANK";
+    pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
+    pub const ROLE_RANK: &str = "ROLE_RANK";
+    pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
+    pub const MASTER_ADDR: &str = "MASTER_ADDR";
+    pub const MASTER_PORT: &str = "MASTER_PORT";
+    pub const RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+    pub const RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+    pub const MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+    pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+    /// trainctl's own: the secret every collective connection must present (from the job's
+    /// Secret on Kubernetes).
+    pub const JOB_TOKEN: &str = "TRAINCTL_JOB_TOKEN";
+    /// trainctl's own: seconds after which a silent peer is an error.
+    pub const COLLECTIVE_TIMEOUT: &str = "TRAINCTL_COLLECTIVE_TIMEOUT";
+    /// trainctl's own: a file descriptor (a pipe to `trainctl run`) the worker writes its
+    /// metrics records to, one JSON line each, for the agent's progress bar and `/metrics`.
+    pub const TELEMETRY_FD: &str = "TRAINCTL_TELEMETRY_FD";
+}
+
+/// Default ports.
+pub mod ports {
+    /// The workers' store on rank 0 (torchrun's `--master-port`).
+    pub const MASTER: u16 = 29500;
+    /// The c10d rendezvous store (`--rdzv-endpoint HOST` without a port; a job's `rdzv_port`).
+    pub const C10D: u16 = 29400;
+    /// etcd's client port (`--rdzv-backend etcd`).
+    pub const ETCD: u16 = 2379;
+    /// `trainctl run --metrics-port` in a job's pods (Prometheus' scrape port).
+    pub const METRICS: u16 = 9464;
+}
+
+/// The networks of the built-in trainer (`trainctl train --model`, a job's `job.model`).
+pub mod models {
+    /// The seed's CNN for CIFAR-10: the default.
+    pub const SEED_CNN: &str = "seed-cnn";
+    pub const RESNETS: [&str; 4] = ["resnet18", "resnet34", "resnet50", "resnet101"];
+    pub const ALL: [&str; 5] = [SEED_CNN, RESNETS[0], RESNETS[1], RESNETS[2], RESNETS[3]];
+    /// For messages.
+    pub const CHOICES: &str = "seed-cnn, resnet18, resnet34, resnet50 or resnet101";
+}
+
+/// A data set the trainer downloads when the data folder holds none (`--dataset`), and its
+/// official archive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dataset {
+    /// `--dataset` / `data.dataset`.
+    pub name: &'static str,
+    /// Other spellings `--dataset` takes.
+    pub aliases: &'static [&'static str],
+    /// What it is, for messages.
+    pub what: &'static str,
+    /// The archive's file name (also under which a staged copy is found).
+    pub file: &'static str,
+    pub url: &'static str,
+    /// Lower-case hex.
+    pub md5: &'static str,
+    pub size: u64,
+}
+
+pub const CIFAR10: Dataset = Dataset {
+    name: "cifar10",
+    aliases: &["cifar-10"],
+    what: "CIFAR-10",
+    file: "cifar-10-binary.tar.gz",
+    url: "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz",
+    md5: "c32a1d4ab5d03f1284b67883e8d87530",
+    size: 170_052_171,
+};
+
+pub const TINY_IMAGENET: Dataset = Dataset {
+    name: "tiny-imagenet",
+    aliases: &["tiny-imagenet-200"],
+    what: "tiny-imagenet-200",
+    file: "tiny-imagenet-200.zip",
+    url: "http://cs231n.stanford.edu/tiny-imagenet-200.zip",
+    md5: "90528d7ca1a48142e341f4ef8d21d0de",
+    // As torchvision's download progress reports it (`248100043/248100043`).
+    size: 248_100_043,
+};
+
+/// Every data set `--dataset` knows, the default first.
+pub const DATASETS: [Dataset; 2] = [CIFAR10, TINY_IMAGENET];
+
+/// For messages.
+pub const DATASET_CHOICES: &str = "cifar10 or tiny-imagenet";
+
+impl Dataset {
+    /// By name or alias.
+    pub fn parse(name: &str) -> Option<Dataset> {
+        DATASETS
+            .into_iter()
+            .find(|d| d.name == name || d.aliases.contains(&name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_data_set_parses_by_name_and_alias_and_the_choices_name_them_all() {
+        for d in DATASETS {
+            assert_eq!(Dataset::parse(d.name), Some(d));
+            for alias in d.aliases {
+                assert_eq!(Dataset::parse(alias), Some(d));
+            }
+            assert!(DATASET_CHOICES.contains(d.name));
+        }
+        assert_eq!(Dataset::parse("imagenet"), None);
+    }
+
+    #[test]
+    fn the_model_choices_name_every_model() {
+        for m in models::ALL {
+            assert!(models::CHOICES.contains(m), "{m}");
+        }
+        assert_eq!(models::CHOICES.matches(", ").count() + 2, models::ALL.len());
+    }
+}

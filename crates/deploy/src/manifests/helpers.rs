@@ -1,0 +1,172 @@
+//! One-pod helper jobs: the data job, the test job and the doctor.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::config::Project;
+
+use super::object;
+use super::pod::{PodOptions, accelerators, gpu_toleration, headless_service, job, pod_template};
+
+/// `data job`: downloads and verifies the data set onto the claim (a no-op when it is there),
+/// copies it from S3 (`data.from`: files already there are skipped), or, with
+/// `synthetic: Some(n)`, writes a small generated set of `n` training images in the same
+/// layout (to try a cluster out without the download).
+pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
+    let args = match (synthetic, &project.data.from) {
+        (None, Some(from)) => vec![
+            "data".into(),
+            "stage".into(),
+            from.clone(),
+            project.data.dir.clone(),
+        ],
+        (None, None) => {
+            let mut args = vec!["data".into(), "fetch".into()];
+            if project.data.dataset != contract::CIFAR10.name {
+                args.extend(["--dataset".into(), project.data.dataset.clone()]);
+            }
+            args.extend([
+                "--data".into(),
+                project.data.dir.clone(),
+                "--download-url".into(),
+                project.data.url.clone(),
+                "--download-md5".into(),
+                project.data.md5.clone(),
+            ]);
+            args
+        }
+        (Some(n), _) => vec![
+            "data".into(),
+            "synth".into(),
+            "--out".into(),
+            project.data.dir.clone(),
+            "--train".into(),
+            n.to_string(),
+            "--test".into(),
+            (n / 4).max(10).to_string(),
+        ],
+    };
+    let template = pod_template(
+        project,
+        PodOptions {
+            component: "data",
+            image: project.trainctl_image.clone(),
+            args,
+            training_size: false,
+            accelerators: false,
+            user_program: false,
+            port: None,
+            metrics_port: None,
+            token_secret: None,
+            subdomain: None,
+            service_account: true,
+        },
+    );
+    object(&job(
+        project,
+        &format!("{}-data", project.job.name),
+        template,
+        (1, false),
+        3,
+    ))
+}
+
+/// `test job`: the seed's test job, `trainctl eval` on the saved model.
+pub fn test_job(project: &Project) -> Value {
+    let args = vec![
+        "eval".into(),
+        "--model".into(),
+        project.job.model_path(),
+        "--data".into(),
+        project.data.dir.clone(),
+    ];
+    let template = pod_template(
+        project,
+        PodOptions {
+            component: "test",
+            image: project.trainctl_image.clone(),
+            args,
+            training_size: false,
+            accelerators: false,
+            user_program: false,
+            port: None,
+            metrics_port: None,
+            token_secret: None,
+            subdomain: None,
+            service_account: true,
+        },
+    );
+    object(&job(
+        project,
+        &format!("{}-test", project.job.name),
+        template,
+        (1, false),
+        1,
+    ))
+}
+
+pub fn doctor_job_name(project: &Project) -> String {
+    format!("{}-doctor", project.job.name)
+}
+
+/// `doctor`: one pod per node, each checking DNS, the rendezvous port, every peer and the
+/// claim, from inside the cluster (`trainctl doctor check`).
+pub fn doctor_job(project: &Project) -> Vec<Value> {
+    let j = &project.job;
+    let name = doctor_job_name(project);
+    let pods = j.max_nodes;
+    let peers: Vec<String> = (0..pods).map(|i| format!("{name}-{i}.{name}")).collect();
+    let mut args = vec![
+        "doctor".into(),
+        "check".into(),
+        "--peers".into(),
+        peers.join(","),
+        "--port".into(),
+        j.rdzv_port.to_string(),
+        "--claim".into(),
+        project.storage.mount_path.clone(),
+        "--data".into(),
+        project.data.dir.clone(),
+    ];
+    let (gpus, adapters) = accelerators(project);
+    if gpus > 0 {
+        args.extend(["--expect-gpus".into(), gpus.to_string()]);
+    }
+    if adapters > 0 {
+        args.extend(["--expect-efa".into(), adapters.to_string()]);
+    }
+    let template = pod_template(
+        project,
+        PodOptions {
+            component: "doctor",
+            image: project.trainctl_image.clone(),
+            args,
+            training_size: false,
+            accelerators: true,
+            user_program: false,
+            port: Some(j.rdzv_port),
+            metrics_port: None,
+            token_secret: None,
+            subdomain: Some(name.clone()),
+            service_account: false,
+        },
+    );
+    let mut template = template;
+    // The doctor checks the nodes the training will use (its pods take their GPUs and EFA
+    // adapters, so it sees what a training pod sees), GPU nodes' taint included.
+    if let Some(spec) = template.spec.as_mut() {
+        if let Some((k, v)) = j.node_selector.as_ref() {
+            spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));
+        }
+        if project.cluster.instance_type.gpus > 0 {
+            spec.tolerations = Some(vec![gpu_toleration()]);
+        }
+    }
+    let service = headless_service(project, &name, "doctor", j.rdzv_port);
+    vec![
+        object(&service),
+        // Indexed whatever the count: the peers are named NAME-INDEX.NAME.
+        object(&job(project, &name, template, (pods as i32, true), 0)),
+    ]
+}

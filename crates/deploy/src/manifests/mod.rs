@@ -1,0 +1,118 @@
+//! The Kubernetes objects trainctl renders: storage, the data job, the training job (Indexed
+//! Job or Kubeflow PyTorchJob, running the built-in trainer or the user's program, with an etcd
+//! beside it for `--rdzv-backend etcd`), the test job, the doctor job, TensorBoard and the
+//! NVIDIA device plugin.
+//!
+//! Core objects are built from `k8s-openapi` types, so their shape is the API's. Every object
+//! carries the labels in [`labels`], which is how `job status|logs|top|delete` find them again.
+
+mod helpers;
+mod pod;
+mod services;
+mod storage;
+mod training;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::Project;
+
+pub use helpers::{data_job, doctor_job, doctor_job_name, test_job};
+pub use services::{etcd, etcd_name, nvidia_device_plugin, tensorboard, tensorboard_name};
+pub use storage::{NoStorage, storage};
+pub use training::{rdzv_host, token_secret, token_secret_name, training_job, worker_run_args};
+
+/// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
+/// The job an object belongs to.
+pub const JOB_LABEL: &str = "trainctl.dev/job";
+/// The extended resource of EFA adapters (aws-efa-k8s-device-plugin).
+pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
+/// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
+pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+/// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
+pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
+/// The container that runs trainctl in every pod (the operator's default name for PyTorchJob).
+pub const CONTAINER: &str = "pytorch";
+/// Name of the rendezvous port; the training operator finds the port by this name.
+pub const RDZV_PORT_NAME: &str = "pytorchjob-port";
+/// The container port `trainctl run --metrics-port` serves on.
+pub const METRICS_PORT_NAME: &str = "metrics";
+/// Where the binary is in the image (see the Dockerfile).
+pub const BINARY: &str = "trainctl";
+/// Where the init container of a training pod whose image lacks trainctl puts the binary (an
+/// emptyDir shared with the training container).
+pub const BINARY_DIR: &str = "/opt/trainctl";
+/// Where training pods put the code `job.fetch` copies from S3 (under the /tmp emptyDir).
+pub const FETCH_DIR: &str = "/tmp/code";
+/// The init container that copies trainctl into [`BINARY_DIR`].
+pub const INSTALL_CONTAINER: &str = "install-trainctl";
+/// etcd's client port (`--rdzv-backend etcd`).
+pub const ETCD_PORT: u16 = contract::ports::ETCD;
+/// TensorBoard's port.
+pub const TENSORBOARD_PORT: u16 = 6006;
+/// The user the pods run as (the image's `trainctl` user).
+pub const RUN_AS: i64 = 1000;
+/// What a helper pod (data, test, doctor) requests: CPU, memory.
+pub const HELPER_SIZE: (&str, &str) = ("500m", "1Gi");
+/// How long a training pod has between SIGTERM and SIGKILL: the step in progress and a
+/// checkpoint must fit in it.
+pub const TERMINATION_GRACE_SECONDS: i64 = 30;
+
+/// Labels of one component of job `job`.
+pub fn labels(job: &str, component: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (MANAGED_BY.0.into(), MANAGED_BY.1.into()),
+        ("app.kubernetes.io/name".into(), "trainctl".into()),
+        (JOB_LABEL.into(), job.into()),
+        (COMPONENT_LABEL.into(), component.into()),
+    ])
+}
+
+/// The label selector of everything of job `job` (all components).
+pub fn job_selector(job: &str) -> String {
+    format!("{JOB_LABEL}={job},{}={}", MANAGED_BY.0, MANAGED_BY.1)
+}
+
+/// The selector of one component of job `job`.
+pub fn component_selector(job: &str, component: &str) -> String {
+    format!("{},{COMPONENT_LABEL}={component}", job_selector(job))
+}
+
+fn meta(project: &Project, name: &str, component: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(project.namespace.clone()),
+        labels: Some(labels(&project.job.name, component)),
+        ..ObjectMeta::default()
+    }
+}
+
+fn to_value(object: &impl Serialize) -> Value {
+    // k8s-openapi types serialise infallibly (strings, numbers, maps).
+    serde_json::to_value(object).expect("k8s-openapi objects serialise")
+}
+
+/// A Kubernetes object from k8s-openapi, with its apiVersion and kind.
+fn object<K: k8s_openapi::Resource + Serialize>(k: &K) -> Value {
+    let mut v = to_value(k);
+    v["apiVersion"] = Value::String(K::API_VERSION.into());
+    v["kind"] = Value::String(K::KIND.into());
+    v
+}
+
+fn quantity(s: &str) -> Quantity {
+    Quantity(s.to_string())
+}
+
+/// Documents as one YAML stream (`---` between them).
+pub fn to_yaml(docs: &[Value]) -> String {
+    docs.iter()
+        .map(|d| serde_saphyr::to_string(d).expect("JSON values serialise to YAML"))
+        .collect::<Vec<_>>()
+        .join("---\n")
+}

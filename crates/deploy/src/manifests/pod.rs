@@ -1,0 +1,405 @@
+//! What every pod and Job trainctl renders shares: the pod template (image, command, volumes,
+//! security, accelerators), the Job around it and its failure policy.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{
+    Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement,
+    PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
+};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, Toleration,
+    Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::config::Project;
+
+use super::services::cluster_ip_service;
+use super::{
+    BINARY, BINARY_DIR, COMPONENT_LABEL, CONTAINER, EFA_RESOURCE, HELPER_SIZE, INSTALL_CONTAINER,
+    METRICS_PORT_NAME, RDZV_PORT_NAME, RUN_AS, TERMINATION_GRACE_SECONDS, labels, meta, quantity,
+};
+
+/// What differs between the pods trainctl runs.
+pub(super) struct PodOptions {
+    pub(super) component: &'static str,
+    pub(super) args: Vec<String>,
+    /// The image the container runs.
+    pub(super) image: String,
+    /// CPU and memory of a training pod, or a small request for helper jobs.
+    pub(super) training_size: bool,
+    /// The node's GPUs and EFA adapters, the GPU taint's toleration and NCCL's variables
+    /// (training pods, and the doctor's, which checks that they are seen).
+    pub(super) accelerators: bool,
+    /// Runs the user's program: the image's own working directory and a writable root file
+    /// system (a program may write beside itself), HOME in /tmp.
+    pub(super) user_program: bool,
+    pub(super) port: Option<u16>,
+    /// Training pods: the port `trainctl run --metrics-port` serves, announced to Prometheus
+    /// by the usual `prometheus.io/*` pod annotations.
+    pub(super) metrics_port: Option<u16>,
+    pub(super) token_secret: Option<String>,
+    /// Indexed Job pods: the headless Service that gives them DNS names.
+    pub(super) subdomain: Option<String>,
+    /// Runs under the project's service account (IRSA: the pods that reach S3).
+    pub(super) service_account: bool,
+}
+
+pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
+    let job = &project.job;
+    let gpus = if o.accelerators { job.gpus_per_node } else { 0 };
+    let mut requests = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    if o.training_size {
+        requests.insert("cpu".into(), quantity(&job.cpu));
+        requests.insert("memory".into(), quantity(&job.memory));
+        // Memory is limited (the node's memory is not shared well past its size); CPU is not
+        // (a limit throttles the all-reduce and the data loader for no gain).
+        limits.insert("memory".into(), quantity(&job.memory));
+    } else {
+        requests.insert("cpu".into(), quantity(HELPER_SIZE.0));
+        requests.insert("memory".into(), quantity(HELPER_SIZE.1));
+        limits.insert("memory".into(), quantity("2Gi"));
+    }
+    if gpus > 0 {
+        requests.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
+        limits.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
+    }
+    let plain = |name: &str, value: &str| EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    };
+    let mut env = vec![plain("RUST_LOG", "warn")];
+    if o.user_program {
+        // The pods run as uid 1000, which the user's image may not know: its home is /.
+        env.push(plain("HOME", "/tmp"));
+    }
+    // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
+    // which eksctl installs with an EFA node group, schedules them) and point NCCL at them.
+    let adapters = if o.accelerators {
+        accelerators(project).1
+    } else {
+        0
+    };
+    if adapters > 0 {
+        let adapters = quantity(&adapters.to_string());
+        requests.insert(EFA_RESOURCE.into(), adapters.clone());
+        limits.insert(EFA_RESOURCE.into(), adapters);
+        env.push(plain("FI_PROVIDER", "efa"));
+        if project.cluster.instance_type.gpudirect_rdma() {
+            env.push(plain("FI_EFA_USE_DEVICE_RDMA", "1"));
+        }
+    }
+    if let Some(secret) = &o.token_secret {
+        env.push(EnvVar {
+            name: "TRAINCTL_JOB_TOKEN".into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: secret.clone(),
+                    key: "token".into(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
+    let mut volumes = vec![claim_volume(project, "data", false), empty_dir("tmp")];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "data".into(),
+            mount_path: project.storage.mount_path.clone(),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..VolumeMount::default()
+        },
+    ];
+    if o.training_size {
+        volumes.push(Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(quantity(&job.shm_size)),
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev/shm".into(),
+            ..VolumeMount::default()
+        });
+    }
+    // An image without trainctl gets it from an init container, through an emptyDir.
+    let copy_binary = o.image != project.trainctl_image;
+    let mut init_containers = None;
+    let binary = if copy_binary {
+        volumes.push(empty_dir("trainctl"));
+        let mount = VolumeMount {
+            name: "trainctl".into(),
+            mount_path: BINARY_DIR.into(),
+            ..VolumeMount::default()
+        };
+        mounts.push(VolumeMount {
+            read_only: Some(true),
+            ..mount.clone()
+        });
+        init_containers = Some(vec![Container {
+            name: INSTALL_CONTAINER.into(),
+            image: Some(project.trainctl_image.clone()),
+            image_pull_policy: Some("IfNotPresent".into()),
+            command: Some(vec![BINARY.into()]),
+            args: Some(vec!["install".into(), BINARY_DIR.into()]),
+            resources: Some(ResourceRequirements {
+                requests: Some(BTreeMap::from([
+                    ("cpu".into(), quantity("100m")),
+                    ("memory".into(), quantity("64Mi")),
+                ])),
+                limits: Some(BTreeMap::from([("memory".into(), quantity("256Mi"))])),
+                ..ResourceRequirements::default()
+            }),
+            volume_mounts: Some(vec![mount]),
+            security_context: Some(restricted(true)),
+            ..Container::default()
+        }]);
+        format!("{BINARY_DIR}/{BINARY}")
+    } else {
+        BINARY.into()
+    };
+    let container = Container {
+        name: CONTAINER.into(),
+        image: Some(o.image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec![binary]),
+        args: Some(o.args),
+        env: Some(env),
+        ports: o.port.map(|p| {
+            let mut ports = vec![ContainerPort {
+                name: Some(RDZV_PORT_NAME.into()),
+                container_port: p.into(),
+                protocol: Some("TCP".into()),
+                ..ContainerPort::default()
+            }];
+            ports.extend(o.metrics_port.map(|m| ContainerPort {
+                name: Some(METRICS_PORT_NAME.into()),
+                container_port: m.into(),
+                protocol: Some("TCP".into()),
+                ..ContainerPort::default()
+            }));
+            ports
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(requests),
+            limits: Some(limits),
+            ..ResourceRequirements::default()
+        }),
+        volume_mounts: Some(mounts),
+        // A container that fails without writing its termination message leaves its last log
+        // lines there instead: `job status` and `job wait` show why without `kubectl logs`.
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        working_dir: (!o.user_program).then(|| "/tmp".into()),
+        security_context: Some(restricted(!o.user_program)),
+        ..Container::default()
+    };
+    let node_selector = project
+        .job
+        .node_selector
+        .as_ref()
+        .map(|(k, v)| BTreeMap::from([(k.clone(), v.clone())]));
+    let tolerations = (gpus > 0).then(|| vec![gpu_toleration()]);
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(labels(&job.name, o.component)),
+            annotations: o.metrics_port.map(|p| {
+                BTreeMap::from([
+                    ("prometheus.io/scrape".to_string(), "true".to_string()),
+                    ("prometheus.io/port".to_string(), p.to_string()),
+                    ("prometheus.io/path".to_string(), "/metrics".to_string()),
+                ])
+            }),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            init_containers,
+            containers: vec![container],
+            restart_policy: Some("Never".into()),
+            subdomain: o.subdomain,
+            node_selector: if o.training_size { node_selector } else { None },
+            tolerations,
+            volumes: Some(volumes),
+            termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+            enable_service_links: Some(false),
+            security_context: Some(pod_security()),
+            service_account_name: if o.service_account {
+                project.service_account.clone()
+            } else {
+                None
+            },
+            ..PodSpec::default()
+        }),
+    }
+}
+
+/// The shared claim as volume `name`.
+pub(super) fn claim_volume(project: &Project, name: &str, read_only: bool) -> Volume {
+    Volume {
+        name: name.into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: project.storage.claim.clone(),
+            read_only: Some(read_only),
+        }),
+        ..Volume::default()
+    }
+}
+
+/// A node-disk emptyDir as volume `name`.
+pub(super) fn empty_dir(name: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
+    }
+}
+
+/// Every trainctl pod runs as the image's `trainctl` user (1000), never root.
+pub(super) fn pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(RUN_AS),
+        run_as_group: Some(RUN_AS),
+        fs_group: Some(RUN_AS),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// No privileges, no capabilities; the root file system read-only unless the container runs
+/// a program trainctl does not know.
+pub(super) fn restricted(read_only_root: bool) -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(read_only_root),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// The GPUs and EFA adapters a training pod takes: the job's GPUs per node and, on GPU nodes
+/// with EFA, every adapter of the instance.
+pub(super) fn accelerators(project: &Project) -> (u32, u32) {
+    let gpus = project.job.gpus_per_node;
+    let instance = project.cluster.instance_type;
+    let adapters = if gpus > 0 && instance.supports_efa() {
+        instance.efa_interfaces
+    } else {
+        0
+    };
+    (gpus, adapters)
+}
+
+/// GPU nodes are tainted `nvidia.com/gpu` (see `eksctl`): only pods that tolerate it land there.
+pub(super) fn gpu_toleration() -> Toleration {
+    Toleration {
+        key: Some("nvidia.com/gpu".into()),
+        operator: Some("Exists".into()),
+        effect: Some("NoSchedule".into()),
+        ..Toleration::default()
+    }
+}
+
+/// A Job of `completions` pods; `indexed` gives each pod a stable name `NAME-INDEX` (the
+/// training job's, even of one pod: the rendezvous endpoint names pod 0).
+pub(super) fn job(
+    project: &Project,
+    name: &str,
+    template: PodTemplateSpec,
+    (completions, indexed): (i32, bool),
+    backoff_limit: i32,
+) -> Job {
+    let component = template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .and_then(|l| l.get(COMPONENT_LABEL))
+        .cloned()
+        .unwrap_or_default();
+    Job {
+        metadata: meta(project, name, &component),
+        spec: Some(JobSpec {
+            completion_mode: indexed.then(|| "Indexed".to_string()),
+            completions: Some(completions),
+            parallelism: Some(completions),
+            backoff_limit: Some(backoff_limit),
+            ttl_seconds_after_finished: Some(project.job.ttl_seconds),
+            pod_failure_policy: Some(failure_policy()),
+            template,
+            ..JobSpec::default()
+        }),
+        ..Job::default()
+    }
+}
+
+/// Evictions and preemptions (the DisruptionTarget condition, or trainctl's own exit after a
+/// SIGTERM and a checkpoint) are retried without counting; trainctl's permanent exit codes end
+/// the job at once; anything else (a crash, OOM, a lost node) counts against backoffLimit.
+pub(super) fn failure_policy() -> PodFailurePolicy {
+    PodFailurePolicy {
+        rules: vec![
+            PodFailurePolicyRule {
+                action: "Ignore".into(),
+                on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
+                    type_: "DisruptionTarget".into(),
+                    status: "True".into(),
+                }]),
+                ..PodFailurePolicyRule::default()
+            },
+            PodFailurePolicyRule {
+                action: "Ignore".into(),
+                on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                    container_name: Some(CONTAINER.into()),
+                    operator: "In".into(),
+                    values: vec![contract::exit::PREEMPTED],
+                }),
+                ..PodFailurePolicyRule::default()
+            },
+            PodFailurePolicyRule {
+                action: "FailJob".into(),
+                on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                    container_name: Some(CONTAINER.into()),
+                    operator: "In".into(),
+                    values: contract::exit::PERMANENT.to_vec(),
+                }),
+                ..PodFailurePolicyRule::default()
+            },
+        ],
+    }
+}
+
+pub(super) fn headless_service(
+    project: &Project,
+    name: &str,
+    component: &str,
+    port: u16,
+) -> Service {
+    let mut service = cluster_ip_service(project, name, component, RDZV_PORT_NAME, port);
+    if let Some(spec) = service.spec.as_mut() {
+        spec.cluster_ip = Some("None".into());
+        // Pods get DNS names as soon as they have addresses, before they are ready:
+        // the rendezvous host must be resolvable while the others wait for it.
+        spec.publish_not_ready_addresses = Some(true);
+    }
+    service
+}
