@@ -8,7 +8,7 @@
    bench/pytorch_ddp.py` on the same data, whole-process wall time.
 
 Usage: bench/.venv/bin/python bench/compare.py [--threads 1,2] [--steps 5] [--rounds 2]
-       [--epoch 5120]    (bench/run.sh builds both profiles and calls this)
+       [--epoch 5120] [--baseline PATH_TO_AN_EARLIER_TRAINCTL]    (bench/run.sh builds both profiles and calls this)
 """
 
 import argparse
@@ -41,13 +41,16 @@ def last_json(text):
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def step_table(threads, steps, rounds):
+def step_table(threads, steps, rounds, baseline=None):
     impls = {
         "trainctl release": lambda t: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
         "trainctl dev": lambda t: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
         "pytorch": lambda t: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
                               "--allreduce-ranks", ""],
     }
+    if baseline:
+        # Another build (an earlier commit's release binary), alternated with the others.
+        impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t), "--steps", str(steps)]
     results = {}
     for _ in range(rounds):
         for t in threads:
@@ -99,8 +102,9 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epoch", type=int, default=0, help="images for the whole-job epoch (0: skip)")
+    p.add_argument("--baseline", help="another trainctl binary (an earlier build) timed alongside")
     a = p.parse_args()
-    step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds)
+    step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline)
     if a.epoch:
         epoch_table(a.epoch)
 

@@ -6,8 +6,10 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::CollectiveError;
-use crate::store::{StoreClient, StoreServer, accept_handshake, finish_handshake, is_timeout};
-use crate::wire::{Hello, Role, WireError, read_exact, write_frame};
+use crate::store::{StoreClient, StoreServer, is_timeout};
+use crate::wire::{
+    Hello, Role, WireError, accept_handshake, finish_handshake, read_exact, write_frame,
+};
 use crate::world::World;
 
 /// Bytes per pipelined segment: small enough that the receiver reduces one segment while the

@@ -1,10 +1,14 @@
-//! Length-prefixed frames and a checked binary codec.
+//! Length-prefixed frames, a checked binary codec, and the `Hello` handshake every connection
+//! opens with.
 //!
 //! Every frame is `u32 little-endian length | payload`. Decoding never trusts a length: a frame
 //! longer than the reader's limit is refused before anything is allocated, and every field read
 //! is bounds-checked, so hostile or truncated bytes become a [`WireError`], never a panic.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+
+use crate::CollectiveError;
 
 /// The largest control frame accepted (store keys and values, handshakes).
 pub const MAX_CONTROL_FRAME: usize = 64 * 1024 * 1024;
@@ -254,6 +258,61 @@ impl HandshakeReply {
         };
         d.end("handshake reply")?;
         Ok(reply)
+    }
+}
+
+/// Reads the peer's hello and answers it; `Ok(hello)` only when run id and token match.
+pub(crate) fn accept_handshake(
+    stream: &mut TcpStream,
+    run_id: &str,
+    token: &str,
+    expect: Role,
+) -> Result<Hello, CollectiveError> {
+    let frame = read_frame(stream, 4096)?.ok_or(WireError::Truncated)?;
+    let hello = Hello::decode(&frame)?;
+    let refusal = if hello.run_id != run_id {
+        Some(format!(
+            "run id mismatch: this side is in run {run_id:?}, the peer in run {:?}",
+            hello.run_id
+        ))
+    } else if hello.token != token {
+        Some(format!(
+            "job token mismatch for run {run_id:?}: the peer was not started by this job's launcher"
+        ))
+    } else if hello.role != expect {
+        Some(format!(
+            "unexpected role {:?}, expected {expect:?}",
+            hello.role
+        ))
+    } else {
+        None
+    };
+    match refusal {
+        Some(why) => {
+            let _ = write_frame(stream, &HandshakeReply::Refused(why.clone()).encode());
+            Err(CollectiveError::Refused(why))
+        }
+        None => {
+            write_frame(stream, &HandshakeReply::Accepted.encode())?;
+            Ok(hello)
+        }
+    }
+}
+
+/// Sends our hello and reads the acceptor's answer.
+pub(crate) fn offer_handshake(
+    stream: &mut TcpStream,
+    hello: &Hello,
+) -> Result<(), CollectiveError> {
+    write_frame(stream, &hello.encode())?;
+    finish_handshake(stream)
+}
+
+pub(crate) fn finish_handshake(stream: &mut TcpStream) -> Result<(), CollectiveError> {
+    let frame = read_frame(stream, 4096)?.ok_or(WireError::Truncated)?;
+    match HandshakeReply::decode(&frame)? {
+        HandshakeReply::Accepted => Ok(()),
+        HandshakeReply::Refused(why) => Err(CollectiveError::Refused(why)),
     }
 }
 

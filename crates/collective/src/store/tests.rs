@@ -1,0 +1,180 @@
+//! The store over real TCP on 127.0.0.1.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::CollectiveError;
+use crate::wire::{Hello, Role};
+use proptest::prelude::*;
+
+fn hello(token: &str) -> Hello {
+    Hello {
+        role: Role::StoreClient,
+        run_id: "r".into(),
+        token: token.into(),
+        rank: 1,
+    }
+}
+
+fn request() -> impl Strategy<Value = Request> {
+    prop_oneof![
+        (".{0,20}", proptest::collection::vec(any::<u8>(), 0..64))
+            .prop_map(|(key, value)| Request::Set { key, value }),
+        (".{0,20}", any::<u64>()).prop_map(|(key, timeout_ms)| Request::Get { key, timeout_ms }),
+        (".{0,20}", any::<i64>()).prop_map(|(key, delta)| Request::Add { key, delta }),
+        (proptest::collection::vec(".{0,10}", 0..5), any::<u64>())
+            .prop_map(|(keys, timeout_ms)| Request::Wait { keys, timeout_ms }),
+        (
+            ".{0,20}",
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..32)),
+            proptest::collection::vec(any::<u8>(), 0..32)
+        )
+            .prop_map(|(key, expected, value)| Request::CompareSet {
+                key,
+                expected,
+                value
+            }),
+        ".{0,20}".prop_map(|key| Request::TryGet { key }),
+        (".{0,20}", any::<u64>()).prop_map(|(key, ttl_ms)| Request::Heartbeat { key, ttl_ms }),
+        ".{0,20}".prop_map(|prefix| Request::Alive { prefix }),
+        ".{0,20}".prop_map(|key| Request::Forget { key }),
+    ]
+}
+
+fn response() -> impl Strategy<Value = Response> {
+    prop_oneof![
+        Just(Response::Done),
+        Just(Response::TimedOut),
+        proptest::collection::vec(any::<u8>(), 0..64).prop_map(Response::Value),
+        any::<i64>().prop_map(Response::Counter),
+        (
+            any::<bool>(),
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..32))
+        )
+            .prop_map(|(swapped, current)| Response::Swapped { swapped, current }),
+        proptest::option::of(proptest::collection::vec(any::<u8>(), 0..32))
+            .prop_map(Response::Maybe),
+        proptest::collection::vec(".{0,10}", 0..5).prop_map(Response::Keys),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn requests_round_trip(req in request()) {
+        prop_assert_eq!(Request::decode(&req.encode()).unwrap(), req);
+    }
+
+    #[test]
+    fn responses_round_trip(resp in response()) {
+        prop_assert_eq!(Response::decode(&resp.encode()).unwrap(), resp);
+    }
+
+    #[test]
+    fn garbage_requests_are_errors_not_panics(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
+        let _ = Request::decode(&bytes);
+        let _ = Response::decode(&bytes);
+    }
+}
+
+#[test]
+fn set_get_add_wait_across_clients() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let port = server.local_addr().port();
+    let mut a =
+        StoreClient::connect("127.0.0.1", port, &hello("t"), Duration::from_secs(5)).unwrap();
+    let mut b =
+        StoreClient::connect("127.0.0.1", port, &hello("t"), Duration::from_secs(5)).unwrap();
+    let waiter = std::thread::spawn(move || {
+        b.wait(&["k"]).unwrap();
+        b.get("k").unwrap()
+    });
+    a.set("k", b"v").unwrap();
+    assert_eq!(waiter.join().unwrap(), b"v");
+    assert_eq!(a.add("n", 2).unwrap(), 2);
+    assert_eq!(a.add("n", 3).unwrap(), 5);
+}
+
+#[test]
+fn compare_set_writes_only_over_the_expected_value() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let port = server.local_addr().port();
+    let mut c =
+        StoreClient::connect("127.0.0.1", port, &hello("t"), Duration::from_secs(5)).unwrap();
+    assert_eq!(c.try_get("k").unwrap(), None);
+    assert_eq!(
+        c.compare_set("k", None, b"1").unwrap(),
+        (true, Some(b"1".to_vec()))
+    );
+    assert_eq!(
+        c.compare_set("k", None, b"2").unwrap(),
+        (false, Some(b"1".to_vec())),
+        "an absent expectation fails once the key exists"
+    );
+    assert_eq!(
+        c.compare_set("k", Some(b"0"), b"2").unwrap(),
+        (false, Some(b"1".to_vec()))
+    );
+    assert_eq!(
+        c.compare_set("k", Some(b"1"), b"2").unwrap(),
+        (true, Some(b"2".to_vec()))
+    );
+    assert_eq!(c.try_get("k").unwrap(), Some(b"2".to_vec()));
+}
+
+#[test]
+fn liveness_keys_expire_and_die_with_their_connection() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let port = server.local_addr().port();
+    let connect =
+        || StoreClient::connect("127.0.0.1", port, &hello("t"), Duration::from_secs(5)).unwrap();
+    let (mut watcher, mut a, mut b) = (connect(), connect(), connect());
+    a.heartbeat("alive/a", Duration::from_secs(60)).unwrap();
+    b.heartbeat("alive/b", Duration::from_millis(200)).unwrap();
+    watcher
+        .heartbeat("other/w", Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(watcher.alive("alive/").unwrap(), ["alive/a", "alive/b"]);
+    // b stops beating: gone after its TTL.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while watcher.alive("alive/").unwrap() != ["alive/a"] {
+        assert!(Instant::now() < deadline, "alive/b never expired");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // a's connection closes (its process died): gone without waiting for the TTL.
+    drop(a);
+    while !watcher.alive("alive/").unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "alive/a outlived its connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    b.heartbeat("alive/b", Duration::from_secs(60)).unwrap();
+    b.forget("alive/b").unwrap();
+    assert!(watcher.alive("alive/").unwrap().is_empty());
+}
+
+#[test]
+fn get_of_a_missing_key_times_out() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let mut c = StoreClient::connect(
+        "127.0.0.1",
+        server.local_addr().port(),
+        &hello("t"),
+        Duration::from_millis(700),
+    )
+    .unwrap();
+    let err = c.get("never").unwrap_err();
+    assert!(matches!(err, CollectiveError::Timeout { .. }), "{err}");
+}
+
+#[test]
+fn wrong_token_is_refused() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let err = StoreClient::connect(
+        "127.0.0.1",
+        server.local_addr().port(),
+        &hello("wrong"),
+        Duration::from_secs(5),
+    )
+    .err()
+    .expect("a wrong token must be refused");
+    assert!(err.to_string().contains("job token mismatch"), "{err}");
+}
