@@ -1,5 +1,8 @@
 //! `trainctl run`: torchrun's standalone and static modes, and the elastic agent
-//! (`--rdzv-backend c10d|etcd`, `--nnodes MIN:MAX`).
+//! (`--rdzv-backend c10d|etcd`, `--nnodes MIN:MAX`): parse, plan ([`plan::Plan`]: the flags
+//! resolved and checked), launch, report.
+
+mod plan;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -10,7 +13,9 @@ use std::io::{IsTerminal, Write};
 
 use anyhow::{Context, bail};
 use launcher::rendezvous::{self, BackendKind, Limits};
+
 use launcher::{LaunchSpec, Outcome};
+use plan::{Backend, Endpoint, Plan, Topology};
 use telemetry::prometheus::JobGauges;
 
 #[derive(clap::Args)]
@@ -126,113 +131,42 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(v))
 }
 
-fn parse_nproc(v: &str) -> anyhow::Result<u32> {
-    match v {
-        "auto" | "cpu" => Ok(std::thread::available_parallelism().map_or(1, |n| n.get() as u32)),
-        "gpu" => {
-            bail!("--nproc-per-node gpu: this build has no GPU backend; use a number or `cpu`")
-        }
-        n => match n.parse::<u32>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => bail!("--nproc-per-node must be a positive number, `auto` or `cpu`, got {n:?}"),
-        },
-    }
-}
-
-fn parse_nnodes(v: &str) -> anyhow::Result<Limits> {
-    let (min, max) = v.split_once(':').unwrap_or((v, v));
-    let parse = |s: &str| s.trim().parse::<u32>().ok().filter(|&n| n > 0);
-    match (parse(min), parse(max)) {
-        (Some(min), Some(max)) if min <= max => Ok(Limits { min, max }),
-        (Some(min), Some(max)) => {
-            bail!("--nnodes {v}: MIN ({min}) is larger than MAX ({max}); write MIN:MAX")
-        }
-        _ => bail!("--nnodes must be a positive number or MIN:MAX, got {v:?}"),
-    }
-}
-
-/// HOST and PORT of `--rdzv-endpoint`, with `default_port` when none is given.
-fn split_endpoint(endpoint: &str, default_port: u16) -> anyhow::Result<(String, u16)> {
-    let endpoint = endpoint.trim();
-    let (host, port) = match endpoint.rsplit_once(':') {
-        // A bare IPv6 address has colons but no port.
-        Some((h, p)) if !h.is_empty() && (!h.contains(':') || h.ends_with(']')) => {
-            let port = p.parse::<u16>().with_context(|| {
-                format!("--rdzv-endpoint {endpoint:?}: port {p:?} is not a number from 0 to 65535")
-            })?;
-            (h, port)
-        }
-        _ => (endpoint, default_port),
-    };
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() {
-        bail!("--rdzv-endpoint {endpoint:?}: no host; give HOST[:PORT]");
-    }
-    Ok((host.to_string(), port))
-}
-
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let nproc_per_node = parse_nproc(&args.nproc_per_node)?;
+    let plan = Plan::from_args(&args)?;
     fetch(&args.fetch, &args.fetch_dir)?;
-    let limits = if args.standalone {
-        Limits { min: 1, max: 1 }
-    } else {
-        parse_nnodes(&args.nnodes)?
-    };
-    let backend = match args.rdzv_backend.as_deref() {
-        Some("etcd-v2") => bail!(
-            "--rdzv-backend etcd-v2: trainctl speaks etcd's v3 API only (no --enable-v2 needed); use --rdzv-backend etcd"
+    match plan.topology {
+        Topology::Elastic { limits, endpoint } => {
+            run_elastic(&args, plan.nproc_per_node, plan.run_id, limits, endpoint)
+        }
+        Topology::Static {
+            nnodes,
+            master_addr,
+            master_port,
+        } => run_static(
+            &args,
+            plan.nproc_per_node,
+            plan.run_id,
+            nnodes,
+            master_addr,
+            master_port,
         ),
-        Some(b) => b,
-        None if args.standalone => "static",
-        None if args.rdzv_endpoint.is_some() || limits.min != limits.max => "c10d",
-        None => "static",
+    }
+}
+
+/// A fixed set of nodes (torchrun's static rendezvous, or `--standalone`).
+fn run_static(
+    args: &Args,
+    nproc_per_node: u32,
+    run_id: String,
+    nnodes: u32,
+    master_addr: String,
+    master_port: Option<u16>,
+) -> anyhow::Result<i32> {
+    let master_port = match master_port {
+        Some(port) => port,
+        None => launcher::free_port()?,
     };
-    if backend != "static" {
-        return run_elastic(&args, nproc_per_node, limits, backend);
-    }
-    if limits.min != limits.max {
-        bail!(
-            "--nnodes {}: a MIN:MAX range needs an elastic rendezvous; add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT]",
-            args.nnodes
-        );
-    }
-    let nnodes = limits.max;
-    if args.node_rank >= nnodes {
-        bail!(
-            "--node-rank {} is not below --nnodes {nnodes}",
-            args.node_rank
-        );
-    }
-    let (master_addr, master_port) = if args.standalone || args.master_port == 0 {
-        if nnodes > 1 {
-            bail!(
-                "--master-port 0 picks a free port on this node, which other nodes cannot know: give a port"
-            );
-        }
-        let addr = if args.standalone {
-            "127.0.0.1".to_string()
-        } else {
-            args.master_addr.clone()
-        };
-        (addr, launcher::free_port()?)
-    } else {
-        (args.master_addr.clone(), args.master_port)
-    };
-    if nnodes > 1 && args.max_restarts > 0 {
-        bail!(
-            "--max-restarts {} with --nnodes {nnodes} and a static rendezvous: every node must restart together, which is the elastic agent's job; add --rdzv-backend c10d --rdzv-endpoint HOST[:PORT] (or use --max-restarts 0)",
-            args.max_restarts
-        );
-    }
-    let run_id = args.run_id.clone().unwrap_or_else(|| {
-        if nnodes == 1 {
-            "local".into()
-        } else {
-            "none".into()
-        }
-    });
-    let token = job_token(&args, nnodes == 1, &run_id);
+    let token = job_token(args, nnodes == 1, &run_id);
     let spec = LaunchSpec {
         nnodes,
         node_rank: args.node_rank,
@@ -240,9 +174,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         world_size: nnodes * nproc_per_node,
         master_addr,
         master_port,
-        ..worker_spec(&args, nproc_per_node, run_id, token)?
+        ..worker_spec(args, nproc_per_node, run_id, token)?
     };
-    let watch = Watch::start(&args)?;
+    let watch = Watch::start(args)?;
     let spec = LaunchSpec {
         telemetry: Some(watch.telemetry()),
         ..spec
@@ -453,44 +387,27 @@ fn report_outcome(outcome: Outcome, err: &mut dyn Write) -> i32 {
 fn run_elastic(
     args: &Args,
     nproc_per_node: u32,
+    run_id: String,
     limits: Limits,
-    backend: &str,
+    endpoint: Endpoint,
 ) -> anyhow::Result<i32> {
-    let run_id = args.run_id.clone().unwrap_or_else(|| "none".into());
     let token = job_token(args, limits.max == 1, &run_id);
     let mut cfg = rendezvous::Config::new(&run_id, limits);
     let is_host = rendezvous::parse_conf(&mut cfg, &args.rdzv_conf)?;
-    let endpoint = match (&args.rdzv_endpoint, limits.max) {
-        (Some(e), _) => e.clone(),
-        (None, 1) => "127.0.0.1".into(),
-        (None, _) => bail!(
-            "--rdzv-backend {backend} with several nodes needs --rdzv-endpoint HOST[:PORT]: the address every node can reach the store at"
-        ),
-    };
-    let kind = match backend {
-        "etcd" => {
-            let url = if endpoint.contains("://") {
-                endpoint.clone()
-            } else {
-                let (host, port) = split_endpoint(&endpoint, contract::ports::ETCD)?;
-                format!("http://{host}:{port}")
-            };
-            BackendKind::Etcd { url }
-        }
-        _ => {
-            let (host, port) = split_endpoint(&endpoint, contract::ports::C10D)?;
-            BackendKind::C10d {
-                host,
-                port,
-                token: token.clone(),
-                is_host,
-            }
-        }
+    let shown = endpoint.given.clone();
+    let kind = match endpoint.backend {
+        Backend::Etcd { url } => BackendKind::Etcd { url },
+        Backend::C10d { host, port } => BackendKind::C10d {
+            host,
+            port,
+            token: token.clone(),
+            is_host,
+        },
     };
     let spec = worker_spec(args, nproc_per_node, run_id, token)?;
     let mut rdzv =
         rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
-            .with_context(|| format!("cannot reach the rendezvous at {endpoint}"))?;
+            .with_context(|| format!("cannot reach the rendezvous at {shown}"))?;
     crate::output::agent_starting(&spec, &rdzv);
     let watch = Watch::start(args)?;
     let spec = LaunchSpec {
