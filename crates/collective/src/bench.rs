@@ -28,15 +28,7 @@ pub fn all_reduce(
     let handles: Vec<_> = (0..ranks)
         .map(|rank| {
             std::thread::spawn(move || -> Result<Vec<f64>, CollectiveError> {
-                let world = World {
-                    rank: rank as u32,
-                    world_size: ranks as u32,
-                    local_rank: rank as u32,
-                    local_world_size: ranks as u32,
-                    master_port: port,
-                    run_id: "bench".into(),
-                    ..World::single()
-                };
+                let world = World::loopback(rank as u32, ranks as u32, port, "bench");
                 let mut group = ProcessGroup::join(&world)?;
                 let mut buf = vec![1.0f32; floats];
                 let mut times = Vec::new();

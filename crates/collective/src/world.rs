@@ -42,6 +42,20 @@ pub const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl World {
+    /// Rank `rank` of `world_size` on this one host (threads or processes), rank 0's store on
+    /// 127.0.0.1:`master_port`: benchmarks and in-process tests of the collective.
+    pub fn loopback(rank: u32, world_size: u32, master_port: u16, run_id: &str) -> Self {
+        World {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            master_port,
+            run_id: run_id.into(),
+            ..World::single()
+        }
+    }
+
     /// A single process with nobody to talk to: what `trainctl train` is when run by hand.
     pub fn single() -> Self {
         World {

@@ -135,8 +135,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Uniform in [-1, 1), reproducible from `seed` (a 64-bit LCG; benchmarks need no better).
-fn random(len: usize, seed: u64) -> Vec<f32> {
+/// Uniform in [-1, 1), reproducible from `seed` (a 64-bit LCG: no dependency; benchmarks and
+/// the kernels' tests need no better).
+pub(crate) fn random(len: usize, seed: u64) -> Vec<f32> {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);

@@ -87,18 +87,7 @@ fn reference_backward(
 }
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
-    // A small LCG: deterministic, no dependency.
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    crate::bench::random(len, seed)
 }
 
 /// Largest |a - b| relative to the largest |b| (at least 1).

@@ -47,10 +47,21 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
             (n / 4).max(10).to_string(),
         ],
     };
+    helper_job(project, "data", args, 3)
+}
+
+/// A one-pod Job NAME-COMPONENT running `trainctl ARGS` in the trainctl image, retried up to
+/// `backoff` times.
+fn helper_job(
+    project: &Project,
+    component: &'static str,
+    args: Vec<String>,
+    backoff: i32,
+) -> Value {
     let template = pod_template(
         project,
         PodOptions {
-            component: "data",
+            component,
             image: project.trainctl_image.clone(),
             args,
             training_size: false,
@@ -65,10 +76,10 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
     );
     object(&job(
         project,
-        &format!("{}-data", project.job.name),
+        &format!("{}-{component}", project.job.name),
         template,
         (1, false),
-        3,
+        backoff,
     ))
 }
 
@@ -81,29 +92,7 @@ pub fn test_job(project: &Project) -> Value {
         "--data".into(),
         project.data.dir.clone(),
     ];
-    let template = pod_template(
-        project,
-        PodOptions {
-            component: "test",
-            image: project.trainctl_image.clone(),
-            args,
-            training_size: false,
-            accelerators: false,
-            user_program: false,
-            port: None,
-            metrics_port: None,
-            token_secret: None,
-            subdomain: None,
-            service_account: true,
-        },
-    );
-    object(&job(
-        project,
-        &format!("{}-test", project.job.name),
-        template,
-        (1, false),
-        1,
-    ))
+    helper_job(project, "test", args, 1)
 }
 
 pub fn doctor_job_name(project: &Project) -> String {

@@ -64,15 +64,7 @@ fn step_on(start: &Snapshot, batches: Vec<(Vec<f32>, Vec<i64>)>) -> Vec<(Vec<f32
         .map(|(rank, (pixels, labels))| {
             let start = start.clone();
             std::thread::spawn(move || {
-                let world = World {
-                    rank: rank as u32,
-                    world_size: ranks as u32,
-                    local_rank: rank as u32,
-                    local_world_size: ranks as u32,
-                    master_port: port,
-                    run_id: "step-test".into(),
-                    ..World::single()
-                };
+                let world = World::loopback(rank as u32, ranks as u32, port, "step-test");
                 let mut group = ProcessGroup::join(&world).unwrap();
                 let cfg = config();
                 let device = training_device();

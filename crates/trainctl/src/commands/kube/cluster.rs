@@ -100,6 +100,16 @@ fn cluster_file(project: &Project, file: Option<PathBuf>) -> PathBuf {
     file.unwrap_or_else(|| PathBuf::from(format!("eksctl-{}.yaml", project.cluster.name)))
 }
 
+/// The eksctl config of `project` written to `file` (default `eksctl-CLUSTER.yaml`), for
+/// eksctl to read.
+fn write_cluster_file(project: &Project, file: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    say_picked_zones(project);
+    let yaml = manifests::to_yaml(&[eksctl::cluster_config(project)?]);
+    let path = cluster_file(project, file);
+    write_atomically(&path, &yaml)?;
+    Ok(path)
+}
+
 pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
     match cmd {
         ClusterCommand::Config { project, file } => {
@@ -121,10 +131,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
             dry_run,
         } => {
             let project = project.project()?;
-            say_picked_zones(&project);
-            let yaml = manifests::to_yaml(&[eksctl::cluster_config(&project)?]);
-            let path = cluster_file(&project, file);
-            write_atomically(&path, &yaml)?;
+            let path = write_cluster_file(&project, file)?;
             eprintln!("wrote {}", path.display());
             run_or_print(
                 &eksctl::create_command(&path.display().to_string()),
@@ -141,10 +148,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
             dry_run,
         } => {
             let project = project.project()?;
-            say_picked_zones(&project);
-            let yaml = manifests::to_yaml(&[eksctl::cluster_config(&project)?]);
-            let path = cluster_file(&project, file);
-            write_atomically(&path, &yaml)?;
+            let path = write_cluster_file(&project, file)?;
             let code = run_or_print(
                 &eksctl::addons_command(&path.display().to_string()),
                 dry_run,
