@@ -43,7 +43,7 @@ fn status(code: u16, reason: &str, message: &str) -> (StatusCode, String) {
     )
 }
 
-fn ok(body: Value) -> (StatusCode, String) {
+fn ok(body: impl std::fmt::Display) -> (StatusCode, String) {
     (StatusCode::OK, body.to_string())
 }
 

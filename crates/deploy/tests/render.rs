@@ -665,13 +665,51 @@ fn core_objects_read_back_as_their_k8s_openapi_types() {
     use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service};
     let p = project(&[("storage.efs", "fs-1")]);
     let docs = manifests::training_job(&p, "TOKEN");
-    let service: Service = serde_json::from_value(docs[1].clone()).unwrap();
-    let job: Job = serde_json::from_value(docs[2].clone()).unwrap();
+    let service: Service = serde_json::from_value(docs[1].clone().into()).unwrap();
+    let job: Job = serde_json::from_value(docs[2].clone().into()).unwrap();
     assert_eq!(service.metadata.name.as_deref(), Some("cifar10"));
     assert_eq!(job.spec.unwrap().parallelism, Some(2));
     let storage = manifests::storage(&p).unwrap();
-    let claim: PersistentVolumeClaim = serde_json::from_value(storage[2].clone()).unwrap();
+    let claim: PersistentVolumeClaim = serde_json::from_value(storage[2].clone().into()).unwrap();
     assert_eq!(claim.metadata.namespace.as_deref(), Some("default"));
+}
+
+#[test]
+fn every_object_carries_the_resource_it_is_served_at() {
+    // The kind travels with the object: what apply and delete use is what the document says,
+    // and a namespaced resource is exactly one rendered with a namespace.
+    let p = project(&[("storage.efs", "fs-1"), ("job.rdzv_backend", "etcd")]);
+    let pytorchjob = project(&[("job.launcher", "pytorchjob")]);
+    let mut all = manifests::training_job(&p, "TOKEN");
+    all.extend(manifests::training_job(&pytorchjob, "TOKEN"));
+    all.extend(manifests::storage(&p).unwrap());
+    all.extend(manifests::doctor_job(&p));
+    all.extend(manifests::tensorboard(&p));
+    all.push(manifests::data_job(&p, None));
+    all.push(manifests::test_job(&p));
+    all.push(manifests::token_secret(&p, "TOKEN"));
+    all.push(manifests::nvidia_device_plugin());
+    let mut kinds = std::collections::BTreeSet::new();
+    for m in &all {
+        let r = m.resource();
+        assert_eq!(m["apiVersion"], r.api_version.as_str(), "{m}");
+        assert_eq!(m["kind"], r.kind.as_str(), "{m}");
+        assert_eq!(m.namespaced(), m["metadata"]["namespace"].is_string(), "{m}");
+        assert!(r.plural.ends_with('s') && r.plural == r.plural.to_lowercase(), "{m}");
+        kinds.insert(r.kind.clone());
+    }
+    let expected = [
+        "DaemonSet",
+        "Deployment",
+        "Job",
+        "PersistentVolume",
+        "PersistentVolumeClaim",
+        "PyTorchJob",
+        "Secret",
+        "Service",
+        "StorageClass",
+    ];
+    assert_eq!(kinds.into_iter().collect::<Vec<_>>(), expected);
 }
 
 #[test]
@@ -867,8 +905,8 @@ fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
         // The etcd's Service selects its Deployment's pods, on the port the pods are told.
         use k8s_openapi::api::apps::v1::Deployment;
         use k8s_openapi::api::core::v1::Service;
-        let service: Service = serde_json::from_value(docs[1].clone()).unwrap();
-        let deployment: Deployment = serde_json::from_value(docs[2].clone()).unwrap();
+        let service: Service = serde_json::from_value(docs[1].clone().into()).unwrap();
+        let deployment: Deployment = serde_json::from_value(docs[2].clone().into()).unwrap();
         let spec = deployment.spec.unwrap();
         assert_eq!(spec.replicas, Some(1));
         assert_eq!(
@@ -923,7 +961,7 @@ fn tensorboard_serves_the_runs_folder_read_only() {
     let docs = manifests::tensorboard(&p);
     insta::assert_snapshot!("tensorboard", manifests::to_yaml(&docs));
     use k8s_openapi::api::apps::v1::Deployment;
-    let deployment: Deployment = serde_json::from_value(docs[1].clone()).unwrap();
+    let deployment: Deployment = serde_json::from_value(docs[1].clone().into()).unwrap();
     let pod = deployment.spec.unwrap().template.spec.unwrap();
     let c = &pod.containers[0];
     assert_eq!(

@@ -6,9 +6,11 @@ use kube::Api;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::Value;
 
+use crate::manifests::Manifest;
+
 use super::error::{CLUSTER, api_error, is_not_found};
 use super::top::{bytes, millicores};
-use super::{ApiError, Applied, Kube, delete_with_pods, resource_of};
+use super::{ApiError, Applied, Kube, delete_with_pods};
 
 /// The oldest Kubernetes minor version (1.x) the training Job's fields work on: podFailurePolicy
 /// (with the DisruptionTarget condition) is on by default from 1.26; Indexed Jobs since 1.24.
@@ -33,30 +35,25 @@ fn operator_missing(what: &str) -> ApiError {
     }
 }
 
-fn is_job_kind(doc: &Value) -> bool {
-    matches!(doc["kind"].as_str(), Some("Job" | "PyTorchJob"))
+fn is_job_kind(doc: &Manifest) -> bool {
+    matches!(doc.kind(), "Job" | "PyTorchJob")
 }
 
 /// An owner reference to the applied job `object` (rendered as `doc`), when it has a uid.
-fn owner_reference(doc: &Value, object: &DynamicObject) -> Option<Value> {
+fn owner_reference(doc: &Manifest, object: &DynamicObject) -> Option<Value> {
     let uid = object.metadata.uid.as_deref()?;
     Some(serde_json::json!({
-        "apiVersion": doc["apiVersion"],
-        "kind": doc["kind"],
-        "name": doc["metadata"]["name"],
+        "apiVersion": doc.resource().api_version,
+        "kind": doc.kind(),
+        "name": doc.name(),
         "uid": uid,
     }))
 }
 
 /// The commands that remove the storage objects `docs` (claim first), for a change that cannot
 /// be applied in place.
-fn storage_undo(docs: &[Value], namespace: &str) -> String {
-    let name = |kind: &str| {
-        docs.iter()
-            .find(|d| d["kind"] == kind)
-            .and_then(|d| d["metadata"]["name"].as_str())
-            .map(str::to_string)
-    };
+fn storage_undo(docs: &[Manifest], namespace: &str) -> String {
+    let name = |kind: &str| docs.iter().find(|d| d.kind() == kind).map(Manifest::name);
     let mut steps = Vec::new();
     if let Some(claim) = name("PersistentVolumeClaim") {
         steps.push(format!("kubectl delete pvc {claim} -n {namespace}"));
@@ -70,7 +67,7 @@ fn storage_undo(docs: &[Value], namespace: &str) -> String {
 impl Kube {
     /// Server-side applies `docs` in order (field manager `trainctl`): creating what is missing,
     /// updating what trainctl made before.
-    pub async fn apply(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+    pub async fn apply(&self, docs: &[Manifest]) -> Result<Vec<Applied>, ApiError> {
         let mut applied = Vec::new();
         for doc in docs {
             self.apply_one(doc).await?;
@@ -83,9 +80,9 @@ impl Kube {
     /// can be: a volume bound to a claim in another namespace, or a change the API server
     /// refuses (a volume's source or a claim's size are immutable), is said with what to delete
     /// first, before anything is written.
-    pub async fn apply_storage(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
-        if let Some(volume) = docs.iter().find(|d| d["kind"] == "PersistentVolume") {
-            let name = volume["metadata"]["name"].as_str().unwrap_or_default();
+    pub async fn apply_storage(&self, docs: &[Manifest]) -> Result<Vec<Applied>, ApiError> {
+        if let Some(volume) = docs.iter().find(|d| d.kind() == "PersistentVolume") {
+            let name = volume.name();
             let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> =
                 Api::all(self.client.clone());
             let existing = volumes
@@ -127,7 +124,7 @@ impl Kube {
 
     /// Deletes the storage objects `docs` (claim, then volume, then class); returns those that
     /// existed.
-    pub async fn delete_storage(&self, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+    pub async fn delete_storage(&self, docs: &[Manifest]) -> Result<Vec<Applied>, ApiError> {
         let mut deleted = Vec::new();
         for doc in docs.iter().rev() {
             if self.delete_doc(doc, &DeleteParams::default()).await? {
@@ -138,13 +135,14 @@ impl Kube {
     }
 
     /// Deletes the object `doc` names: `Ok(false)` when it was not there.
-    async fn delete_doc(&self, doc: &Value, params: &DeleteParams) -> Result<bool, ApiError> {
+    async fn delete_doc(&self, doc: &Manifest, params: &DeleteParams) -> Result<bool, ApiError> {
         let Applied { kind, name } = Applied::of(doc);
-        let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
-            what: format!("delete {kind} {name}"),
-            message: "trainctl does not know where this kind lives".into(),
-        })?;
-        match self.api(&resource, namespaced).delete(&name, params).await {
+        let namespaced = doc.namespaced();
+        match self
+            .api(doc.resource(), namespaced)
+            .delete(&name, params)
+            .await
+        {
             Ok(_) => Ok(true),
             Err(e) if is_not_found(&e) => Ok(false),
             Err(e) => Err(api_error(
@@ -156,22 +154,19 @@ impl Kube {
     }
 
     /// Server-side applies one object; returns it as the server stored it.
-    async fn apply_one(&self, doc: &Value) -> Result<DynamicObject, ApiError> {
+    async fn apply_one(&self, doc: &Manifest) -> Result<DynamicObject, ApiError> {
         self.apply_doc(doc, false).await
     }
 
     /// Server-side applies one object, or only asks whether it would apply (`dry_run`).
-    async fn apply_doc(&self, doc: &Value, dry_run: bool) -> Result<DynamicObject, ApiError> {
+    async fn apply_doc(&self, doc: &Manifest, dry_run: bool) -> Result<DynamicObject, ApiError> {
         let Applied { kind, name } = Applied::of(doc);
         let what = format!("apply {kind} {name}");
-        let (resource, namespaced) = resource_of(doc).ok_or_else(|| ApiError::Other {
-            what: what.clone(),
-            message: "trainctl does not know where this kind lives".into(),
-        })?;
+        let (resource, namespaced) = (doc.resource(), doc.namespaced());
         let mut params = PatchParams::apply("trainctl").force();
         params.dry_run = dry_run;
         match self
-            .api(&resource, namespaced)
+            .api(resource, namespaced)
             .patch(&name, &params, &Patch::Apply(doc))
             .await
         {
@@ -189,7 +184,7 @@ impl Kube {
     /// the owner of the others (token Secret, Services, etcd), so that the garbage collector
     /// removes them with it (its `ttlSecondsAfterFinished` too). A launch that fails half-way
     /// removes what it applied.
-    pub async fn launch(&self, name: &str, docs: &[Value]) -> Result<Vec<Applied>, ApiError> {
+    pub async fn launch(&self, name: &str, docs: &[Manifest]) -> Result<Vec<Applied>, ApiError> {
         if let Some(status) = self.find_job(name).await? {
             return Err(ApiError::Exists {
                 name: name.into(),
@@ -198,7 +193,7 @@ impl Kube {
             });
         }
         self.preflight(docs).await?;
-        let mut applied: Vec<&Value> = Vec::new();
+        let mut applied: Vec<&Manifest> = Vec::new();
         let mut owner = None;
         for doc in docs {
             match self.apply_one(doc).await {
@@ -226,8 +221,8 @@ impl Kube {
     /// What a training job needs from the cluster, asked before anything is written: a server
     /// recent enough for the Job's fields, the namespace, and the PyTorchJob CRD when the job
     /// is one.
-    async fn preflight(&self, docs: &[Value]) -> Result<(), ApiError> {
-        if docs.iter().any(|d| d["kind"] == "Job") {
+    async fn preflight(&self, docs: &[Manifest]) -> Result<(), ApiError> {
+        if docs.iter().any(|d| d.kind() == "Job") {
             let info = self
                 .client
                 .apiserver_version()
@@ -253,11 +248,15 @@ impl Kube {
             Err(kube::Error::Api(status)) if status.code == 403 => {}
             Err(e) => return Err(api_error("get the namespace", &self.namespace, e)),
         }
-        if let Some(doc) = docs.iter().find(|d| d["kind"] == "PyTorchJob") {
-            let what = format!("launch PyTorchJob {}", doc["metadata"]["name"]);
-            let api_version = doc["apiVersion"].as_str().unwrap_or("kubeflow.org/v1");
-            match self.client.list_api_group_resources(api_version).await {
-                Ok(list) if list.resources.iter().any(|r| r.name == "pytorchjobs") => {}
+        if let Some(doc) = docs.iter().find(|d| d.kind() == "PyTorchJob") {
+            let what = format!("launch PyTorchJob {}", doc.name());
+            let resource = doc.resource();
+            match self
+                .client
+                .list_api_group_resources(&resource.api_version)
+                .await
+            {
+                Ok(list) if list.resources.iter().any(|r| r.name == resource.plural) => {}
                 Ok(_) => return Err(operator_missing(&what)),
                 Err(e) if is_not_found(&e) => return Err(operator_missing(&what)),
                 Err(e) => return Err(api_error(&what, &self.namespace, e)),
@@ -337,7 +336,7 @@ impl Kube {
     }
 
     /// Deletes what a failed launch applied (newest first) and says so beside its error.
-    async fn roll_back(&self, applied: &[&Value], cause: ApiError) -> ApiError {
+    async fn roll_back(&self, applied: &[&Manifest], cause: ApiError) -> ApiError {
         let mut removed = Vec::new();
         let mut left = Vec::new();
         for doc in applied.iter().rev() {

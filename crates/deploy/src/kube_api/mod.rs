@@ -20,18 +20,17 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Client;
-use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PropagationPolicy,
-};
-use serde_json::Value;
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PropagationPolicy};
 
 use error::{CLUSTER, api_error, is_not_found};
 use status::node_problem;
 
-use crate::manifests;
+use crate::manifests::{self, Manifest};
 
 /// The training operator release whose CRD the PyTorchJobs are validated against.
 pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
@@ -45,51 +44,6 @@ fn unusable_credentials(e: kube::Error) -> ApiError {
          certificate, or a file cut short, reads as an invalid key)",
         error::error_chain(&e)
     ))
-}
-
-/// The kinds trainctl renders: group, version, kind, plural, namespaced.
-const KINDS: &[(&str, &str, &str, &str, bool)] = &[
-    ("", "v1", "Secret", "secrets", true),
-    ("", "v1", "Service", "services", true),
-    ("", "v1", "PersistentVolume", "persistentvolumes", false),
-    (
-        "",
-        "v1",
-        "PersistentVolumeClaim",
-        "persistentvolumeclaims",
-        true,
-    ),
-    (
-        "storage.k8s.io",
-        "v1",
-        "StorageClass",
-        "storageclasses",
-        false,
-    ),
-    ("batch", "v1", "Job", "jobs", true),
-    ("apps", "v1", "DaemonSet", "daemonsets", true),
-    ("apps", "v1", "Deployment", "deployments", true),
-    ("kubeflow.org", "v1", "PyTorchJob", "pytorchjobs", true),
-];
-
-fn resource_of(doc: &Value) -> Option<(ApiResource, bool)> {
-    let api_version = doc["apiVersion"].as_str()?;
-    let kind = doc["kind"].as_str()?;
-    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
-    KINDS
-        .iter()
-        .find(|(g, v, k, _, _)| *g == group && *v == version && *k == kind)
-        .map(|(g, v, k, plural, namespaced)| {
-            let gvk = GroupVersionKind::gvk(g, v, k);
-            (ApiResource::from_gvk_with_plural(&gvk, plural), *namespaced)
-        })
-}
-
-fn pytorchjob_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("kubeflow.org", "v1", "PyTorchJob"),
-        "pytorchjobs",
-    )
 }
 
 /// The API of the cluster, in one namespace.
@@ -109,10 +63,10 @@ pub struct Applied {
 }
 
 impl Applied {
-    fn of(doc: &Value) -> Applied {
+    fn of(doc: &Manifest) -> Applied {
         Applied {
-            kind: doc["kind"].as_str().unwrap_or("?").to_string(),
-            name: doc["metadata"]["name"].as_str().unwrap_or("?").to_string(),
+            kind: doc.kind().to_string(),
+            name: doc.name().to_string(),
         }
     }
 }
@@ -223,7 +177,7 @@ impl Kube {
             Ok(None) => {}
             Err(e) => return Err(api_error(&format!("get Job {name}"), &self.namespace, e)),
         }
-        let api = self.api(&pytorchjob_resource(), true);
+        let api = self.api(&manifests::pytorchjob_resource(), true);
         match api.get_opt(name).await {
             Ok(Some(job)) => Ok(Some(JobStatus::from_pytorchjob(&job))),
             Ok(None) => Ok(None),
@@ -358,21 +312,24 @@ impl Kube {
         let params = delete_with_pods();
         let mut deleted = Vec::new();
         // The jobs first, so that their workers stop before their etcd, Service and token go.
-        for wanted in ["PyTorchJob", "Job", "Deployment", "Service", "Secret"] {
-            let Some((group, version, kind, plural, _)) =
-                KINDS.iter().find(|(_, _, k, _, _)| *k == wanted)
-            else {
-                continue;
-            };
-            let resource = ApiResource::from_gvk_with_plural(
-                &GroupVersionKind::gvk(group, version, kind),
-                plural,
-            );
+        let kinds = [
+            manifests::pytorchjob_resource(),
+            ApiResource::erase::<Job>(&()),
+            ApiResource::erase::<Deployment>(&()),
+            ApiResource::erase::<Service>(&()),
+            ApiResource::erase::<Secret>(&()),
+        ];
+        for resource in kinds {
             let api = self.api(&resource, true);
             let list = match api.list(&ListParams::default().labels(selector)).await {
                 Ok(list) => list,
-                Err(e) if is_not_found(&e) && *group == "kubeflow.org" => continue,
-                Err(e) => return Err(api_error(&format!("list {plural}"), &self.namespace, e)),
+                Err(e) if is_not_found(&e) && resource == manifests::pytorchjob_resource() => {
+                    continue;
+                }
+                Err(e) => {
+                    let plural = &resource.plural;
+                    return Err(api_error(&format!("list {plural}"), &self.namespace, e));
+                }
             };
             for object in list.items {
                 let Some(object_name) = object.metadata.name.clone() else {
@@ -380,13 +337,13 @@ impl Kube {
                 };
                 match api.delete(&object_name, &params).await {
                     Ok(_) => deleted.push(Applied {
-                        kind: kind.to_string(),
+                        kind: resource.kind.clone(),
                         name: object_name,
                     }),
                     Err(e) if is_not_found(&e) => {}
                     Err(e) => {
                         return Err(api_error(
-                            &format!("delete {kind} {object_name}"),
+                            &format!("delete {} {object_name}", resource.kind),
                             &self.namespace,
                             e,
                         ));

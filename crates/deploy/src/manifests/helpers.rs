@@ -2,18 +2,16 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::Value;
-
 use crate::config::Project;
 
-use super::object;
+use super::Manifest;
 use super::pod::{PodOptions, accelerators, gpu_toleration, headless_service, job, pod_template};
 
 /// `data job`: downloads and verifies the data set onto the claim (a no-op when it is there),
 /// copies it from S3 (`data.from`: files already there are skipped), or, with
 /// `synthetic: Some(n)`, writes a small generated set of `n` training images in the same
 /// layout (to try a cluster out without the download).
-pub fn data_job(project: &Project, synthetic: Option<u32>) -> Value {
+pub fn data_job(project: &Project, synthetic: Option<u32>) -> Manifest {
     let args = match (synthetic, &project.data.from) {
         (None, Some(from)) => vec![
             "data".into(),
@@ -57,7 +55,7 @@ fn helper_job(
     component: &'static str,
     args: Vec<String>,
     backoff: i32,
-) -> Value {
+) -> Manifest {
     let template = pod_template(
         project,
         PodOptions {
@@ -74,7 +72,7 @@ fn helper_job(
             service_account: true,
         },
     );
-    object(&job(
+    Manifest::of(&job(
         project,
         &format!("{}-{component}", project.job.name),
         template,
@@ -84,7 +82,7 @@ fn helper_job(
 }
 
 /// `test job`: the seed's test job, `trainctl eval` on the saved model.
-pub fn test_job(project: &Project) -> Value {
+pub fn test_job(project: &Project) -> Manifest {
     let args = vec![
         "eval".into(),
         "--model".into(),
@@ -101,7 +99,7 @@ pub fn doctor_job_name(project: &Project) -> String {
 
 /// `doctor`: one pod per node, each checking DNS, the rendezvous port, every peer and the
 /// claim, from inside the cluster (`trainctl doctor check`).
-pub fn doctor_job(project: &Project) -> Vec<Value> {
+pub fn doctor_job(project: &Project) -> Vec<Manifest> {
     let j = &project.job;
     let name = doctor_job_name(project);
     let pods = j.max_nodes;
@@ -154,8 +152,8 @@ pub fn doctor_job(project: &Project) -> Vec<Value> {
     }
     let service = headless_service(project, &name, "doctor", j.rdzv_port);
     vec![
-        object(&service),
+        Manifest::of(&service),
         // Indexed whatever the count: the peers are named NAME-INDEX.NAME.
-        object(&job(project, &name, template, (pods as i32, true), 0)),
+        Manifest::of(&job(project, &name, template, (pods as i32, true), 0)),
     ]
 }

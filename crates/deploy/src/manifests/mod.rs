@@ -16,6 +16,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
+use kube::api::{ApiResource, GroupVersionKind};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -97,12 +99,111 @@ fn to_value(object: &impl Serialize) -> Value {
     serde_json::to_value(object).expect("k8s-openapi objects serialise")
 }
 
-/// A Kubernetes object from k8s-openapi, with its apiVersion and kind.
-fn object<K: k8s_openapi::Resource + Serialize>(k: &K) -> Value {
-    let mut v = to_value(k);
-    v["apiVersion"] = Value::String(K::API_VERSION.into());
-    v["kind"] = Value::String(K::KIND.into());
-    v
+/// One rendered object and the API resource it is served at: the kind travels with the object
+/// (kube-rs's `ApiResource`), so applying or deleting it needs no table of kinds. It reads as
+/// its JSON document (`Deref<Target = Value>`) and serialises as exactly that document.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Manifest {
+    resource: ApiResource,
+    namespaced: bool,
+    doc: Value,
+}
+
+/// Whether a k8s-openapi scope is a namespace's (the scope types are markers without a value).
+pub trait Scope {
+    const NAMESPACED: bool;
+}
+
+impl Scope for NamespaceResourceScope {
+    const NAMESPACED: bool = true;
+}
+
+impl Scope for ClusterResourceScope {
+    const NAMESPACED: bool = false;
+}
+
+impl Manifest {
+    /// A typed object from k8s-openapi, with its apiVersion and kind written into the document.
+    pub fn of<K>(k: &K) -> Manifest
+    where
+        K: kube::Resource<DynamicType = ()> + Serialize,
+        <K as kube::Resource>::Scope: Scope,
+    {
+        let resource = ApiResource::erase::<K>(&());
+        let mut doc = to_value(k);
+        doc["apiVersion"] = Value::String(resource.api_version.clone());
+        doc["kind"] = Value::String(resource.kind.clone());
+        Manifest {
+            resource,
+            namespaced: <K as kube::Resource>::Scope::NAMESPACED,
+            doc,
+        }
+    }
+
+    /// A Kubeflow PyTorchJob, rendered as JSON (k8s-openapi has no type for it).
+    fn pytorch_job(doc: Value) -> Manifest {
+        Manifest {
+            resource: pytorchjob_resource(),
+            namespaced: true,
+            doc,
+        }
+    }
+
+    pub fn resource(&self) -> &ApiResource {
+        &self.resource
+    }
+
+    pub fn namespaced(&self) -> bool {
+        self.namespaced
+    }
+
+    pub fn kind(&self) -> &str {
+        &self.resource.kind
+    }
+
+    pub fn name(&self) -> &str {
+        self.doc["metadata"]["name"].as_str().unwrap_or_default()
+    }
+}
+
+impl std::ops::Deref for Manifest {
+    type Target = Value;
+    fn deref(&self) -> &Value {
+        &self.doc
+    }
+}
+
+impl std::ops::DerefMut for Manifest {
+    fn deref_mut(&mut self) -> &mut Value {
+        &mut self.doc
+    }
+}
+
+impl std::fmt::Display for Manifest {
+    /// The document as JSON.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.doc.fmt(f)
+    }
+}
+
+impl From<Manifest> for Value {
+    fn from(m: Manifest) -> Value {
+        m.doc
+    }
+}
+
+impl Serialize for Manifest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.doc.serialize(s)
+    }
+}
+
+/// Where Kubeflow's training operator serves PyTorchJobs.
+pub fn pytorchjob_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kubeflow.org", "v1", "PyTorchJob"),
+        "pytorchjobs",
+    )
 }
 
 fn quantity(s: &str) -> Quantity {
@@ -110,7 +211,7 @@ fn quantity(s: &str) -> Quantity {
 }
 
 /// Documents as one YAML stream (`---` between them).
-pub fn to_yaml(docs: &[Value]) -> String {
+pub fn to_yaml<D: Serialize>(docs: &[D]) -> String {
     docs.iter()
         .map(|d| serde_saphyr::to_string(d).expect("JSON values serialise to YAML"))
         .collect::<Vec<_>>()

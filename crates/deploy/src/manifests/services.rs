@@ -13,12 +13,11 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use serde_json::Value;
 
 use crate::config::{EtcdStorage, Project};
 
 use super::pod::{claim_volume, empty_dir, pod_security, restricted};
-use super::{ETCD_PORT, MANAGED_BY, TENSORBOARD_PORT, labels, meta, object, quantity};
+use super::{ETCD_PORT, MANAGED_BY, Manifest, TENSORBOARD_PORT, labels, meta, quantity};
 
 pub fn etcd_name(project: &Project) -> String {
     format!("{}-etcd", project.job.name)
@@ -28,7 +27,7 @@ pub fn etcd_name(project: &Project) -> String {
 /// member behind a ClusterIP Service, on whatever node has room (not a training node's GPUs).
 /// Its data is in an emptyDir, or in `.etcd/NAME` on the claim (`job.etcd_storage = claim`),
 /// where a replacement pod finds the job's state again.
-pub fn etcd(project: &Project) -> Vec<Value> {
+pub fn etcd(project: &Project) -> Vec<Manifest> {
     let name = etcd_name(project);
     let component = "etcd";
     let mount = "/var/lib/etcd";
@@ -87,10 +86,10 @@ pub fn etcd(project: &Project) -> Vec<Value> {
         ..PodSpec::default()
     };
     vec![
-        object(&cluster_ip_service(
+        Manifest::of(&cluster_ip_service(
             project, &name, component, "client", ETCD_PORT,
         )),
-        object(&deployment(project, &name, component, spec)),
+        Manifest::of(&deployment(project, &name, component, spec)),
     ]
 }
 
@@ -100,7 +99,7 @@ pub fn tensorboard_name(project: &Project) -> String {
 
 /// `trainctl tensorboard`: TensorBoard over the claim's runs folder (mounted read-only), and a
 /// ClusterIP Service in front of it (`kubectl port-forward service/NAME 6006`).
-pub fn tensorboard(project: &Project) -> Vec<Value> {
+pub fn tensorboard(project: &Project) -> Vec<Manifest> {
     let name = tensorboard_name(project);
     let component = "tensorboard";
     let container = Container {
@@ -153,14 +152,14 @@ pub fn tensorboard(project: &Project) -> Vec<Value> {
         ..PodSpec::default()
     };
     vec![
-        object(&cluster_ip_service(
+        Manifest::of(&cluster_ip_service(
             project,
             &name,
             component,
             "http",
             TENSORBOARD_PORT,
         )),
-        object(&deployment(project, &name, component, spec)),
+        Manifest::of(&deployment(project, &name, component, spec)),
     ]
 }
 
@@ -246,7 +245,7 @@ pub(super) fn cluster_ip_service(
 
 /// NVIDIA's device plugin DaemonSet (its static manifest, nvidia-device-plugin.yml): makes
 /// `nvidia.com/gpu` schedulable on GPU nodes.
-pub fn nvidia_device_plugin() -> Value {
+pub fn nvidia_device_plugin() -> Manifest {
     let name = "nvidia-device-plugin-daemonset";
     let selector = BTreeMap::from([("name".to_string(), "nvidia-device-plugin-ds".to_string())]);
     let ds = DaemonSet {
@@ -312,5 +311,5 @@ pub fn nvidia_device_plugin() -> Value {
         }),
         ..DaemonSet::default()
     };
-    object(&ds)
+    Manifest::of(&ds)
 }

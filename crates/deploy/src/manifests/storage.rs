@@ -9,11 +9,10 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use serde_json::Value;
 
 use crate::config::{Project, StorageBackend};
 
-use super::{meta, object, quantity};
+use super::{Manifest, meta, quantity};
 
 /// What `storage` renders: a StorageClass, a PersistentVolume and a ReadWriteMany claim.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +21,7 @@ use super::{meta, object, quantity};
 )]
 pub struct NoStorage;
 
-pub fn storage(project: &Project) -> Result<Vec<Value>, NoStorage> {
+pub fn storage(project: &Project) -> Result<Vec<Manifest>, NoStorage> {
     let s = &project.storage;
     let backend = s.backend.as_ref().ok_or(NoStorage)?;
     let class = format!("{}-{}", s.claim, backend_name(backend));
@@ -109,7 +108,11 @@ pub fn storage(project: &Project) -> Result<Vec<Value>, NoStorage> {
         }),
         ..PersistentVolumeClaim::default()
     };
-    Ok(vec![object(&class_object), object(&volume), object(&claim)])
+    Ok(vec![
+        Manifest::of(&class_object),
+        Manifest::of(&volume),
+        Manifest::of(&claim),
+    ])
 }
 
 pub(super) fn backend_name(b: &StorageBackend) -> &'static str {

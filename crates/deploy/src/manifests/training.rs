@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PodTemplateSpec, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use serde_json::Value;
 
 use contract::argv::{RunArgs, RunFlag, Target, TrainArgs};
 
@@ -14,17 +13,19 @@ use crate::config::{Launcher, Project, RdzvBackend};
 
 use super::pod::{PodOptions, headless_service, job, pod_template};
 use super::services::{etcd, etcd_name};
-use super::{ETCD_PORT, FETCH_DIR, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, meta, object, to_value};
+use super::{
+    ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, meta, to_value,
+};
 
 /// The Secret holding the job's connection token.
-pub fn token_secret(project: &Project, token: &str) -> Value {
+pub fn token_secret(project: &Project, token: &str) -> Manifest {
     let secret = Secret {
         metadata: meta(project, &token_secret_name(project), "worker"),
         string_data: Some(BTreeMap::from([("token".into(), token.into())])),
         type_: Some("Opaque".into()),
         ..Secret::default()
     };
-    object(&secret)
+    Manifest::of(&secret)
 }
 
 pub fn token_secret_name(project: &Project) -> String {
@@ -49,7 +50,7 @@ pub(super) fn train_args(project: &Project) -> TrainArgs {
 
 /// The training job: a Secret with the job token, the job's etcd (its Service and Deployment)
 /// with `--rdzv-backend etcd`, then an Indexed Job and its headless Service, or a PyTorchJob.
-pub fn training_job(project: &Project, token: &str) -> Vec<Value> {
+pub fn training_job(project: &Project, token: &str) -> Vec<Manifest> {
     let mut out = vec![token_secret(project, token)];
     if project.job.rdzv_backend == RdzvBackend::Etcd {
         out.extend(etcd(project));
@@ -57,8 +58,8 @@ pub fn training_job(project: &Project, token: &str) -> Vec<Value> {
     match project.job.launcher {
         Launcher::Indexed => {
             let (service, job) = indexed_job(project);
-            out.push(object(&service));
-            out.push(object(&job));
+            out.push(Manifest::of(&service));
+            out.push(Manifest::of(&job));
         }
         Launcher::PyTorchJob => out.push(pytorch_job(project)),
     }
@@ -202,7 +203,7 @@ pub(super) fn queue_label(project: &Project, meta: &mut ObjectMeta) {
 /// `trainctl run`. With MIN < MAX the operator's elasticPolicy injects the PET_* variables that
 /// `trainctl run` reads (PET_NNODES=MIN:MAX, PET_RDZV_ENDPOINT=NAME-worker-0:PORT,
 /// PET_RDZV_BACKEND=c10d, PET_MAX_RESTARTS, PET_NPROC_PER_NODE); otherwise the flags say it.
-pub(super) fn pytorch_job(project: &Project) -> Value {
+pub(super) fn pytorch_job(project: &Project) -> Manifest {
     let j = &project.job;
     let template = worker_template(project, None);
     let mut spec = serde_json::json!({
@@ -237,10 +238,11 @@ pub(super) fn pytorch_job(project: &Project) -> Value {
     }
     let mut metadata = meta(project, &j.name, "worker");
     queue_label(project, &mut metadata);
-    serde_json::json!({
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
+    let resource = super::pytorchjob_resource();
+    Manifest::pytorch_job(serde_json::json!({
+        "apiVersion": resource.api_version,
+        "kind": resource.kind,
         "metadata": to_value(&metadata),
         "spec": spec,
-    })
+    }))
 }

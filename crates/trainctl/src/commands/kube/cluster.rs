@@ -9,6 +9,7 @@ use deploy::{eksctl, manifests};
 
 use super::super::project::ProjectArgs;
 use super::{apply_and_report, connect, print_yaml, runtime};
+use crate::output;
 
 #[derive(clap::Subcommand)]
 pub enum ClusterCommand {
@@ -62,21 +63,18 @@ fn write_atomically(path: &Path, text: &str) -> anyhow::Result<()> {
 fn run_or_print(argv: &[String], dry_run: bool) -> anyhow::Result<i32> {
     let shown = argv.join(" ");
     if dry_run {
-        println!("{shown}");
+        output::kube::command(&shown);
         return Ok(0);
     }
-    eprintln!("running: {shown}");
+    output::kube::running(&shown);
     match std::process::Command::new(&argv[0])
         .args(&argv[1..])
         .status()
     {
         Ok(status) => Ok(status.code().unwrap_or(1)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!(
-                "{} is not installed here; run this where it is (https://eksctl.io/installation/):",
-                argv[0]
-            );
-            println!("{shown}");
+            output::kube::not_installed(&argv[0]);
+            output::kube::command(&shown);
             Ok(0)
         }
         Err(e) => Err(e).with_context(|| format!("cannot run {}", argv[0])),
@@ -87,12 +85,7 @@ fn run_or_print(argv: &[String], dry_run: bool) -> anyhow::Result<i32> {
 fn say_picked_zones(project: &Project) {
     let c = &project.cluster;
     if c.zones_picked {
-        eprintln!(
-            "availability zones: {} (the first of {}; give --az to choose others, e.g. where {} is offered)",
-            c.availability_zones.join(", "),
-            c.region,
-            c.instance_type.name
-        );
+        output::kube::zones_picked(&c.availability_zones, &c.region, c.instance_type.name);
     }
 }
 
@@ -119,9 +112,9 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
             match file {
                 Some(path) => {
                     write_atomically(&path, &yaml)?;
-                    eprintln!("wrote {}", path.display());
+                    output::kube::wrote(&path);
                 }
-                None => print!("{yaml}"),
+                None => output::kube::yaml(&yaml),
             }
             Ok(0)
         }
@@ -132,7 +125,7 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
         } => {
             let project = project.project()?;
             let path = write_cluster_file(&project, file)?;
-            eprintln!("wrote {}", path.display());
+            output::kube::wrote(&path);
             run_or_print(
                 &eksctl::create_command(&path.display().to_string()),
                 dry_run,
@@ -167,12 +160,8 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
                 }
             }
             if project.job.launcher == Launcher::PyTorchJob {
-                println!(
-                    "The Kubeflow training operator is installed from its release manifests \
-                     (kustomize), which trainctl does not vendor:\n  kubectl apply \
-                     --server-side -k \"github.com/kubeflow/training-operator.git/manifests/\
-                     overlays/standalone?ref={}\"",
-                    deploy::kube_api::TRAINING_OPERATOR_VERSION
+                output::kube::install_training_operator(
+                    deploy::kube_api::TRAINING_OPERATOR_VERSION,
                 );
             }
             Ok(0)

@@ -3,6 +3,7 @@
 use deploy::config::{Project, SETTINGS};
 
 use super::super::project::ProjectArgs;
+use crate::output;
 
 #[derive(clap::Subcommand)]
 pub enum ConfigCommand {
@@ -18,10 +19,9 @@ pub fn config(cmd: ConfigCommand) -> anyhow::Result<i32> {
     let resolved = project.resolve()?;
     let width = SETTINGS.iter().map(|s| s.key.len()).max().unwrap_or(0);
     for s in SETTINGS {
-        match resolved.values.get(s.key) {
-            Some((value, source)) => println!("{:<width$}  {:<40}  {source}", s.key, value),
-            None => println!("{:<width$}  {:<40}  (not set)", s.key, "-"),
-        }
+        let value = resolved.values.get(s.key);
+        let value = value.map(|(v, source)| (v.as_str(), source as &dyn std::fmt::Display));
+        output::kube::setting(s.key, width, value);
     }
     // Show the values first, then refuse the bad ones with the reason.
     Project::from_resolved(&resolved)?;

@@ -8,6 +8,7 @@ use deploy::{doctor, manifests};
 
 use super::super::project::ProjectArgs;
 use super::{connect, print_yaml, runtime, seconds, start_helper, warn_if_no_node_fits};
+use crate::output;
 
 #[derive(clap::Args)]
 pub struct DoctorArgs {
@@ -94,17 +95,13 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
                 env: nccl_variables(),
             },
         };
-        let checks = doctor::run(&plan, &mut |c| println!("{c}"));
+        let checks = doctor::run(&plan, &mut |c| output::kube::line(&c.to_string()));
         let failed = checks
             .iter()
             .filter(|c| c.verdict == doctor::Verdict::Fail)
             .count();
-        if failed > 0 {
-            println!("{failed} check(s) failed");
-            return Ok(1);
-        }
-        println!("all checks passed");
-        return Ok(0);
+        output::kube::checks_done(failed);
+        return Ok(if failed > 0 { 1 } else { 0 });
     }
     let project = args.project.project()?;
     let docs = manifests::doctor_job(&project);
@@ -121,17 +118,16 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
         start_helper(&kube, &name, &docs).await?;
         let waited = kube.wait(&name, timeout).await;
         if waited.is_ok() {
-            kube.logs(&name, false, &mut |line: &str| println!("{line}"))
-                .await?;
+            kube.logs(&name, false, &mut output::kube::line).await?;
         }
         // The doctor's objects go, whatever happened; its findings are printed above.
         kube.delete_matching(&selector).await?;
         let status = waited?;
         if status.phase == Phase::Succeeded {
-            println!("doctor: every check passed on every node");
+            output::kube::doctor_passed();
             Ok(0)
         } else {
-            print!("{}", status.render());
+            output::kube::status(&status, false);
             Ok(1)
         }
     })

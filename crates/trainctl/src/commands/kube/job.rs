@@ -7,6 +7,7 @@ use super::super::project::ProjectArgs;
 use super::{
     at_namespace, connect, print_yaml, runtime, seconds, warn_if_no_node_fits, with_program,
 };
+use crate::output;
 
 #[derive(clap::Subcommand)]
 pub enum JobCommand {
@@ -75,13 +76,8 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
                 let kube = connect(&project).await?;
                 let j = &project.job;
                 warn_if_no_node_fits(&kube, &project, (&j.cpu, &j.memory)).await;
-                for a in kube.launch(&name, &docs).await? {
-                    println!("applied {} {}", a.kind, a.name);
-                }
-                let at = at_namespace(&project);
-                println!(
-                    "next: trainctl job status --name {name}{at}; trainctl job logs --name {name}{at} --follow"
-                );
+                output::kube::applied(&kube.launch(&name, &docs).await?, false);
+                output::kube::launched(&name, &at_namespace(&project));
                 Ok(0)
             })
         }
@@ -89,7 +85,7 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             let project = project.project()?;
             runtime()?.block_on(async {
                 let status = connect(&project).await?.status(&project.job.name).await?;
-                print!("{}", status.render());
+                output::kube::status(&status, false);
                 Ok(0)
             })
         }
@@ -101,7 +97,7 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
                     .await?
                     .wait(&project.job.name, timeout)
                     .await?;
-                print!("{}", status.render());
+                output::kube::status(&status, false);
                 Ok(if status.phase == Phase::Succeeded {
                     0
                 } else {
@@ -114,9 +110,7 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             runtime()?.block_on(async {
                 connect(&project)
                     .await?
-                    .logs(&project.job.name, follow, &mut |line: &str| {
-                        println!("{line}")
-                    })
+                    .logs(&project.job.name, follow, &mut output::kube::line)
                     .await?;
                 Ok(0)
             })
@@ -125,16 +119,15 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             let project = project.project()?;
             runtime()?.block_on(async {
                 let top = connect(&project).await?.top(&project.job.name).await?;
-                print!("{}", top.render());
+                output::kube::top(&top);
                 Ok(0)
             })
         }
         JobCommand::Delete { project } => {
             let project = project.project()?;
             runtime()?.block_on(async {
-                for d in connect(&project).await?.delete(&project.job.name).await? {
-                    println!("deleted {} {}", d.kind, d.name);
-                }
+                let deleted = connect(&project).await?.delete(&project.job.name).await?;
+                output::kube::deleted(&deleted, None);
                 Ok(0)
             })
         }

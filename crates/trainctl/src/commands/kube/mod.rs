@@ -23,8 +23,7 @@ use std::time::Duration;
 
 use deploy::config::Project;
 use deploy::kube_api::{Kube, Phase};
-use deploy::manifests;
-use serde_json::Value;
+use deploy::manifests::{self, Manifest};
 
 use super::project::ProjectArgs;
 use crate::output;
@@ -73,20 +72,18 @@ fn at_namespace(project: &Project) -> String {
     }
 }
 
-fn print_yaml(docs: &[Value]) {
-    print!("{}", manifests::to_yaml(docs));
+fn print_yaml(docs: &[Manifest]) {
+    output::kube::yaml(&manifests::to_yaml(docs));
 }
 
-async fn apply_and_report(kube: &Kube, docs: &[Value]) -> anyhow::Result<()> {
-    for a in kube.apply(docs).await? {
-        println!("applied {} {}", a.kind, a.name);
-    }
+async fn apply_and_report(kube: &Kube, docs: &[Manifest]) -> anyhow::Result<()> {
+    output::kube::applied(&kube.apply(docs).await?, false);
     Ok(())
 }
 
 /// Starts helper job `name` (data, test, doctor): a finished one from before is replaced; a
 /// running one is refused, named, rather than silently waited for in place of this request.
-async fn start_helper(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result<()> {
+async fn start_helper(kube: &Kube, name: &str, docs: &[Manifest]) -> anyhow::Result<()> {
     if !kube.clear_finished(name).await? {
         let ns = kube.namespace();
         anyhow::bail!(
@@ -95,9 +92,7 @@ async fn start_helper(kube: &Kube, name: &str, docs: &[Value]) -> anyhow::Result
              job {name} -n {ns}`), then run this again"
         );
     }
-    for a in kube.launch(name, docs).await? {
-        eprintln!("applied {} {}", a.kind, a.name);
-    }
+    output::kube::applied(&kube.launch(name, docs).await?, true);
     Ok(())
 }
 
@@ -116,25 +111,22 @@ async fn warn_if_no_node_fits(kube: &Kube, project: &Project, (cpu, memory): (&s
 }
 
 /// Launches a one-pod helper job (data, test), waits for it and prints its logs.
-fn helper_job(project: &Project, doc: Value, timeout: Duration) -> anyhow::Result<i32> {
-    let name = doc["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+fn helper_job(project: &Project, doc: Manifest, timeout: Duration) -> anyhow::Result<i32> {
+    let name = doc.name().to_string();
     runtime()?.block_on(async {
         let kube = connect(project).await?;
         start_helper(&kube, &name, std::slice::from_ref(&doc)).await?;
         // Its output as it comes (a download's progress), until it has finished.
-        let mut print = |line: &str| println!("{line}");
+        let mut print = output::kube::line;
         let follow = kube.logs(&name, true, &mut print);
         if tokio::time::timeout(timeout, follow).await.is_err() {
-            eprintln!("job {name} has not finished after {timeout:?}");
+            output::kube::not_finished(&name, timeout);
         }
         let status = kube.status(&name).await?;
         if status.phase == Phase::Succeeded {
             Ok(0)
         } else {
-            eprint!("{}", status.render());
+            output::kube::status(&status, true);
             Ok(1)
         }
     })

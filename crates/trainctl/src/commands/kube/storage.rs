@@ -5,6 +5,7 @@ use deploy::manifests;
 
 use super::super::project::ProjectArgs;
 use super::{connect, print_yaml, runtime};
+use crate::output;
 
 #[derive(clap::Args)]
 pub struct StorageArgs {
@@ -29,17 +30,10 @@ pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
     runtime()?.block_on(async {
         let kube = connect(&project).await?;
         if args.delete {
-            let deleted = kube.delete_storage(&docs).await?;
-            if deleted.is_empty() {
-                println!("no storage {} to delete", project.storage.claim);
-            }
-            for d in deleted {
-                println!("deleted {} {}", d.kind, d.name);
-            }
+            let none = format!("no storage {} to delete", project.storage.claim);
+            output::kube::deleted(&kube.delete_storage(&docs).await?, Some(&none));
         } else {
-            for a in kube.apply_storage(&docs).await? {
-                println!("applied {} {}", a.kind, a.name);
-            }
+            output::kube::applied(&kube.apply_storage(&docs).await?, false);
         }
         anyhow::Ok(())
     })?;

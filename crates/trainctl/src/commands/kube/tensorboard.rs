@@ -4,6 +4,7 @@ use deploy::manifests;
 
 use super::super::project::ProjectArgs;
 use super::{apply_and_report, connect, print_yaml, runtime};
+use crate::output;
 
 #[derive(clap::Args)]
 pub struct TensorboardArgs {
@@ -29,24 +30,16 @@ pub fn tensorboard(args: TensorboardArgs) -> anyhow::Result<i32> {
         let kube = connect(&project).await?;
         if args.delete {
             let selector = manifests::component_selector(&project.job.name, "tensorboard");
-            let deleted = kube.delete_matching(&selector).await?;
-            if deleted.is_empty() {
-                println!("no TensorBoard of job {} to delete", project.job.name);
-            }
-            for d in deleted {
-                println!("deleted {} {}", d.kind, d.name);
-            }
+            let none = format!("no TensorBoard of job {} to delete", project.job.name);
+            output::kube::deleted(&kube.delete_matching(&selector).await?, Some(&none));
             return Ok(0);
         }
         apply_and_report(&kube, &docs).await?;
-        let port = manifests::TENSORBOARD_PORT;
-        println!(
-            "TensorBoard reads {runs} on the claim. To open it from here:\n  kubectl \
-             port-forward -n {ns} service/{name} {port}:{port}\nthen http://localhost:{port} \
-             (inside the cluster: http://{name}.{ns}.svc:{port}). Remove it with trainctl \
-             tensorboard --delete.",
-            runs = project.job.runs_dir,
-            ns = project.namespace,
+        output::kube::tensorboard_started(
+            &name,
+            &project.namespace,
+            &project.job.runs_dir,
+            manifests::TENSORBOARD_PORT,
         );
         Ok(0)
     })

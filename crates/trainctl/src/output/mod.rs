@@ -1,7 +1,10 @@
-//! Everything trainctl prints for the user goes through here.
+//! Everything trainctl prints for the user goes through here (the Kubernetes commands' words in
+//! [`kube`]).
 //!
 //! While a progress bar is up (on a terminal), every line goes above it: written with the bar
 //! suspended, so lines and bar never share a row.
+
+pub mod kube;
 
 use std::fmt::Arguments;
 use std::io::Write;

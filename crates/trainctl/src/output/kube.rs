@@ -1,0 +1,143 @@
+//! What the Kubernetes commands print: the objects applied or deleted, rendered YAML, a job's
+//! status and usage, the pods' log lines, the commands run for the user and the doctor's
+//! checks. Results go to stdout; what a command says while it works goes to stderr.
+
+use std::path::Path;
+use std::time::Duration;
+
+use deploy::kube_api::{Applied, JobStatus, Top};
+
+use super::{err, out, out_raw};
+
+/// Rendered objects (or an eksctl config) as one YAML stream on stdout.
+pub fn yaml(text: &str) {
+    out_raw(format_args!("{text}"));
+}
+
+/// The objects a command applied: its result on stdout, or a step of a helper job (stderr,
+/// before the job's own output).
+pub fn applied(applied: &[Applied], stderr: bool) {
+    for a in applied {
+        if stderr {
+            err(format_args!("applied {} {}", a.kind, a.name));
+        } else {
+            out(format_args!("applied {} {}", a.kind, a.name));
+        }
+    }
+}
+
+/// The objects a command deleted; `none` is said when there were none.
+pub fn deleted(deleted: &[Applied], none: Option<&str>) {
+    if deleted.is_empty()
+        && let Some(none) = none
+    {
+        out(format_args!("{none}"));
+    }
+    for d in deleted {
+        out(format_args!("deleted {} {}", d.kind, d.name));
+    }
+}
+
+/// What to run next after a launch.
+pub fn launched(name: &str, at_namespace: &str) {
+    out(format_args!(
+        "next: trainctl job status --name {name}{at_namespace}; trainctl job logs --name {name}{at_namespace} --follow"
+    ));
+}
+
+/// A job's status table (stderr when it explains a helper's failure).
+pub fn status(status: &JobStatus, stderr: bool) {
+    let text = status.render();
+    if stderr {
+        super::emit(true, text.as_bytes());
+    } else {
+        out_raw(format_args!("{text}"));
+    }
+}
+
+/// The job's pods' CPU, memory and GPU use.
+pub fn top(top: &Top) {
+    out_raw(format_args!("{}", top.render()));
+}
+
+/// One line of a pod's log (prefixed with its pod by `kube_api::logs`), or a doctor's check.
+pub fn line(line: &str) {
+    out(format_args!("{line}"));
+}
+
+/// A helper job that outlived the time it was given.
+pub fn not_finished(name: &str, after: Duration) {
+    err(format_args!("job {name} has not finished after {after:?}"));
+}
+
+/// A file the command wrote for another tool (the eksctl config).
+pub fn wrote(path: &Path) {
+    super::wrote(path);
+}
+
+/// A command trainctl runs for the user (eksctl), said before it starts.
+pub fn running(shown: &str) {
+    err(format_args!("running: {shown}"));
+}
+
+/// A command for the user to run: `--dry-run`'s result, or what to run elsewhere.
+pub fn command(shown: &str) {
+    out(format_args!("{shown}"));
+}
+
+/// The program a command needs is not on this machine: the command follows on stdout.
+pub fn not_installed(program: &str) {
+    err(format_args!(
+        "{program} is not installed here; run this where it is (https://eksctl.io/installation/):"
+    ));
+}
+
+/// The availability zones trainctl chose because none were given.
+pub fn zones_picked(zones: &[String], region: &str, instance_type: &str) {
+    err(format_args!(
+        "availability zones: {} (the first of {region}; give --az to choose others, e.g. where {instance_type} is offered)",
+        zones.join(", ")
+    ));
+}
+
+/// How to install the Kubeflow training operator, which trainctl does not vendor.
+pub fn install_training_operator(version: &str) {
+    out(format_args!(
+        "The Kubeflow training operator is installed from its release manifests \
+         (kustomize), which trainctl does not vendor:\n  kubectl apply \
+         --server-side -k \"github.com/kubeflow/training-operator.git/manifests/\
+         overlays/standalone?ref={version}\""
+    ));
+}
+
+/// One row of `config show`: a setting, its value (or none) and where the value came from.
+pub fn setting(key: &str, width: usize, value: Option<(&str, &dyn std::fmt::Display)>) {
+    match value {
+        Some((value, source)) => out(format_args!("{key:<width$}  {value:<40}  {source}")),
+        None => out(format_args!("{key:<width$}  {:<40}  (not set)", "-")),
+    }
+}
+
+/// The doctor's verdict in a pod: how many checks failed, or that all passed.
+pub fn checks_done(failed: usize) {
+    if failed > 0 {
+        out(format_args!("{failed} check(s) failed"));
+    } else {
+        out(format_args!("all checks passed"));
+    }
+}
+
+/// The doctor job's verdict over every node.
+pub fn doctor_passed() {
+    out(format_args!("doctor: every check passed on every node"));
+}
+
+/// Where TensorBoard serves the job's runs, and how to reach it.
+pub fn tensorboard_started(name: &str, ns: &str, runs: &str, port: u16) {
+    out(format_args!(
+        "TensorBoard reads {runs} on the claim. To open it from here:\n  kubectl \
+         port-forward -n {ns} service/{name} {port}:{port}\nthen http://localhost:{port} \
+         (inside the cluster: http://{name}.{ns}.svc:{port}). Remove it with trainctl \
+         tensorboard --delete."
+    ));
+}
