@@ -14,6 +14,8 @@
 //! The API is blocking: every call runs on the client's own small tokio runtime.
 
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod profile;
 mod stage;
 mod uri;

@@ -54,7 +54,7 @@ impl StageSummary {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct JournalLine {
+pub(crate) struct JournalLine {
     key: String,
     etag: String,
     size: u64,
@@ -257,7 +257,7 @@ async fn plan(store: &dyn ObjectStore, from: &S3Uri, dir: &Path) -> Result<Vec<P
 
 /// `relative` under `dir`, refusing anything that would land elsewhere or collide with the
 /// staging's own files.
-fn local_path(dir: &Path, relative: &str) -> Result<PathBuf, String> {
+pub(crate) fn local_path(dir: &Path, relative: &str) -> Result<PathBuf, String> {
     let path = Path::new(relative);
     if relative.is_empty() || !path.components().all(|c| matches!(c, Component::Normal(_))) {
         return Err(format!(
@@ -301,7 +301,11 @@ fn already_there(
 
 /// The journal's lines by key; a missing journal or a partial last line is no error.
 fn read_journal(path: &Path) -> HashMap<String, JournalLine> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+    parse_journal(&std::fs::read_to_string(path).unwrap_or_default())
+}
+
+/// The journal's text by key: lines that do not parse (a partial last line) are skipped.
+pub(crate) fn parse_journal(text: &str) -> HashMap<String, JournalLine> {
     text.lines()
         .filter_map(|line| serde_json::from_str::<JournalLine>(line).ok())
         .map(|line| (line.key.clone(), line))

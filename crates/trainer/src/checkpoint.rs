@@ -352,26 +352,32 @@ pub struct ModelFile {
 /// torchvision from a ResNet, and says what network it holds.
 pub fn read_model(path: &Path) -> Result<ModelFile> {
     let bytes = std::fs::read(path).at(path)?;
-    let bad = |problem: String| TrainError::BadModel {
+    let info = describe_model(&bytes).map_err(|problem| TrainError::BadModel {
         path: path.to_path_buf(),
         problem,
-    };
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
-    let tensors = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
-    let info = match meta.metadata().as_ref().and_then(|m| m.get(MODEL_KEY)) {
-        Some(json) => serde_json::from_str::<ModelInfo>(json)
-            .map_err(|e| bad(format!("{MODEL_KEY} metadata: {e}")))?,
-        None => ModelInfo::infer(&tensors).map_err(bad)?,
-    };
-    info.check(&tensors).map_err(bad)?;
-    drop(tensors);
+    })?;
     Ok(ModelFile {
         info,
         bytes,
         path: path.to_path_buf(),
     })
+}
+
+/// What network a model file's bytes hold: its `trainctl.model` metadata, or what its tensor
+/// names say, checked against the network's limits and the tensors before anything is sized
+/// from it.
+pub(crate) fn describe_model(bytes: &[u8]) -> Result<ModelInfo, String> {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| format!("not a safetensors file ({e})"))?;
+    let tensors = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| format!("not a safetensors file ({e})"))?;
+    let info = match meta.metadata().as_ref().and_then(|m| m.get(MODEL_KEY)) {
+        Some(json) => serde_json::from_str::<ModelInfo>(json)
+            .map_err(|e| format!("{MODEL_KEY} metadata: {e}"))?,
+        None => ModelInfo::infer(&tensors)?,
+    };
+    info.check(&tensors)?;
+    Ok(info)
 }
 
 impl ModelFile {
@@ -403,12 +409,7 @@ pub fn save_checkpoint(
             (MODEL_KEY.to_string(), to_json(info)?),
         ])),
     )?;
-    let mut bytes = Vec::with_capacity(HEADER + payload.len());
-    bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
-    bytes.extend_from_slice(&payload);
-    write_atomic(path, &bytes)
+    write_atomic(path, &envelope(&payload))
 }
 
 /// Reads and verifies a checkpoint. `Ok(None)` when there is none; an error, naming what is
@@ -420,52 +421,59 @@ pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Optio
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).at(path),
     };
-    let bad = |problem: String| TrainError::BadCheckpoint {
-        path: path.to_path_buf(),
-        problem: format!(
-            "{problem}; it was not used: move it away to start from scratch, or restore a good copy"
-        ),
-    };
+    parse_checkpoint(&bytes, template)
+        .map(Some)
+        .map_err(|problem| TrainError::BadCheckpoint {
+            path: path.to_path_buf(),
+            problem: format!(
+                "{problem}; it was not used: move it away to start from scratch, or restore a good copy"
+            ),
+        })
+}
+
+/// A checkpoint's bytes verified (envelope, length, checksum, metadata, every tensor's name
+/// and shape against `template` or the network the checkpoint describes) and read.
+pub(crate) fn parse_checkpoint(
+    bytes: &[u8],
+    template: Option<&Snapshot>,
+) -> Result<Checkpoint, String> {
     if bytes.len() < HEADER || &bytes[..16] != MAGIC {
-        return Err(bad("not a trainctl checkpoint (bad magic bytes)".into()));
+        return Err("not a trainctl checkpoint (bad magic bytes)".into());
     }
     let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap_or_default());
     let crc = u32::from_le_bytes(bytes[24..28].try_into().unwrap_or_default());
     let payload = &bytes[HEADER..];
     if payload.len() as u64 != len {
-        return Err(bad(format!(
+        return Err(format!(
             "truncated: {} payload bytes, the header says {len}",
             payload.len()
-        )));
+        ));
     }
     let actual = crc32fast::hash(payload);
     if actual != crc {
-        return Err(bad(format!(
+        return Err(format!(
             "checksum mismatch (stored {crc:08x}, computed {actual:08x}): the file is corrupt"
-        )));
+        ));
     }
-    let tensors = safetensors::SafeTensors::deserialize(payload).map_err(|e| bad(e.to_string()))?;
-    let (_, meta) =
-        safetensors::SafeTensors::read_metadata(payload).map_err(|e| bad(e.to_string()))?;
+    let tensors = safetensors::SafeTensors::deserialize(payload).map_err(|e| e.to_string())?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(payload).map_err(|e| e.to_string())?;
     let metadata = meta.metadata().as_ref();
     let progress = metadata
         .and_then(|m| m.get(PROGRESS_KEY))
-        .ok_or_else(|| bad("no training progress recorded".into()))?;
+        .ok_or_else(|| "no training progress recorded".to_string())?;
     let progress: Progress =
-        serde_json::from_str(progress).map_err(|e| bad(format!("progress record: {e}")))?;
+        serde_json::from_str(progress).map_err(|e| format!("progress record: {e}"))?;
     let info = match metadata.and_then(|m| m.get(MODEL_KEY)) {
-        Some(json) => {
-            serde_json::from_str(json).map_err(|e| bad(format!("{MODEL_KEY} record: {e}")))?
-        }
+        Some(json) => serde_json::from_str(json).map_err(|e| format!("{MODEL_KEY} record: {e}"))?,
         // Checkpoints from before models were described are the seed CNN's.
         None => ModelInfo::seed_cifar(),
     };
-    info.check(&tensors).map_err(&bad)?;
+    info.check(&tensors)?;
     let own;
     let template = match template {
         Some(t) => t,
         None => {
-            let arch = info.architecture().map_err(&bad)?;
+            let arch = info.architecture()?;
             let model = crate::model::Model::new(
                 arch,
                 info.classes.len(),
@@ -475,15 +483,25 @@ pub fn load_checkpoint(path: &Path, template: Option<&Snapshot>) -> Result<Optio
             &own
         }
     };
-    let (params, buffers) = decode(&tensors, &template.entries, "", false).map_err(&bad)?;
-    let (momentum, _) = decode(&tensors, &template.entries, MOMENTUM_PREFIX, true).map_err(&bad)?;
-    Ok(Some(Checkpoint {
+    let (params, buffers) = decode(&tensors, &template.entries, "", false)?;
+    let (momentum, _) = decode(&tensors, &template.entries, MOMENTUM_PREFIX, true)?;
+    Ok(Checkpoint {
         progress,
         info,
         params,
         buffers,
         momentum,
-    }))
+    })
+}
+
+/// The checkpoint envelope around `payload` (safetensors bytes): magic, length, CRC-32.
+pub(crate) fn envelope(payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(HEADER + payload.len());
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
 }
 
 /// Reads and verifies a checkpoint (envelope, checksum, tensor names and shapes of the
@@ -524,6 +542,47 @@ pub(crate) mod tests {
         let snap = snapshot(&SeedCnn::new(10, &crate::device::inference_device()));
         let momentum: Vec<f32> = (0..snap.params.len()).map(|i| i as f32 * 1e-3).collect();
         (snap, momentum)
+    }
+
+    /// A real checkpoint's payload (safetensors with progress, model metadata and momentum).
+    fn real_payload() -> &'static (Snapshot, Vec<u8>) {
+        static PAYLOAD: std::sync::OnceLock<(Snapshot, Vec<u8>)> = std::sync::OnceLock::new();
+        PAYLOAD.get_or_init(|| {
+            let (snap, momentum) = model_state();
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("ckpt");
+            save_checkpoint(&path, &snap, &momentum, &progress(), &ModelInfo::seed_cifar())
+                .unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            (snap, bytes[HEADER..].to_vec())
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+        /// A damaged payload behind a valid checksum (the fuzz target's ground, in CI): a byte
+        /// of the safetensors header or metadata changed, or the payload cut short, is
+        /// refused with a reason or read whole, never a panic, read as a checkpoint or as a
+        /// model file.
+        #[test]
+        fn damaged_payloads_behind_a_valid_checksum_never_panic(
+            at in 0usize..2048,
+            byte in proptest::prelude::any::<u8>(),
+            cut in proptest::prelude::prop_oneof![proptest::strategy::Just(0usize), 1usize..4096],
+        ) {
+            let (snap, payload) = real_payload();
+            let mut damaged = payload.clone();
+            let header = 8 + u64::from_le_bytes(payload[..8].try_into().unwrap()) as usize;
+            damaged[at % header] = byte;
+            damaged.truncate(damaged.len().saturating_sub(cut));
+            let bytes = envelope(&damaged);
+            if let Ok(c) = parse_checkpoint(&bytes, Some(snap)) {
+                proptest::prop_assert_eq!(c.params.len(), snap.params.len());
+            }
+            let _ = parse_checkpoint(&bytes, None);
+            let _ = describe_model(&damaged);
+        }
     }
 
     #[test]

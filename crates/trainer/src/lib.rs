@@ -8,6 +8,8 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod eval;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod model;
 pub(crate) mod ops;
 pub(crate) mod sampler;

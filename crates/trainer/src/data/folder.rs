@@ -202,36 +202,18 @@ impl Layout {
             (Layout::TinyImageNet(_), Split::Eval) => {
                 let annotations = root.join("val").join("val_annotations.txt");
                 let text = std::fs::read_to_string(&annotations).at(&annotations)?;
-                for (n, line) in text.lines().enumerate() {
-                    let mut fields = line.split('\t');
-                    let (Some(file), Some(id)) = (fields.next(), fields.next()) else {
-                        if line.trim().is_empty() {
-                            continue;
-                        }
-                        return Err(TrainError::BadData {
-                            path: annotations,
-                            problem: format!(
-                                "line {}: expected FILE<TAB>WNID..., got {line:?}",
-                                n + 1
-                            ),
-                        });
+                let bad = |problem: String| TrainError::BadData {
+                    path: annotations.clone(),
+                    problem,
+                };
+                for a in parse_annotations(&text).map_err(bad)? {
+                    let Some(&label) = index.get(a.id) else {
+                        return Err(bad(format!(
+                            "line {}: class {:?} has no train/{} folder",
+                            a.line, a.id, a.id
+                        )));
                     };
-                    let Some(&label) = index.get(id) else {
-                        return Err(TrainError::BadData {
-                            path: annotations,
-                            problem: format!(
-                                "line {}: class {id:?} has no train/{id} folder",
-                                n + 1
-                            ),
-                        });
-                    };
-                    if file.contains('/') || file.contains("..") {
-                        return Err(TrainError::BadData {
-                            path: annotations,
-                            problem: format!("line {}: {file:?} is not a file name", n + 1),
-                        });
-                    }
-                    files.push(root.join("val").join("images").join(file));
+                    files.push(root.join("val").join("images").join(a.file));
                     labels.push(label);
                 }
             }
@@ -240,8 +222,45 @@ impl Layout {
     }
 }
 
+/// One line of tiny-imagenet's `val/val_annotations.txt`: an image in `val/images/` and the
+/// WNID of its class.
+pub(crate) struct Annotation<'a> {
+    /// The line's number, from 1.
+    pub line: usize,
+    pub file: &'a str,
+    pub id: &'a str,
+}
+
+/// `val_annotations.txt`: `FILE<TAB>WNID<TAB>box...` a line (blank lines skipped). A file that
+/// is not a plain name (empty, or with `/` or `..`) is refused: it would reach outside
+/// `val/images/`.
+pub(crate) fn parse_annotations(text: &str) -> std::result::Result<Vec<Annotation<'_>>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let mut fields = line.split('\t');
+        let (Some(file), Some(id)) = (fields.next(), fields.next()) else {
+            if line.trim().is_empty() {
+                continue;
+            }
+            return Err(format!(
+                "line {}: expected FILE<TAB>WNID..., got {line:?}",
+                n + 1
+            ));
+        };
+        if file.is_empty() || file.contains('/') || file.contains("..") {
+            return Err(format!("line {}: {file:?} is not a file name", n + 1));
+        }
+        out.push(Annotation {
+            line: n + 1,
+            file,
+            id,
+        });
+    }
+    Ok(out)
+}
+
 /// `words.txt`: `WNID<TAB>name, synonym, ...` → the first name.
-fn parse_words(text: &str) -> HashMap<&str, String> {
+pub(crate) fn parse_words(text: &str) -> HashMap<&str, String> {
     text.lines()
         .filter_map(|line| {
             let (id, names) = line.split_once('\t')?;
@@ -370,6 +389,33 @@ pub fn square(image: image::RgbImage, size: usize) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn annotations_name_plain_files_only() {
+        let good = parse_annotations("val_0.JPEG\tn01\t0\t0\t8\t8\n\nval_1.JPEG\tn02\n").unwrap();
+        let read: Vec<_> = good.iter().map(|a| (a.line, a.file, a.id)).collect();
+        assert_eq!(read, [(1, "val_0.JPEG", "n01"), (3, "val_1.JPEG", "n02")]);
+        for (text, says) in [
+            ("../x.JPEG\tn01\n", "line 1: \"../x.JPEG\" is not a file name"),
+            ("a\tn01\nsub/x.JPEG\tn01\n", "line 2: \"sub/x.JPEG\" is not a file name"),
+            ("\tn01\n", "line 1: \"\" is not a file name"),
+            ("no tab here\n", "line 1: expected FILE<TAB>WNID..., got \"no tab here\""),
+        ] {
+            assert_eq!(parse_annotations(text).err().as_deref(), Some(says), "{text:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_annotations_text_is_refused_or_names_plain_files(text in "[a-z./\t\n ]{0,80}") {
+            if let Ok(lines) = parse_annotations(&text) {
+                for a in lines {
+                    proptest::prop_assert!(!a.file.is_empty() && !a.file.contains('/') && !a.file.contains(".."));
+                }
+            }
+            proptest::prop_assert!(parse_words(&text).len() <= text.lines().count());
+        }
+    }
 
     fn write_png(path: &Path, w: u32, h: u32, value: u8) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
