@@ -22,6 +22,8 @@ pub enum RunFlag {
     /// An `s3://` prefix copied next to the workers before they start (repeatable).
     Fetch(String),
     FetchDir(String),
+    /// Where the launcher writes a failure's root cause (Kubernetes' `terminationMessagePath`).
+    TerminationLog(String),
 }
 
 impl RunFlag {
@@ -38,6 +40,7 @@ impl RunFlag {
             RunFlag::GracePeriod(_) => "--grace-period",
             RunFlag::Fetch(_) => "--fetch",
             RunFlag::FetchDir(_) => "--fetch-dir",
+            RunFlag::TerminationLog(_) => "--termination-log",
         }
     }
 
@@ -48,7 +51,8 @@ impl RunFlag {
             | RunFlag::RdzvEndpoint(s)
             | RunFlag::RdzvId(s)
             | RunFlag::Fetch(s)
-            | RunFlag::FetchDir(s) => s.clone(),
+            | RunFlag::FetchDir(s)
+            | RunFlag::TerminationLog(s) => s.clone(),
             RunFlag::NprocPerNode(n) | RunFlag::MaxRestarts(n) => n.to_string(),
             RunFlag::MetricsPort(p) => p.to_string(),
             RunFlag::GracePeriod(s) => s.to_string(),

@@ -45,6 +45,9 @@ pub mod env {
     pub const RUN_ID: &str = "TORCHELASTIC_RUN_ID";
     pub const RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
     pub const MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+    /// Where a worker's `@record` (torch.distributed.elastic) writes the exception that ended
+    /// it, as JSON; one file per worker and attempt.
+    pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
     pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
     /// trainctl's own: the secret every collective connection must present (from the job's
     /// Secret on Kubernetes).

@@ -504,6 +504,66 @@ async fn a_container_that_cannot_start_shows_its_last_lines() {
     );
 }
 
+/// `trainctl run --termination-log` leaves the root cause in each failed pod's termination
+/// message: `job status` shows it, once for the whole job, without kubectl; a running pod that
+/// restarted shows its last run's.
+#[tokio::test]
+async fn status_shows_the_root_cause_from_the_termination_message() {
+    let report = "trainctl run: the job failed; root cause (first failure):\non node cifar10-1: rank 1 (pid 42) failed: ValueError: bad shard 7 at /job/train.py:12 in load; the other workers were stopped\nroot cause (first failure):\n  rank       : 1 (local rank 0, node 1)\n  error      : ValueError: bad shard 7\n  traceback  : (innermost last)\n    /job/train.py:20 in main: load(7)\n    /job/train.py:12 in load: raise ValueError(f\"bad shard {n}\")\n";
+    let api = MockApi::default();
+    api.get(
+        JOB,
+        job(json!({
+            "failed": 2,
+            "conditions": [{ "type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": "failed with exit code 1" }],
+        })),
+    );
+    let failed = |i: u32| {
+        let mut c = running_container(0);
+        c["ready"] = json!(false);
+        c["state"] =
+            json!({ "terminated": { "exitCode": 1, "reason": "Error", "message": report } });
+        pod(i, "Failed", Some("n1"), json!({ "containerStatuses": [c] }))
+    };
+    api.get(PODS, list("PodList", vec![failed(0), failed(1)]));
+    let text = api.kube().status("cifar10").await.unwrap().render();
+    assert_eq!(
+        text.matches("the root cause, as trainctl run reported it:")
+            .count(),
+        1,
+        "one report for the job: {text}"
+    );
+    for expected in [
+        "rank 1 (pid 42) failed: ValueError: bad shard 7 at /job/train.py:12 in load",
+        "  error      : ValueError: bad shard 7",
+        "/job/train.py:12 in load: raise ValueError",
+    ] {
+        assert!(text.contains(expected), "{expected}: {text}");
+    }
+    assert!(!text.contains("its last lines"), "{text}");
+
+    // A pod restarted after a failure: its last run's report.
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 1 })));
+    let mut c = running_container(1);
+    c["lastState"] =
+        json!({ "terminated": { "exitCode": 1, "reason": "Error", "message": report } });
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![pod(
+                0,
+                "Running",
+                Some("n1"),
+                json!({ "containerStatuses": [c] }),
+            )],
+        ),
+    );
+    let text = api.kube().status("cifar10").await.unwrap().render();
+    assert!(text.contains("ValueError: bad shard 7"), "{text}");
+}
+
 #[tokio::test]
 async fn wait_gives_up_at_its_deadline() {
     let api = MockApi::default();

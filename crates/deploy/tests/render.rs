@@ -694,8 +694,15 @@ fn every_object_carries_the_resource_it_is_served_at() {
         let r = m.resource();
         assert_eq!(m["apiVersion"], r.api_version.as_str(), "{m}");
         assert_eq!(m["kind"], r.kind.as_str(), "{m}");
-        assert_eq!(m.namespaced(), m["metadata"]["namespace"].is_string(), "{m}");
-        assert!(r.plural.ends_with('s') && r.plural == r.plural.to_lowercase(), "{m}");
+        assert_eq!(
+            m.namespaced(),
+            m["metadata"]["namespace"].is_string(),
+            "{m}"
+        );
+        assert!(
+            r.plural.ends_with('s') && r.plural == r.plural.to_lowercase(),
+            "{m}"
+        );
         kinds.insert(r.kind.clone());
     }
     let expected = [

@@ -107,7 +107,8 @@ fn run_rounds(
                     let counted = ![contract::exit::PEER_LOST, contract::exit::PREEMPTED]
                         .iter()
                         .any(|code| failure.exit == ExitKind::Code(*code));
-                    match rdzv.worker_failed(counted, &report, spec.max_restarts) {
+                    let at = failure.at_millis();
+                    match rdzv.worker_failed(counted, &report, at, spec.max_restarts) {
                         // The store is gone, most likely with the node that hosted it (a c10d
                         // store dies with its agent; its workers' deaths are what failed ours).
                         // Join again: joining waits, up to the join timeout, for a store at the

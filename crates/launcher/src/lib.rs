@@ -6,6 +6,7 @@
 //! (`PR_SET_PDEATHSIG`), so no worker outlives `trainctl run`, whatever happens to it.
 
 mod agent;
+pub mod error_file;
 pub mod output;
 mod report;
 mod supervise;
@@ -131,12 +132,14 @@ pub fn random_id(bytes: usize) -> String {
         .collect()
 }
 
-/// The environment of worker `local_rank`, with torchrun's names.
+/// The environment of worker `local_rank`, with torchrun's names; `error_file` is where its
+/// `@record` writes the exception that ends it.
 pub fn worker_env(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
     omp_is_set: bool,
+    error_file: &std::path::Path,
 ) -> Vec<(String, String)> {
     use contract::env as vars;
     let rank = spec.rank_offset + local_rank;
@@ -159,6 +162,7 @@ pub fn worker_env(
         // Workers host their own store, as PyTorch's do under torchrun's static rendezvous.
         ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
         (vars::JOB_TOKEN, spec.token.clone()),
+        (vars::ERROR_FILE, error_file.display().to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -199,7 +203,9 @@ mod tests {
     #[test]
     fn worker_environment_follows_torchrun() {
         let env: std::collections::HashMap<_, _> =
-            worker_env(&spec(), 1, 0, false).into_iter().collect();
+            worker_env(&spec(), 1, 0, false, "/logs/1/error.json".as_ref())
+                .into_iter()
+                .collect();
         assert_eq!(env["RANK"], "3");
         assert_eq!(env["LOCAL_RANK"], "1");
         assert_eq!(env["WORLD_SIZE"], "6");
@@ -208,8 +214,11 @@ mod tests {
         assert_eq!(env["MASTER_ADDR"], "node0");
         assert_eq!(env["TORCHELASTIC_RUN_ID"], "job");
         assert_eq!(env["OMP_NUM_THREADS"], "1");
+        assert_eq!(env["TORCHELASTIC_ERROR_FILE"], "/logs/1/error.json");
         let env: std::collections::HashMap<_, _> =
-            worker_env(&spec(), 0, 0, true).into_iter().collect();
+            worker_env(&spec(), 0, 0, true, "/logs/0/error.json".as_ref())
+                .into_iter()
+                .collect();
         assert!(
             !env.contains_key("OMP_NUM_THREADS"),
             "a user's OMP_NUM_THREADS is kept"

@@ -1,7 +1,9 @@
 //! What happened to a launch, for the user.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
+
+use crate::error_file::WorkerError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExitKind {
@@ -31,10 +33,48 @@ pub struct Failure {
     pub exit: ExitKind,
     /// Since this attempt started.
     pub after: Duration,
+    /// When it failed (wall clock, so that nodes' failures can be ordered): when its `@record`
+    /// wrote the error file, else when the launcher last saw it running.
+    pub at: SystemTime,
     /// Restarts before the attempt this failure ended.
     pub restart_count: u32,
+    /// What its error file says (`TORCHELASTIC_ERROR_FILE`), when it wrote one.
+    pub error: Option<WorkerError>,
+    /// Why its error file could not be used, when it could not.
+    pub error_file_problem: Option<String>,
     pub stderr_tail: Vec<String>,
     pub log_file: Option<std::path::PathBuf>,
+}
+
+impl Failure {
+    /// `at` in milliseconds since the Unix epoch (what the rendezvous record compares).
+    pub fn at_millis(&self) -> u64 {
+        self.at
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    /// One line: which rank failed and why, for the first line of the report and the reason
+    /// other nodes are given for a new round.
+    pub fn summary(&self) -> String {
+        match &self.error {
+            Some(e) => {
+                let place = e
+                    .frames
+                    .last()
+                    .map(|f| format!(" at {}:{} in {}", f.file, f.line, f.function))
+                    .unwrap_or_default();
+                format!(
+                    "rank {} (pid {}) failed: {}{place}",
+                    self.rank, self.pid, e.message
+                )
+            }
+            None => format!(
+                "rank {} (pid {}) failed with {}",
+                self.rank, self.pid, self.exit
+            ),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -53,7 +93,7 @@ pub enum Outcome {
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "worker failed; the other workers were stopped")?;
+        writeln!(f, "{}; the other workers were stopped", self.summary())?;
         writeln!(f, "root cause (first failure):")?;
         writeln!(
             f,
@@ -68,15 +108,30 @@ impl fmt::Display for Failure {
             self.after.as_secs_f64(),
             self.restart_count
         )?;
+        if let Some(e) = &self.error {
+            writeln!(f, "  error      : {}", e.message)?;
+            if !e.frames.is_empty() {
+                writeln!(f, "  traceback  : (innermost last)")?;
+                for frame in &e.frames {
+                    writeln!(f, "    {frame}")?;
+                }
+            }
+        }
+        if let Some(problem) = &self.error_file_problem {
+            writeln!(f, "  error file : {problem}")?;
+        }
         if let Some(log) = &self.log_file {
             writeln!(f, "  log        : {}", log.display())?;
         }
-        if self.stderr_tail.is_empty() {
-            writeln!(f, "  stderr     : (empty)")?;
-        } else {
-            writeln!(f, "  last lines of stderr:")?;
-            for line in &self.stderr_tail {
-                writeln!(f, "    {line}")?;
+        // The error file says why; without one, the last lines of stderr are the best clue.
+        if self.error.is_none() {
+            if self.stderr_tail.is_empty() {
+                writeln!(f, "  stderr     : (empty)")?;
+            } else {
+                writeln!(f, "  last lines of stderr:")?;
+                for line in &self.stderr_tail {
+                    writeln!(f, "    {line}")?;
+                }
             }
         }
         Ok(())

@@ -1,15 +1,17 @@
 //! Spawning, watching and stopping the workers of one node.
 
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
+use crate::error_file::{self, WorkerError};
 use crate::output::{Sink, Tail, pump};
 use crate::report::{ExitKind, Failure, Outcome};
 use crate::telemetry::TelemetryPipe;
@@ -22,7 +24,12 @@ struct Worker {
     exited: Option<ExitKind>,
     pumps: Vec<JoinHandle<()>>,
     tail: Tail,
-    stderr_log: Option<std::path::PathBuf>,
+    stderr_log: Option<PathBuf>,
+    /// Where its `@record` writes the exception that ends it (`TORCHELASTIC_ERROR_FILE`).
+    error_file: PathBuf,
+    /// The earliest it may have exited: when it was last seen running (wall clock, to be
+    /// ordered against error files and other nodes' failures).
+    exited_at: Option<SystemTime>,
 }
 
 impl Worker {
@@ -30,10 +37,12 @@ impl Worker {
         Pid::from_raw(self.child.id() as i32)
     }
 
-    fn poll(&mut self) -> Option<&ExitKind> {
+    /// Whether it has exited, and how; `seen_running` is when it was last known to run.
+    fn poll(&mut self, seen_running: SystemTime) -> Option<&ExitKind> {
         if self.exited.is_none()
             && let Ok(Some(status)) = self.child.try_wait()
         {
+            self.exited_at = Some(seen_running);
             use std::os::unix::process::ExitStatusExt;
             self.exited = Some(match (status.code(), status.signal()) {
                 (Some(code), _) => ExitKind::Code(code),
@@ -158,8 +167,46 @@ pub(crate) enum Status {
 pub(crate) struct Group {
     workers: Vec<Worker>,
     start: Instant,
+    start_wall: SystemTime,
+    /// When the workers not yet exited were last seen running.
+    last_poll: SystemTime,
     restart_count: u32,
     node_rank: u32,
+    /// The folder of the workers' error files when there is no log folder to keep them in,
+    /// removed with the group.
+    scratch: Option<PathBuf>,
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.scratch {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// A failure a worker recorded in its error file, and when (the file's modification time: to
+/// the nanosecond, where the file's own timestamp has whole seconds).
+struct Recorded {
+    at: SystemTime,
+    error: Result<WorkerError, String>,
+}
+
+fn recorded(path: &Path) -> Option<Recorded> {
+    let error = match error_file::read(path) {
+        Ok(None) => return None,
+        Ok(Some(e)) => Ok(e),
+        Err(problem) => Err(problem),
+    };
+    let at = std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .or_else(|| {
+            let secs = error.as_ref().ok()?.timestamp?;
+            Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+        })
+        .unwrap_or_else(SystemTime::now);
+    Some(Recorded { at, error })
 }
 
 impl Group {
@@ -175,20 +222,33 @@ impl Group {
             .log_dir
             .as_ref()
             .map(|d| d.join(&spec.run_id).join(format!("attempt_{attempt}")));
+        // Without a log folder the error files go to a folder of this attempt's own.
+        let scratch = attempt_dir.is_none().then(|| {
+            std::env::temp_dir().join(format!(
+                "trainctl-{}-{}-attempt_{attempt}",
+                spec.run_id,
+                std::process::id()
+            ))
+        });
+        let now = SystemTime::now();
         let mut group = Group {
             workers: Vec::new(),
             start: Instant::now(),
+            start_wall: now,
+            last_poll: now,
             restart_count,
             node_rank: spec.node_rank,
+            scratch: scratch.clone(),
+        };
+        let files = Files {
+            logs: attempt_dir.as_deref(),
+            errors: attempt_dir
+                .as_deref()
+                .or(scratch.as_deref())
+                .unwrap_or(Path::new(".")),
         };
         for local_rank in 0..spec.nproc_per_node {
-            match spawn(
-                spec,
-                local_rank,
-                restart_count,
-                attempt_dir.as_deref(),
-                outputs,
-            ) {
+            match spawn(spec, local_rank, restart_count, files, outputs) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
                         rank: w.rank,
@@ -207,12 +267,14 @@ impl Group {
     }
 
     pub(crate) fn poll(&mut self) -> Status {
+        let seen_running = self.last_poll;
+        self.last_poll = SystemTime::now();
         let mut running = 0;
         // A worker that exited because its peer vanished (contract::exit::PEER_LOST) is a consequence:
         // when the peer's own failure is seen in the same poll, that one is the root cause.
         let mut failed: Option<&Worker> = None;
         for w in self.workers.iter_mut() {
-            match w.poll() {
+            match w.poll(seen_running) {
                 None => running += 1,
                 Some(ExitKind::Code(0)) => {}
                 Some(exit) => {
@@ -234,7 +296,10 @@ impl Group {
                 pid: w.child.id(),
                 exit: w.exited.clone().expect("a failed worker has exited"),
                 after: self.start.elapsed(),
+                at: w.exited_at.unwrap_or(seen_running),
                 restart_count: self.restart_count,
+                error: None,
+                error_file_problem: None,
                 stderr_tail: Vec::new(),
                 log_file: w.stderr_log.clone(),
             });
@@ -260,11 +325,43 @@ impl Group {
             .any(|w| w.exited == Some(ExitKind::Code(contract::exit::PREEMPTED)))
     }
 
-    /// [`Group::stop`] after `failure`, whose report gets the worker's last lines of stderr.
-    pub(crate) fn stop_failed(mut self, grace: Duration, mut failure: Failure) -> Failure {
+    /// [`Group::stop`] after `failure`, the first failure this launcher saw; returns the root
+    /// cause. That is the earliest failure: what a worker's `@record` wrote, by when it wrote it
+    /// (even if that worker was still cleaning up when another exited), or the failure seen.
+    /// The report gets the worker's error file, or its last lines of stderr.
+    pub(crate) fn stop_failed(mut self, grace: Duration, failure: Failure) -> Failure {
         self.halt(grace);
-        if let Some(w) = self.workers.iter().find(|w| w.rank == failure.rank) {
-            failure.stderr_tail = w
+        let mut root = failure;
+        let mut root_recorded = None;
+        for w in &self.workers {
+            let Some(rec) = recorded(&w.error_file) else {
+                continue;
+            };
+            let earlier = rec.at < root.at;
+            if w.rank == root.rank || earlier {
+                if w.rank != root.rank {
+                    root = Failure {
+                        rank: w.rank,
+                        local_rank: w.local_rank,
+                        pid: w.child.id(),
+                        exit: w.exited.clone().unwrap_or(ExitKind::Code(-1)),
+                        log_file: w.stderr_log.clone(),
+                        ..root
+                    };
+                }
+                root.at = rec.at;
+                root_recorded = Some(rec);
+            }
+        }
+        if let Some(rec) = root_recorded {
+            root.after = rec.at.duration_since(self.start_wall).unwrap_or(root.after);
+            match rec.error {
+                Ok(e) => root.error = Some(e),
+                Err(problem) => root.error_file_problem = Some(problem),
+            }
+        }
+        if let Some(w) = self.workers.iter().find(|w| w.rank == root.rank) {
+            root.stderr_tail = w
                 .tail
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -272,7 +369,7 @@ impl Group {
                 .cloned()
                 .collect();
         }
-        failure
+        root
     }
 
     fn halt(&mut self, grace: Duration) {
@@ -296,14 +393,34 @@ impl Group {
 /// Where a group's workers write: their stdout and stderr sinks, and the telemetry pipe.
 pub(crate) type Outputs<'a> = (&'a Sink, &'a Sink, Option<&'a TelemetryPipe>);
 
+/// The folders of an attempt's files: its logs (when kept), and its error files (the log
+/// folder, or a scratch folder), one sub-folder per rank.
+#[derive(Clone, Copy)]
+struct Files<'a> {
+    logs: Option<&'a Path>,
+    errors: &'a Path,
+}
+
+fn rank_dir(dir: &Path, rank: u32) -> Result<PathBuf, LaunchError> {
+    let dir = dir.join(rank.to_string());
+    std::fs::create_dir_all(&dir).map_err(|source| LaunchError::LogDir {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
 fn spawn(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
-    attempt_dir: Option<&std::path::Path>,
+    files: Files,
     (stdout, stderr, telemetry): Outputs,
 ) -> Result<Worker, LaunchError> {
     let rank = spec.rank_offset + local_rank;
+    // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
+    let error_file = rank_dir(files.errors, rank)?.join("error.json");
+    let _ = std::fs::remove_file(&error_file);
     let program = spec.program.first().cloned().unwrap_or_default();
     let mut cmd = Command::new(&program);
     cmd.args(&spec.program[1..])
@@ -312,6 +429,7 @@ fn spawn(
             local_rank,
             restart_count,
             collective::world::is_set("OMP_NUM_THREADS"),
+            &error_file,
         ))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -340,13 +458,9 @@ fn spawn(
             Ok(())
         });
     }
-    let (stdout_log, stderr_log) = match attempt_dir {
+    let (stdout_log, stderr_log) = match files.logs {
         Some(dir) => {
-            let dir = dir.join(rank.to_string());
-            std::fs::create_dir_all(&dir).map_err(|source| LaunchError::LogDir {
-                path: dir.clone(),
-                source,
-            })?;
+            let dir = rank_dir(dir, rank)?;
             let open = |name: &str| {
                 let path = dir.join(name);
                 std::fs::File::create(&path)
@@ -403,18 +517,24 @@ fn spawn(
         pumps,
         tail,
         stderr_log: stderr_path,
+        error_file,
+        exited_at: None,
     })
 }
 
 /// SIGTERM to every worker's group, up to `grace` to exit, then SIGKILL; reaps everything.
 fn stop_all(workers: &mut [Worker], grace: Duration) {
     for w in workers.iter_mut() {
-        if w.poll().is_none() {
+        if w.poll(SystemTime::now()).is_none() {
             w.signal_group(Signal::SIGTERM);
         }
     }
     let deadline = Instant::now() + grace;
-    while workers.iter_mut().any(|w| w.poll().is_none()) && Instant::now() < deadline {
+    while workers
+        .iter_mut()
+        .any(|w| w.poll(SystemTime::now()).is_none())
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
     for w in workers.iter_mut() {
@@ -422,7 +542,7 @@ fn stop_all(workers: &mut [Worker], grace: Duration) {
         w.signal_group(Signal::SIGKILL);
         if w.exited.is_none() {
             let _ = w.child.wait();
-            w.poll();
+            w.poll(SystemTime::now());
         }
     }
 }

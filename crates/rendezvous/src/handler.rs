@@ -303,6 +303,7 @@ impl Rendezvous {
         &mut self,
         counted: bool,
         report: &str,
+        at_millis: u64,
         max_restarts: u32,
     ) -> Result<Option<Closed>, RendezvousError> {
         let deadline = Instant::now() + self.cfg.close_timeout;
@@ -313,6 +314,7 @@ impl Rendezvous {
                 self.round,
                 counted,
                 report,
+                at_millis,
                 max_restarts,
                 &alive,
             ) {

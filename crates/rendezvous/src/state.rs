@@ -50,6 +50,11 @@ pub struct State {
     pub last_failed_round: Option<u64>,
     /// The first failure of the job, as its agent reported it.
     pub root_cause: Option<String>,
+    /// When that failure happened (milliseconds since the Unix epoch, by the failing node's
+    /// clock): a failure reported later that happened earlier takes its place. Only the report
+    /// reads it; no liveness or ordering of the rendezvous depends on it.
+    #[serde(default)]
+    pub root_cause_at: Option<u64>,
     /// Why the current round was opened.
     pub reason: Option<String>,
 }
@@ -66,6 +71,7 @@ impl Default for State {
             failures: 0,
             last_failed_round: None,
             root_cause: None,
+            root_cause_at: None,
             reason: None,
         }
     }
@@ -340,13 +346,15 @@ pub enum AfterFailure {
     GiveUp(Option<State>, Closed),
 }
 
-/// A worker of this node failed in `round`. `counted` failures (not a peer that vanished)
-/// count against `max_restarts`, once per round however many nodes report one.
+/// A worker of this node failed in `round`, at `at_millis` (its node's wall clock). `counted`
+/// failures (not a peer that vanished) count against `max_restarts`, once per round however
+/// many nodes report one; the earliest of them is the job's root cause.
 pub fn fail_step(
     state: Option<&State>,
     round: u64,
     counted: bool,
     report: &str,
+    at_millis: u64,
     max_restarts: u32,
     alive: &BTreeSet<String>,
 ) -> AfterFailure {
@@ -362,8 +370,14 @@ pub fn fail_step(
             next.failures = next.failures.saturating_add(1);
             next.last_failed_round = Some(round);
         }
-        if next.root_cause.is_none() {
+        let earlier = match (&next.root_cause, next.root_cause_at) {
+            (None, _) => true,
+            (Some(_), Some(at)) => at_millis < at,
+            (Some(_), None) => false,
+        };
+        if earlier {
             next.root_cause = Some(report.to_string());
+            next.root_cause_at = Some(at_millis);
         }
     }
     if next.failures > max_restarts {

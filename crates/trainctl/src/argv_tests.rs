@@ -35,6 +35,9 @@ fn assert_round_trip(run: &RunArgs) {
             RunFlag::GracePeriod(s) => assert_eq!(args.grace_period, *s as f64),
             RunFlag::Fetch(uri) => assert!(args.fetch.contains(uri), "{uri}"),
             RunFlag::FetchDir(d) => assert_eq!(args.fetch_dir, PathBuf::from(d)),
+            RunFlag::TerminationLog(p) => {
+                assert_eq!(args.termination_log.as_deref(), Some(p.as_ref()))
+            }
         }
     }
     let fetched = run
@@ -121,7 +124,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
         assert_round_trip(&run);
     }
     // Each kind of flag deploy can write was exercised above.
-    assert_eq!(seen.len(), 10, "{seen:?}");
+    assert_eq!(seen.len(), 11, "{seen:?}");
 }
 
 /// A model other than the default, and values at their edges, read back exactly.

@@ -551,8 +551,14 @@ pub(crate) mod tests {
             let (snap, momentum) = model_state();
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("ckpt");
-            save_checkpoint(&path, &snap, &momentum, &progress(), &ModelInfo::seed_cifar())
-                .unwrap();
+            save_checkpoint(
+                &path,
+                &snap,
+                &momentum,
+                &progress(),
+                &ModelInfo::seed_cifar(),
+            )
+            .unwrap();
             let bytes = std::fs::read(&path).unwrap();
             (snap, bytes[HEADER..].to_vec())
         })

@@ -207,16 +207,50 @@ impl JobStatus {
                  ranks in join order, which `job logs` shows as \"node rank N of M\")\n",
             );
         }
+        // Every node of a failed job reports the same root cause: it is shown once.
+        let mut shown = std::collections::BTreeSet::new();
         for p in self.pods.iter().chain(&self.companions) {
-            if let Some(words) = &p.last_words {
-                let _ = writeln!(s, "  {} failed; its last lines:", p.name);
-                for line in last_lines(words, LAST_WORDS_LINES) {
-                    let _ = writeln!(s, "    {line}");
+            let Some(words) = &p.last_words else {
+                continue;
+            };
+            if let Some(report) = root_cause(words) {
+                if shown.insert(report.clone()) {
+                    let _ = writeln!(
+                        s,
+                        "  {} failed; the root cause, as trainctl run reported it:",
+                        p.name
+                    );
+                    for line in report {
+                        let _ = writeln!(s, "    {line}");
+                    }
                 }
+                continue;
+            }
+            let _ = writeln!(s, "  {} failed; its last lines:", p.name);
+            for line in last_lines(words, LAST_WORDS_LINES) {
+                let _ = writeln!(s, "    {line}");
             }
         }
         s
     }
+}
+
+/// How many lines of a root-cause report `job status` shows (the report's own are fewer).
+const ROOT_CAUSE_LINES: usize = 24;
+
+/// The root-cause report `trainctl run --termination-log` wrote into a termination message
+/// (from its first "trainctl run:" line), if the message is one.
+fn root_cause(words: &str) -> Option<Vec<String>> {
+    let start = words.find("trainctl run: ")?;
+    let report = &words[start..];
+    report.contains("root cause (first failure)").then(|| {
+        report
+            .lines()
+            .map(|l| strip_ansi(l).trim_end().to_string())
+            .filter(|l| !l.is_empty())
+            .take(ROOT_CAUSE_LINES)
+            .collect()
+    })
 }
 
 /// How many of a failed container's last lines `job status` shows.

@@ -64,6 +64,9 @@ pub const HELPER_SIZE: (&str, &str) = ("500m", "1Gi");
 /// How long a training pod has between SIGTERM and SIGKILL: the step in progress and a
 /// checkpoint must fit in it.
 pub const TERMINATION_GRACE_SECONDS: i64 = 30;
+/// Where a container's termination message is read from (Kubernetes' default
+/// `terminationMessagePath`): `trainctl run` writes a failure's root cause there.
+pub const TERMINATION_LOG: &str = "/dev/termination-log";
 
 /// Labels of one component of job `job`.
 pub fn labels(job: &str, component: &str) -> BTreeMap<String, String> {

@@ -14,7 +14,8 @@ use crate::config::{Launcher, Project, RdzvBackend};
 use super::pod::{PodOptions, headless_service, job, pod_template};
 use super::services::{etcd, etcd_name};
 use super::{
-    ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, meta, to_value,
+    ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, meta,
+    to_value,
 };
 
 /// The Secret holding the job's connection token.
@@ -141,6 +142,8 @@ pub fn worker_run_args(project: &Project) -> RunArgs {
     // The workers' share of the pod's grace: finish the step, write the checkpoint; the
     // launcher keeps a few seconds to report and exit.
     flags.push(RunFlag::GracePeriod((TERMINATION_GRACE_SECONDS - 5) as u64));
+    // The root cause of a failure, where `kubectl describe` and `trainctl job status` read it.
+    flags.push(RunFlag::TerminationLog(TERMINATION_LOG.into()));
     flags.extend(j.fetch.iter().cloned().map(RunFlag::Fetch));
     if !j.fetch.is_empty() {
         // Writable for the pod's user whatever the image (an emptyDir); the workers start there.

@@ -138,12 +138,13 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
     let live = alive(&["a", "b"]);
     let round = state.as_ref().unwrap().round;
     let AfterFailure::Restart(Some(s1)) =
-        fail_step(state.as_ref(), round, true, "rank 1 died", 1, &live)
+        fail_step(state.as_ref(), round, true, "rank 1 died", 1_000, 1, &live)
     else {
         panic!("first failure restarts");
     };
     assert_eq!(s1.failures, 1);
-    let AfterFailure::Restart(s2) = fail_step(Some(&s1), round, true, "rank 3 died", 1, &live)
+    let AfterFailure::Restart(s2) =
+        fail_step(Some(&s1), round, true, "rank 3 died", 2_000, 1, &live)
     else {
         panic!("second report of the same round restarts too");
     };
@@ -151,7 +152,8 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
     assert_eq!(s2.failures, 1, "one failure per round");
     assert_eq!(s2.root_cause.as_deref(), Some("rank 1 died"));
     // A peer that vanished is not counted.
-    let AfterFailure::Restart(s3) = fail_step(Some(&s2), round + 1, false, "peer lost", 1, &live)
+    let AfterFailure::Restart(s3) =
+        fail_step(Some(&s2), round + 1, false, "peer lost", 3_000, 1, &live)
     else {
         panic!("restart");
     };
@@ -159,7 +161,7 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
     assert_eq!(s3.failures, 1);
     // The next counted one exceeds --max-restarts 1: the job is over, with the first cause.
     let AfterFailure::GiveUp(Some(s4), closed) =
-        fail_step(Some(&s3), round + 2, true, "rank 0 died", 1, &live)
+        fail_step(Some(&s3), round + 2, true, "rank 0 died", 4_000, 1, &live)
     else {
         panic!("exceeding max restarts ends the job");
     };
@@ -169,6 +171,46 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
         watch_step(Some(&s4), "b", round + 2, &live, LIMITS),
         WatchStep::Closed(_)
     ));
+}
+
+#[test]
+fn a_failure_reported_later_that_happened_earlier_is_the_root_cause() {
+    // Node b's worker raised first, but node a's agent (whose worker died of it) wrote first.
+    let state = running(&["a", "b"]);
+    let live = alive(&["a", "b"]);
+    let round = state.as_ref().unwrap().round;
+    let AfterFailure::Restart(Some(s1)) = fail_step(
+        state.as_ref(),
+        round,
+        true,
+        "on a: gloo lost its peer",
+        5_400,
+        1,
+        &live,
+    ) else {
+        panic!("first report restarts");
+    };
+    let AfterFailure::Restart(s2) =
+        fail_step(Some(&s1), round, true, "on b: ValueError", 5_000, 1, &live)
+    else {
+        panic!("second report restarts");
+    };
+    let s2 = s2.expect("the earlier failure is written");
+    assert_eq!(s2.root_cause.as_deref(), Some("on b: ValueError"));
+    assert_eq!(s2.root_cause_at, Some(5_000));
+    assert_eq!(s2.failures, 1, "still one failure for the round");
+    // A record from before root_cause_at existed keeps its cause.
+    let old = State {
+        root_cause_at: None,
+        ..s1.clone()
+    };
+    let AfterFailure::Restart(s3) = fail_step(Some(&old), round, true, "later", 1, 1, &live) else {
+        panic!("restart");
+    };
+    assert_eq!(
+        s3.unwrap_or(old).root_cause.as_deref(),
+        Some("on a: gloo lost its peer")
+    );
 }
 
 #[test]
@@ -273,7 +315,7 @@ proptest! {
                     WatchStep::Reopen(s, _) => Some(s),
                     _ => None,
                 },
-                Op::Fail(counted) => match fail_step(state.as_ref(), round, counted, "x", 3, &live) {
+                Op::Fail(counted) => match fail_step(state.as_ref(), round, counted, "x", 0, 3, &live) {
                     AfterFailure::Restart(s) | AfterFailure::GiveUp(s, _) => s,
                 },
                 Op::Close(ok) => close_step(state.as_ref(), ok, None),

@@ -422,8 +422,8 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             failure,
             restart_count,
         } => err(format_args!(
-            "trainctl run: rank {} (pid {}) failed with {}; restarting all workers (restart {restart_count})",
-            failure.rank, failure.pid, failure.exit
+            "trainctl run: {}; restarting all workers (restart {restart_count})",
+            failure.summary()
         )),
     }
 }

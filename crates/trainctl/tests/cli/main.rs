@@ -12,6 +12,7 @@ mod kubernetes;
 mod launch;
 mod pods;
 mod pytorch;
+mod root_cause;
 mod s3;
 mod telemetry;
 mod training;

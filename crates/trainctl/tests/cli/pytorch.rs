@@ -230,3 +230,35 @@ fn torchvision_loads_the_resnet_model_files_and_predicts_the_same() {
         }
     }
 }
+
+/// PyTorch's own `@record` writes the error file trainctl gives each worker: rank 1's
+/// `ValueError` is the root cause, with its raising line, not rank 0's gloo error that followed.
+#[test]
+fn pytorchs_record_names_the_root_cause() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED pytorchs_record_names_the_root_cause: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/record_failure.py");
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+            .arg(python)
+            .arg(script),
+    );
+    assert!(
+        out.contains("rank 1 (pid ") && out.contains("failed: ValueError: bad shard 7 at "),
+        "{out}"
+    );
+    assert!(
+        out.contains("  error      : ValueError: bad shard 7"),
+        "{out}"
+    );
+    assert!(
+        out.contains("record_failure.py:11 in load_shard: raise ValueError(f\"bad shard {n}\")"),
+        "{out}"
+    );
+}

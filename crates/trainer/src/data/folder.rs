@@ -396,12 +396,25 @@ mod tests {
         let read: Vec<_> = good.iter().map(|a| (a.line, a.file, a.id)).collect();
         assert_eq!(read, [(1, "val_0.JPEG", "n01"), (3, "val_1.JPEG", "n02")]);
         for (text, says) in [
-            ("../x.JPEG\tn01\n", "line 1: \"../x.JPEG\" is not a file name"),
-            ("a\tn01\nsub/x.JPEG\tn01\n", "line 2: \"sub/x.JPEG\" is not a file name"),
+            (
+                "../x.JPEG\tn01\n",
+                "line 1: \"../x.JPEG\" is not a file name",
+            ),
+            (
+                "a\tn01\nsub/x.JPEG\tn01\n",
+                "line 2: \"sub/x.JPEG\" is not a file name",
+            ),
             ("\tn01\n", "line 1: \"\" is not a file name"),
-            ("no tab here\n", "line 1: expected FILE<TAB>WNID..., got \"no tab here\""),
+            (
+                "no tab here\n",
+                "line 1: expected FILE<TAB>WNID..., got \"no tab here\"",
+            ),
         ] {
-            assert_eq!(parse_annotations(text).err().as_deref(), Some(says), "{text:?}");
+            assert_eq!(
+                parse_annotations(text).err().as_deref(),
+                Some(says),
+                "{text:?}"
+            );
         }
     }
 

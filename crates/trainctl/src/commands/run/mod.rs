@@ -5,7 +5,7 @@
 mod plan;
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -65,6 +65,10 @@ pub struct Args {
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
     pub(crate) log_dir: Option<PathBuf>,
+    /// Also write the root cause of a failure to this file, at most 4096 bytes (in a pod:
+    /// /dev/termination-log, which `kubectl describe pod` and `trainctl job status` show).
+    #[arg(long, env = "TRAINCTL_TERMINATION_LOG", value_name = "PATH")]
+    pub(crate) termination_log: Option<PathBuf>,
     /// Seconds between checks of the workers.
     #[arg(long, env = "PET_MONITOR_INTERVAL", default_value_t = 0.1)]
     pub(crate) monitor_interval: f64,
@@ -187,7 +191,7 @@ fn run_static(
     let mut events = |e| watch.launch_event(e);
     let outcome = launcher::launch(&spec, stdout, stderr.clone(), &mut events)?;
     watch.finish();
-    Ok(finish(outcome, &stderr))
+    Ok(finish(outcome, &stderr, args.termination_log.as_deref()))
 }
 
 /// What the user watches while the workers run: the progress bar (on a terminal) and the
@@ -342,45 +346,68 @@ fn sinks() -> (launcher::output::Sink, launcher::output::Sink) {
     )
 }
 
-/// Reports how the job ended; returns the exit code.
-fn finish(outcome: Outcome, stderr: &launcher::output::Sink) -> i32 {
+/// Reports how the job ended (and writes a failure's root cause to `termination_log`);
+/// returns the exit code.
+fn finish(
+    outcome: Outcome,
+    stderr: &launcher::output::Sink,
+    termination_log: Option<&Path>,
+) -> i32 {
     let mut err = stderr.lock().unwrap_or_else(|p| p.into_inner());
-    let code = report_outcome(outcome, &mut *err);
+    let code = report_outcome(outcome, &mut *err, termination_log);
     let _ = err.flush();
     code
 }
 
-fn report_outcome(outcome: Outcome, err: &mut dyn Write) -> i32 {
-    match outcome {
-        Outcome::Succeeded => 0,
-        Outcome::Failed(failure) => {
-            let _ = write!(err, "trainctl run: {failure}");
-            1
-        }
+/// The most of a termination message Kubernetes keeps (`terminationMessagePath`).
+const TERMINATION_MESSAGE_BYTES: usize = 4096;
+
+/// `report` cut to whole lines of at most `limit` bytes.
+fn head_of(report: &str, limit: usize) -> &str {
+    if report.len() <= limit {
+        return report;
+    }
+    let cut = report[..report.floor_char_boundary(limit)]
+        .rfind('\n')
+        .map_or(report.floor_char_boundary(limit), |i| i + 1);
+    &report[..cut]
+}
+
+fn report_outcome(outcome: Outcome, err: &mut dyn Write, termination_log: Option<&Path>) -> i32 {
+    let report = match outcome {
+        Outcome::Succeeded => return 0,
+        Outcome::Failed(failure) => format!("trainctl run: {failure}"),
         Outcome::JobFailed(root_cause) => {
-            let _ = writeln!(
-                err,
-                "trainctl run: the job failed; root cause (first failure):"
-            );
-            let _ = write!(err, "{root_cause}");
-            1
+            format!("trainctl run: the job failed; root cause (first failure):\n{root_cause}")
         }
         Outcome::Interrupted {
             signal,
-            checkpointed: true,
-        } => {
-            crate::output::warn(&format!(
-                "stopped by signal {signal}: the workers finished their step and saved a checkpoint; run the same command again to resume from it"
-            ));
-            128 + signal
-        }
-        Outcome::Interrupted { signal, .. } => {
-            crate::output::warn(&format!(
-                "interrupted by signal {signal}; all workers were stopped"
-            ));
-            128 + signal
-        }
+            checkpointed,
+        } => return report_interrupted(signal, checkpointed),
+    };
+    let _ = write!(err, "{report}");
+    if let Some(path) = termination_log
+        && let Err(e) = std::fs::write(path, head_of(&report, TERMINATION_MESSAGE_BYTES))
+    {
+        crate::output::warn(&format!(
+            "could not write the root cause to {} ({e}); it is above",
+            path.display()
+        ));
     }
+    1
+}
+
+fn report_interrupted(signal: i32, checkpointed: bool) -> i32 {
+    if checkpointed {
+        crate::output::warn(&format!(
+            "stopped by signal {signal}: the workers finished their step and saved a checkpoint; run the same command again to resume from it"
+        ));
+    } else {
+        crate::output::warn(&format!(
+            "interrupted by signal {signal}; all workers were stopped"
+        ));
+    }
+    128 + signal
 }
 
 /// `--rdzv-backend c10d|etcd`: this node's elastic agent.
@@ -419,5 +446,5 @@ fn run_elastic(
     let outcome = launcher::run_elastic(&spec, &mut rdzv, stdout, stderr.clone(), &mut events)?;
     drop(rdzv);
     watch.finish();
-    Ok(finish(outcome, &stderr))
+    Ok(finish(outcome, &stderr, args.termination_log.as_deref()))
 }

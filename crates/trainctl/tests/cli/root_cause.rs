@@ -1,0 +1,168 @@
+//! The root cause of a failed job, on the first screen: what a worker's `@record` wrote to
+//! TORCHELASTIC_ERROR_FILE (exception, message, the raising line), the earliest failure rather
+//! than the first exit, the same block on every node, and in the termination message.
+//!
+//! The worker here writes its error file as torch's `ErrorHandler` does, without torch
+//! (fixtures/records_like_torch.py), so these run in every suite; pytorch.rs runs PyTorch's
+//! own `@record` where torch is installed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use testkit::EtcdServer;
+
+use crate::support::*;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/records_like_torch.py")
+}
+
+/// The line of the fixture that raises, as the traceback names it.
+fn raising_line() -> String {
+    let text = std::fs::read_to_string(fixture()).unwrap();
+    let n = text
+        .lines()
+        .position(|l| l.contains("raise ValueError"))
+        .unwrap()
+        + 1;
+    format!("records_like_torch.py:{n} in load_shard: raise ValueError(f\"bad shard {{n}}\")")
+}
+
+#[test]
+fn a_recorded_exception_is_the_root_cause_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let message = dir.path().join("termination-log");
+    let out = run_failing(
+        trainctl()
+            .env("FAIL_PLAN", "1:0:0")
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--grace-period", "1", "--log-dir"])
+            .arg(dir.path().join("logs"))
+            .arg("--termination-log")
+            .arg(&message)
+            .args(["--rdzv-id", "rec", "--", "python3"])
+            .arg(fixture()),
+    );
+    assert!(
+        out.contains("trainctl run: rank 1 (pid ")
+            && out.contains("failed: ValueError: bad shard 7 at "),
+        "{out}"
+    );
+    assert!(
+        out.contains("  rank       : 1 (local rank 1, node 0)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  error      : ValueError: bad shard 7"),
+        "{out}"
+    );
+    assert!(out.contains(&raising_line()), "{out}");
+    assert!(
+        !out.contains("last lines of stderr"),
+        "the error file says why; stderr stays in the log: {out}"
+    );
+    // torchrun's place for it, and the same report in the termination message.
+    let error_file = dir.path().join("logs/rec/attempt_0/1/error.json");
+    assert!(error_file.is_file(), "{}", error_file.display());
+    let written = std::fs::read_to_string(&message).unwrap();
+    assert!(
+        written.starts_with("trainctl run: rank 1 (pid "),
+        "{written}"
+    );
+    assert!(written.contains(&raising_line()), "{written}");
+}
+
+/// Rank 0 raises first but takes two seconds to exit (a slow cleanup); rank 1 raises a second
+/// later and exits at once. The root cause is rank 0's, by when each recorded its error, not
+/// rank 1's, which exited first.
+#[test]
+fn the_earlier_of_two_failures_is_the_root_cause_not_the_first_exit() {
+    let out = run_failing(
+        trainctl()
+            .env("FAIL_PLAN", "0:0:3,1:1:0")
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--grace-period", "5", "--", "python3"])
+            .arg(fixture()),
+    );
+    assert!(out.contains("rank 0 (pid "), "{out}");
+    assert!(
+        out.contains("  error      : ValueError: bad shard 6"),
+        "{out}"
+    );
+    assert!(!out.contains("bad shard 7"), "{out}");
+}
+
+/// A worker that leaves a broken error file: the report says so and falls back to stderr.
+#[test]
+fn a_malformed_error_file_is_named_and_stderr_stands_in() {
+    let script = r#"if [ "$RANK" = 1 ]; then printf '{"message": ' > "$TORCHELASTIC_ERROR_FILE"; echo "half a record" >&2; exit 4; fi; exec sleep 60"#;
+    let out = run_failing(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--grace-period",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
+    assert!(out.contains("rank 1 (pid "), "{out}");
+    assert!(
+        out.contains("  error file : ") && out.contains("is not an error file torch writes"),
+        "{out}"
+    );
+    assert!(out.contains("half a record"), "{out}");
+}
+
+/// Two agents of an elastic job (c10d, then etcd): rank 1 raises on one node; both nodes print
+/// the same root cause, shared through the rendezvous record.
+fn both_nodes_print_the_root_cause(backend: &str, endpoint: &str) {
+    let agent = || {
+        Running::start(
+            trainctl()
+                .env("FAIL_PLAN", "1:1:0")
+                .args(["run", "--nnodes", "2", "--nproc-per-node", "1"])
+                .args(["--rdzv-backend", backend, "--rdzv-endpoint", endpoint])
+                .args(["--rdzv-id", "rootcause", "--job-token", "t"])
+                .args(["--grace-period", "1", "--", "python3"])
+                .arg(fixture()),
+        )
+    };
+    let mut agents = [agent(), agent()];
+    let mut reports = Vec::new();
+    for a in agents.iter_mut() {
+        let status = a.wait(Duration::from_secs(60));
+        assert_eq!(status.code(), Some(1), "{}", a.output());
+        let out = a.output();
+        let block = out
+            .split("trainctl run: the job failed; root cause (first failure):\n")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no root cause: {out}"))
+            .to_string();
+        assert!(
+            block.contains("failed: ValueError: bad shard 7 at "),
+            "{out}"
+        );
+        assert!(block.contains(&raising_line()), "{out}");
+        reports.push(block);
+    }
+    let first_lines: Vec<&str> = reports.iter().map(|r| r.lines().next().unwrap()).collect();
+    assert_eq!(
+        first_lines[0], first_lines[1],
+        "the same root cause on both nodes"
+    );
+}
+
+#[test]
+fn c10d_both_nodes_print_the_same_root_cause() {
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    both_nodes_print_the_root_cause("c10d", &endpoint);
+}
+
+#[test]
+fn etcd_both_nodes_print_the_same_root_cause() {
+    let etcd = EtcdServer::start();
+    both_nodes_print_the_root_cause("etcd", &etcd.url());
+}
