@@ -24,6 +24,8 @@ pub enum RunFlag {
     FetchDir(String),
     /// Where the launcher writes a failure's root cause (Kubernetes' `terminationMessagePath`).
     TerminationLog(String),
+    /// Seconds without a line of output after which the workers are hung.
+    HangTimeout(u32),
 }
 
 impl RunFlag {
@@ -41,6 +43,7 @@ impl RunFlag {
             RunFlag::Fetch(_) => "--fetch",
             RunFlag::FetchDir(_) => "--fetch-dir",
             RunFlag::TerminationLog(_) => "--termination-log",
+            RunFlag::HangTimeout(_) => "--hang-timeout",
         }
     }
 
@@ -53,7 +56,9 @@ impl RunFlag {
             | RunFlag::Fetch(s)
             | RunFlag::FetchDir(s)
             | RunFlag::TerminationLog(s) => s.clone(),
-            RunFlag::NprocPerNode(n) | RunFlag::MaxRestarts(n) => n.to_string(),
+            RunFlag::NprocPerNode(n) | RunFlag::MaxRestarts(n) | RunFlag::HangTimeout(n) => {
+                n.to_string()
+            }
             RunFlag::MetricsPort(p) => p.to_string(),
             RunFlag::GracePeriod(s) => s.to_string(),
         }

@@ -97,11 +97,11 @@ fn run_rounds(
                     }
                     return Ok(Outcome::Succeeded);
                 }
-                Status::Failed(failure) => {
-                    let failure = group.stop_failed(spec.grace, failure);
+                Status::Trouble(trouble) => {
+                    let failure = group.stop_troubled(spec.grace, trouble);
                     let report = format!("on node {}: {failure}", rdzv.node_id());
                     if closing {
-                        return Ok(Outcome::Failed(failure));
+                        return Ok(Outcome::Failed(Box::new(failure)));
                     }
                     // A lost peer is another node's failure; a preempted worker saved its work.
                     let counted = ![contract::exit::PEER_LOST, contract::exit::PREEMPTED]

@@ -9,12 +9,13 @@ mod agent;
 pub mod error_file;
 pub mod output;
 mod report;
+pub mod stacks;
 mod supervise;
 mod telemetry;
 
 pub use agent::run_elastic;
 pub use rendezvous;
-pub use report::{ExitKind, Failure, Outcome};
+pub use report::{ExitKind, Failure, Outcome, Stuck};
 pub use supervise::launch;
 pub use telemetry::Telemetry;
 
@@ -49,6 +50,9 @@ pub struct LaunchSpec {
     pub working_dir: Option<PathBuf>,
     /// Where the workers' metrics records go, if anywhere (`TRAINCTL_TELEMETRY_FD`).
     pub telemetry: Option<Telemetry>,
+    /// A node whose workers write no line for this long is hung: their stacks are taken and
+    /// they are stopped (a failure, restarted as `max_restarts` says).
+    pub hang_timeout: Option<Duration>,
 }
 
 /// A worker the launcher started.
@@ -197,6 +201,7 @@ mod tests {
             extra_env: vec![],
             working_dir: None,
             telemetry: None,
+            hang_timeout: None,
         }
     }
 

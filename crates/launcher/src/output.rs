@@ -3,8 +3,10 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 pub type Sink = Arc<Mutex<dyn Write + Send>>;
 
@@ -13,13 +15,47 @@ pub const TAIL_LINES: usize = 20;
 
 pub type Tail = Arc<Mutex<VecDeque<String>>>;
 
-/// Copies `from` to `sink` line by line with `prefix`, keeping the last lines in `tail`.
+/// When a group's workers last wrote a line: what `--hang-timeout` watches. One relaxed atomic
+/// store per line, so watching costs a worker nothing it would notice.
+#[derive(Debug)]
+pub struct Activity {
+    start: Instant,
+    /// Milliseconds after `start` of the last line.
+    last: AtomicU64,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Activity {
+            start: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Activity {
+    /// A line was written now.
+    pub fn touch(&self) {
+        let now = self.start.elapsed().as_millis() as u64;
+        self.last.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// How long since the last line (or since the start, before any).
+    pub fn silent_for(&self) -> Duration {
+        let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+}
+
+/// Copies `from` to `sink` line by line with `prefix`, keeping the last lines in `tail` and
+/// noting each line in `activity`.
 pub fn pump(
     from: impl Read + Send + 'static,
     prefix: String,
     sink: Sink,
     mut log: Option<std::fs::File>,
     tail: Option<Tail>,
+    activity: Arc<Activity>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("output {prefix}"))
@@ -32,6 +68,7 @@ pub fn pump(
                     Ok(0) | Err(_) => break,
                     Ok(_) => {}
                 }
+                activity.touch();
                 if line.last() != Some(&b'\n') {
                     line.push(b'\n');
                 }

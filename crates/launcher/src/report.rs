@@ -9,6 +9,9 @@ use crate::error_file::WorkerError;
 pub enum ExitKind {
     Code(i32),
     Signal(i32),
+    /// Stopped by the launcher: no worker of the node wrote a line for this long
+    /// (`--hang-timeout`).
+    Hung(Duration),
 }
 
 impl fmt::Display for ExitKind {
@@ -19,6 +22,11 @@ impl fmt::Display for ExitKind {
                 let name = nix::sys::signal::Signal::try_from(*s).map_or("unknown", |s| s.as_str());
                 write!(f, "signal {s} ({name})")
             }
+            ExitKind::Hung(silent) => write!(
+                f,
+                "stopped after {:.0} s without a line of output (--hang-timeout)",
+                silent.as_secs_f64()
+            ),
         }
     }
 }
@@ -44,6 +52,19 @@ pub struct Failure {
     pub error_file_problem: Option<String>,
     pub stderr_tail: Vec<String>,
     pub log_file: Option<std::path::PathBuf>,
+    /// For a hang: where each of the node's workers was, from its stack.
+    pub stuck: Vec<Stuck>,
+    /// For a hang: every worker's whole stacks.
+    pub stacks_file: Option<std::path::PathBuf>,
+}
+
+/// Where a hung worker was when its stack was taken.
+#[derive(Debug, Clone)]
+pub struct Stuck {
+    pub rank: u32,
+    pub pid: u32,
+    /// Its main thread's innermost frames (`file:line in function: source`), or why none.
+    pub at: String,
 }
 
 impl Failure {
@@ -57,6 +78,19 @@ impl Failure {
     /// One line: which rank failed and why, for the first line of the report and the reason
     /// other nodes are given for a new round.
     pub fn summary(&self) -> String {
+        if let ExitKind::Hung(silent) = self.exit {
+            let ranks: Vec<String> = self.stuck.iter().map(|s| s.rank.to_string()).collect();
+            return format!(
+                "ranks {} hung: no line of output for {:.0} s; rank {} at {}",
+                ranks.join(", "),
+                silent.as_secs_f64(),
+                self.rank,
+                self.stuck
+                    .iter()
+                    .find(|s| s.rank == self.rank)
+                    .map_or("?", |s| s.at.as_str())
+            );
+        }
         match &self.error {
             Some(e) => {
                 let place = e
@@ -80,7 +114,7 @@ impl Failure {
 #[derive(Debug, Clone)]
 pub enum Outcome {
     Succeeded,
-    Failed(Failure),
+    Failed(Box<Failure>),
     /// Stopped by a signal to the launcher (Ctrl-C, SIGTERM); `checkpointed` when a worker saved
     /// a checkpoint before it exited (exit code `contract::exit::PREEMPTED`).
     Interrupted {
@@ -93,7 +127,11 @@ pub enum Outcome {
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "{}; the other workers were stopped", self.summary())?;
+        let stopped = match self.exit {
+            ExitKind::Hung(_) => "its stacks were taken and the workers stopped",
+            _ => "the other workers were stopped",
+        };
+        writeln!(f, "{}; {stopped}", self.summary())?;
         writeln!(f, "root cause (first failure):")?;
         writeln!(
             f,
@@ -117,14 +155,24 @@ impl fmt::Display for Failure {
                 }
             }
         }
+        if !self.stuck.is_empty() {
+            writeln!(f, "  stuck      : (innermost frames first)")?;
+            for s in &self.stuck {
+                writeln!(f, "    rank {} (pid {}): {}", s.rank, s.pid, s.at)?;
+            }
+        }
+        if let Some(stacks) = &self.stacks_file {
+            writeln!(f, "  stacks     : {}", stacks.display())?;
+        }
         if let Some(problem) = &self.error_file_problem {
             writeln!(f, "  error file : {problem}")?;
         }
         if let Some(log) = &self.log_file {
             writeln!(f, "  log        : {}", log.display())?;
         }
-        // The error file says why; without one, the last lines of stderr are the best clue.
-        if self.error.is_none() {
+        // The error file (or the stacks of a hang) says why; without one, the last lines of
+        // stderr are the best clue.
+        if self.error.is_none() && self.stuck.is_empty() {
             if self.stderr_tail.is_empty() {
                 writeln!(f, "  stderr     : (empty)")?;
             } else {

@@ -12,8 +12,9 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
 use crate::error_file::{self, WorkerError};
-use crate::output::{Sink, Tail, pump};
-use crate::report::{ExitKind, Failure, Outcome};
+use crate::output::{Activity, Sink, Tail, pump};
+use crate::report::{ExitKind, Failure, Outcome, Stuck};
+use crate::stacks;
 use crate::telemetry::TelemetryPipe;
 use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
@@ -141,11 +142,11 @@ pub fn launch(
                     group.stop(spec.grace);
                     return Ok(Outcome::Succeeded);
                 }
-                Status::Failed(f) => break group.stop_failed(spec.grace, f),
+                Status::Trouble(t) => break group.stop_troubled(spec.grace, t),
             }
         };
         if restart_count >= spec.max_restarts || signals.received().is_some() {
-            return Ok(Outcome::Failed(failure));
+            return Ok(Outcome::Failed(Box::new(failure)));
         }
         restart_count += 1;
         events(LaunchEvent::Restarting {
@@ -159,8 +160,15 @@ pub fn launch(
 pub(crate) enum Status {
     Running,
     Succeeded,
+    Trouble(Trouble),
+}
+
+/// Why a group must stop.
+pub(crate) enum Trouble {
     /// The first worker that failed.
-    Failed(Failure),
+    Failed(Box<Failure>),
+    /// No worker wrote a line for this long (`--hang-timeout`).
+    Hung(Duration),
 }
 
 /// This node's workers of one attempt.
@@ -175,6 +183,11 @@ pub(crate) struct Group {
     /// The folder of the workers' error files when there is no log folder to keep them in,
     /// removed with the group.
     scratch: Option<PathBuf>,
+    /// The attempt's log folder, where a hang's stacks go (else beside the scratch folder).
+    logs: Option<PathBuf>,
+    /// When the workers last wrote a line.
+    activity: Arc<Activity>,
+    hang_timeout: Option<Duration>,
 }
 
 impl Drop for Group {
@@ -239,6 +252,9 @@ impl Group {
             restart_count,
             node_rank: spec.node_rank,
             scratch: scratch.clone(),
+            logs: attempt_dir.clone(),
+            activity: Arc::new(Activity::default()),
+            hang_timeout: spec.hang_timeout,
         };
         let files = Files {
             logs: attempt_dir.as_deref(),
@@ -248,7 +264,14 @@ impl Group {
                 .unwrap_or(Path::new(".")),
         };
         for local_rank in 0..spec.nproc_per_node {
-            match spawn(spec, local_rank, restart_count, files, outputs) {
+            match spawn(
+                spec,
+                local_rank,
+                restart_count,
+                files,
+                outputs,
+                &group.activity,
+            ) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
                         rank: w.rank,
@@ -289,7 +312,7 @@ impl Group {
             }
         }
         if let Some(w) = failed {
-            return Status::Failed(Failure {
+            return Status::Trouble(Trouble::Failed(Box::new(Failure {
                 rank: w.rank,
                 local_rank: w.local_rank,
                 node_rank: self.node_rank,
@@ -302,13 +325,96 @@ impl Group {
                 error_file_problem: None,
                 stderr_tail: Vec::new(),
                 log_file: w.stderr_log.clone(),
-            });
+                stuck: Vec::new(),
+                stacks_file: None,
+            })));
         }
         if running == 0 {
-            Status::Succeeded
-        } else {
-            Status::Running
+            return Status::Succeeded;
         }
+        let silent = self.activity.silent_for();
+        if self.hang_timeout.is_some_and(|limit| silent >= limit) {
+            return Status::Trouble(Trouble::Hung(silent));
+        }
+        Status::Running
+    }
+
+    /// Stops the group for `trouble`; returns the root cause.
+    pub(crate) fn stop_troubled(self, grace: Duration, trouble: Trouble) -> Failure {
+        match trouble {
+            Trouble::Failed(f) => self.stop_failed(grace, *f),
+            Trouble::Hung(silent) => self.stop_hung(grace, silent),
+        }
+    }
+
+    /// A hang: every running worker's stack is taken (and written whole beside the logs) before
+    /// the group is stopped. The report names where each was; the rank it leads with is one
+    /// that is not waiting in a collective, when there is one (the others wait for it).
+    fn stop_hung(mut self, grace: Duration, silent: Duration) -> Failure {
+        let seen_running = self.last_poll;
+        let dumps: Vec<(u32, u32, stacks::Dump)> = self
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.poll(seen_running).is_none().then_some(w))
+            .map(|w| (w.rank, w.child.id(), stacks::dump(w.child.id())))
+            .collect();
+        let stacks_file = self.write_stacks(silent, &dumps);
+        let stuck: Vec<Stuck> = dumps
+            .iter()
+            .map(|(rank, pid, d)| Stuck {
+                rank: *rank,
+                pid: *pid,
+                at: d.innermost(),
+            })
+            .collect();
+        let lead = stuck
+            .iter()
+            .find(|s| !in_collective(&s.at))
+            .or(stuck.first())
+            .map(|s| (s.rank, s.pid));
+        let (rank, pid) = lead.unwrap_or((self.node_rank, 0));
+        let worker = self.workers.iter().find(|w| w.rank == rank);
+        let failure = Failure {
+            rank,
+            local_rank: worker.map_or(0, |w| w.local_rank),
+            node_rank: self.node_rank,
+            pid,
+            exit: ExitKind::Hung(silent),
+            after: self.start.elapsed(),
+            at: SystemTime::now() - silent,
+            restart_count: self.restart_count,
+            error: None,
+            error_file_problem: None,
+            stderr_tail: Vec::new(),
+            log_file: worker.and_then(|w| w.stderr_log.clone()),
+            stuck,
+            stacks_file,
+        };
+        self.halt(grace);
+        failure
+    }
+
+    /// Every dump, whole, in `stacks.txt` of the attempt's log folder (or a file beside the
+    /// scratch folder, kept): the report has only the innermost frames.
+    fn write_stacks(
+        &self,
+        silent: Duration,
+        dumps: &[(u32, u32, stacks::Dump)],
+    ) -> Option<PathBuf> {
+        let path = match (&self.logs, &self.scratch) {
+            (Some(dir), _) => dir.join("stacks.txt"),
+            (None, Some(scratch)) => scratch.with_extension("stacks.txt"),
+            (None, None) => return None,
+        };
+        let mut text = format!(
+            "no line of output for {:.1} s; the stacks of node {}'s workers:\n",
+            silent.as_secs_f64(),
+            self.node_rank
+        );
+        for (rank, _, dump) in dumps {
+            text.push_str(&format!("\nrank {rank}: {dump}"));
+        }
+        std::fs::write(&path, text).ok().map(|()| path)
     }
 
     /// Stops every worker still running and collects their output.
@@ -410,12 +516,30 @@ fn rank_dir(dir: &Path, rank: u32) -> Result<PathBuf, LaunchError> {
     Ok(dir)
 }
 
+/// Whether a worker's innermost frames are a wait in a collective (it waits for the others).
+fn in_collective(at: &str) -> bool {
+    at.split(" < ").any(|frame| {
+        frame.contains("torch/distributed/")
+            || [
+                "all_reduce",
+                "all_gather",
+                "reduce_scatter",
+                "broadcast",
+                "barrier",
+                "all_to_all",
+            ]
+            .iter()
+            .any(|op| frame.contains(&format!(" in {op}")))
+    })
+}
+
 fn spawn(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
     files: Files,
     (stdout, stderr, telemetry): Outputs,
+    activity: &Arc<Activity>,
 ) -> Result<Worker, LaunchError> {
     let rank = spec.rank_offset + local_rank;
     // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
@@ -492,6 +616,7 @@ fn spawn(
                 stdout.clone(),
                 stdout_log.map(|l| l.0),
                 None,
+                activity.clone(),
             )
             .map_err(pump_error)?,
         );
@@ -505,6 +630,7 @@ fn spawn(
                 stderr.clone(),
                 stderr_log.map(|l| l.0),
                 Some(tail.clone()),
+                activity.clone(),
             )
             .map_err(pump_error)?,
         );

@@ -35,6 +35,7 @@ fn assert_round_trip(run: &RunArgs) {
             RunFlag::GracePeriod(s) => assert_eq!(args.grace_period, *s as f64),
             RunFlag::Fetch(uri) => assert!(args.fetch.contains(uri), "{uri}"),
             RunFlag::FetchDir(d) => assert_eq!(args.fetch_dir, PathBuf::from(d)),
+            RunFlag::HangTimeout(s) => assert_eq!(args.hang_timeout, Some(*s as f64)),
             RunFlag::TerminationLog(p) => {
                 assert_eq!(args.termination_log.as_deref(), Some(p.as_ref()))
             }
@@ -113,6 +114,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
             ("job.command", "python3 main.py --lr 0.1 -- --weird"),
             ("job.fetch", "s3://bucket/code s3://bucket/more/main.py"),
             ("job.nproc_per_node", "4"),
+            ("job.hang_timeout", "600"),
         ]),
     ];
     let mut seen = std::collections::BTreeSet::new();
@@ -124,7 +126,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
         assert_round_trip(&run);
     }
     // Each kind of flag deploy can write was exercised above.
-    assert_eq!(seen.len(), 11, "{seen:?}");
+    assert_eq!(seen.len(), 12, "{seen:?}");
 }
 
 /// A model other than the default, and values at their edges, read back exactly.

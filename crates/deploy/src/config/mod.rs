@@ -108,6 +108,7 @@ settings! {
     "job.batch_size", "--batch-size", "images per step on each worker";
     "job.learning_rate", "--lr", "SGD learning rate";
     "job.max_restarts", "--max-restarts", "worker-group restarts before the job fails";
+    "job.hang_timeout", "--hang-timeout", "seconds without a line of output after which a pod's workers are hung: their stacks are taken, then they restart as job.max_restarts says; none: never";
     "job.rdzv_backend", "--rdzv-backend", "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)";
     "job.rdzv_port", "--rdzv-port", "port of the rendezvous store on node 0";
     "job.etcd_image", "--etcd-image", "etcd's image for --rdzv-backend etcd";

@@ -104,6 +104,9 @@ pub struct Job {
     pub batch_size: u32,
     pub learning_rate: f64,
     pub max_restarts: u32,
+    /// Seconds without output after which a pod's workers are hung (`trainctl run
+    /// --hang-timeout`); `None`: never.
+    pub hang_timeout: Option<u32>,
     pub rdzv_port: u16,
     /// `None` when set to 0: no metrics endpoint, no annotations.
     pub metrics_port: Option<u16>,
@@ -320,6 +323,10 @@ impl Project {
                 }
             })?,
             max_restarts: v.number("job.max_restarts")?,
+            hang_timeout: match v.optional("job.hang_timeout").as_deref() {
+                None | Some("none") => None,
+                Some(_) => Some(v.positive("job.hang_timeout")?),
+            },
             rdzv_port: v.number::<u16>("job.rdzv_port").and_then(|p| {
                 if p == 0 {
                     Err(v.invalid("job.rdzv_port", "must be a port from 1 to 65535".into()))

@@ -144,6 +144,7 @@ pub fn worker_run_args(project: &Project) -> RunArgs {
     flags.push(RunFlag::GracePeriod((TERMINATION_GRACE_SECONDS - 5) as u64));
     // The root cause of a failure, where `kubectl describe` and `trainctl job status` read it.
     flags.push(RunFlag::TerminationLog(TERMINATION_LOG.into()));
+    flags.extend(j.hang_timeout.map(RunFlag::HangTimeout));
     flags.extend(j.fetch.iter().cloned().map(RunFlag::Fetch));
     if !j.fetch.is_empty() {
         // Writable for the pod's user whatever the image (an emptyDir); the workers start there.

@@ -262,3 +262,30 @@ fn pytorchs_record_names_the_root_cause() {
         "{out}"
     );
 }
+
+/// A real gloo job that hangs: rank 1 in time.sleep, rank 0 in all_reduce. The report names
+/// both, from their Python stacks read from outside.
+#[test]
+fn a_pytorch_hang_names_the_sleeping_rank_and_the_waiting_all_reduce() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED a_pytorch_hang_names_the_sleeping_rank_and_the_waiting_all_reduce: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hang_allreduce.py");
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "5", "--grace-period", "1", "--"])
+            .arg(python)
+            .arg(script),
+    );
+    assert!(
+        out.contains("rank 1 at ")
+            && out.contains("hang_allreduce.py:12 in main: time.sleep(3600)"),
+        "{out}"
+    );
+    assert!(out.contains("in all_reduce"), "{out}");
+}

@@ -166,3 +166,132 @@ fn etcd_both_nodes_print_the_same_root_cause() {
     let etcd = EtcdServer::start();
     both_nodes_print_the_root_cause("etcd", &etcd.url());
 }
+
+fn hang_fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hangs.py")
+}
+
+fn line_of(file: &PathBuf, needle: &str) -> usize {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .position(|l| l.contains(needle))
+        .unwrap()
+        + 1
+}
+
+/// Rank 1 sleeps while rank 0 waits for it: with --hang-timeout 3 the hang is declared a few
+/// seconds after the last line, the report leads with the sleeping rank and its time.sleep
+/// line and names rank 0's all_reduce frame, the stacks are in the log folder, and
+/// --max-restarts 1 restarts once before the job fails.
+#[test]
+fn a_hang_is_declared_with_every_ranks_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = hang_fixture();
+    let started = std::time::Instant::now();
+    let mut run = Running::start(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "3", "--max-restarts", "1"])
+            .args(["--grace-period", "1", "--rdzv-id", "hang", "--log-dir"])
+            .arg(dir.path())
+            .args(["--", "python3"])
+            .arg(&script),
+    );
+    let restart = run.wait_for_line(Duration::from_secs(30), |l| {
+        l.contains("restarting all workers (restart 1)")
+    });
+    let first_report = started.elapsed();
+    let sleep = format!(
+        "hangs.py:{} in main: time.sleep(3600)",
+        line_of(&script, "time.sleep(3600)")
+    );
+    assert!(
+        restart.contains("ranks 0, 1 hung: no line of output for 3 s; rank 1 at "),
+        "{restart}"
+    );
+    assert!(restart.contains(&sleep), "{restart}");
+    let status = run.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(1));
+    let out = run.output();
+    let wait = format!(
+        "hangs.py:{} in all_reduce: done.wait()",
+        line_of(&script, "done.wait()")
+    );
+    assert!(
+        out.contains("exit       : stopped after 3 s without a line of output (--hang-timeout)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  stuck      : (innermost frames first)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("    rank 0 (pid ") && out.contains(&wait),
+        "{out}"
+    );
+    assert!(out.contains(&sleep), "{out}");
+    let stacks = dir.path().join("hang/attempt_1/stacks.txt");
+    let text = std::fs::read_to_string(&stacks).unwrap();
+    assert!(
+        text.contains("thread MainThread") && text.contains(&wait),
+        "{text}"
+    );
+    assert!(
+        out.contains(&format!("stacks     : {}", stacks.display())),
+        "{out}"
+    );
+    eprintln!(
+        "first hang reported {:.1} s after the start (timeout 3 s)",
+        first_report.as_secs_f64()
+    );
+}
+
+/// A hang across two agents (c10d): each node takes its own workers' stacks, and both print
+/// the same root cause, the earliest of the two nodes' reports.
+#[test]
+fn c10d_a_hang_on_two_nodes_is_reported_the_same_on_both() {
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let agent = || {
+        Running::start(
+            trainctl()
+                .args(["run", "--nnodes", "2", "--nproc-per-node", "1"])
+                .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint])
+                .args(["--rdzv-id", "hang2", "--job-token", "t"])
+                .args([
+                    "--hang-timeout",
+                    "3",
+                    "--grace-period",
+                    "1",
+                    "--",
+                    "python3",
+                ])
+                .arg(hang_fixture()),
+        )
+    };
+    let mut agents = [agent(), agent()];
+    let mut first_lines = Vec::new();
+    for a in agents.iter_mut() {
+        let status = a.wait(Duration::from_secs(60));
+        assert_eq!(status.code(), Some(1), "{}", a.output());
+        let out = a.output();
+        let block = out
+            .split("trainctl run: the job failed; root cause (first failure):\n")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no root cause: {out}"));
+        let first = block.lines().next().unwrap().to_string();
+        assert!(
+            first.contains(" hung: no line of output for 3 s; rank "),
+            "{out}"
+        );
+        assert!(
+            block.contains("  stuck      : (innermost frames first)"),
+            "{out}"
+        );
+        first_lines.push(first);
+    }
+    assert_eq!(
+        first_lines[0], first_lines[1],
+        "the same root cause on both nodes"
+    );
+}

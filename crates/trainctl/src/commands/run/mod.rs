@@ -65,6 +65,12 @@ pub struct Args {
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
     pub(crate) log_dir: Option<PathBuf>,
+    /// A node whose workers write no line of output for this many seconds is hung: trainctl
+    /// takes every worker's stack (Python stacks with py-spy's reader, else where each thread
+    /// waits), names where each rank is, writes the stacks to the log folder, and stops the
+    /// workers (a failure: restarted as --max-restarts says). Off by default.
+    #[arg(long, env = "TRAINCTL_HANG_TIMEOUT", value_name = "SECONDS")]
+    pub(crate) hang_timeout: Option<f64>,
     /// Also write the root cause of a failure to this file, at most 4096 bytes (in a pod:
     /// /dev/termination-log, which `kubectl describe pod` and `trainctl job status` show).
     #[arg(long, env = "TRAINCTL_TERMINATION_LOG", value_name = "PATH")]
@@ -335,6 +341,13 @@ fn worker_spec(
         },
         working_dir: (!args.fetch.is_empty()).then(|| args.fetch_dir.clone()),
         telemetry: None,
+        hang_timeout: match args.hang_timeout {
+            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(t) => bail!(
+                "--hang-timeout must be a positive number of seconds, got {t}; leave it out to never declare a hang"
+            ),
+            None => None,
+        },
     })
 }
 
