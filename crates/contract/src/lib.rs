@@ -48,6 +48,10 @@ pub mod env {
     /// Where a worker's `@record` (torch.distributed.elastic) writes the exception that ended
     /// it, as JSON; one file per worker and attempt.
     pub const ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+    /// Set to 1 for the launcher to serve torch.distributed.elastic's file-based timers.
+    pub const ENABLE_FILE_TIMER: &str = "TORCHELASTIC_ENABLE_FILE_TIMER";
+    /// The named pipe the workers' `FileTimerClient` writes its requests to.
+    pub const TIMER_FILE: &str = "TORCHELASTIC_TIMER_FILE";
     pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
     /// trainctl's own: the secret every collective connection must present (from the job's
     /// Secret on Kubernetes).

@@ -11,8 +11,9 @@ use rendezvous::{Joined, Rendezvous, Watch};
 
 use crate::output::Sink;
 use crate::report::{ExitKind, Outcome};
-use crate::supervise::{Group, Status, StopSignals};
+use crate::supervise::{Group, Status, StopSignals, with_timer};
 use crate::telemetry::TelemetryPipe;
+use crate::timer::TimerServer;
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
@@ -41,6 +42,7 @@ fn run_rounds(
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
     let telemetry = TelemetryPipe::open_for(spec)?;
+    let timers = TimerServer::open_for(spec)?;
     loop {
         rdzv.set_port(crate::free_port()?);
         events(LaunchEvent::Joining {
@@ -74,7 +76,7 @@ fn run_rounds(
             &round_spec,
             assignment.restart_count,
             assignment.round,
-            (&stdout, &stderr, telemetry.as_ref()),
+            (&stdout, &stderr, telemetry.as_ref(), timers.as_ref()),
             events,
         )?;
         // The job was closed by another node that finished: our workers finish too, no restart.
@@ -98,7 +100,8 @@ fn run_rounds(
                     return Ok(Outcome::Succeeded);
                 }
                 Status::Trouble(trouble) => {
-                    let failure = group.stop_troubled(spec.grace, trouble);
+                    let failure =
+                        with_timer(group.stop_troubled(spec.grace, trouble), timers.as_ref());
                     let report = format!("on node {}: {failure}", rdzv.node_id());
                     if closing {
                         return Ok(Outcome::Failed(Box::new(failure)));

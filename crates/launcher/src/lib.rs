@@ -12,6 +12,7 @@ mod report;
 pub mod stacks;
 mod supervise;
 mod telemetry;
+pub mod timer;
 
 pub use agent::run_elastic;
 pub use rendezvous;
@@ -53,6 +54,9 @@ pub struct LaunchSpec {
     /// A node whose workers write no line for this long is hung: their stacks are taken and
     /// they are stopped (a failure, restarted as `max_restarts` says).
     pub hang_timeout: Option<Duration>,
+    /// Serve torch.distributed.elastic's file-based timers at this named pipe
+    /// (`TORCHELASTIC_ENABLE_FILE_TIMER=1`; the workers get `TORCHELASTIC_TIMER_FILE`).
+    pub file_timer: Option<PathBuf>,
 }
 
 /// A worker the launcher started.
@@ -171,6 +175,9 @@ pub fn worker_env(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(timers) = &spec.file_timer {
+        env.push((vars::TIMER_FILE.to_string(), timers.display().to_string()));
+    }
     if spec.nproc_per_node > 1 && !omp_is_set {
         env.push((vars::OMP_NUM_THREADS.to_string(), "1".to_string()));
     }
@@ -202,6 +209,7 @@ mod tests {
             working_dir: None,
             telemetry: None,
             hang_timeout: None,
+            file_timer: None,
         }
     }
 

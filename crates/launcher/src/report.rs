@@ -56,6 +56,8 @@ pub struct Failure {
     pub stuck: Vec<Stuck>,
     /// For a hang: every worker's whole stacks.
     pub stacks_file: Option<std::path::PathBuf>,
+    /// The file-based timer that expired for it, when one did.
+    pub timer: Option<crate::timer::Expired>,
 }
 
 /// Where a hung worker was when its stack was taken.
@@ -90,6 +92,9 @@ impl Failure {
                     .find(|s| s.rank == self.rank)
                     .map_or("?", |s| s.at.as_str())
             );
+        }
+        if let Some(t) = &self.timer {
+            return format!("rank {} (pid {}) failed: its {t}", self.rank, self.pid);
         }
         match &self.error {
             Some(e) => {
@@ -154,6 +159,9 @@ impl fmt::Display for Failure {
                     writeln!(f, "    {frame}")?;
                 }
             }
+        }
+        if let Some(t) = &self.timer {
+            writeln!(f, "  timer      : {t}")?;
         }
         if !self.stuck.is_empty() {
             writeln!(f, "  stuck      : (innermost frames first)")?;

@@ -163,7 +163,7 @@ fn group_members(pgid: u32) -> Vec<u32> {
 }
 
 /// The process group of `pid`, from /proc/PID/stat (fields after the command's closing paren).
-fn process_group(pid: u32) -> Option<u32> {
+pub(crate) fn process_group(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(2)?.parse().ok()

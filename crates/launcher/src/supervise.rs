@@ -16,6 +16,7 @@ use crate::output::{Activity, Sink, Tail, pump};
 use crate::report::{ExitKind, Failure, Outcome, Stuck};
 use crate::stacks;
 use crate::telemetry::TelemetryPipe;
+use crate::timer::TimerServer;
 use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
 struct Worker {
@@ -119,13 +120,14 @@ pub fn launch(
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
     let telemetry = TelemetryPipe::open_for(spec)?;
+    let timers = TimerServer::open_for(spec)?;
     let mut restart_count = 0;
     loop {
         let mut group = Group::spawn(
             spec,
             restart_count,
             restart_count.into(),
-            (&stdout, &stderr, telemetry.as_ref()),
+            (&stdout, &stderr, telemetry.as_ref(), timers.as_ref()),
             events,
         )?;
         let failure = loop {
@@ -142,7 +144,9 @@ pub fn launch(
                     group.stop(spec.grace);
                     return Ok(Outcome::Succeeded);
                 }
-                Status::Trouble(t) => break group.stop_troubled(spec.grace, t),
+                Status::Trouble(t) => {
+                    break with_timer(group.stop_troubled(spec.grace, t), timers.as_ref());
+                }
             }
         };
         if restart_count >= spec.max_restarts || signals.received().is_some() {
@@ -286,6 +290,9 @@ impl Group {
                 }
             }
         }
+        if let Some(timers) = outputs.3 {
+            timers.workers(group.workers.iter().map(|w| (w.child.id(), w.rank)));
+        }
         Ok(group)
     }
 
@@ -327,6 +334,7 @@ impl Group {
                 log_file: w.stderr_log.clone(),
                 stuck: Vec::new(),
                 stacks_file: None,
+                timer: None,
             })));
         }
         if running == 0 {
@@ -389,6 +397,7 @@ impl Group {
             log_file: worker.and_then(|w| w.stderr_log.clone()),
             stuck,
             stacks_file,
+            timer: None,
         };
         self.halt(grace);
         failure
@@ -497,7 +506,18 @@ impl Group {
 }
 
 /// Where a group's workers write: their stdout and stderr sinks, and the telemetry pipe.
-pub(crate) type Outputs<'a> = (&'a Sink, &'a Sink, Option<&'a TelemetryPipe>);
+pub(crate) type Outputs<'a> = (
+    &'a Sink,
+    &'a Sink,
+    Option<&'a TelemetryPipe>,
+    Option<&'a TimerServer>,
+);
+
+/// `failure` with the file-based timer that expired for its worker, if one did.
+pub(crate) fn with_timer(mut failure: Failure, timers: Option<&TimerServer>) -> Failure {
+    failure.timer = timers.and_then(|t| t.expired(failure.rank));
+    failure
+}
 
 /// The folders of an attempt's files: its logs (when kept), and its error files (the log
 /// folder, or a scratch folder), one sub-folder per rank.
@@ -538,7 +558,7 @@ fn spawn(
     local_rank: u32,
     restart_count: u32,
     files: Files,
-    (stdout, stderr, telemetry): Outputs,
+    (stdout, stderr, telemetry, _): Outputs,
     activity: &Arc<Activity>,
 ) -> Result<Worker, LaunchError> {
     let rank = spec.rank_offset + local_rank;

@@ -289,3 +289,35 @@ fn a_pytorch_hang_names_the_sleeping_rank_and_the_waiting_all_reduce() {
     );
     assert!(out.contains("in all_reduce"), "{out}");
 }
+
+/// PyTorch's own FileTimerClient against trainctl's timer server: the protocol is torch's.
+#[test]
+fn pytorchs_file_timer_client_is_served() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED pytorchs_file_timer_client_is_served: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/file_timer.py");
+    let out = run_failing(
+        trainctl()
+            .env("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+            .args([
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--grace-period",
+                "1",
+                "--",
+            ])
+            .arg(python)
+            .arg(script),
+    );
+    assert!(
+        out.contains("rank 1 (pid ")
+            && out.contains("failed: its timer \"load batch\" expired; the launcher sent SIGKILL"),
+        "{out}"
+    );
+}

@@ -295,3 +295,31 @@ fn c10d_a_hang_on_two_nodes_is_reported_the_same_on_both() {
         "the same root cause on both nodes"
     );
 }
+
+/// torchrun's file-based timers: with TORCHELASTIC_ENABLE_FILE_TIMER=1 the worker that
+/// overstays its timer is killed with the signal it asked for, a released one never fires, and
+/// the report names the timer's scope.
+#[test]
+fn an_expired_file_timer_kills_the_worker_and_names_its_scope() {
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/timer_like_torch.py");
+    let started = std::time::Instant::now();
+    let out = run_failing(
+        trainctl()
+            .env("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--grace-period", "1", "--", "python3"])
+            .arg(script),
+    );
+    assert!(started.elapsed() < Duration::from_secs(50), "{out}");
+    assert!(
+        out.contains("failed: its timer \"load batch\" expired; the launcher sent SIGKILL"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  rank       : 1 (local rank 1, node 0)"),
+        "{out}"
+    );
+    assert!(out.contains("exit       : signal 9 (SIGKILL)"), "{out}");
+    assert!(!out.contains("a step that finishes"), "{out}");
+}

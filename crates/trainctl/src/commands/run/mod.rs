@@ -71,6 +71,21 @@ pub struct Args {
     /// workers (a failure: restarted as --max-restarts says). Off by default.
     #[arg(long, env = "TRAINCTL_HANG_TIMEOUT", value_name = "SECONDS")]
     pub(crate) hang_timeout: Option<f64>,
+    /// Serve torch.distributed.elastic.timer's file-based timers, as torchrun does when
+    /// TORCHELASTIC_ENABLE_FILE_TIMER=1: workers get TORCHELASTIC_TIMER_FILE for their
+    /// FileTimerClient, and a worker whose timer expires is killed with the signal it asked for.
+    #[arg(
+        long,
+        env = "TORCHELASTIC_ENABLE_FILE_TIMER",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        num_args = 0..=1,
+        default_missing_value = "true",
+        default_value = "false"
+    )]
+    pub(crate) file_timer: bool,
+    /// Where the file timers' named pipe is made (default: a new one in the temporary folder).
+    #[arg(long, env = "TORCHELASTIC_TIMER_FILE", value_name = "PATH")]
+    pub(crate) timer_file: Option<PathBuf>,
     /// Also write the root cause of a failure to this file, at most 4096 bytes (in a pod:
     /// /dev/termination-log, which `kubectl describe pod` and `trainctl job status` show).
     #[arg(long, env = "TRAINCTL_TERMINATION_LOG", value_name = "PATH")]
@@ -316,6 +331,11 @@ fn worker_spec(
             .context("cannot find the trainctl executable to start workers")?;
         program.insert(0, exe.into_os_string());
     }
+    let file_timer = args.file_timer.then(|| {
+        args.timer_file.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("trainctl-timers-{run_id}-{}", std::process::id()))
+        })
+    });
     Ok(LaunchSpec {
         nproc_per_node,
         nnodes: 1,
@@ -341,6 +361,7 @@ fn worker_spec(
         },
         working_dir: (!args.fetch.is_empty()).then(|| args.fetch_dir.clone()),
         telemetry: None,
+        file_timer,
         hang_timeout: match args.hang_timeout {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => bail!(
