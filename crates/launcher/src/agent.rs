@@ -5,13 +5,14 @@
 //! Its loop polls three sources every monitor interval: the stop signals, the local workers,
 //! and the rendezvous record (whose heartbeats run on their own thread).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rendezvous::{Joined, Rendezvous, Watch};
 
-use crate::output::Sink;
+use crate::output::{Activity, Sink};
 use crate::report::{ExitKind, Outcome};
-use crate::supervise::{Group, Status, StopSignals, with_timer};
+use crate::supervise::{Group, Outputs, Status, StopSignals, with_timer};
 use crate::telemetry::TelemetryPipe;
 use crate::timer::TimerServer;
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
@@ -41,7 +42,8 @@ fn run_rounds(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
-    let telemetry = TelemetryPipe::open_for(spec)?;
+    let activity = Arc::new(Activity::default());
+    let telemetry = TelemetryPipe::open_for(spec, &activity)?;
     let timers = TimerServer::open_for(spec)?;
     loop {
         rdzv.set_port(crate::free_port()?);
@@ -76,7 +78,13 @@ fn run_rounds(
             &round_spec,
             assignment.restart_count,
             assignment.round,
-            (&stdout, &stderr, telemetry.as_ref(), timers.as_ref()),
+            Outputs {
+                stdout: &stdout,
+                stderr: &stderr,
+                telemetry: telemetry.as_ref(),
+                timers: timers.as_ref(),
+                activity: &activity,
+            },
             events,
         )?;
         // The job was closed by another node that finished: our workers finish too, no restart.

@@ -189,16 +189,17 @@ fn native_threads(pid: u32) -> Vec<Thread> {
                     .map(|s| s.trim().to_string())
                     .unwrap_or_default()
             };
-            let mut frames = Vec::new();
+            // The kernel stack (root only), innermost first: "wait_woken+0x89/0x90" is shown
+            // as "kernel: wait_woken"; else the one function it waits in.
+            let mut frames: Vec<String> = read("stack")
+                .lines()
+                .filter_map(|l| l.split_whitespace().last())
+                .map(|f| format!("kernel: {}", f.split('+').next().unwrap_or(f)))
+                .collect();
             let wchan = read("wchan");
-            if !wchan.is_empty() && wchan != "0" {
+            if frames.is_empty() && !wchan.is_empty() && wchan != "0" {
                 frames.push(format!("kernel: waiting in {wchan}"));
             }
-            frames.extend(
-                read("stack")
-                    .lines()
-                    .map(|l| format!("kernel: {}", l.split_whitespace().last().unwrap_or(l))),
-            );
             Thread {
                 name: format!("{} (tid {tid})", read("comm")),
                 frames,

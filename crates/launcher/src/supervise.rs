@@ -119,7 +119,8 @@ pub fn launch(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let signals = StopSignals::install()?;
-    let telemetry = TelemetryPipe::open_for(spec)?;
+    let activity = Arc::new(Activity::default());
+    let telemetry = TelemetryPipe::open_for(spec, &activity)?;
     let timers = TimerServer::open_for(spec)?;
     let mut restart_count = 0;
     loop {
@@ -127,7 +128,13 @@ pub fn launch(
             spec,
             restart_count,
             restart_count.into(),
-            (&stdout, &stderr, telemetry.as_ref(), timers.as_ref()),
+            Outputs {
+                stdout: &stdout,
+                stderr: &stderr,
+                telemetry: telemetry.as_ref(),
+                timers: timers.as_ref(),
+                activity: &activity,
+            },
             events,
         )?;
         let failure = loop {
@@ -248,6 +255,8 @@ impl Group {
             ))
         });
         let now = SystemTime::now();
+        // A new attempt's silence counts from its start.
+        outputs.activity.touch();
         let mut group = Group {
             workers: Vec::new(),
             start: Instant::now(),
@@ -257,7 +266,7 @@ impl Group {
             node_rank: spec.node_rank,
             scratch: scratch.clone(),
             logs: attempt_dir.clone(),
-            activity: Arc::new(Activity::default()),
+            activity: outputs.activity.clone(),
             hang_timeout: spec.hang_timeout,
         };
         let files = Files {
@@ -268,14 +277,7 @@ impl Group {
                 .unwrap_or(Path::new(".")),
         };
         for local_rank in 0..spec.nproc_per_node {
-            match spawn(
-                spec,
-                local_rank,
-                restart_count,
-                files,
-                outputs,
-                &group.activity,
-            ) {
+            match spawn(spec, local_rank, restart_count, files, outputs) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
                         rank: w.rank,
@@ -290,7 +292,7 @@ impl Group {
                 }
             }
         }
-        if let Some(timers) = outputs.3 {
+        if let Some(timers) = outputs.timers {
             timers.workers(group.workers.iter().map(|w| (w.child.id(), w.rank)));
         }
         Ok(group)
@@ -506,12 +508,16 @@ impl Group {
 }
 
 /// Where a group's workers write: their stdout and stderr sinks, and the telemetry pipe.
-pub(crate) type Outputs<'a> = (
-    &'a Sink,
-    &'a Sink,
-    Option<&'a TelemetryPipe>,
-    Option<&'a TimerServer>,
-);
+/// What a launch's groups share: where the workers write (stdout and stderr sinks, the
+/// telemetry pipe), the file-timer server, and the clock of their last line.
+#[derive(Clone, Copy)]
+pub(crate) struct Outputs<'a> {
+    pub stdout: &'a Sink,
+    pub stderr: &'a Sink,
+    pub telemetry: Option<&'a TelemetryPipe>,
+    pub timers: Option<&'a TimerServer>,
+    pub activity: &'a Arc<Activity>,
+}
 
 /// `failure` with the file-based timer that expired for its worker, if one did.
 pub(crate) fn with_timer(mut failure: Failure, timers: Option<&TimerServer>) -> Failure {
@@ -558,9 +564,15 @@ fn spawn(
     local_rank: u32,
     restart_count: u32,
     files: Files,
-    (stdout, stderr, telemetry, _): Outputs,
-    activity: &Arc<Activity>,
+    outputs: Outputs,
 ) -> Result<Worker, LaunchError> {
+    let Outputs {
+        stdout,
+        stderr,
+        telemetry,
+        activity,
+        ..
+    } = outputs;
     let rank = spec.rank_offset + local_rank;
     // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
     let error_file = rank_dir(files.errors, rank)?.join("error.json");

@@ -7,6 +7,8 @@ use std::io::{BufRead, BufReader, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+
+use crate::output::Activity;
 use std::time::{Duration, Instant};
 
 /// Where the workers' records go: called with each line (newline stripped), on a thread of
@@ -31,9 +33,12 @@ pub(crate) struct TelemetryPipe {
 }
 
 impl TelemetryPipe {
-    pub(crate) fn open(sink: &Telemetry) -> std::io::Result<Self> {
+    /// The pipe, whose every record also counts as the workers' activity (`--hang-timeout`:
+    /// the built-in trainer records every step).
+    pub(crate) fn open(sink: &Telemetry, activity: &Arc<Activity>) -> std::io::Result<Self> {
         let (reader, writer) = std::io::pipe()?;
         let sink = sink.clone();
+        let activity = activity.clone();
         let thread = std::thread::Builder::new()
             .name("telemetry".into())
             .spawn(move || {
@@ -57,6 +62,7 @@ impl TelemetryPipe {
                         continue;
                     }
                     line.pop();
+                    activity.touch();
                     (sink.0)(&line);
                 }
             })?;
@@ -67,11 +73,14 @@ impl TelemetryPipe {
     }
 
     /// The pipe for `spec`'s workers, if it asks for telemetry.
-    pub(crate) fn open_for(spec: &crate::LaunchSpec) -> Result<Option<Self>, crate::LaunchError> {
+    pub(crate) fn open_for(
+        spec: &crate::LaunchSpec,
+        activity: &Arc<Activity>,
+    ) -> Result<Option<Self>, crate::LaunchError> {
         spec.telemetry
             .as_ref()
             .map(|sink| {
-                Self::open(sink).map_err(|source| crate::LaunchError::Spawn {
+                Self::open(sink, activity).map_err(|source| crate::LaunchError::Spawn {
                     rank: spec.rank_offset,
                     program: "telemetry pipe".into(),
                     source,

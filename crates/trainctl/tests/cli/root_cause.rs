@@ -323,3 +323,21 @@ fn an_expired_file_timer_kills_the_worker_and_names_its_scope() {
     assert!(out.contains("exit       : signal 9 (SIGKILL)"), "{out}");
     assert!(!out.contains("a step that finishes"), "{out}");
 }
+
+/// The built-in trainer's steps count as activity (its records on the telemetry pipe), not
+/// only its printed lines: a run that prints nothing between epochs is not a hang.
+#[test]
+fn the_built_in_trainers_steps_keep_a_quiet_run_from_being_a_hang() {
+    let job = Job::new(1200, 64);
+    let mut args = train_args(&job, "runs", 3);
+    let freq = args.iter().position(|a| a == "--print-freq").unwrap() + 1;
+    args[freq] = "100000".into();
+    let out = run_ok(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "4"])
+            .args(&args),
+    );
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("hung"), "{stderr}");
+}
