@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use testkit::EtcdServer;
+use testkit::{EtcdServer, Network};
 
 use crate::support::*;
 
@@ -116,55 +116,81 @@ fn a_malformed_error_file_is_named_and_stderr_stands_in() {
     assert!(out.contains("half a record"), "{out}");
 }
 
-/// Two agents of an elastic job (c10d, then etcd): rank 1 raises on one node; both nodes print
-/// the same root cause, shared through the rendezvous record.
-fn both_nodes_print_the_root_cause(backend: &str, endpoint: &str) {
-    let agent = || {
-        Running::start(
-            trainctl()
-                .env("FAIL_PLAN", "1:1:0")
-                .args(["run", "--nnodes", "2", "--nproc-per-node", "1"])
-                .args(["--rdzv-backend", backend, "--rdzv-endpoint", endpoint])
-                .args(["--rdzv-id", "rootcause", "--job-token", "t"])
-                .args(["--grace-period", "1", "--", "python3"])
-                .arg(fixture()),
-        )
+/// Two hosts (network namespaces), one agent each, rendezvous over c10d (hosted by host 1's
+/// agent) or a real etcd on host 0, each running `script` with `extra` flags. Both agents must
+/// fail with the same root cause; returns each one's root-cause block.
+fn two_hosts_fail(
+    backend: &str,
+    name: &str,
+    script: &PathBuf,
+    extra: &[&str],
+) -> Option<Vec<String>> {
+    let net = match Network::create(3) {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("SKIPPED {name}: this kernel or user cannot create network namespaces ({e})");
+            return None;
+        }
     };
-    let mut agents = [agent(), agent()];
-    let mut reports = Vec::new();
+    let etcd = (backend == "etcd")
+        .then(|| EtcdServer::start_at(Some(net.host(0)), &net.addr(0), 2379, 2380));
+    let endpoint = match &etcd {
+        Some(etcd) => etcd.url(),
+        None => format!("{}:29400", net.addr(1)),
+    };
+    let agent = |host: usize| {
+        let mut cmd = net.command(host, env!("CARGO_BIN_EXE_trainctl"));
+        cmd.env("FAIL_PLAN", "1:1:0")
+            .args(["run", "--nnodes", "2", "--nproc-per-node", "1"])
+            .args(["--rdzv-backend", backend, "--rdzv-endpoint", &endpoint])
+            .args(["--rdzv-id", name, "--job-token", "t", "--grace-period", "1"])
+            .args(extra)
+            .args(["--", "python3"])
+            .arg(script);
+        Running::start(&mut cmd)
+    };
+    let mut agents = [agent(1), agent(2)];
+    let mut blocks = Vec::new();
     for a in agents.iter_mut() {
         let status = a.wait(Duration::from_secs(60));
-        assert_eq!(status.code(), Some(1), "{}", a.output());
         let out = a.output();
+        assert_eq!(status.code(), Some(1), "{out}");
         let block = out
             .split("trainctl run: the job failed; root cause (first failure):\n")
             .nth(1)
             .unwrap_or_else(|| panic!("no root cause: {out}"))
             .to_string();
+        blocks.push(block);
+    }
+    let first: Vec<&str> = blocks.iter().map(|b| b.lines().next().unwrap()).collect();
+    assert_eq!(first[0], first[1], "the same root cause on both hosts");
+    Some(blocks)
+}
+
+/// Rank 1 raises on one host; both hosts print the same root cause, shared through the
+/// rendezvous record.
+fn both_hosts_print_the_root_cause(backend: &str) {
+    let name = format!("{backend}-rootcause");
+    let Some(blocks) = two_hosts_fail(backend, &name, &fixture(), &[]) else {
+        return;
+    };
+    for block in blocks {
         assert!(
             block.contains("failed: ValueError: bad shard 7 at "),
-            "{out}"
+            "{block}"
         );
-        assert!(block.contains(&raising_line()), "{out}");
-        reports.push(block);
+        assert!(block.contains(&raising_line()), "{block}");
     }
-    let first_lines: Vec<&str> = reports.iter().map(|r| r.lines().next().unwrap()).collect();
-    assert_eq!(
-        first_lines[0], first_lines[1],
-        "the same root cause on both nodes"
-    );
 }
 
 #[test]
-fn c10d_both_nodes_print_the_same_root_cause() {
-    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    both_nodes_print_the_root_cause("c10d", &endpoint);
+fn c10d_both_hosts_print_the_same_root_cause() {
+    both_hosts_print_the_root_cause("c10d");
 }
 
 #[test]
-fn etcd_both_nodes_print_the_same_root_cause() {
-    let etcd = EtcdServer::start();
-    both_nodes_print_the_root_cause("etcd", &etcd.url());
+fn etcd_both_hosts_print_the_same_root_cause() {
+    both_hosts_print_the_root_cause("etcd");
 }
 
 fn hang_fixture() -> PathBuf {
@@ -247,53 +273,35 @@ fn a_hang_is_declared_with_every_ranks_stack() {
     );
 }
 
-/// A hang across two agents (c10d): each node takes its own workers' stacks, and both print
-/// the same root cause, the earliest of the two nodes' reports.
-#[test]
-fn c10d_a_hang_on_two_nodes_is_reported_the_same_on_both() {
-    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let agent = || {
-        Running::start(
-            trainctl()
-                .args(["run", "--nnodes", "2", "--nproc-per-node", "1"])
-                .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint])
-                .args(["--rdzv-id", "hang2", "--job-token", "t"])
-                .args([
-                    "--hang-timeout",
-                    "3",
-                    "--grace-period",
-                    "1",
-                    "--",
-                    "python3",
-                ])
-                .arg(hang_fixture()),
-        )
+/// A hang across two hosts (c10d, then etcd): each takes its own workers' stacks, and both
+/// print the same root cause, the earliest of the two hosts' reports.
+fn a_hang_on_two_hosts(backend: &str) {
+    let name = format!("{backend}-hang");
+    let extra = ["--hang-timeout", "3"];
+    let Some(blocks) = two_hosts_fail(backend, &name, &hang_fixture(), &extra) else {
+        return;
     };
-    let mut agents = [agent(), agent()];
-    let mut first_lines = Vec::new();
-    for a in agents.iter_mut() {
-        let status = a.wait(Duration::from_secs(60));
-        assert_eq!(status.code(), Some(1), "{}", a.output());
-        let out = a.output();
-        let block = out
-            .split("trainctl run: the job failed; root cause (first failure):\n")
-            .nth(1)
-            .unwrap_or_else(|| panic!("no root cause: {out}"));
-        let first = block.lines().next().unwrap().to_string();
+    for block in blocks {
+        let first = block.lines().next().unwrap();
         assert!(
             first.contains(" hung: no line of output for 3 s; rank "),
-            "{out}"
+            "{block}"
         );
         assert!(
             block.contains("  stuck      : (innermost frames first)"),
-            "{out}"
+            "{block}"
         );
-        first_lines.push(first);
     }
-    assert_eq!(
-        first_lines[0], first_lines[1],
-        "the same root cause on both nodes"
-    );
+}
+
+#[test]
+fn c10d_a_hang_on_two_hosts_is_reported_the_same_on_both() {
+    a_hang_on_two_hosts("c10d");
+}
+
+#[test]
+fn etcd_a_hang_on_two_hosts_is_reported_the_same_on_both() {
+    a_hang_on_two_hosts("etcd");
 }
 
 /// torchrun's file-based timers: with TORCHELASTIC_ENABLE_FILE_TIMER=1 the worker that
