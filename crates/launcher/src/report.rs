@@ -82,9 +82,12 @@ impl Failure {
     pub fn summary(&self) -> String {
         if let ExitKind::Hung(silent) = self.exit {
             let ranks: Vec<String> = self.stuck.iter().map(|s| s.rank.to_string()).collect();
+            let ranks = match ranks.len() {
+                1 => format!("rank {}", ranks[0]),
+                _ => format!("ranks {}", ranks.join(", ")),
+            };
             return format!(
-                "ranks {} hung: no line of output for {:.0} s; rank {} at {}",
-                ranks.join(", "),
+                "{ranks} hung: no line of output for {:.0} s; rank {} at {}",
                 silent.as_secs_f64(),
                 self.rank,
                 self.stuck

@@ -349,3 +349,34 @@ fn the_built_in_trainers_steps_keep_a_quiet_run_from_being_a_hang() {
     let stderr = text(&out.stderr);
     assert!(!stderr.contains("hung"), "{stderr}");
 }
+
+/// A worker that is not Python hangs: the report says where its threads wait in the kernel,
+/// and the stacks file says why no Python stack was read.
+#[test]
+fn a_hung_program_that_is_not_python_is_described_by_its_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "1"])
+            .args(["--hang-timeout", "2", "--grace-period", "1"])
+            .args(["--rdzv-id", "native", "--log-dir"])
+            .arg(dir.path())
+            .args(["--", "sleep", "60"]),
+    );
+    assert!(
+        out.contains("rank 0 hung: no line of output for 2 s")
+            || out.contains("ranks 0 hung: no line of output for 2 s"),
+        "{out}"
+    );
+    assert!(
+        out.contains("rank 0 (pid ") && out.contains("): kernel: "),
+        "{out}"
+    );
+    let stacks = std::fs::read_to_string(dir.path().join("native/attempt_0/stacks.txt")).unwrap();
+    assert!(
+        stacks.contains("(native stacks, innermost first)"),
+        "{stacks}"
+    );
+    assert!(stacks.contains("python stacks unavailable: "), "{stacks}");
+    assert!(stacks.contains("thread sleep (tid "), "{stacks}");
+}
