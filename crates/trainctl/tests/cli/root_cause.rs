@@ -364,8 +364,7 @@ fn a_hung_program_that_is_not_python_is_described_by_its_threads() {
             .args(["--", "sleep", "60"]),
     );
     assert!(
-        out.contains("rank 0 hung: no line of output for 2 s")
-            || out.contains("ranks 0 hung: no line of output for 2 s"),
+        out.contains("trainctl run: rank 0 hung: no line of output for 2 s; rank 0 at kernel: "),
         "{out}"
     );
     assert!(
