@@ -382,7 +382,10 @@ impl Group {
             .find(|s| !in_collective(&s.at))
             .or(stuck.first())
             .map(|s| (s.rank, s.pid));
-        let (rank, pid) = lead.unwrap_or((self.node_rank, 0));
+        // Every worker may have exited since the poll: then the report leads with the first.
+        let (rank, pid) = lead
+            .or_else(|| self.workers.first().map(|w| (w.rank, w.child.id())))
+            .unwrap_or_default();
         let worker = self.workers.iter().find(|w| w.rank == rank);
         let failure = Failure {
             rank,

@@ -48,6 +48,9 @@ pub(super) enum Backend {
 impl Plan {
     pub(super) fn from_args(args: &Args) -> anyhow::Result<Plan> {
         let nproc_per_node = parse_nproc(&args.nproc_per_node)?;
+        if let Some(id) = &args.run_id {
+            check_run_id(id)?;
+        }
         let limits = if args.standalone {
             Limits { min: 1, max: 1 }
         } else {
@@ -198,6 +201,20 @@ fn split_endpoint(endpoint: &str, default_port: u16) -> anyhow::Result<(String, 
     Ok((host.to_string(), port))
 }
 
+/// A run id names the job's log and scratch folders: one plain name.
+fn check_run_id(id: &str) -> anyhow::Result<()> {
+    if id.is_empty() {
+        bail!("--rdzv-id is empty: give the job a name (letters, digits, '-', '_', '.')");
+    }
+    if id.contains('/') || id.contains('\0') || id == "." || id == ".." {
+        bail!(
+            "--rdzv-id {id:?} names folders (it becomes a folder of --log-dir): use one plain name such as {:?}",
+            id.replace(['/', '\0'], "-").trim_matches('.')
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
@@ -335,6 +352,11 @@ mod tests {
                 &["--rdzv-endpoint", "host:port"][..],
                 "port \"port\" is not a number",
             ),
+            (
+                &["--standalone", "--rdzv-id", "a/../../b"][..],
+                "--rdzv-id \"a/../../b\" names folders",
+            ),
+            (&["--standalone", "--rdzv-id", ""][..], "--rdzv-id is empty"),
         ] {
             let err = refused(flags);
             assert!(err.contains(says), "{flags:?}: {err}");
