@@ -5,16 +5,13 @@
 //! Its loop polls three sources every monitor interval: the stop signals, the local workers,
 //! and the rendezvous record (whose heartbeats run on their own thread).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rendezvous::{Joined, Rendezvous, Watch};
 
-use crate::output::{Activity, Sink};
+use crate::output::Sink;
 use crate::report::{ExitKind, Outcome};
-use crate::supervise::{Group, Outputs, Status, StopSignals, with_timer};
-use crate::telemetry::TelemetryPipe;
-use crate::timer::TimerServer;
+use crate::supervise::{Group, Launch, Status, with_timer};
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
@@ -41,10 +38,8 @@ fn run_rounds(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
-    let signals = StopSignals::install()?;
-    let activity = Arc::new(Activity::default());
-    let telemetry = TelemetryPipe::open_for(spec, &activity)?;
-    let timers = TimerServer::open_for(spec)?;
+    let launch = Launch::open(spec)?;
+    let (signals, timers) = (&launch.signals, launch.timers.as_ref());
     loop {
         rdzv.set_port(crate::free_port()?);
         events(LaunchEvent::Joining {
@@ -78,13 +73,7 @@ fn run_rounds(
             &round_spec,
             assignment.restart_count,
             assignment.round,
-            Outputs {
-                stdout: &stdout,
-                stderr: &stderr,
-                telemetry: telemetry.as_ref(),
-                timers: timers.as_ref(),
-                activity: &activity,
-            },
+            launch.outputs(&stdout, &stderr),
             events,
         )?;
         // The job was closed by another node that finished: our workers finish too, no restart.
@@ -108,8 +97,7 @@ fn run_rounds(
                     return Ok(Outcome::Succeeded);
                 }
                 Status::Trouble(trouble) => {
-                    let failure =
-                        with_timer(group.stop_troubled(spec.grace, trouble), timers.as_ref());
+                    let failure = with_timer(group.stop_troubled(spec.grace, trouble), timers);
                     let report = format!("on node {}: {failure}", rdzv.node_id());
                     if closing {
                         return Ok(Outcome::Failed(Box::new(failure)));

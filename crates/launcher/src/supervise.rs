@@ -118,23 +118,15 @@ pub fn launch(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
-    let signals = StopSignals::install()?;
-    let activity = Arc::new(Activity::default());
-    let telemetry = TelemetryPipe::open_for(spec, &activity)?;
-    let timers = TimerServer::open_for(spec)?;
+    let launch = Launch::open(spec)?;
+    let (signals, timers) = (&launch.signals, launch.timers.as_ref());
     let mut restart_count = 0;
     loop {
         let mut group = Group::spawn(
             spec,
             restart_count,
             restart_count.into(),
-            Outputs {
-                stdout: &stdout,
-                stderr: &stderr,
-                telemetry: telemetry.as_ref(),
-                timers: timers.as_ref(),
-                activity: &activity,
-            },
+            launch.outputs(&stdout, &stderr),
             events,
         )?;
         let failure = loop {
@@ -152,7 +144,7 @@ pub fn launch(
                     return Ok(Outcome::Succeeded);
                 }
                 Status::Trouble(t) => {
-                    break with_timer(group.stop_troubled(spec.grace, t), timers.as_ref());
+                    break with_timer(group.stop_troubled(spec.grace, t), timers);
                 }
             }
         };
@@ -511,6 +503,41 @@ impl Group {
 }
 
 /// Where a group's workers write: their stdout and stderr sinks, and the telemetry pipe.
+/// What a launch keeps across its attempts (both `launch` and the elastic agent): the stop
+/// signals, the workers' activity clock, the telemetry pipe and the file-timer server.
+pub(crate) struct Launch {
+    pub signals: StopSignals,
+    activity: Arc<Activity>,
+    telemetry: Option<TelemetryPipe>,
+    pub timers: Option<TimerServer>,
+}
+
+impl Launch {
+    pub(crate) fn open(spec: &LaunchSpec) -> Result<Launch, LaunchError> {
+        let signals = StopSignals::install()?;
+        let activity = Arc::new(Activity::default());
+        let telemetry = TelemetryPipe::open_for(spec, &activity)?;
+        let timers = TimerServer::open_for(spec)?;
+        Ok(Launch {
+            signals,
+            activity,
+            telemetry,
+            timers,
+        })
+    }
+
+    /// What an attempt's workers write to, with `stdout` and `stderr`.
+    pub(crate) fn outputs<'a>(&'a self, stdout: &'a Sink, stderr: &'a Sink) -> Outputs<'a> {
+        Outputs {
+            stdout,
+            stderr,
+            telemetry: self.telemetry.as_ref(),
+            timers: self.timers.as_ref(),
+            activity: &self.activity,
+        }
+    }
+}
+
 /// What a launch's groups share: where the workers write (stdout and stderr sinks, the
 /// telemetry pipe), the file-timer server, and the clock of their last line.
 #[derive(Clone, Copy)]

@@ -544,22 +544,27 @@ pub(crate) mod tests {
         (snap, momentum)
     }
 
+    /// A seed-CNN checkpoint written to `path` by [`save_checkpoint`]: its network and bytes.
+    fn saved_at(path: &Path) -> (Snapshot, Vec<u8>) {
+        let (snap, momentum) = model_state();
+        save_checkpoint(
+            path,
+            &snap,
+            &momentum,
+            &progress(),
+            &ModelInfo::seed_cifar(),
+        )
+        .unwrap();
+        let bytes = std::fs::read(path).unwrap();
+        (snap, bytes)
+    }
+
     /// A real checkpoint's payload (safetensors with progress, model metadata and momentum).
     fn real_payload() -> &'static (Snapshot, Vec<u8>) {
         static PAYLOAD: std::sync::OnceLock<(Snapshot, Vec<u8>)> = std::sync::OnceLock::new();
         PAYLOAD.get_or_init(|| {
-            let (snap, momentum) = model_state();
             let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("ckpt");
-            save_checkpoint(
-                &path,
-                &snap,
-                &momentum,
-                &progress(),
-                &ModelInfo::seed_cifar(),
-            )
-            .unwrap();
-            let bytes = std::fs::read(&path).unwrap();
+            let (snap, bytes) = saved_at(&dir.path().join("ckpt"));
             (snap, bytes[HEADER..].to_vec())
         })
     }
@@ -624,18 +629,9 @@ pub(crate) mod tests {
 
     #[test]
     fn corruption_and_truncation_are_detected() {
-        let (snap, momentum) = model_state();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ckpt");
-        save_checkpoint(
-            &path,
-            &snap,
-            &momentum,
-            &progress(),
-            &ModelInfo::seed_cifar(),
-        )
-        .unwrap();
-        let good = std::fs::read(&path).unwrap();
+        let (snap, good) = saved_at(&path);
 
         let mut flipped = good.clone();
         let middle = flipped.len() / 2;
