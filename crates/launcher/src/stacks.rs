@@ -169,6 +169,11 @@ pub(crate) fn process_group(pid: u32) -> Option<u32> {
     rest.split_whitespace().nth(2)?.parse().ok()
 }
 
+/// The state letter of a /proc `stat` line (after the command's closing paren).
+fn thread_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
 /// Every thread of `pid` and where it waits in the kernel: `wchan`, and the kernel stack when
 /// /proc lets it be read (root).
 fn native_threads(pid: u32) -> Vec<Thread> {
@@ -199,6 +204,10 @@ fn native_threads(pid: u32) -> Vec<Thread> {
             let wchan = read("wchan");
             if frames.is_empty() && !wchan.is_empty() && wchan != "0" {
                 frames.push(format!("kernel: waiting in {wchan}"));
+            }
+            // A thread on a CPU has no place in the kernel: say so rather than nothing.
+            if frames.is_empty() && thread_state(&read("stat")) == Some('R') {
+                frames.push("running on a CPU (not waiting in the kernel)".into());
             }
             Thread {
                 name: format!("{} (tid {tid})", read("comm")),
@@ -268,6 +277,32 @@ mod tests {
         let at = format!("{}:5 in snooze: time.sleep(30)", script.display());
         assert!(d.innermost().starts_with(&at), "{d}");
         assert!(d.to_string().contains(":7 in <module>: snooze()"), "{d}");
+    }
+
+    #[test]
+    fn a_busy_native_thread_is_said_to_be_running() {
+        assert_eq!(thread_state("42 (trainctl) R 1 42 42 0"), Some('R'));
+        assert_eq!(thread_state("42 (a b) c) S 1"), Some('S'));
+        assert_eq!(thread_state("garbage"), None);
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let running = loop {
+            let d = dump(child.id());
+            let busy = d
+                .threads
+                .iter()
+                .any(|t| t.frames == ["running on a CPU (not waiting in the kernel)"]);
+            if busy || std::time::Instant::now() > deadline {
+                break busy;
+            }
+            std::thread::yield_now();
+        };
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(running, "a spinning shell is seen running");
     }
 
     #[test]
