@@ -135,6 +135,24 @@ fn python_stacks(pid: u32) -> Result<Vec<Thread>, String> {
         .collect())
 }
 
+/// Whether a worker's one-line place ([`Dump::innermost`]) is a wait in a collective (it waits
+/// for the others).
+pub(crate) fn in_collective(at: &str) -> bool {
+    at.split(" < ").any(|frame| {
+        frame.contains("torch/distributed/")
+            || [
+                "all_reduce",
+                "all_gather",
+                "reduce_scatter",
+                "broadcast",
+                "barrier",
+                "all_to_all",
+            ]
+            .iter()
+            .any(|op| frame.contains(&format!(" in {op}")))
+    })
+}
+
 /// Line `line` of `file`, trimmed, when the file can be read (at most 4 MiB of it).
 fn source_line(file: &str, line: i32) -> Option<String> {
     use std::io::{BufRead, Read};

@@ -371,7 +371,7 @@ impl Group {
             .collect();
         let lead = stuck
             .iter()
-            .find(|s| !in_collective(&s.at))
+            .find(|s| !stacks::in_collective(&s.at))
             .or(stuck.first())
             .map(|s| (s.rank, s.pid));
         // Every worker may have exited since the poll: then the report leads with the first.
@@ -409,7 +409,13 @@ impl Group {
     ) -> Option<PathBuf> {
         let path = match (&self.logs, &self.scratch) {
             (Some(dir), _) => dir.join("stacks.txt"),
-            (None, Some(scratch)) => scratch.with_extension("stacks.txt"),
+            // Beside the scratch folder, which goes with the group (a run id may hold dots, so
+            // the name is extended, not its extension replaced).
+            (None, Some(scratch)) => {
+                let mut name = scratch.file_name()?.to_os_string();
+                name.push(".stacks.txt");
+                scratch.with_file_name(name)
+            }
             (None, None) => return None,
         };
         let mut text = format!(
@@ -570,23 +576,6 @@ fn rank_dir(dir: &Path, rank: u32) -> Result<PathBuf, LaunchError> {
         source,
     })?;
     Ok(dir)
-}
-
-/// Whether a worker's innermost frames are a wait in a collective (it waits for the others).
-fn in_collective(at: &str) -> bool {
-    at.split(" < ").any(|frame| {
-        frame.contains("torch/distributed/")
-            || [
-                "all_reduce",
-                "all_gather",
-                "reduce_scatter",
-                "broadcast",
-                "barrier",
-                "all_to_all",
-            ]
-            .iter()
-            .any(|op| frame.contains(&format!(" in {op}")))
-    })
 }
 
 fn spawn(

@@ -19,13 +19,18 @@ fn fixture() -> PathBuf {
 
 /// The line of the fixture that raises, as the traceback names it.
 fn raising_line() -> String {
-    let text = std::fs::read_to_string(fixture()).unwrap();
-    let n = text
-        .lines()
-        .position(|l| l.contains("raise ValueError"))
-        .unwrap()
-        + 1;
+    let n = line_of(&fixture(), "raise ValueError");
     format!("records_like_torch.py:{n} in load_shard: raise ValueError(f\"bad shard {{n}}\")")
+}
+
+/// The number (from 1) of the first line of `file` that contains `needle`.
+fn line_of(file: &PathBuf, needle: &str) -> usize {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .position(|l| l.contains(needle))
+        .unwrap()
+        + 1
 }
 
 #[test]
@@ -195,15 +200,6 @@ fn etcd_both_hosts_print_the_same_root_cause() {
 
 fn hang_fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hangs.py")
-}
-
-fn line_of(file: &PathBuf, needle: &str) -> usize {
-    std::fs::read_to_string(file)
-        .unwrap()
-        .lines()
-        .position(|l| l.contains(needle))
-        .unwrap()
-        + 1
 }
 
 /// Rank 1 sleeps while rank 0 waits for it: with --hang-timeout 3 the hang is declared a few
@@ -380,4 +376,34 @@ fn a_hung_program_that_is_not_python_is_described_by_its_threads() {
     );
     assert!(stacks.contains("python stacks unavailable: "), "{stacks}");
     assert!(stacks.contains("thread sleep (tid "), "{stacks}");
+}
+
+/// Without --log-dir a hang's stacks go beside the temporary folder, named after the whole run
+/// id (dots included), and are kept.
+#[test]
+fn without_a_log_folder_the_stacks_are_kept_in_the_temporary_folder() {
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "1"])
+            .args(["--hang-timeout", "2", "--grace-period", "1"])
+            .args(["--rdzv-id", "job.v2", "--", "sleep", "60"]),
+    );
+    let path = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("stacks     : "))
+        .unwrap_or_else(|| panic!("no stacks file: {out}"));
+    let name = std::path::Path::new(path)
+        .file_name()
+        .unwrap()
+        .to_string_lossy();
+    assert!(
+        name.starts_with("trainctl-job.v2-") && name.ends_with("-attempt_0.stacks.txt"),
+        "{name}"
+    );
+    assert!(
+        std::fs::read_to_string(path)
+            .unwrap()
+            .contains("thread sleep (tid ")
+    );
+    std::fs::remove_file(path).unwrap();
 }
