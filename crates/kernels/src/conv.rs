@@ -3,17 +3,19 @@
 //! (module `winograd`), every other shape as batched im2col + GEMM (here).
 //!
 //! Images are processed in chunks whose size depends only on the layer's shape (so that the
-//! im2col matrix stays in cache), and chunks run in parallel on rayon's pool. Determinism:
-//! every chunk's arithmetic is fixed by its shape, and the weight gradient's per-chunk partial
-//! sums go to [`ACCUMULATORS`] accumulators (each a fixed, contiguous run of chunks, taken in
-//! order) that are added in a fixed order at the end. The result is bit-identical whatever
-//! the number of threads.
-
-use std::cell::RefCell;
+//! im2col matrix stays in cache), and chunks run in parallel on rayon's pool; inside a chunk,
+//! im2col and col2im run image by image and each GEMM by tiles of its output
+//! ([`par_matmul`]), so a layer that is one chunk (a ResNet's deep layers at batch 32) still
+//! uses every thread. Determinism: every chunk's and tile's arithmetic is fixed by the shape,
+//! and the weight gradient's per-chunk partial sums go to [`ACCUMULATORS`] accumulators (each a
+//! fixed, contiguous run of chunks, taken in order) that are added in a fixed order at the end.
+//! The result is bit-identical whatever the number of threads.
 
 use rayon::prelude::*;
 
-use crate::matmul::{Mat, matmul};
+use crate::layout::{transpose, transpose_each};
+use crate::matmul::{Mat, par_matmul};
+pub(crate) use crate::scratch::with_scratch;
 use crate::winograd::{self, WinogradWeight};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
@@ -132,35 +134,33 @@ pub struct PackedWeight {
 }
 
 impl PackedWeight {
-    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`.
+    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`: each output channel's
+    /// `[c_in][taps]` turned `[taps][c_in]`, then the whole `[c_out][k]` transposed.
     pub fn from_torch(shape: &ConvShape, weight: &[f32]) -> Self {
         assert_eq!(weight.len(), shape.weight_len(), "weight size");
-        let (co, ci) = (shape.c_out, shape.c_in);
-        let taps = shape.kernel[0] * shape.kernel[1];
-        let mut data = vec![0.0; weight.len()];
-        for o in 0..co {
-            for c in 0..ci {
-                for t in 0..taps {
-                    data[(t * ci + c) * co + o] = weight[(o * ci + c) * taps + t];
-                }
-            }
+        let (co, ci, taps) = (shape.c_out, shape.c_in, shape.kernel[0] * shape.kernel[1]);
+        if taps == 1 {
+            return PackedWeight {
+                data: transpose(weight, co, ci),
+            };
         }
-        PackedWeight { data }
+        let mut by_tap = crate::scratch::scratch(weight.len());
+        transpose_each(weight, &mut by_tap, ci, taps);
+        PackedWeight {
+            data: transpose(&by_tap, co, taps * ci),
+        }
     }
 }
 
 /// A packed `[k, c_out]` matrix (a weight gradient) back into PyTorch's layout.
 fn unpack_to_torch(shape: &ConvShape, packed: &[f32]) -> Vec<f32> {
-    let (co, ci) = (shape.c_out, shape.c_in);
-    let taps = shape.kernel[0] * shape.kernel[1];
-    let mut out = vec![0.0; packed.len()];
-    for o in 0..co {
-        for c in 0..ci {
-            for t in 0..taps {
-                out[(o * ci + c) * taps + t] = packed[(t * ci + c) * co + o];
-            }
-        }
+    let (co, ci, taps) = (shape.c_out, shape.c_in, shape.kernel[0] * shape.kernel[1]);
+    let by_tap = transpose(packed, taps * ci, co);
+    if taps == 1 {
+        return by_tap;
     }
+    let mut out = vec![0.0; packed.len()];
+    transpose_each(&by_tap, &mut out, taps, ci);
     out
 }
 
@@ -238,29 +238,6 @@ pub(crate) fn sum_partials(
         }
     }
     (dw, db)
-}
-
-thread_local! {
-    /// Per-thread scratch (im2col matrices, transformed tiles, masked gradients), reused across
-    /// calls: the training step allocates none of it after the first step.
-    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
-}
-
-/// Runs `f` with this thread's three scratch buffers, of `sizes` elements (contents unspecified).
-pub(crate) fn with_scratch<R>(
-    sizes: [usize; 3],
-    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
-) -> R {
-    SCRATCH.with(|cell| {
-        let mut bufs = cell.borrow_mut();
-        let [a, b, c] = &mut *bufs;
-        for (buf, size) in [&mut *a, &mut *b, &mut *c].into_iter().zip(sizes) {
-            if buf.len() < size {
-                buf.resize(size, 0.0);
-            }
-        }
-        f(&mut a[..sizes[0]], &mut b[..sizes[1]], &mut c[..sizes[2]])
-    })
 }
 
 /// The in-range kernel columns for output column `ox`: `(kx_lo, kx_hi, ix of kx_lo)`.
@@ -412,13 +389,15 @@ pub fn im2col_forward(
             let images = y.len() / (rows_img * co);
             let rows = images * rows_img;
             with_scratch([rows * k, 0, 0], |col, _, _| {
-                im2col(s, x, chunk * per_chunk, images, col);
+                col.par_chunks_mut(rows_img * k)
+                    .enumerate()
+                    .for_each(|(i, col)| im2col(s, x, chunk * per_chunk + i, 1, col));
                 if let Some(b) = bias {
                     for row in y.chunks_exact_mut(co) {
                         row.copy_from_slice(b);
                     }
                 }
-                matmul(
+                par_matmul(
                     y,
                     co,
                     Mat::rows(col, rows, k),
@@ -479,8 +458,10 @@ pub fn im2col_backward(
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
                 with_scratch([rows * k, rows * co, 0], |col, masked, _| {
                     let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
-                    im2col(s, x, n0, images, col);
-                    matmul(
+                    col.par_chunks_mut(rows_img * k)
+                        .enumerate()
+                        .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+                    par_matmul(
                         &mut dw,
                         co,
                         Mat::rows(col, rows, k).t(),
@@ -489,14 +470,17 @@ pub fn im2col_backward(
                     );
                     if let Some(dx_chunk) = dx_chunk {
                         // The im2col matrix is not needed any more: reuse it for dcol.
-                        matmul(
+                        par_matmul(
                             col,
                             k,
                             Mat::rows(g, rows, co),
                             Mat::rows(&weight.data, k, co).t(),
                             false,
                         );
-                        col2im(s, col, images, dx_chunk);
+                        dx_chunk
+                            .par_chunks_mut(image_len)
+                            .zip(col.par_chunks(rows_img * k))
+                            .for_each(|(dx, dcol)| col2im(s, dcol, 1, dx));
                     }
                 });
             }

@@ -30,6 +30,42 @@ fn transpose_batched(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
         });
 }
 
+/// `dst` = the transpose of the row-major `rows × cols` matrix `src`, by bands of `dst`'s rows
+/// on rayon's threads (each element is a copy: the result cannot depend on the thread count).
+pub fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
+    assert_eq!(src.len(), rows * cols, "transpose source size");
+    assert_eq!(dst.len(), rows * cols, "transpose destination size");
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    dst.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(band, d)| {
+            let c0 = band * TILE;
+            for r0 in (0..rows).step_by(TILE) {
+                let r1 = (r0 + TILE).min(rows);
+                for (dc, out) in d.chunks_exact_mut(rows).enumerate() {
+                    for (r, o) in (r0..r1).zip(&mut out[r0..r1]) {
+                        *o = src[r * cols + c0 + dc];
+                    }
+                }
+            }
+        });
+}
+
+/// [`transpose_into`] a new vector.
+pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut dst = vec![0.0; src.len()];
+    transpose_into(src, &mut dst, rows, cols);
+    dst
+}
+
+/// Transposes each `rows × cols` matrix of `src` in place of itself in `dst` (same layout of
+/// matrices, each transposed), in parallel over the matrices.
+pub fn transpose_each(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
+    transpose_batched(src, dst, rows, cols)
+}
+
 /// `[n, c, h, w]` → `[n, h, w, c]`.
 pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     let mut dst = vec![0.0; src.len()];
@@ -64,5 +100,22 @@ mod tests {
             }
         }
         assert_eq!(nhwc_to_nchw(&nhwc, c, h * w), src);
+    }
+
+    #[test]
+    fn a_single_transpose_of_any_size_puts_every_element_in_place() {
+        for (rows, cols) in [(1, 1), (3, 40), (40, 3), (33, 17), (0, 5)] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let t = transpose(&src, rows, cols);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        t[c * rows + r],
+                        src[r * cols + c],
+                        "{rows}×{cols} at ({r}, {c})"
+                    );
+                }
+            }
+        }
     }
 }

@@ -12,6 +12,7 @@ pub mod layout;
 pub mod matmul;
 pub mod norm;
 pub mod pool;
+mod scratch;
 pub mod winograd;
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
 //! A safe face on the `gemm` crate: strided matrix views checked against their slices.
 //!
-//! Every call runs on the calling thread (`Parallelism::None`): the kernels parallelise over
-//! chunks of images themselves, so that the result of a chunk never depends on how many threads
-//! there are.
+//! Every gemm call runs on the calling thread (`Parallelism::None`). [`par_matmul`] shares one
+//! product out to rayon's threads itself, by tiles of the destination whose bounds depend only
+//! on the shapes: each destination element is computed whole, by one thread, in the same order
+//! whatever the thread count, so the result is bit-identical with 1 thread or 64.
+
+use rayon::prelude::*;
 
 /// A read-only matrix view: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
 #[derive(Clone, Copy)]
@@ -24,6 +27,29 @@ impl<'a> Mat<'a> {
             row_stride: cols,
             col_stride: 1,
         }
+    }
+
+    /// Rows `range` of this view (no copy).
+    pub fn row_range(self, range: std::ops::Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= self.rows,
+            "row range {range:?} of {}",
+            self.rows
+        );
+        Mat {
+            data: if range.is_empty() || self.cols == 0 {
+                &self.data[..0]
+            } else {
+                &self.data[range.start * self.row_stride..]
+            },
+            rows: range.len(),
+            ..self
+        }
+    }
+
+    /// Columns `range` of this view (no copy).
+    pub fn col_range(self, range: std::ops::Range<usize>) -> Self {
+        self.t().row_range(range).t()
     }
 
     /// The transpose of this view (no copy).
@@ -61,36 +87,124 @@ fn fits(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usi
 }
 
 /// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`; `dst` is row-major with
-/// `dst_stride` between rows.
+/// `dst_stride` between rows. On the calling thread.
 pub fn matmul(dst: &mut [f32], dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs);
+    // SAFETY: `check_product` proved every view lies inside its slice, and `dst` is borrowed
+    // mutably while the inputs are shared borrows, so they cannot overlap.
+    unsafe { gemm_unchecked(dst.as_mut_ptr(), dst_stride, lhs, rhs, accumulate) }
+}
+
+/// Multiply-adds from which a product is worth a second tile (about 20 µs of one core)...
+const TILE_MIN_MACS: usize = 1 << 21;
+/// ...and rows or columns below which a tile would pack more than it computes.
+const TILE_MIN_SIDE: usize = 128;
+/// The most tiles one product is split into.
+const MAX_TILES: usize = 8;
+
+/// How [`par_matmul`] splits an `m × n` product with inner dimension `k`: into `tiles` bands of
+/// rows (`by_rows`) or of columns, each a multiple of 16 long but the last. A function of the
+/// shape alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    pub tiles: usize,
+    pub by_rows: bool,
+    pub band: usize,
+}
+
+impl Tiling {
+    pub fn of(m: usize, n: usize, k: usize) -> Self {
+        let by_rows = m >= n;
+        let side = if by_rows { m } else { n };
+        let tiles = (side / TILE_MIN_SIDE)
+            .min(m * n * k / TILE_MIN_MACS)
+            .clamp(1, MAX_TILES);
+        let band = side.div_ceil(tiles).next_multiple_of(16).max(1);
+        Tiling {
+            tiles: side.div_ceil(band).max(1),
+            by_rows,
+            band,
+        }
+    }
+}
+
+/// [`matmul`] shared out to rayon's threads by the tiles of [`Tiling::of`]: bit-identical to
+/// itself whatever the thread count (not necessarily to [`matmul`]).
+pub fn par_matmul(dst: &mut [f32], dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs);
+    let (m, n) = (lhs.rows, rhs.cols);
+    let plan = Tiling::of(m, n, lhs.cols);
+    if plan.tiles == 1 {
+        return matmul(dst, dst_stride, lhs, rhs, accumulate);
+    }
+    let dst = SharedDst(dst.as_mut_ptr());
+    (0..plan.tiles).into_par_iter().for_each(|tile| {
+        let start = tile * plan.band;
+        let side = if plan.by_rows { m } else { n };
+        let band = start..(start + plan.band).min(side);
+        let (offset, lhs, rhs) = if plan.by_rows {
+            (band.start * dst_stride, lhs.row_range(band), rhs)
+        } else {
+            (band.start, lhs, rhs.col_range(band))
+        };
+        // SAFETY: the whole destination was checked above; the tiles are disjoint bands of
+        // it (rows or columns), so no element is written by two threads, and nothing else
+        // reads or writes `dst` until every tile has finished (`for_each` joins them).
+        unsafe { gemm_unchecked(dst.at(offset), dst_stride, lhs, rhs, accumulate) }
+    });
+}
+
+/// The destination pointer, shared by tiles that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedDst(*mut f32);
+// SAFETY: see `par_matmul`: every thread writes its own elements only.
+unsafe impl Send for SharedDst {}
+unsafe impl Sync for SharedDst {}
+
+impl SharedDst {
+    fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: `offset` is the first element of a tile inside the checked destination.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Panics unless the views lie inside their slices and an `m × n` destination with
+/// `dst_stride` fits in `dst_len` elements.
+fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat) {
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     assert_eq!(rhs.rows, k, "matmul: inner dimensions differ");
     lhs.check("matmul lhs");
     rhs.check("matmul rhs");
     assert!(
-        fits(dst.len(), m, n, dst_stride, 1),
-        "matmul: a {m}×{n} destination with row stride {dst_stride} overruns its {} elements",
-        dst.len()
+        fits(dst_len, m, n, dst_stride, 1),
+        "matmul: a {m}×{n} destination with row stride {dst_stride} overruns its {dst_len} elements"
     );
+}
+
+/// # Safety
+/// `lhs` and `rhs` lie inside their slices, and the `lhs.rows × rhs.cols` elements at `dst`
+/// (row stride `dst_stride`) are valid for writes, read or written by no one else meanwhile.
+unsafe fn gemm_unchecked(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            for row in dst.chunks_mut(dst_stride).take(m) {
-                row[..n].fill(0.0);
+            for i in 0..m {
+                // SAFETY: row `i` of the destination, valid per the contract.
+                unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_stride), n) }.fill(0.0);
             }
         }
         return;
     }
-    // SAFETY: every view was checked above to lie inside its slice, and `dst` is borrowed
-    // mutably while the inputs are shared borrows, so they cannot overlap.
+    // SAFETY: per the contract.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_stride as isize,
             accumulate,
@@ -142,6 +256,63 @@ mod tests {
         matmul(&mut dst, 4, lhs, rhs, true);
         let twice: Vec<f32> = naive(lhs, rhs).iter().map(|v| 2.0 * v).collect();
         assert_eq!(dst, twice);
+    }
+
+    #[test]
+    fn tiled_products_match_a_naive_product_and_any_thread_count() {
+        // Split by rows, by columns, and not at all; transposed views and accumulation.
+        for (m, n, k, transposed) in [
+            (700, 40, 300, false),
+            (30, 900, 200, true),
+            (50, 60, 70, false),
+        ] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919) % 23) as f32 / 11.0 - 1.0)
+                .collect();
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 104729) % 19) as f32 / 9.0 - 1.0)
+                .collect();
+            let lhs = if transposed {
+                Mat::rows(&a, k, m).t()
+            } else {
+                Mat::rows(&a, m, k)
+            };
+            let rhs = Mat::rows(&b, k, n);
+            let want = naive(lhs, rhs);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut dst = vec![0.5; m * (n + 3)];
+                pool.install(|| par_matmul(&mut dst, n + 3, lhs, rhs, true));
+                dst
+            };
+            let one = run(1);
+            for (i, row) in one.chunks(n + 3).enumerate() {
+                for (j, v) in row.iter().enumerate() {
+                    let expected = if j < n {
+                        0.5 + want[i * n + j] as f64
+                    } else {
+                        0.5
+                    };
+                    assert!(
+                        (*v as f64 - expected).abs() < 1e-3,
+                        "({i}, {j}) of {m}×{n}×{k}: {v} vs {expected}"
+                    );
+                }
+            }
+            for threads in [2, 3, 5] {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&run(threads)) == bits(&one),
+                    "{m}×{n}×{k} differs at {threads} threads"
+                );
+            }
+        }
+        assert!(Tiling::of(700, 40, 300).tiles > 1 && Tiling::of(700, 40, 300).by_rows);
+        assert!(Tiling::of(30, 900, 200).tiles > 1 && !Tiling::of(30, 900, 200).by_rows);
+        assert_eq!(Tiling::of(50, 60, 70).tiles, 1);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use proptest::prelude::*;
 
 use crate::conv::{self, ConvShape, PackedWeight, Prepared};
-use crate::winograd::WinogradWeight;
+use crate::matmul;
+use crate::winograd::{self, WinogradWeight};
 
 /// Direct convolution, NHWC input, PyTorch-layout weight, f64 sums.
 fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<f64> {
@@ -200,11 +201,9 @@ fn resnet_shapes_match_the_direct_convolution() {
     }
 }
 
-#[test]
-fn results_are_bit_identical_whatever_the_thread_count() {
-    // Enough images for several chunks and every accumulator.
-    let s = shape3x3(40, 16, 32, 32);
-    assert!(s.batch.div_ceil(s.images_per_chunk()) > conv::ACCUMULATORS);
+/// Forward and all gradients of `s` with each algorithm that computes it, at 1 thread and at 2,
+/// 3 and 5: bit for bit the same.
+fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
     let x = values(s.input_len(), 7);
     let w = values(s.weight_len(), 8);
     let dy = values(s.output_len(), 9);
@@ -220,10 +219,11 @@ fn results_are_bit_identical_whatever_the_thread_count() {
         })
     };
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for packed in [
-        Prepared::Im2col(PackedWeight::from_torch(&s, &w)),
-        Prepared::Winograd(WinogradWeight::from_torch(&s, &w)),
-    ] {
+    let mut algorithms = vec![Prepared::Im2col(PackedWeight::from_torch(&s, &w))];
+    if winograd::applies(&s, 1) {
+        algorithms.push(Prepared::Winograd(WinogradWeight::from_torch(&s, &w)));
+    }
+    for packed in algorithms {
         let one = run(&packed, 1);
         for threads in [2, 3, 5] {
             let other = run(&packed, threads);
@@ -236,9 +236,37 @@ fn results_are_bit_identical_whatever_the_thread_count() {
             .iter()
             .zip(one.iter().zip(&other))
             {
-                assert!(bits(a) == bits(b), "{what} differs at {threads} threads");
+                assert!(
+                    bits(a) == bits(b),
+                    "{what} differs at {threads} threads for {s:?}"
+                );
             }
         }
+    }
+}
+
+#[test]
+fn results_are_bit_identical_whatever_the_thread_count() {
+    // Enough images for several chunks and every accumulator.
+    let s = shape3x3(40, 16, 32, 32);
+    assert!(s.batch.div_ceil(s.images_per_chunk()) > conv::ACCUMULATORS);
+    assert_bit_identical_at_any_thread_count(s);
+}
+
+#[test]
+fn a_layer_of_one_chunk_shared_by_tiles_is_bit_identical_whatever_the_thread_count() {
+    // A ResNet's deep layers: the whole batch is one chunk, its GEMMs split into tiles.
+    let deep = shape3x3(4, 64, 256, 4);
+    assert_eq!(deep.images_per_chunk(), deep.batch);
+    assert!(matmul::Tiling::of(deep.k(), deep.c_out, 16 * deep.batch).tiles > 1);
+    let projection = ConvShape {
+        kernel: [1, 1],
+        stride: [2, 2],
+        padding: [0, 0],
+        ..shape3x3(1, 128, 256, 8)
+    };
+    for s in [deep, projection, shape3x3(1, 32, 48, 5)] {
+        assert_bit_identical_at_any_thread_count(s);
     }
 }
 

@@ -9,14 +9,17 @@
 //!   `dV[ξ] = dM[ξ] · U[ξ]ᵀ`, scattered back as `dd = B dV Bᵀ` into the overlapping input tiles.
 //!
 //! Chunks of images and the weight gradient's accumulators work as in `conv` (deterministic
-//! whatever the thread count).
+//! whatever the thread count); inside a chunk the transforms run image by image and the 16
+//! GEMMs side by side, each on one thread.
 
 use rayon::prelude::*;
 
 use crate::conv::{
     ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials, with_scratch,
 };
+use crate::layout::transpose;
 use crate::matmul::{Mat, matmul};
+use crate::scratch::scratch;
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
 const CHUNK_BYTES: usize = 6 << 20;
@@ -34,67 +37,75 @@ pub struct WinogradWeight {
 }
 
 impl WinogradWeight {
-    /// `U = G g Gᵀ` for every (input, output) channel pair, from PyTorch's `[c_out, c_in, 3, 3]`.
+    /// `U = G g Gᵀ` for every (input, output) channel pair, from PyTorch's `[c_out, c_in, 3, 3]`:
+    /// each output channel's `[16][c_in]` on its own thread, then one transpose.
     pub fn from_torch(s: &ConvShape, weight: &[f32]) -> Self {
         assert_eq!(weight.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
-        let mut data = vec![0.0; 16 * ci * co];
-        // Output channel innermost: the 16 destinations are each written contiguously.
-        for c in 0..ci {
-            for o in 0..co {
-                let g = &weight[(o * ci + c) * 9..][..9];
-                // G g (4×3), then (G g) Gᵀ (4×4).
-                let mut gg = [[0.0f32; 3]; 4];
-                for j in 0..3 {
-                    let (a, b, d) = (g[j], g[3 + j], g[6 + j]);
-                    gg[0][j] = a;
-                    gg[1][j] = 0.5 * (a + b + d);
-                    gg[2][j] = 0.5 * (a - b + d);
-                    gg[3][j] = d;
-                }
-                for (i, row) in gg.iter().enumerate() {
-                    let (a, b, d) = (row[0], row[1], row[2]);
-                    let u = [a, 0.5 * (a + b + d), 0.5 * (a - b + d), d];
-                    for (j, v) in u.into_iter().enumerate() {
-                        data[((i * 4 + j) * ci + c) * co + o] = v;
+        let mut by_output = scratch(16 * ci * co);
+        by_output
+            .par_chunks_mut(16 * ci)
+            .zip(weight.par_chunks(9 * ci))
+            .for_each(|(u, w)| {
+                for (c, g) in w.chunks_exact(9).enumerate() {
+                    // G g (4×3), then (G g) Gᵀ (4×4).
+                    let mut gg = [[0.0f32; 3]; 4];
+                    for j in 0..3 {
+                        let (a, b, d) = (g[j], g[3 + j], g[6 + j]);
+                        gg[0][j] = a;
+                        gg[1][j] = 0.5 * (a + b + d);
+                        gg[2][j] = 0.5 * (a - b + d);
+                        gg[3][j] = d;
+                    }
+                    for (i, row) in gg.iter().enumerate() {
+                        let (a, b, d) = (row[0], row[1], row[2]);
+                        let values = [a, 0.5 * (a + b + d), 0.5 * (a - b + d), d];
+                        for (j, v) in values.into_iter().enumerate() {
+                            u[(i * 4 + j) * ci + c] = v;
+                        }
                     }
                 }
-            }
+            });
+        WinogradWeight {
+            data: transpose(&by_output, co, 16 * ci),
         }
-        WinogradWeight { data }
     }
 }
 
-/// `dW = Gᵀ dU G` back into PyTorch's layout.
+/// `dW = Gᵀ dU G` back into PyTorch's layout: one transpose, then each output channel on its
+/// own thread.
 fn weight_grad_to_torch(s: &ConvShape, du: &[f32]) -> Vec<f32> {
     let (ci, co) = (s.c_in, s.c_out);
+    let mut by_output = scratch(du.len());
+    crate::layout::transpose_into(du, &mut by_output, 16 * ci, co);
     let mut out = vec![0.0; s.weight_len()];
-    for o in 0..co {
-        for c in 0..ci {
-            let m = |i: usize, j: usize| du[((i * 4 + j) * ci + c) * co + o];
-            // Gᵀ dU (3×4): Gᵀ rows are [1, ½, ½, 0], [0, ½, -½, 0], [0, ½, ½, 1].
-            let mut t = [[0.0f32; 4]; 3];
-            let [r0, r1, r2] = &mut t;
-            for (j, ((t0, t1), t2)) in r0
-                .iter_mut()
-                .zip(r1.iter_mut())
-                .zip(r2.iter_mut())
-                .enumerate()
-            {
-                let (a, b, d, e) = (m(0, j), m(1, j), m(2, j), m(3, j));
-                *t0 = a + 0.5 * (b + d);
-                *t1 = 0.5 * (b - d);
-                *t2 = 0.5 * (b + d) + e;
+    out.par_chunks_mut(9 * ci)
+        .zip(by_output.par_chunks(16 * ci))
+        .for_each(|(w_out, du)| {
+            for (c, w) in w_out.chunks_exact_mut(9).enumerate() {
+                let m = |i: usize, j: usize| du[(i * 4 + j) * ci + c];
+                // Gᵀ dU (3×4): Gᵀ rows are [1, ½, ½, 0], [0, ½, -½, 0], [0, ½, ½, 1].
+                let mut t = [[0.0f32; 4]; 3];
+                let [r0, r1, r2] = &mut t;
+                for (j, ((t0, t1), t2)) in r0
+                    .iter_mut()
+                    .zip(r1.iter_mut())
+                    .zip(r2.iter_mut())
+                    .enumerate()
+                {
+                    let (a, b, d, e) = (m(0, j), m(1, j), m(2, j), m(3, j));
+                    *t0 = a + 0.5 * (b + d);
+                    *t1 = 0.5 * (b - d);
+                    *t2 = 0.5 * (b + d) + e;
+                }
+                for (i, row) in t.iter().enumerate() {
+                    let (a, b, d, e) = (row[0], row[1], row[2], row[3]);
+                    w[i * 3] = a + 0.5 * (b + d);
+                    w[i * 3 + 1] = 0.5 * (b - d);
+                    w[i * 3 + 2] = 0.5 * (b + d) + e;
+                }
             }
-            let w = &mut out[(o * ci + c) * 9..][..9];
-            for (i, row) in t.iter().enumerate() {
-                let (a, b, d, e) = (row[0], row[1], row[2], row[3]);
-                w[i * 3] = a + 0.5 * (b + d);
-                w[i * 3 + 1] = 0.5 * (b - d);
-                w[i * 3 + 2] = 0.5 * (b + d) + e;
-            }
-        }
-    }
+        });
     out
 }
 
@@ -200,8 +211,34 @@ fn four_mut(buf: &mut [f32], at: usize, step: usize, len: usize) -> [&mut [f32];
     [&mut a[..len], &mut b[..len], &mut c[..len], &mut d[..len]]
 }
 
+/// `buf`, `[16][images · piece]`, as each image's 16 pieces: the transformed tiles of one image
+/// in each of the 16 planes, for the image's own thread to write.
+fn planes_per_image(buf: &mut [f32], images: usize, piece: usize) -> Vec<Vec<&mut [f32]>> {
+    let mut out: Vec<Vec<&mut [f32]>> = (0..images).map(|_| Vec::with_capacity(16)).collect();
+    for plane in buf.chunks_mut(images * piece).take(16) {
+        for (pieces, p) in out.iter_mut().zip(plane.chunks_mut(piece)) {
+            pieces.push(p);
+        }
+    }
+    out
+}
+
+/// Four of an image's planes (`planes[4i..4i + 4]`), at tile `t` of `c` values.
+fn four_planes<'a>(
+    planes: &'a mut [&mut [f32]],
+    i: usize,
+    t: usize,
+    c: usize,
+) -> [&'a mut [f32]; 4] {
+    let [p0, p1, p2, p3] = &mut planes[4 * i..4 * i + 4] else {
+        unreachable!("four planes")
+    };
+    [p0, p1, p2, p3].map(|p| &mut p[t * c..][..c])
+}
+
 /// The 4×4 input block of tile (ty, tx) of `img` (zeros outside the image) through `Bᵀ d B`
-/// into `v` (`[16][tiles][c]`, tile index `t`). `d` and `r` are scratch of `16 · c`.
+/// into the image's 16 planes of `v` (each `[tiles][c]`, tile index `t`). `d` and `r` are
+/// scratch of `16 · c`.
 #[allow(clippy::too_many_arguments)]
 fn input_transform(
     s: &ConvShape,
@@ -209,8 +246,7 @@ fn input_transform(
     ty: usize,
     tx: usize,
     t: usize,
-    tiles: usize,
-    v: &mut [f32],
+    v: &mut [&mut [f32]],
     d: &mut [f32],
     r: &mut [f32],
 ) {
@@ -235,24 +271,26 @@ fn input_transform(
     // (Bᵀ d) B along each row i: V[ξ = 4i + j].
     for i in 0..4 {
         let src = four(r, i * 4 * c, c, c);
-        bt4(four_mut(v, ((i * 4) * tiles + t) * c, tiles * c, c), src);
+        bt4(four_planes(v, i, t, c), src);
     }
 }
 
-/// Fills `v` (`[16][tiles][c_in]`) for images `n0..n0 + images`.
+/// Fills `v` (`[16][tiles][c_in]`) for images `n0..n0 + images`, each image on its own thread.
 fn transform_inputs(s: &ConvShape, t: &Tiling, x: &[f32], n0: usize, images: usize, v: &mut [f32]) {
-    let tiles = images * t.per_image();
     let image_len = s.height * s.width * s.c_in;
-    let (mut d, mut r) = (vec![0.0f32; 16 * s.c_in], vec![0.0f32; 16 * s.c_in]);
-    for n in 0..images {
-        let img = &x[(n0 + n) * image_len..][..image_len];
-        for ty in 0..t.th {
-            for tx in 0..t.tw {
-                let tile = (n * t.th + ty) * t.tw + tx;
-                input_transform(s, img, ty, tx, tile, tiles, v, &mut d, &mut r);
+    planes_per_image(v, images, t.per_image() * s.c_in)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(n, mut planes)| {
+            let img = &x[(n0 + n) * image_len..][..image_len];
+            let (mut d, mut r) = (vec![0.0f32; 16 * s.c_in], vec![0.0f32; 16 * s.c_in]);
+            for ty in 0..t.th {
+                for tx in 0..t.tw {
+                    let tile = ty * t.tw + tx;
+                    input_transform(s, img, ty, tx, tile, &mut planes, &mut d, &mut r);
+                }
             }
-        }
-    }
+        });
 }
 
 /// `y = conv(x, w) + bias`, then ReLU when `relu`; `x` and `y` NHWC.
@@ -285,15 +323,18 @@ pub fn forward(
             let tiles = images * t.per_image();
             with_scratch([16 * tiles * ci, 16 * tiles * co, 0], |v, m, _| {
                 transform_inputs(s, &t, x, chunk * per_chunk, images, v);
-                for xi in 0..16 {
-                    matmul(
-                        &mut m[xi * tiles * co..][..tiles * co],
-                        co,
-                        Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
-                        Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co),
-                        false,
-                    );
-                }
+                let v = &*v;
+                m.par_chunks_mut(tiles * co)
+                    .enumerate()
+                    .for_each(|(xi, m)| {
+                        matmul(
+                            m,
+                            co,
+                            Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
+                            Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co),
+                            false,
+                        );
+                    });
                 output_transform(s, &t, m, tiles, images, bias, relu, y);
             });
         });
@@ -313,55 +354,58 @@ fn output_transform(
     y: &mut [f32],
 ) {
     let co = s.c_out;
-    // Aᵀ M (2 rows of 4), then the tile's 4 outputs, each a vector of co.
-    let mut r = vec![0.0f32; 8 * co];
-    let mut out = vec![0.0f32; 4 * co];
     let zeros = vec![0.0f32; co];
     let bias = bias.unwrap_or(&zeros);
-    for n in 0..images {
-        for ty in 0..t.th {
-            for tx in 0..t.tw {
-                let tile = (n * t.th + ty) * t.tw + tx;
-                for j in 0..4 {
-                    // Column j of M: M[i][j] = M[ξ = 4i + j].
-                    let col = four(m, (j * tiles + tile) * co, 4 * tiles * co, co);
-                    let [r0, r1] = two_mut(&mut r, j * co, 4 * co, co);
-                    add(r0, col[0], col[1]);
-                    add_into(r0, col[2]);
-                    sub(r1, col[1], col[2]);
-                    for (d, x) in r1.iter_mut().zip(col[3]) {
-                        *d -= x;
-                    }
-                }
-                for a in 0..2 {
-                    let row = four(&r, a * 4 * co, co, co);
-                    let [o0, o1] = two_mut(&mut out, 2 * a * co, co, co);
-                    add(o0, row[0], row[1]);
-                    add_into(o0, row[2]);
-                    add_into(o0, bias);
-                    sub(o1, row[1], row[2]);
-                    for ((d, x), b) in o1.iter_mut().zip(row[3]).zip(bias) {
-                        *d += b - x;
-                    }
-                }
-                for (k, vals) in out.chunks_exact(co).enumerate() {
-                    let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
-                    if oy >= t.oh || ox >= t.ow {
-                        continue;
-                    }
-                    let dst = &mut y[((n * t.oh + oy) * t.ow + ox) * co..][..co];
-                    if relu {
-                        for (d, v) in dst.iter_mut().zip(vals) {
-                            // `<`: a NaN stays a NaN.
-                            *d = if *v < 0.0 { 0.0 } else { *v };
+    let y = &mut y[..images * t.oh * t.ow * co];
+    y.par_chunks_mut(t.oh * t.ow * co)
+        .enumerate()
+        .for_each(|(n, y)| {
+            // Aᵀ M (2 rows of 4), then the tile's 4 outputs, each a vector of co.
+            let mut r = vec![0.0f32; 8 * co];
+            let mut out = vec![0.0f32; 4 * co];
+            for ty in 0..t.th {
+                for tx in 0..t.tw {
+                    let tile = (n * t.th + ty) * t.tw + tx;
+                    for j in 0..4 {
+                        // Column j of M: M[i][j] = M[ξ = 4i + j].
+                        let col = four(m, (j * tiles + tile) * co, 4 * tiles * co, co);
+                        let [r0, r1] = two_mut(&mut r, j * co, 4 * co, co);
+                        add(r0, col[0], col[1]);
+                        add_into(r0, col[2]);
+                        sub(r1, col[1], col[2]);
+                        for (d, x) in r1.iter_mut().zip(col[3]) {
+                            *d -= x;
                         }
-                    } else {
-                        dst.copy_from_slice(vals);
+                    }
+                    for a in 0..2 {
+                        let row = four(&r, a * 4 * co, co, co);
+                        let [o0, o1] = two_mut(&mut out, 2 * a * co, co, co);
+                        add(o0, row[0], row[1]);
+                        add_into(o0, row[2]);
+                        add_into(o0, bias);
+                        sub(o1, row[1], row[2]);
+                        for ((d, x), b) in o1.iter_mut().zip(row[3]).zip(bias) {
+                            *d += b - x;
+                        }
+                    }
+                    for (k, vals) in out.chunks_exact(co).enumerate() {
+                        let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
+                        if oy >= t.oh || ox >= t.ow {
+                            continue;
+                        }
+                        let dst = &mut y[(oy * t.ow + ox) * co..][..co];
+                        if relu {
+                            for (d, v) in dst.iter_mut().zip(vals) {
+                                // `<`: a NaN stays a NaN.
+                                *d = if *v < 0.0 { 0.0 } else { *v };
+                            }
+                        } else {
+                            dst.copy_from_slice(vals);
+                        }
                     }
                 }
             }
-        }
-    }
+        });
 }
 
 /// Two `len`-long pieces of `buf`, at `at` and `at + step` (`step >= len`).
@@ -412,28 +456,31 @@ pub fn backward(
                     |v, dm, masked| {
                         let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
                         transform_inputs(s, &t, x, n0, images, v);
-                        output_grad_transform(&t, g, tiles, images, co, dm);
-                        for xi in 0..16 {
+                        output_grad_transform(&t, g, images, co, dm);
+                        let dm = &*dm;
+                        du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
                             matmul(
-                                &mut du[xi * ci * co..][..ci * co],
+                                du,
                                 co,
                                 Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
                                 Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
                                 true,
                             );
-                        }
+                        });
                         if let Some(dx_chunk) = dx_chunk {
                             // V is not needed any more: dV goes in its place.
-                            for xi in 0..16 {
-                                matmul(
-                                    &mut v[xi * tiles * ci..][..tiles * ci],
-                                    ci,
-                                    Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                                    Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co).t(),
-                                    false,
-                                );
-                            }
-                            input_grad_transform(s, &t, v, tiles, images, dx_chunk);
+                            v.par_chunks_mut(tiles * ci)
+                                .enumerate()
+                                .for_each(|(xi, dv)| {
+                                    matmul(
+                                        dv,
+                                        ci,
+                                        Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
+                                        Mat::rows(&u.data[xi * ci * co..][..ci * co], ci, co).t(),
+                                        false,
+                                    );
+                                });
+                            input_grad_transform(s, &t, v, tiles, dx_chunk);
                         }
                     },
                 );
@@ -450,97 +497,91 @@ pub fn backward(
     }
 }
 
-/// `dM = A dy Aᵀ` per tile (`dy` of the chunk's images, zero past the output's edge).
-fn output_grad_transform(
-    t: &Tiling,
-    g: &[f32],
-    tiles: usize,
-    images: usize,
-    co: usize,
-    dm: &mut [f32],
-) {
+/// `dM = A dy Aᵀ` per tile (`dy` of the chunk's images, zero past the output's edge), each
+/// image on its own thread.
+fn output_grad_transform(t: &Tiling, g: &[f32], images: usize, co: usize, dm: &mut [f32]) {
     let zeros = vec![0.0f32; co];
-    // A dy: 4 rows of 2 vectors.
-    let mut sr = vec![0.0f32; 8 * co];
-    for n in 0..images {
-        for ty in 0..t.th {
-            for tx in 0..t.tw {
-                let tile = (n * t.th + ty) * t.tw + tx;
-                let pos = |a: usize, b: usize| {
-                    let (oy, ox) = (2 * ty + a, 2 * tx + b);
-                    if oy < t.oh && ox < t.ow {
-                        &g[((n * t.oh + oy) * t.ow + ox) * co..][..co]
-                    } else {
-                        &zeros[..]
+    let out_image = t.oh * t.ow * co;
+    planes_per_image(dm, images, t.per_image() * co)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(n, mut planes)| {
+            let g = &g[n * out_image..][..out_image];
+            // A dy: 4 rows of 2 vectors.
+            let mut sr = vec![0.0f32; 8 * co];
+            for ty in 0..t.th {
+                for tx in 0..t.tw {
+                    let tile = ty * t.tw + tx;
+                    let pos = |a: usize, b: usize| {
+                        let (oy, ox) = (2 * ty + a, 2 * tx + b);
+                        if oy < t.oh && ox < t.ow {
+                            &g[(oy * t.ow + ox) * co..][..co]
+                        } else {
+                            &zeros[..]
+                        }
+                    };
+                    for b in 0..2 {
+                        // Column b of dy through A: [d0, d0 + d1, d0 - d1, -d1].
+                        let (d0, d1) = (pos(0, b), pos(1, b));
+                        let [s0, s1, s2, s3] = four_mut(&mut sr, b * co, 2 * co, co);
+                        s0.copy_from_slice(d0);
+                        add(s1, d0, d1);
+                        sub(s2, d0, d1);
+                        neg(s3, d1);
                     }
-                };
-                for b in 0..2 {
-                    // Column b of dy through A: [d0, d0 + d1, d0 - d1, -d1].
-                    let (d0, d1) = (pos(0, b), pos(1, b));
-                    let [s0, s1, s2, s3] = four_mut(&mut sr, b * co, 2 * co, co);
-                    s0.copy_from_slice(d0);
-                    add(s1, d0, d1);
-                    sub(s2, d0, d1);
-                    neg(s3, d1);
-                }
-                for i in 0..4 {
-                    // Row i through Aᵀ on the right: [s0, s0 + s1, s0 - s1, -s1] into dM[4i + j].
-                    let (s0, s1) = (&sr[2 * i * co..][..co], &sr[(2 * i + 1) * co..][..co]);
-                    let [m0, m1, m2, m3] =
-                        four_mut(dm, ((i * 4) * tiles + tile) * co, tiles * co, co);
-                    m0.copy_from_slice(s0);
-                    add(m1, s0, s1);
-                    sub(m2, s0, s1);
-                    neg(m3, s1);
+                    for i in 0..4 {
+                        // Row i through Aᵀ on the right: [s0, s0 + s1, s0 - s1, -s1] into
+                        // dM[4i + j].
+                        let (s0, s1) = (&sr[2 * i * co..][..co], &sr[(2 * i + 1) * co..][..co]);
+                        let [m0, m1, m2, m3] = four_planes(&mut planes, i, tile, co);
+                        m0.copy_from_slice(s0);
+                        add(m1, s0, s1);
+                        sub(m2, s0, s1);
+                        neg(m3, s1);
+                    }
                 }
             }
-        }
-    }
+        });
 }
 
-/// `dd = B dV Bᵀ` per tile, added into the chunk's input gradient (dropping the padding).
-fn input_grad_transform(
-    s: &ConvShape,
-    t: &Tiling,
-    dv: &[f32],
-    tiles: usize,
-    images: usize,
-    dx: &mut [f32],
-) {
+/// `dd = B dV Bᵀ` per tile, added into the chunk's input gradient (dropping the padding), each
+/// image on its own thread.
+fn input_grad_transform(s: &ConvShape, t: &Tiling, dv: &[f32], tiles: usize, dx: &mut [f32]) {
     let c = s.c_in;
     let image_len = s.height * s.width * c;
-    let (mut r, mut dd) = (vec![0.0f32; 16 * c], vec![0.0f32; 16 * c]);
-    for n in 0..images {
-        let img = &mut dx[n * image_len..][..image_len];
-        for ty in 0..t.th {
-            for tx in 0..t.tw {
-                let tile = (n * t.th + ty) * t.tw + tx;
-                // B dV down each column j, then · Bᵀ along each row.
-                for j in 0..4 {
-                    let src = four(dv, (j * tiles + tile) * c, 4 * tiles * c, c);
-                    b4(four_mut(&mut r, j * c, 4 * c, c), src);
-                }
-                for i in 0..4 {
-                    let src = four(&r, i * 4 * c, c, c);
-                    b4(four_mut(&mut dd, i * 4 * c, c, c), src);
-                }
-                for i in 0..4 {
-                    let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
-                    if iy >= s.height {
-                        continue;
-                    }
+    dx.par_chunks_mut(image_len)
+        .enumerate()
+        .for_each(|(n, img)| {
+            let (mut r, mut dd) = (vec![0.0f32; 16 * c], vec![0.0f32; 16 * c]);
+            for ty in 0..t.th {
+                for tx in 0..t.tw {
+                    let tile = (n * t.th + ty) * t.tw + tx;
+                    // B dV down each column j, then · Bᵀ along each row.
                     for j in 0..4 {
-                        let ix = (2 * tx + j).wrapping_sub(s.padding[1]);
-                        if ix >= s.width {
+                        let src = four(dv, (j * tiles + tile) * c, 4 * tiles * c, c);
+                        b4(four_mut(&mut r, j * c, 4 * c, c), src);
+                    }
+                    for i in 0..4 {
+                        let src = four(&r, i * 4 * c, c, c);
+                        b4(four_mut(&mut dd, i * 4 * c, c, c), src);
+                    }
+                    for i in 0..4 {
+                        let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
+                        if iy >= s.height {
                             continue;
                         }
-                        add_into(
-                            &mut img[(iy * s.width + ix) * c..][..c],
-                            &dd[(i * 4 + j) * c..][..c],
-                        );
+                        for j in 0..4 {
+                            let ix = (2 * tx + j).wrapping_sub(s.padding[1]);
+                            if ix >= s.width {
+                                continue;
+                            }
+                            add_into(
+                                &mut img[(iy * s.width + ix) * c..][..c],
+                                &dd[(i * 4 + j) * c..][..c],
+                            );
+                        }
                     }
                 }
             }
-        }
-    }
+        });
 }

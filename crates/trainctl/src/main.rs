@@ -6,6 +6,20 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's `mi_option_purge_delay` (an index of its `mi_option_e`, which the Rust binding
+/// does not name).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed memory stays with the process instead of going back to the kernel 10 ms later
+/// (mimalloc's default): a training step frees and allocates the same large activations every
+/// step, and memory handed back comes back as fresh pages the kernel must zero (up to a
+/// quarter of a ResNet step's time; docs/PERFORMANCE.md). The footprint is the step's peak,
+/// which the process reaches every step anyway.
+fn keep_freed_memory() {
+    // SAFETY: sets an option; mimalloc allows it at any time, from any thread.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
 #[cfg(test)]
 mod argv_tests;
 mod commands;
@@ -70,6 +84,7 @@ enum Command {
 }
 
 fn main() {
+    keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -1,0 +1,113 @@
+//! Scratch buffers (im2col matrices, transformed tiles, masked gradients) reused across calls
+//! and steps: after the first step a training step allocates none of them, so no time goes to
+//! the kernel zeroing fresh pages.
+//!
+//! A process-wide pool rather than per-thread buffers: a kernel holding its scratch may wait in
+//! a rayon join, during which its thread runs other chunks that need scratch of their own.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Mutex;
+
+/// Buffers kept for reuse; more than the live ones of any step of the models trained here.
+const KEPT: usize = 32;
+
+static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// A buffer of `f32`s on loan from the pool (contents unspecified), returned on drop.
+pub(crate) struct Scratch(Vec<f32>);
+
+/// A buffer of `len` elements: the smallest kept one that holds them, else a new one.
+pub(crate) fn scratch(len: usize) -> Scratch {
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let fit = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.capacity() >= len)
+        .min_by_key(|(_, b)| b.capacity())
+        .map(|(i, _)| i);
+    let mut buf = match fit {
+        Some(i) => pool.swap_remove(i),
+        // None fits: grow the largest rather than keep it beside a new one.
+        None => match (0..pool.len()).max_by_key(|&i| pool[i].capacity()) {
+            Some(i) => pool.swap_remove(i),
+            None => Vec::new(),
+        },
+    };
+    drop(pool);
+    if buf.len() > len {
+        buf.truncate(len);
+    } else {
+        buf.resize(len, 0.0);
+    }
+    Scratch(buf)
+}
+
+impl Deref for Scratch {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl DerefMut for Scratch {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.0);
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < KEPT {
+            pool.push(buf);
+        } else if let Some(i) = (0..pool.len()).min_by_key(|&i| pool[i].capacity())
+            && pool[i].capacity() < buf.capacity()
+        {
+            pool[i] = buf;
+        }
+    }
+}
+
+/// Runs `f` with three scratch buffers of `sizes` elements (contents unspecified).
+pub(crate) fn with_scratch<R>(
+    sizes: [usize; 3],
+    f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R,
+) -> R {
+    let [mut a, mut b, mut c] = sizes.map(scratch);
+    f(&mut a, &mut b, &mut c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_returned_buffer_is_lent_again_and_resized() {
+        let first = {
+            let mut s = scratch(1000);
+            s[999] = 7.0;
+            s.as_ptr()
+        };
+        // The pool is shared with other tests: look for our buffer among a few loans.
+        let loans: Vec<Scratch> = (0..KEPT).map(|_| scratch(10)).collect();
+        assert!(loans.iter().all(|s| s.len() == 10));
+        assert!(
+            loans.iter().any(|s| s.as_ptr() == first),
+            "the buffer was not reused"
+        );
+    }
+
+    #[test]
+    fn nested_loans_on_one_thread_are_distinct() {
+        // (Per-thread buffers would be lent twice here, or refused.)
+        with_scratch([4, 4, 4], |a, b, c| {
+            with_scratch([4, 0, 0], |d, _, _| {
+                for (i, buf) in [&mut *a, &mut *b, &mut *c, &mut *d].into_iter().enumerate() {
+                    buf.fill(i as f32);
+                }
+                assert_eq!([a[0], b[0], c[0], d[0]], [0.0, 1.0, 2.0, 3.0]);
+            });
+        });
+    }
+}
