@@ -1,10 +1,11 @@
-//! The kernels' benchmark behind `trainctl bench --layers`: each convolution of the seed CNN
-//! timed alone by each algorithm, with Winograd's error against im2col.
+//! The kernels' benchmark behind `trainctl bench --layers`: each convolution of a network (the
+//! seed CNN's, or the shapes a ResNet's step used) timed alone by each algorithm that computes
+//! it, with Winograd's error against im2col.
 
 use std::time::Instant;
 
 use crate::conv::{self, ConvShape, PackedWeight, Prepared};
-use crate::winograd::WinogradWeight;
+use crate::winograd::{self, WinogradWeight};
 
 /// Forward and backward (both gradients) time of one algorithm on one layer.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -16,20 +17,23 @@ pub struct AlgorithmTimes {
     pub gflops_per_s: f64,
 }
 
-/// One 3×3 convolution of the seed CNN at its place in the network (input
-/// `[batch, c_in, size, size]`), by each of trainctl's algorithms.
+/// One convolution at its place in the network, by each of trainctl's algorithms that
+/// computes it (Winograd: stride-1 3×3 layers only).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerTimes {
     pub layer: String,
+    /// `[batch, c_in, height, width]`.
     pub input: [usize; 4],
     pub c_out: usize,
+    pub kernel: usize,
+    pub stride: usize,
     /// What the training step uses for this shape.
     pub chosen: &'static str,
     pub im2col: AlgorithmTimes,
-    pub winograd: AlgorithmTimes,
+    pub winograd: Option<AlgorithmTimes>,
     /// Largest difference between Winograd's and im2col's forward output and gradients,
     /// relative to the largest magnitude of each.
-    pub winograd_error: f64,
+    pub winograd_error: Option<f64>,
 }
 
 /// The seed CNN's convolutions: (name, c_in, c_out, spatial size).
@@ -42,26 +46,44 @@ pub const CONV_LAYERS: [(&str, usize, usize, usize); 6] = [
     ("network.14", 256, 256, 8),
 ];
 
+/// The seed CNN's convolutions at `batch_size`, named.
+pub fn seed_cnn_layers(batch_size: usize) -> Vec<(String, ConvShape)> {
+    CONV_LAYERS
+        .iter()
+        .map(|&(name, c_in, c_out, size)| {
+            (
+                name.to_string(),
+                ConvShape::same_3x3(batch_size, c_in, c_out, size),
+            )
+        })
+        .collect()
+}
+
 /// Times each convolution's kernels alone (median of `repeats` after one warm-up), forward with
 /// bias and ReLU, backward with both gradients, on random data.
-pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<LayerTimes> {
+pub fn conv_layers(
+    threads: usize,
+    layers: &[(String, ConvShape)],
+    repeats: usize,
+) -> Vec<LayerTimes> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
         .expect("a thread pool of a few threads");
     pool.install(|| {
-        CONV_LAYERS
+        layers
             .iter()
-            .map(|&(name, c_in, c_out, size)| {
-                let shape = ConvShape::same_3x3(batch_size, c_in, c_out, size);
+            .map(|(name, shape)| {
+                let shape = *shape;
+                let (c_in, c_out) = (shape.c_in, shape.c_out);
                 let x = random(shape.input_len(), 1);
                 let w: Vec<f32> = random(shape.weight_len(), 2)
                     .iter()
-                    .map(|v| v / (c_in as f32 * 9.0).sqrt())
+                    .map(|v| v / (shape.k() as f32).sqrt())
                     .collect();
                 let bias = random(c_out, 3);
                 let dy = random(shape.output_len(), 4);
-                let flops = 2.0 * (batch_size * size * size * c_out * c_in * 9) as f64;
+                let flops = 2.0 * (shape.output_len() * shape.k()) as f64;
                 let time = |prepared: &Prepared| {
                     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
                     for i in 0..repeats + 1 {
@@ -84,7 +106,8 @@ pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<Lay
                     }
                 };
                 let im2col = Prepared::Im2col(PackedWeight::from_torch(&shape, &w));
-                let winograd = Prepared::Winograd(WinogradWeight::from_torch(&shape, &w));
+                let winograd = winograd::applies(&shape, 1)
+                    .then(|| Prepared::Winograd(WinogradWeight::from_torch(&shape, &w)));
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {
@@ -92,31 +115,35 @@ pub fn conv_layers(threads: usize, batch_size: usize, repeats: usize) -> Vec<Lay
                     let g = conv::backward(&shape, &x, prepared, None, &dy, true);
                     (y, g)
                 };
-                let ((y1, g1), (y2, g2)) = (plain(&im2col), plain(&winograd));
-                let relative = |a: &[f32], b: &[f32]| {
-                    let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
-                    a.iter()
-                        .zip(b)
-                        .map(|(p, q)| (p - q).abs())
-                        .fold(0.0f32, f32::max)
-                        / scale
-                };
-                let winograd_error = [
-                    relative(&y2, &y1),
-                    relative(
-                        g2.input.as_deref().unwrap_or(&[]),
-                        g1.input.as_deref().unwrap_or(&[]),
-                    ),
-                    relative(&g2.weight, &g1.weight),
-                    relative(&g2.bias, &g1.bias),
-                ]
-                .into_iter()
-                .fold(0.0f32, f32::max) as f64;
-                let (im2col, winograd) = (time(&im2col), time(&winograd));
+                let winograd_error = winograd.as_ref().map(|winograd| {
+                    let ((y1, g1), (y2, g2)) = (plain(&im2col), plain(winograd));
+                    let relative = |a: &[f32], b: &[f32]| {
+                        let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+                        a.iter()
+                            .zip(b)
+                            .map(|(p, q)| (p - q).abs())
+                            .fold(0.0f32, f32::max)
+                            / scale
+                    };
+                    [
+                        relative(&y2, &y1),
+                        relative(
+                            g2.input.as_deref().unwrap_or(&[]),
+                            g1.input.as_deref().unwrap_or(&[]),
+                        ),
+                        relative(&g2.weight, &g1.weight),
+                        relative(&g2.bias, &g1.bias),
+                    ]
+                    .into_iter()
+                    .fold(0.0f32, f32::max) as f64
+                });
+                let (im2col, winograd) = (time(&im2col), winograd.as_ref().map(time));
                 LayerTimes {
-                    layer: name.to_string(),
-                    input: [batch_size, c_in, size, size],
+                    layer: name.clone(),
+                    input: [shape.batch, c_in, shape.height, shape.width],
                     c_out,
+                    kernel: shape.kernel[0],
+                    stride: shape.stride[0],
                     chosen: match Prepared::new(&shape, &w) {
                         Prepared::Im2col(_) => "im2col",
                         Prepared::Winograd(_) => "winograd",

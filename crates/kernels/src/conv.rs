@@ -13,8 +13,9 @@
 
 use rayon::prelude::*;
 
-use crate::layout::{transpose, transpose_each};
+use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, par_matmul};
+use crate::scratch::scratch;
 pub(crate) use crate::scratch::with_scratch;
 use crate::winograd::{self, WinogradWeight};
 
@@ -28,7 +29,7 @@ const CHUNK_MAX_ROWS: usize = 4096;
 
 /// The shape of a convolution: input `[batch, height, width, c_in]` (NHWC), weight
 /// `[c_out, c_in, kernel[0], kernel[1]]` (PyTorch's layout), no dilation, one group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ConvShape {
     pub batch: usize,
     pub c_in: usize,
@@ -127,40 +128,43 @@ impl ConvShape {
     }
 }
 
-/// The weight as the GEMM's right-hand side: `[k, c_out]`, row `(ky, kx, c)`.
+/// The weight with each output channel's taps before its input channels: `[c_out][k]`, row
+/// `(ky, kx, c)` as an im2col row; its transpose is the GEMM's right-hand side. One pass over
+/// PyTorch's layout (none for a 1×1 kernel), each output channel in cache.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackedWeight {
     pub data: Vec<f32>,
 }
 
 impl PackedWeight {
-    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`: each output channel's
-    /// `[c_in][taps]` turned `[taps][c_in]`, then the whole `[c_out][k]` transposed.
+    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`.
     pub fn from_torch(shape: &ConvShape, weight: &[f32]) -> Self {
         assert_eq!(weight.len(), shape.weight_len(), "weight size");
-        let (co, ci, taps) = (shape.c_out, shape.c_in, shape.kernel[0] * shape.kernel[1]);
+        let taps = shape.kernel[0] * shape.kernel[1];
         if taps == 1 {
             return PackedWeight {
-                data: transpose(weight, co, ci),
+                data: weight.to_vec(),
             };
         }
-        let mut by_tap = crate::scratch::scratch(weight.len());
-        transpose_each(weight, &mut by_tap, ci, taps);
-        PackedWeight {
-            data: transpose(&by_tap, co, taps * ci),
-        }
+        let mut data = vec![0.0; weight.len()];
+        transpose_each(weight, &mut data, shape.c_in, taps);
+        PackedWeight { data }
+    }
+
+    /// The `[k, c_out]` right-hand side of the forward GEMM, as a view.
+    fn rhs(&self, s: &ConvShape) -> Mat<'_> {
+        Mat::rows(&self.data, s.c_out, s.k()).t()
     }
 }
 
-/// A packed `[k, c_out]` matrix (a weight gradient) back into PyTorch's layout.
-fn unpack_to_torch(shape: &ConvShape, packed: &[f32]) -> Vec<f32> {
-    let (co, ci, taps) = (shape.c_out, shape.c_in, shape.kernel[0] * shape.kernel[1]);
-    let by_tap = transpose(packed, taps * ci, co);
+/// A packed `[c_out][k]` weight gradient back into PyTorch's layout.
+fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
+    let taps = shape.kernel[0] * shape.kernel[1];
     if taps == 1 {
-        return by_tap;
+        return packed;
     }
     let mut out = vec![0.0; packed.len()];
-    transpose_each(&by_tap, &mut out, taps, ci);
+    transpose_each(&packed, &mut out, taps, shape.c_in);
     out
 }
 
@@ -321,6 +325,16 @@ fn col2im(s: &ConvShape, dcol: &[f32], images: usize, dx: &mut [f32]) {
 /// Input channels from which a stride-1 3×3 convolution runs as Winograd F(2×2, 3×3) (below,
 /// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
 pub const WINOGRAD_MIN_CHANNELS: usize = 32;
+/// ...and the output side from which it does: on smaller outputs most of a tile's 4×4 input
+/// block is padding and the weight's transforms (16 values for 9, every step) cost more than
+/// the GEMMs save.
+pub const WINOGRAD_MIN_SIDE: usize = 4;
+
+/// Whether [`Prepared::new`] computes `s` with Winograd F(2×2, 3×3).
+fn winograd_pays(s: &ConvShape) -> bool {
+    let [oh, ow] = s.out_size();
+    winograd::applies(s, WINOGRAD_MIN_CHANNELS) && oh.min(ow) >= WINOGRAD_MIN_SIDE
+}
 
 /// A layer's weight, transformed for the algorithm its shape gets.
 #[derive(Clone, Debug, PartialEq)]
@@ -330,9 +344,18 @@ pub enum Prepared {
 }
 
 impl Prepared {
+    /// The name of the algorithm [`Prepared::new`] picks for `s`.
+    pub fn algorithm(s: &ConvShape) -> &'static str {
+        if winograd_pays(s) {
+            "winograd"
+        } else {
+            "im2col"
+        }
+    }
+
     /// The algorithm for `s` and the weight (PyTorch's layout) transformed for it.
     pub fn new(s: &ConvShape, weight: &[f32]) -> Self {
-        if winograd::applies(s, WINOGRAD_MIN_CHANNELS) {
+        if winograd_pays(s) {
             Prepared::Winograd(WinogradWeight::from_torch(s, weight))
         } else {
             Prepared::Im2col(PackedWeight::from_torch(s, weight))
@@ -382,6 +405,10 @@ pub fn im2col_forward(
     assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
+    // The right-hand side laid out `[k][c_out]`: gemm runs up to 1.7× faster on it than on the
+    // transposed view when a chunk has few rows (a ResNet's deep layers; docs/PERFORMANCE.md).
+    let mut rhs = scratch(k * co);
+    transpose_into(&weight.data, &mut rhs, co, k);
     let mut out = vec![0.0f32; s.output_len()];
     out.par_chunks_mut(per_chunk * rows_img * co)
         .enumerate()
@@ -401,7 +428,7 @@ pub fn im2col_forward(
                     y,
                     co,
                     Mat::rows(col, rows, k),
-                    Mat::rows(&weight.data, k, co),
+                    Mat::rows(&rhs, k, co),
                     bias.is_some(),
                 );
                 if relu {
@@ -461,22 +488,17 @@ pub fn im2col_backward(
                     col.par_chunks_mut(rows_img * k)
                         .enumerate()
                         .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+                    // dW as the weight is packed, `[c_out][k]`: gᵀ · col.
                     par_matmul(
                         &mut dw,
-                        co,
-                        Mat::rows(col, rows, k).t(),
-                        Mat::rows(g, rows, co),
+                        k,
+                        Mat::rows(g, rows, co).t(),
+                        Mat::rows(col, rows, k),
                         true,
                     );
                     if let Some(dx_chunk) = dx_chunk {
                         // The im2col matrix is not needed any more: reuse it for dcol.
-                        par_matmul(
-                            col,
-                            k,
-                            Mat::rows(g, rows, co),
-                            Mat::rows(&weight.data, k, co).t(),
-                            false,
-                        );
+                        par_matmul(col, k, Mat::rows(g, rows, co), weight.rhs(s).t(), false);
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))
@@ -491,7 +513,7 @@ pub fn im2col_backward(
     let (dw, db) = sum_partials(partials, k * co, co);
     ConvGrads {
         input: dx,
-        weight: unpack_to_torch(s, &dw),
+        weight: unpack_to_torch(s, dw),
         bias: db,
     }
 }

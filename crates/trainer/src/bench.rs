@@ -52,6 +52,91 @@ pub fn training_step(
     batch_size: usize,
     steps: usize,
 ) -> StepTimes {
+    timed_training(model, image_size, threads, batch_size, steps, false)
+}
+
+/// One operation of trainctl's at one shape in a training step: what `trainctl bench --layers`
+/// prints for a ResNet, one per line; the operation `other` is the rest of the step (burn's
+/// own operations: ReLU, residual additions, pooling, the classifier, the loss; the gradients'
+/// way out and the update).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpRow {
+    pub model: &'static str,
+    pub threads: usize,
+    pub op: String,
+    /// A convolution's shape.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conv: Option<kernels::conv::ConvShape>,
+    pub calls_per_step: f64,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    /// Of a training step's time.
+    pub step_share: f64,
+    /// The direct algorithm's arithmetic (forward, and twice that backward) over the time:
+    /// comparable across algorithms, so Winograd can beat the machine's peak.
+    pub gflops_per_s: Option<f64>,
+}
+
+/// Times `steps` training steps as [`training_step`] does, each of trainctl's operations apart:
+/// the step's times, then one row per operation and shape, the slowest first.
+pub fn layer_profile(
+    model: Architecture,
+    image_size: usize,
+    threads: usize,
+    batch_size: usize,
+    steps: usize,
+) -> (StepTimes, Vec<OpRow>) {
+    let times = timed_training(model, image_size, threads, batch_size, steps, true);
+    let recorded = crate::ops::profile::finish();
+    let per_step = |seconds: f64| seconds / steps.max(1) as f64;
+    let step_s = times.step_s;
+    let mut rows: Vec<OpRow> = recorded
+        .into_iter()
+        .map(|(op, t)| {
+            let (forward, backward) = (per_step(t.forward_s), per_step(t.backward_s));
+            let calls = t.calls as f64 / steps.max(1) as f64;
+            OpRow {
+                model: times.model,
+                threads,
+                op,
+                conv: t.conv,
+                calls_per_step: calls,
+                forward_ms: forward * 1e3,
+                backward_ms: backward * 1e3,
+                step_share: (forward + backward) / step_s,
+                gflops_per_s: (t.forward_flops > 0.0)
+                    .then(|| 3.0 * t.forward_flops * calls / (forward + backward) / 1e9),
+            }
+        })
+        .collect();
+    let ours: f64 = rows
+        .iter()
+        .map(|r| (r.forward_ms + r.backward_ms) / 1e3)
+        .sum();
+    rows.sort_by(|a, b| b.step_share.total_cmp(&a.step_share));
+    rows.push(OpRow {
+        model: times.model,
+        threads,
+        op: "other".into(),
+        conv: None,
+        calls_per_step: 1.0,
+        forward_ms: (times.forward_s * 1e3 - rows.iter().map(|r| r.forward_ms).sum::<f64>()),
+        backward_ms: (step_s - times.forward_s) * 1e3
+            - rows.iter().map(|r| r.backward_ms).sum::<f64>(),
+        step_share: (step_s - ours) / step_s,
+        gflops_per_s: None,
+    });
+    (times, rows)
+}
+
+fn timed_training(
+    model: Architecture,
+    image_size: usize,
+    threads: usize,
+    batch_size: usize,
+    steps: usize,
+    profile: bool,
+) -> StepTimes {
     set_cpu_threads(threads);
     let device = training_device();
     let (pixels, labels) = if image_size == 32 {
@@ -79,6 +164,7 @@ pub fn training_step(
         (&pixels, &labels, image_size),
         batch_size,
         steps,
+        profile,
     );
     times.model = model.name();
     times.threads = threads;
@@ -90,6 +176,7 @@ fn time_steps(
     (pixels, labels, image_size): (&[f32], &[i64], usize),
     batch_size: usize,
     steps: usize,
+    profile: bool,
 ) -> StepTimes {
     let device = training_device();
     let mut params = snapshot(&model).params;
@@ -97,6 +184,10 @@ fn time_steps(
     let mut grads_flat = Vec::new();
     let mut parts: [Vec<f64>; 5] = Default::default();
     for i in 0..steps + 1 {
+        if profile && i == 1 {
+            // After the warm-up step.
+            crate::ops::profile::start();
+        }
         let t0 = Instant::now();
         let x = Tensor::<4>::from_data(
             TensorData::new(pixels.to_vec(), [batch_size, 3, image_size, image_size]),

@@ -28,7 +28,9 @@ pub struct Args {
     ranks: Vec<usize>,
     #[arg(long, default_value_t = 20)]
     repeats: usize,
-    /// Time each convolution layer alone instead (forward, backward, GFLOP/s), at 1 thread.
+    /// Time each layer instead: for the seed CNN each convolution alone by each algorithm
+    /// (forward, backward, GFLOP/s) at 1 thread; for a ResNet each operation and shape inside
+    /// its training steps, at each --threads count.
     #[arg(long)]
     layers: bool,
     /// Time the data loader alone instead, on the training images of this data set (CIFAR-10
@@ -73,13 +75,28 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     if let Err(problem) = model.check_image_size(args.image_size) {
         bail!("--image-size {}: {problem}", args.image_size);
     }
-    if args.layers {
-        for t in kernels::bench::conv_layers(1, args.batch_size, args.steps) {
+    if args.layers && args.step_only.is_none() && model == trainer::model::Architecture::SeedCnn {
+        let layers = kernels::bench::seed_cnn_layers(args.batch_size);
+        for t in kernels::bench::conv_layers(1, &layers, args.steps) {
             println!("{}", serde_json::to_string(&t)?);
         }
         return Ok(0);
     }
     if let Some(threads) = args.step_only {
+        if args.layers {
+            let (step, rows) = trainer::bench::layer_profile(
+                model,
+                args.image_size,
+                threads,
+                args.batch_size,
+                args.steps,
+            );
+            println!("{}", serde_json::to_string(&step)?);
+            for row in rows {
+                println!("{}", serde_json::to_string(&row)?);
+            }
+            return Ok(0);
+        }
         let t = trainer::bench::training_step(
             model,
             args.image_size,
@@ -91,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         return Ok(0);
     }
     let exe = std::env::current_exe().context("cannot find the trainctl executable")?;
+    let mut layers: Vec<(String, kernels::conv::ConvShape)> = Vec::new();
     for threads in &args.threads {
         let out = Command::new(&exe)
             .args([
@@ -106,6 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 "--image-size",
                 &args.image_size.to_string(),
             ])
+            .args(args.layers.then_some("--layers"))
             .output()?;
         if !out.status.success() {
             bail!(
@@ -113,7 +132,18 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        print!("{}", String::from_utf8_lossy(&out.stdout));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        print!("{stdout}");
+        if args.layers && layers.is_empty() {
+            layers = conv_shapes(&stdout);
+        }
+    }
+    if args.layers {
+        // Each convolution of the step alone, by each algorithm: what the choice rests on.
+        for t in kernels::bench::conv_layers(1, &layers, args.steps) {
+            println!("{}", serde_json::to_string(&t)?);
+        }
+        return Ok(0);
     }
     let floats = trainer::model::snapshot(&trainer::model::SeedCnn::new(
         10,
@@ -131,4 +161,16 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         serde_json::json!({ "loopback_tcp_copy_bytes": floats * 4, "gbytes_per_s": copy })
     );
     Ok(0)
+}
+
+/// The convolutions in a layer profile's lines (`trainer::bench::OpRow`), named by the profile.
+fn conv_shapes(profile: &str) -> Vec<(String, kernels::conv::ConvShape)> {
+    profile
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|row| {
+            let shape = serde_json::from_value(row.get("conv")?.clone()).ok()?;
+            Some((row.get("op")?.as_str()?.to_string(), shape))
+        })
+        .collect()
 }

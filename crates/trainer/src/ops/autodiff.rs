@@ -16,8 +16,8 @@ use kernels::pool;
 
 use super::flex::{conv_with_weight, max_pool_with_taps};
 use super::{
-    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_shape, dims4, f32s, from_nhwc, from_vec,
-    nhwc, pool_shape,
+    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s, from_nhwc,
+    from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 #[derive(Debug)]
@@ -39,6 +39,7 @@ impl Backward<Flex, 3> for ConvBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, weight, prepared, y, spec) = ops.state;
         let shape = conv_shape(&x, &weight, &spec);
+        let _timer = profile::Backward::start(|| conv_profile(&shape).0);
         let y = y.as_ref().map(nhwc);
         let g = conv::backward(
             &shape,
@@ -72,6 +73,7 @@ impl Backward<Flex, 1> for PoolBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         let (dims, taps, spec) = ops.state;
         let Some(node) = node_x else { return };
+        let _timer = profile::Backward::start(|| pool_name(dims, &spec));
         let shape = pool_shape(dims, &spec);
         let dx = pool::max_backward(&shape, &nhwc(&dy), &taps);
         grads.register::<Flex>(node.id, from_nhwc(dx, dims));
@@ -90,6 +92,7 @@ impl Backward<Flex, 3> for NormBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, gamma, stats, epsilon) = ops.state;
         let dims = dims4(&x);
+        let _timer = profile::Backward::start(|| norm_name(dims));
         let g = norm::backward(&nhwc(&x), &f32s(&gamma), &stats, epsilon, &nhwc(&dy));
         if let Some(node) = node_x {
             grads.register::<Flex>(node.id, from_nhwc(g.input, dims));

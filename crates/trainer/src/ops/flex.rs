@@ -6,8 +6,8 @@ use kernels::conv::{self, Prepared};
 use kernels::{norm, pool};
 
 use super::{
-    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_shape, dims4, f32s, from_nhwc, from_vec,
-    nhwc, pool_shape,
+    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s, from_nhwc,
+    from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 impl TrainctlOps for Flex {
@@ -26,21 +26,28 @@ impl TrainctlOps for Flex {
         epsilon: f64,
     ) -> NormOutput<Self> {
         let dims = dims4(&x);
-        let xs = nhwc(&x);
-        let stats = norm::batch_stats(&xs, dims[1]);
-        let y = norm::normalize(
-            &xs,
-            &f32s(&gamma),
-            &f32s(&beta),
-            &stats.mean,
-            &stats.var,
-            epsilon,
-        );
-        NormOutput {
-            output: from_nhwc(y, dims),
-            mean: from_vec(stats.mean, &[dims[1]]),
-            var: from_vec(stats.var, &[dims[1]]),
-        }
+        profile::timed(
+            || norm_name(dims),
+            None,
+            0.0,
+            || {
+                let xs = nhwc(&x);
+                let stats = norm::batch_stats(&xs, dims[1]);
+                let y = norm::normalize(
+                    &xs,
+                    &f32s(&gamma),
+                    &f32s(&beta),
+                    &stats.mean,
+                    &stats.var,
+                    epsilon,
+                );
+                NormOutput {
+                    output: from_nhwc(y, dims),
+                    mean: from_vec(stats.mean, &[dims[1]]),
+                    var: from_vec(stats.var, &[dims[1]]),
+                }
+            },
+        )
     }
 }
 
@@ -52,16 +59,32 @@ pub(super) fn conv_with_weight(
     spec: &ConvSpec,
 ) -> (FlexTensor, Prepared) {
     let shape = conv_shape(x, weight, spec);
-    let prepared = Prepared::new(&shape, &f32s(weight));
-    let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
-    let [oh, ow] = shape.out_size();
-    (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), prepared)
+    let (name, flops) = conv_profile(&shape);
+    profile::timed(
+        || name,
+        Some(shape),
+        flops,
+        || {
+            let prepared = Prepared::new(&shape, &f32s(weight));
+            let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
+            let [oh, ow] = shape.out_size();
+            (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), prepared)
+        },
+    )
 }
 
 /// The pooled tensor and, per output element, the tap its maximum came from.
 pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor, Vec<u32>) {
-    let shape = pool_shape(dims4(x), spec);
-    let (y, taps) = pool::max_forward(&shape, &nhwc(x));
-    let [oh, ow] = shape.out_size();
-    (from_nhwc(y, [shape.batch, shape.channels, oh, ow]), taps)
+    let dims = dims4(x);
+    profile::timed(
+        || pool_name(dims, spec),
+        None,
+        0.0,
+        || {
+            let shape = pool_shape(dims, spec);
+            let (y, taps) = pool::max_forward(&shape, &nhwc(x));
+            let [oh, ow] = shape.out_size();
+            (from_nhwc(y, [shape.batch, shape.channels, oh, ow]), taps)
+        },
+    )
 }

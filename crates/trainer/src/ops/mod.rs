@@ -11,6 +11,7 @@
 
 mod autodiff;
 mod flex;
+pub mod profile;
 
 use std::borrow::Cow;
 
@@ -21,7 +22,7 @@ use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
-use kernels::conv::ConvShape;
+use kernels::conv::{ConvShape, Prepared};
 use kernels::layout::nchw_to_nhwc;
 use kernels::pool::PoolShape;
 
@@ -242,6 +243,27 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
         panic!("{e}");
     }
     shape
+}
+
+/// A convolution's name in the operation profile, and its forward arithmetic.
+fn conv_profile(s: &ConvShape) -> (String, f64) {
+    let algorithm = Prepared::algorithm(s);
+    let name = format!(
+        "conv {}x{}/{} {}->{} at {}x{} ({algorithm})",
+        s.kernel[0], s.kernel[1], s.stride[0], s.c_in, s.c_out, s.height, s.width
+    );
+    (name, 2.0 * (s.output_len() * s.k()) as f64)
+}
+
+fn norm_name([_, c, h, w]: [usize; 4]) -> String {
+    format!("batch norm {c} at {h}x{w}")
+}
+
+fn pool_name([_, c, h, w]: [usize; 4], spec: &PoolSpec) -> String {
+    format!(
+        "max pool {}x{}/{} {c} at {h}x{w}",
+        spec.kernel[0], spec.kernel[1], spec.stride[0]
+    )
 }
 
 fn pool_shape([batch, channels, height, width]: [usize; 4], spec: &PoolSpec) -> PoolShape {

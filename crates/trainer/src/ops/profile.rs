@@ -1,0 +1,75 @@
+//! Time spent in each of trainctl's operations, by shape, for `trainctl bench --layers`: off
+//! (one relaxed load per operation) unless a benchmark turns it on.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+static ON: AtomicBool = AtomicBool::new(false);
+static TIMES: Mutex<BTreeMap<String, OpTimes>> = Mutex::new(BTreeMap::new());
+
+/// One operation at one shape: calls and seconds over the recorded steps, and the arithmetic of
+/// one call (2·multiply-adds of the direct algorithm; 0 where there are none to speak of).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct OpTimes {
+    /// A convolution's shape.
+    pub conv: Option<kernels::conv::ConvShape>,
+    pub calls: usize,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub forward_flops: f64,
+}
+
+/// Starts recording (and forgets what was recorded before).
+pub fn start() {
+    TIMES.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    ON.store(true, Ordering::Relaxed);
+}
+
+/// Stops recording and returns what was recorded, by operation name.
+pub fn finish() -> BTreeMap<String, OpTimes> {
+    ON.store(false, Ordering::Relaxed);
+    std::mem::take(&mut *TIMES.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Runs the forward pass `f`, adding a call and its time to the operation `name()`.
+pub(crate) fn timed<R>(
+    name: impl FnOnce() -> String,
+    conv: Option<kernels::conv::ConvShape>,
+    forward_flops: f64,
+    f: impl FnOnce() -> R,
+) -> R {
+    if !ON.load(Ordering::Relaxed) {
+        return f();
+    }
+    let t0 = Instant::now();
+    let out = f();
+    let seconds = t0.elapsed().as_secs_f64();
+    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+    let entry = times.entry(name()).or_default();
+    entry.conv = conv;
+    entry.calls += 1;
+    entry.forward_s += seconds;
+    entry.forward_flops = forward_flops;
+    out
+}
+
+/// A backward pass being timed: its time goes to its operation when this is dropped.
+pub(crate) struct Backward(Option<(String, Instant)>);
+
+impl Backward {
+    pub(crate) fn start(name: impl FnOnce() -> String) -> Self {
+        Backward(ON.load(Ordering::Relaxed).then(|| (name(), Instant::now())))
+    }
+}
+
+impl Drop for Backward {
+    fn drop(&mut self) {
+        if let Some((name, t0)) = self.0.take() {
+            let seconds = t0.elapsed().as_secs_f64();
+            let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+            times.entry(name).or_default().backward_s += seconds;
+        }
+    }
+}
