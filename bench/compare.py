@@ -1,6 +1,7 @@
 """trainctl beside PyTorch, in one run on this machine.
 
-1. One training step of the seed CNN at batch 128, for each thread count: trainctl's release and
+1. One training step of each model (default: the seed CNN at 32 px, batch 128; torchvision's
+   resnet18 and resnet50 at 64 px, batch 32), for each thread count: trainctl's release and
    dev builds and PyTorch, alternated, each in its own process; images/s (median over rounds),
    the ratio to PyTorch and each process's peak resident memory.
 2. With --epoch N: the whole job, one epoch of N generated images: `trainctl run --standalone
@@ -8,7 +9,7 @@
    bench/pytorch_ddp.py` on the same data, whole-process wall time.
 
 Usage: bench/.venv/bin/python bench/compare.py [--threads 1,2] [--steps 5] [--rounds 2]
-       [--epoch 5120] [--baseline PATH_TO_AN_EARLIER_TRAINCTL]    (bench/run.sh builds both profiles and calls this)
+       [--models seed-cnn:32:128,resnet18:64:32] [--epoch 5120] [--baseline PATH_TO_AN_EARLIER_TRAINCTL]    (bench/run.sh builds both profiles and calls this)
 """
 
 import argparse
@@ -41,16 +42,18 @@ def last_json(text):
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def step_table(threads, steps, rounds, baseline=None):
+def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128)):
+    name_, size, batch = model
+    shape = ["--model", name_, "--image-size", str(size), "--batch-size", str(batch)]
     impls = {
-        "trainctl release": lambda t: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
-        "trainctl dev": lambda t: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)],
+        "trainctl release": lambda t: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape,
+        "trainctl dev": lambda t: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape,
         "pytorch": lambda t: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
-                              "--allreduce-ranks", ""],
+                              "--allreduce-ranks", ""] + shape,
     }
     if baseline:
         # Another build (an earlier commit's release binary), alternated with the others.
-        impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t), "--steps", str(steps)]
+        impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t), "--steps", str(steps)] + shape
     results = {}
     for _ in range(rounds):
         for t in threads:
@@ -58,6 +61,7 @@ def step_table(threads, steps, rounds, baseline=None):
                 out, peak, _ = peak_and_output(cmd(t))
                 row = last_json(out)
                 results.setdefault((name, t), []).append((row["images_per_s"], peak))
+    print(f"\n{name_} at {size}×{size}, batch {batch}:\n")
     print("| threads | implementation | images/s | step (s) | peak memory (MiB) | ÷ PyTorch |")
     print("|--:|---|--:|--:|--:|--:|")
     summary = {}
@@ -67,7 +71,7 @@ def step_table(threads, steps, rounds, baseline=None):
             ips = statistics.median(r[0] for r in results[(name, t)])
             peak = max(r[1] for r in results[(name, t)])
             summary[(name, t)] = ips
-            print(f"| {t} | {name} | {ips:.1f} | {128 / ips:.3f} | {peak:.0f} | {ips / torch_ips:.2f}× |")
+            print(f"| {t} | {name} | {ips:.1f} | {batch / ips:.3f} | {peak:.0f} | {ips / torch_ips:.2f}× |")
     print("rounds:", json.dumps({f"{n} {t}": [round(r[0], 1) for r in v] for (n, t), v in results.items()}))
     return summary
 
@@ -103,8 +107,13 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epoch", type=int, default=0, help="images for the whole-job epoch (0: skip)")
     p.add_argument("--baseline", help="another trainctl binary (an earlier build) timed alongside")
+    p.add_argument("--models", default="seed-cnn:32:128,resnet18:64:32,resnet50:64:32",
+                   help="MODEL:IMAGE_SIZE:BATCH_SIZE,... whose step is timed")
     a = p.parse_args()
-    step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline)
+    for spec in a.models.split(","):
+        name, size, batch = spec.split(":")
+        step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline,
+                   (name, int(size), int(batch)))
     if a.epoch:
         epoch_table(a.epoch)
 

@@ -26,11 +26,8 @@ echo "# trainctl release, each convolution alone (1 thread)"
 target/release/trainctl bench --layers
 echo "# pytorch, each convolution alone (1 thread)"
 bench/.venv/bin/python bench/pytorch_step.py --layers
-for model in resnet18 resnet50; do
-  echo "# $model at 64x64, batch 32: trainctl release, then PyTorch/torchvision"
-  target/release/trainctl bench --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --ranks 2 --repeats 1 | grep '"model"'
-  bench/.venv/bin/python bench/pytorch_step.py --model "$model" --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --allreduce-ranks ""
-done
+echo "# resnet18 at 64x64, batch 32, trainctl release: each operation inside the step, then each convolution alone by each algorithm"
+target/release/trainctl bench --model resnet18 --image-size 64 --batch-size 32 --threads 1,2 --steps 3 --layers
 echo "# the data loader alone: a generated 64x64 JPEG folder (tiny-imagenet's layout)"
 loader_data=$(mktemp -d)
 target/release/trainctl data synth --tiny --out "$loader_data" --train 4000 --test 200 --classes 200 --image-size 64 >/dev/null
