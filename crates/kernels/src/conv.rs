@@ -150,11 +150,6 @@ impl PackedWeight {
         transpose_each(weight, &mut data, shape.c_in, taps);
         PackedWeight { data }
     }
-
-    /// The `[k, c_out]` right-hand side of the forward GEMM, as a view.
-    fn rhs(&self, s: &ConvShape) -> Mat<'_> {
-        Mat::rows(&self.data, s.c_out, s.k()).t()
-    }
 }
 
 /// A packed `[c_out][k]` weight gradient back into PyTorch's layout.
@@ -498,7 +493,13 @@ pub fn im2col_backward(
                     );
                     if let Some(dx_chunk) = dx_chunk {
                         // The im2col matrix is not needed any more: reuse it for dcol.
-                        par_matmul(col, k, Mat::rows(g, rows, co), weight.rhs(s).t(), false);
+                        par_matmul(
+                            col,
+                            k,
+                            Mat::rows(g, rows, co),
+                            Mat::rows(&weight.data, co, k),
+                            false,
+                        );
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))
