@@ -15,8 +15,7 @@ use rayon::prelude::*;
 
 use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, par_matmul};
-use crate::scratch::scratch;
-pub(crate) use crate::scratch::with_scratch;
+use crate::scratch::{scratch, with_scratch};
 use crate::winograd::{self, WinogradWeight};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the

@@ -5,8 +5,9 @@ use rayon::prelude::*;
 /// Tile edge of the blocked transposes: 16×16 floats stay in L1 on both sides.
 const TILE: usize = 16;
 
-/// Transposes each of `batch` row-major `rows × cols` matrices of `src` into `dst`.
-fn transpose_batched(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
+/// Transposes each row-major `rows × cols` matrix of `src` into the same place of `dst`, in
+/// parallel over the matrices.
+pub fn transpose_each(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
     let len = rows * cols;
     assert_eq!(src.len(), dst.len(), "transpose sizes");
     if len == 0 {
@@ -60,16 +61,10 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     dst
 }
 
-/// Transposes each `rows × cols` matrix of `src` in place of itself in `dst` (same layout of
-/// matrices, each transposed), in parallel over the matrices.
-pub fn transpose_each(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
-    transpose_batched(src, dst, rows, cols)
-}
-
 /// `[n, c, h, w]` → `[n, h, w, c]`.
 pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     let mut dst = vec![0.0; src.len()];
-    transpose_batched(src, &mut dst, channels, pixels);
+    transpose_each(src, &mut dst, channels, pixels);
     dst
 }
 
@@ -80,7 +75,7 @@ mod tests {
     /// `[n, h, w, c]` → `[n, c, h, w]`: the way back, to check the way there.
     fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
         let mut dst = vec![0.0; src.len()];
-        transpose_batched(src, &mut dst, pixels, channels);
+        transpose_each(src, &mut dst, pixels, channels);
         dst
     }
 

@@ -14,12 +14,10 @@
 
 use rayon::prelude::*;
 
-use crate::conv::{
-    ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials, with_scratch,
-};
+use crate::conv::{ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials};
 use crate::layout::transpose;
 use crate::matmul::{Mat, matmul};
-use crate::scratch::scratch;
+use crate::scratch::{scratch, with_scratch};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
 const CHUNK_BYTES: usize = 6 << 20;
