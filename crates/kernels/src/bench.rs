@@ -1,24 +1,26 @@
 //! The kernels' benchmark behind `trainctl bench --layers`: each convolution of a network (the
 //! seed CNN's, or the shapes a ResNet's step used) timed alone by each algorithm that computes
-//! it, with Winograd's error against im2col.
+//! it, with the error of Winograd and of the direct convolution against im2col.
 
 use std::time::Instant;
 
-use crate::conv::{self, ConvShape, PackedWeight, Prepared};
-use crate::winograd::{self, WinogradWeight};
+use crate::conv::{self, Algorithm, ConvShape, Prepared};
+use crate::winograd;
 
 /// Forward and backward (both gradients) time of one algorithm on one layer.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct AlgorithmTimes {
     pub forward_s: f64,
     pub backward_s: f64,
-    /// GFLOP/s of the direct convolution's arithmetic (2·MACs, the backward twice the forward):
-    /// comparable across algorithms, so Winograd can exceed the machine's peak.
+    /// GFLOP/s of im2col's arithmetic (2·MACs over every tap, padding included; the backward
+    /// twice the forward): comparable across algorithms, so Winograd and the direct
+    /// convolution, which do less of it, can exceed the machine's peak.
     pub gflops_per_s: f64,
 }
 
 /// One convolution at its place in the network, by each of trainctl's algorithms that
-/// computes it (Winograd: stride-1 3×3 layers only).
+/// computes it (Winograd: stride-1 3×3 layers only; direct: outputs of at most 16 pixels,
+/// beyond which it loses to both).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerTimes {
     pub layer: String,
@@ -31,9 +33,12 @@ pub struct LayerTimes {
     pub chosen: &'static str,
     pub im2col: AlgorithmTimes,
     pub winograd: Option<AlgorithmTimes>,
+    pub direct: Option<AlgorithmTimes>,
     /// Largest difference between Winograd's and im2col's forward output and gradients,
     /// relative to the largest magnitude of each.
     pub winograd_error: Option<f64>,
+    /// The same for the direct convolution.
+    pub direct_error: Option<f64>,
 }
 
 /// The seed CNN's convolutions: (name, c_in, c_out, spatial size).
@@ -105,9 +110,11 @@ pub fn conv_layers(
                         gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
                     }
                 };
-                let im2col = Prepared::Im2col(PackedWeight::from_torch(&shape, &w));
+                let im2col = Prepared::with(Algorithm::Im2col, &shape, &w);
                 let winograd = winograd::applies(&shape, 1)
-                    .then(|| Prepared::Winograd(WinogradWeight::from_torch(&shape, &w)));
+                    .then(|| Prepared::with(Algorithm::Winograd, &shape, &w));
+                let [oh, ow] = shape.out_size();
+                let direct = (oh * ow <= 16).then(|| Prepared::with(Algorithm::Direct, &shape, &w));
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {
@@ -115,8 +122,9 @@ pub fn conv_layers(
                     let g = conv::backward(&shape, &x, prepared, None, &dy, true);
                     (y, g)
                 };
-                let winograd_error = winograd.as_ref().map(|winograd| {
-                    let ((y1, g1), (y2, g2)) = (plain(&im2col), plain(winograd));
+                let (y1, g1) = plain(&im2col);
+                let error = |other: &Prepared| {
+                    let (y2, g2) = plain(other);
                     let relative = |a: &[f32], b: &[f32]| {
                         let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
                         a.iter()
@@ -136,21 +144,21 @@ pub fn conv_layers(
                     ]
                     .into_iter()
                     .fold(0.0f32, f32::max) as f64
-                });
-                let (im2col, winograd) = (time(&im2col), winograd.as_ref().map(time));
+                };
+                let (winograd_error, direct_error) =
+                    (winograd.as_ref().map(error), direct.as_ref().map(error));
                 LayerTimes {
                     layer: name.clone(),
                     input: [shape.batch, c_in, shape.height, shape.width],
                     c_out,
                     kernel: shape.kernel[0],
                     stride: shape.stride[0],
-                    chosen: match Prepared::new(&shape, &w) {
-                        Prepared::Im2col(_) => "im2col",
-                        Prepared::Winograd(_) => "winograd",
-                    },
-                    im2col,
-                    winograd,
+                    chosen: Algorithm::of(&shape).name(),
+                    im2col: time(&im2col),
+                    winograd: winograd.as_ref().map(time),
+                    direct: direct.as_ref().map(time),
                     winograd_error,
+                    direct_error,
                 }
             })
             .collect()

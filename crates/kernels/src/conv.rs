@@ -1,6 +1,7 @@
 //! 2-D convolution of NHWC `f32` tensors: the forward pass with the bias and ReLU fused in, and
-//! both gradients. Stride-1 3×3 layers with enough input channels run as Winograd F(2×2, 3×3)
-//! (module `winograd`), every other shape as batched im2col + GEMM (here).
+//! both gradients. Stride-1 3×3 layers with enough input channels and outputs run as Winograd
+//! F(2×2, 3×3) (module `winograd`), other small outputs with taps in the padding pixel by pixel
+//! (module `direct`), every other shape as batched im2col + GEMM (here).
 //!
 //! Images are processed in chunks whose size depends only on the layer's shape (so that the
 //! im2col matrix stays in cache), and chunks run in parallel on rayon's pool; inside a chunk,
@@ -13,6 +14,7 @@
 
 use rayon::prelude::*;
 
+use crate::direct;
 use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, par_matmul};
 use crate::scratch::{scratch, with_scratch};
@@ -152,7 +154,7 @@ impl PackedWeight {
 }
 
 /// A packed `[c_out][k]` weight gradient back into PyTorch's layout.
-fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
+pub(crate) fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
     let taps = shape.kernel[0] * shape.kernel[1];
     if taps == 1 {
         return packed;
@@ -240,7 +242,7 @@ pub(crate) fn sum_partials(
 
 /// The in-range kernel columns for output column `ox`: `(kx_lo, kx_hi, ix of kx_lo)`.
 #[inline]
-fn tap_range(
+pub(crate) fn tap_range(
     ox: usize,
     stride: usize,
     pad: usize,
@@ -330,29 +332,63 @@ fn winograd_pays(s: &ConvShape) -> bool {
     winograd::applies(s, WINOGRAD_MIN_CHANNELS) && oh.min(ow) >= WINOGRAD_MIN_SIDE
 }
 
+/// The algorithms, as [`Prepared::new`] picks them for a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Stride-1 3×3 layers from 4×4 outputs and 32 input channels (module `winograd`).
+    Winograd,
+    /// Other small outputs with taps in the padding, pixel by pixel (module `direct`).
+    Direct,
+    /// Everything else.
+    Im2col,
+}
+
+impl Algorithm {
+    pub fn of(s: &ConvShape) -> Self {
+        if winograd_pays(s) {
+            Algorithm::Winograd
+        } else if direct::pays(s) {
+            Algorithm::Direct
+        } else {
+            Algorithm::Im2col
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Direct => "direct",
+            Algorithm::Winograd => "winograd",
+            Algorithm::Im2col => "im2col",
+        }
+    }
+}
+
 /// A layer's weight, transformed for the algorithm its shape gets.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prepared {
     Im2col(PackedWeight),
     Winograd(WinogradWeight),
+    Direct(PackedWeight),
 }
 
 impl Prepared {
     /// The name of the algorithm [`Prepared::new`] picks for `s`.
     pub fn algorithm(s: &ConvShape) -> &'static str {
-        if winograd_pays(s) {
-            "winograd"
-        } else {
-            "im2col"
-        }
+        Algorithm::of(s).name()
     }
 
     /// The algorithm for `s` and the weight (PyTorch's layout) transformed for it.
     pub fn new(s: &ConvShape, weight: &[f32]) -> Self {
-        if winograd_pays(s) {
-            Prepared::Winograd(WinogradWeight::from_torch(s, weight))
-        } else {
-            Prepared::Im2col(PackedWeight::from_torch(s, weight))
+        Prepared::with(Algorithm::of(s), s, weight)
+    }
+
+    /// The weight transformed for `algorithm`, whether or not it is the one `s` gets (each
+    /// computes any shape but Winograd, which needs a stride-1 3×3 kernel).
+    pub fn with(algorithm: Algorithm, s: &ConvShape, weight: &[f32]) -> Self {
+        match algorithm {
+            Algorithm::Direct => Prepared::Direct(PackedWeight::from_torch(s, weight)),
+            Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(s, weight)),
+            Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(s, weight)),
         }
     }
 }
@@ -368,6 +404,7 @@ pub fn forward(
     match weight {
         Prepared::Im2col(w) => im2col_forward(s, x, w, bias, relu),
         Prepared::Winograd(u) => winograd::forward(s, x, u, bias, relu),
+        Prepared::Direct(w) => direct::forward(s, x, w, bias, relu),
     }
 }
 
@@ -384,6 +421,7 @@ pub fn backward(
     match weight {
         Prepared::Im2col(w) => im2col_backward(s, x, w, relu_output, dy, need_input),
         Prepared::Winograd(u) => winograd::backward(s, x, u, relu_output, dy, need_input),
+        Prepared::Direct(w) => direct::backward(s, x, w, relu_output, dy, need_input),
     }
 }
 

@@ -1,9 +1,12 @@
 //! Batch normalisation of channels-last rows (`[rows, channels]`, rows = N·H·W): statistics,
-//! normalisation and the training gradient, each in one or two passes.
+//! normalisation and the training gradient, each in one or two passes. A ResNet block's tail
+//! (the residual add and the ReLU after the norm) is fused into the same passes.
 //!
-//! Sums run over fixed blocks of rows whose partial sums (f64) are added in block order, so the
+//! The per-block loops are compiled for the CPU's widest vectors (multiversion's runtime
+//! dispatch). Sums run over fixed blocks of rows whose partial sums (f64) are added in block order, so the
 //! result never depends on the thread count.
 
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Rows per block of the reductions.
@@ -16,15 +19,18 @@ pub struct BatchStats {
     pub var: Vec<f32>,
 }
 
-/// Per-channel sums over the rows of `x` of `f(row_values, channel_index)`, deterministic.
-fn channel_sums(x: &[f32], channels: usize, f: impl Fn(&mut [f64], &[f32]) + Sync) -> Vec<f64> {
+/// Per-channel sums over the rows of `x`, `block_sums` adding one block of rows into a
+/// per-channel accumulator; deterministic.
+fn channel_sums(
+    x: &[f32],
+    channels: usize,
+    block_sums: impl Fn(&[f32], &mut [f64]) + Sync,
+) -> Vec<f64> {
     let partials: Vec<Vec<f64>> = x
         .par_chunks(BLOCK_ROWS * channels)
         .map(|block| {
             let mut acc = vec![0.0f64; channels];
-            for row in block.chunks_exact(channels) {
-                f(&mut acc, row);
-            }
+            block_sums(block, &mut acc);
             acc
         })
         .collect();
@@ -37,23 +43,37 @@ fn channel_sums(x: &[f32], channels: usize, f: impl Fn(&mut [f64], &[f32]) + Syn
     total
 }
 
+/// Adds each channel's values over a block of rows into `acc`.
+#[multiversion(targets = "simd")]
+fn add_values(block: &[f32], acc: &mut [f64]) {
+    for row in block.chunks_exact(acc.len()) {
+        for (a, v) in acc.iter_mut().zip(row) {
+            *a += *v as f64;
+        }
+    }
+}
+
+/// Adds each channel's squared deviations from `mean` over a block of rows into `acc`.
+#[multiversion(targets = "simd")]
+fn add_squared_deviations(block: &[f32], mean: &[f64], acc: &mut [f64]) {
+    for row in block.chunks_exact(acc.len()) {
+        for ((a, v), m) in acc.iter_mut().zip(row).zip(mean) {
+            let d = *v as f64 - m;
+            *a += d * d;
+        }
+    }
+}
+
 pub fn batch_stats(x: &[f32], channels: usize) -> BatchStats {
     assert!(
         channels > 0 && x.len().is_multiple_of(channels),
         "rows of {channels} channels"
     );
     let rows = (x.len() / channels).max(1) as f64;
-    let sum = channel_sums(x, channels, |acc, row| {
-        for (a, v) in acc.iter_mut().zip(row) {
-            *a += *v as f64;
-        }
-    });
+    let sum = channel_sums(x, channels, add_values);
     let mean: Vec<f64> = sum.iter().map(|s| s / rows).collect();
-    let sq = channel_sums(x, channels, |acc, row| {
-        for ((a, v), m) in acc.iter_mut().zip(row).zip(&mean) {
-            let d = *v as f64 - m;
-            *a += d * d;
-        }
+    let sq = channel_sums(x, channels, |block, acc| {
+        add_squared_deviations(block, &mean, acc)
     });
     BatchStats {
         mean: mean.iter().map(|m| *m as f32).collect(),
@@ -61,34 +81,67 @@ pub fn batch_stats(x: &[f32], channels: usize) -> BatchStats {
     }
 }
 
-/// `y = (x - mean) / sqrt(var + eps) · gamma + beta`.
+/// `y = (x - mean) / sqrt(var + eps) · gamma + beta`, plus `residual` when there is one, then
+/// ReLU when `relu`: a ResNet block's tail in one pass.
 pub fn normalize(
     x: &[f32],
     gamma: &[f32],
     beta: &[f32],
-    mean: &[f32],
-    var: &[f32],
+    stats: &BatchStats,
     eps: f64,
+    residual: Option<&[f32]>,
+    relu: bool,
 ) -> Vec<f32> {
     let channels = gamma.len();
+    if let Some(r) = residual {
+        assert_eq!(r.len(), x.len(), "batch norm residual size");
+    }
     let (scale, shift): (Vec<f32>, Vec<f32>) = (0..channels)
         .map(|c| {
-            let inv = 1.0 / (var[c] as f64 + eps).sqrt();
+            let inv = 1.0 / (stats.var[c] as f64 + eps).sqrt();
             let a = gamma[c] as f64 * inv;
-            (a as f32, (beta[c] as f64 - mean[c] as f64 * a) as f32)
+            (a as f32, (beta[c] as f64 - stats.mean[c] as f64 * a) as f32)
         })
         .unzip();
+    let block = BLOCK_ROWS * channels;
     let mut y = vec![0.0f32; x.len()];
-    y.par_chunks_mut(BLOCK_ROWS * channels)
-        .zip(x.par_chunks(BLOCK_ROWS * channels))
-        .for_each(|(y, x)| {
-            for (yr, xr) in y.chunks_exact_mut(channels).zip(x.chunks_exact(channels)) {
-                for (((o, v), a), b) in yr.iter_mut().zip(xr).zip(&scale).zip(&shift) {
-                    *o = v * a + b;
-                }
+    y.par_chunks_mut(block)
+        .zip(x.par_chunks(block))
+        .enumerate()
+        .for_each(|(i, (y, x))| {
+            let r = residual.map(|r| &r[i * block..i * block + x.len()]);
+            match (r, relu) {
+                (None, false) => tail::<false, false>(y, x, x, &scale, &shift),
+                (None, true) => tail::<false, true>(y, x, x, &scale, &shift),
+                (Some(r), false) => tail::<true, false>(y, x, r, &scale, &shift),
+                (Some(r), true) => tail::<true, true>(y, x, r, &scale, &shift),
             }
         });
     y
+}
+
+/// `y = x·scale + shift` per channel, `+ r` when `ADD`, then ReLU when `RELU`: one pass, one
+/// loop per case.
+#[multiversion(targets = "simd")]
+fn tail<const ADD: bool, const RELU: bool>(
+    y: &mut [f32],
+    x: &[f32],
+    r: &[f32],
+    scale: &[f32],
+    shift: &[f32],
+) {
+    let channels = scale.len();
+    for ((yr, xr), rr) in y
+        .chunks_exact_mut(channels)
+        .zip(x.chunks_exact(channels))
+        .zip(r.chunks_exact(channels))
+    {
+        for ((((o, v), rv), a), b) in yr.iter_mut().zip(xr).zip(rr).zip(scale).zip(shift) {
+            let value = if ADD { v * a + b + rv } else { v * a + b };
+            // `<`, not `max`: a NaN stays a NaN, as in PyTorch.
+            *o = if RELU && value < 0.0 { 0.0 } else { value };
+        }
+    }
 }
 
 /// Gradients of training-mode batch norm (statistics from the batch itself).
@@ -97,11 +150,33 @@ pub struct NormGrads {
     pub input: Vec<f32>,
     pub gamma: Vec<f32>,
     pub beta: Vec<f32>,
+    /// The residual's gradient (the upstream gradient through the ReLU), when asked for.
+    pub residual: Option<Vec<f32>>,
 }
 
-pub fn backward(x: &[f32], gamma: &[f32], stats: &BatchStats, eps: f64, dy: &[f32]) -> NormGrads {
+/// Gradients of [`normalize`] given `dy`. With the ReLU fused, `relu_output` is the forward's
+/// output: the gradient passes where it is positive. `residual`: whether the forward added one
+/// (its gradient is then returned too).
+pub fn backward(
+    x: &[f32],
+    gamma: &[f32],
+    stats: &BatchStats,
+    eps: f64,
+    dy: &[f32],
+    relu_output: Option<&[f32]>,
+    residual: bool,
+) -> NormGrads {
     let channels = gamma.len();
     assert_eq!(x.len(), dy.len(), "batch norm gradient size");
+    if let Some(y) = relu_output {
+        assert_eq!(y.len(), dy.len(), "batch norm output size");
+    }
+    let block = BLOCK_ROWS * channels;
+    // Without the ReLU, `dy` stands in for the output it would be masked by (never read).
+    let (y, masked) = match relu_output {
+        Some(y) => (y, true),
+        None => (dy, false),
+    };
     let rows = (x.len() / channels).max(1) as f64;
     let inv: Vec<f64> = stats
         .var
@@ -109,24 +184,16 @@ pub fn backward(x: &[f32], gamma: &[f32], stats: &BatchStats, eps: f64, dy: &[f3
         .map(|v| 1.0 / (*v as f64 + eps).sqrt())
         .collect();
     let mean: Vec<f64> = stats.mean.iter().map(|m| *m as f64).collect();
-    // Σ dy and Σ dy·x̂ in one pass over both.
+    // Σ g and Σ g·x̂ in one pass, g the upstream gradient through the ReLU.
     let pairs: Vec<(Vec<f64>, Vec<f64>)> = x
-        .par_chunks(BLOCK_ROWS * channels)
-        .zip(dy.par_chunks(BLOCK_ROWS * channels))
-        .map(|(x, dy)| {
+        .par_chunks(block)
+        .zip(dy.par_chunks(block).zip(y.par_chunks(block)))
+        .map(|(x, (dy, y))| {
             let (mut sd, mut sdx) = (vec![0.0f64; channels], vec![0.0f64; channels]);
-            for (xr, gr) in x.chunks_exact(channels).zip(dy.chunks_exact(channels)) {
-                for ((((d, dx), &xv), &g), (m, i)) in sd
-                    .iter_mut()
-                    .zip(sdx.iter_mut())
-                    .zip(xr)
-                    .zip(gr)
-                    .zip(mean.iter().zip(&inv))
-                {
-                    let g = g as f64;
-                    *d += g;
-                    *dx += g * (xv as f64 - m) * i;
-                }
+            if masked {
+                gradient_sums::<true>(x, dy, y, &mean, &inv, &mut sd, &mut sdx);
+            } else {
+                gradient_sums::<false>(x, dy, y, &mean, &inv, &mut sd, &mut sdx);
             }
             (sd, sdx)
         })
@@ -138,39 +205,115 @@ pub fn backward(x: &[f32], gamma: &[f32], stats: &BatchStats, eps: f64, dy: &[f3
             dgamma[c] += sdx[c];
         }
     }
-    // dx = gamma·inv/rows · (rows·dy - Σdy - x̂·Σdy·x̂), as x·a + dy·b + c per channel.
-    let mut a = vec![0.0f32; channels];
-    let mut b = vec![0.0f32; channels];
-    let mut k = vec![0.0f32; channels];
+    // dx = gamma·inv/rows · (rows·g - Σg - x̂·Σg·x̂), as x·a + g·b + c per channel.
+    let mut coefficients = [
+        vec![0.0f32; channels],
+        vec![0.0f32; channels],
+        vec![0.0f32; channels],
+    ];
     for ch in 0..channels {
         let f = gamma[ch] as f64 * inv[ch];
         let xa = -f * dgamma[ch] * inv[ch] / rows; // coefficient of (x - mean)
-        a[ch] = xa as f32;
-        b[ch] = f as f32;
-        k[ch] = (-f * dbeta[ch] / rows - xa * mean[ch]) as f32;
+        coefficients[0][ch] = xa as f32;
+        coefficients[1][ch] = f as f32;
+        coefficients[2][ch] = (-f * dbeta[ch] / rows - xa * mean[ch]) as f32;
     }
     let mut dx = vec![0.0f32; x.len()];
-    dx.par_chunks_mut(BLOCK_ROWS * channels)
+    // The residual's gradient is g itself: written in the same pass.
+    let mut dr = residual.then(|| vec![0.0f32; x.len()]);
+    let mut dr_blocks: Vec<Option<&mut [f32]>> = match dr.as_deref_mut() {
+        Some(dr) => dr.chunks_mut(block).map(Some).collect(),
+        None => (0..x.len().div_ceil(block)).map(|_| None).collect(),
+    };
+    dx.par_chunks_mut(block)
+        .zip(dr_blocks.par_iter_mut())
         .zip(
-            x.par_chunks(BLOCK_ROWS * channels)
-                .zip(dy.par_chunks(BLOCK_ROWS * channels)),
+            x.par_chunks(block)
+                .zip(dy.par_chunks(block).zip(y.par_chunks(block))),
         )
-        .for_each(|(dx, (x, dy))| {
-            for ((o, xr), gr) in dx
-                .chunks_exact_mut(channels)
-                .zip(x.chunks_exact(channels))
-                .zip(dy.chunks_exact(channels))
-            {
-                for ((((o, &xv), &g), (&a, &b)), &k) in
-                    o.iter_mut().zip(xr).zip(gr).zip(a.iter().zip(&b)).zip(&k)
-                {
-                    *o = xv * a + g * b + k;
-                }
+        .for_each(|((dx, dr), (x, (dy, y)))| {
+            let dr = dr.as_deref_mut();
+            if masked {
+                input_gradient::<true>(dx, dr, x, dy, y, &coefficients);
+            } else {
+                input_gradient::<false>(dx, dr, x, dy, y, &coefficients);
             }
         });
     NormGrads {
         input: dx,
         gamma: dgamma.iter().map(|v| *v as f32).collect(),
         beta: dbeta.iter().map(|v| *v as f32).collect(),
+        residual: dr,
+    }
+}
+
+/// `dy` where the output `y` is positive when `MASK` (the fused ReLU's gradient), else `dy`.
+#[inline(always)]
+fn through_relu<const MASK: bool>(dy: f32, y: f32) -> f32 {
+    if !MASK || y > 0.0 { dy } else { 0.0 }
+}
+
+/// Adds Σ g and Σ g·x̂ per channel over a block of rows to `sd` and `sdx` (f64).
+#[multiversion(targets = "simd")]
+fn gradient_sums<const MASK: bool>(
+    x: &[f32],
+    dy: &[f32],
+    y: &[f32],
+    mean: &[f64],
+    inv: &[f64],
+    sd: &mut [f64],
+    sdx: &mut [f64],
+) {
+    let channels = mean.len();
+    for ((xr, gr), yr) in x
+        .chunks_exact(channels)
+        .zip(dy.chunks_exact(channels))
+        .zip(y.chunks_exact(channels))
+    {
+        for ((((s, sx), (&xv, &d)), &o), (m, i)) in sd
+            .iter_mut()
+            .zip(sdx.iter_mut())
+            .zip(xr.iter().zip(gr))
+            .zip(yr)
+            .zip(mean.iter().zip(inv))
+        {
+            let g = through_relu::<MASK>(d, o) as f64;
+            *s += g;
+            *sx += g * (xv as f64 - m) * i;
+        }
+    }
+}
+
+/// `dx = x·a + g·b + k` per channel over a block of rows, `[a, b, k]` the coefficients; `g`
+/// into `dr` too when there is one.
+#[multiversion(targets = "simd")]
+fn input_gradient<const MASK: bool>(
+    dx: &mut [f32],
+    dr: Option<&mut [f32]>,
+    x: &[f32],
+    dy: &[f32],
+    y: &[f32],
+    [a, b, k]: &[Vec<f32>; 3],
+) {
+    let channels = a.len();
+    for (((o, xr), gr), yr) in dx
+        .chunks_exact_mut(channels)
+        .zip(x.chunks_exact(channels))
+        .zip(dy.chunks_exact(channels))
+        .zip(y.chunks_exact(channels))
+    {
+        for (((o, &xv), (&d, &yv)), ((a, b), k)) in o
+            .iter_mut()
+            .zip(xr)
+            .zip(gr.iter().zip(yr))
+            .zip(a.iter().zip(b).zip(k))
+        {
+            *o = xv * a + through_relu::<MASK>(d, yv) * b + k;
+        }
+    }
+    if let Some(dr) = dr {
+        for ((g, &d), &yv) in dr.iter_mut().zip(dy).zip(y) {
+            *g = through_relu::<MASK>(d, yv);
+        }
     }
 }

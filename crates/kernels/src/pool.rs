@@ -1,6 +1,8 @@
 //! Max pooling of NHWC tensors, with the position of each window's maximum kept for the
-//! backward pass.
+//! backward pass. Each image's loop is compiled for the CPU's widest vectors (multiversion's
+//! runtime dispatch).
 
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Input `[batch, height, width, channels]`; padding counts as -∞ (as in PyTorch).
@@ -86,24 +88,31 @@ pub fn max_forward(s: &PoolShape, x: &[f32]) -> (Vec<f32>, Vec<u32>) {
     y.par_chunks_mut(out_img.max(1))
         .zip(arg.par_chunks_mut(out_img.max(1)))
         .zip(x.par_chunks(in_img.max(1)))
-        .for_each(|((y, arg), img)| {
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let at = (oy * ow + ox) * c;
-                    let (best, which) = (&mut y[at..at + c], &mut arg[at..at + c]);
-                    s.for_each_tap(oy, ox, |tap, pixel| {
-                        let src = &img[pixel * c..][..c];
-                        for ((b, w), &v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
-                            // Greater, or a NaN (which stays: nothing is greater than it).
-                            let take = v > *b || v.is_nan();
-                            *b = if take { v } else { *b };
-                            *w = if take { tap } else { *w };
-                        }
-                    });
-                }
-            }
-        });
+        .for_each(|((y, arg), img)| max_image(s, img, y, arg));
     (y, arg)
+}
+
+/// [`max_forward`] of one image, compiled for the CPU's widest vectors.
+#[multiversion(targets = "simd")]
+fn max_image(s: &PoolShape, img: &[f32], y: &mut [f32], arg: &mut [u32]) {
+    let [oh, ow] = s.out_size();
+    let c = s.channels;
+    for oy in 0..oh {
+        for ox in 0..ow {
+            let at = (oy * ow + ox) * c;
+            let (best, which) = (&mut y[at..at + c], &mut arg[at..at + c]);
+            s.for_each_tap(oy, ox, |tap, pixel| {
+                let src = &img[pixel * c..][..c];
+                for ((b, w), &v) in best.iter_mut().zip(which.iter_mut()).zip(src) {
+                    // Greater, or a NaN (which stays: nothing is greater than it).
+                    // As bit masks: with selects, LLVM branches per element.
+                    let take = 0u32.wrapping_sub(((v > *b) | v.is_nan()) as u32);
+                    *b = f32::from_bits((v.to_bits() & take) | (b.to_bits() & !take));
+                    *w = (tap & take) | (*w & !take);
+                }
+            });
+        }
+    }
 }
 
 /// The input gradient: each output's gradient goes to the input its maximum came from.
@@ -119,20 +128,26 @@ pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u32]) -> Vec<f32> {
             dy.par_chunks(out_img.max(1))
                 .zip(arg.par_chunks(out_img.max(1))),
         )
-        .for_each(|(dx, (dy, arg))| {
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let at = (oy * ow + ox) * c;
-                    let (g, taps) = (&dy[at..at + c], &arg[at..at + c]);
-                    // Tap by tap, so that the inner loop is a vector compare-and-add.
-                    s.for_each_tap(oy, ox, |tap, pixel| {
-                        let dst = &mut dx[pixel * c..][..c];
-                        for ((d, &v), &t) in dst.iter_mut().zip(g).zip(taps) {
-                            *d += if t == tap { v } else { 0.0 };
-                        }
-                    });
-                }
-            }
-        });
+        .for_each(|(dx, (dy, arg))| max_image_backward(s, dy, arg, dx));
     dx
+}
+
+/// [`max_backward`] of one image, compiled for the CPU's widest vectors.
+#[multiversion(targets = "simd")]
+fn max_image_backward(s: &PoolShape, dy: &[f32], arg: &[u32], dx: &mut [f32]) {
+    let [oh, ow] = s.out_size();
+    let c = s.channels;
+    for oy in 0..oh {
+        for ox in 0..ow {
+            let at = (oy * ow + ox) * c;
+            let (g, taps) = (&dy[at..at + c], &arg[at..at + c]);
+            // Tap by tap, so that the inner loop is a vector compare-and-add.
+            s.for_each_tap(oy, ox, |tap, pixel| {
+                let dst = &mut dx[pixel * c..][..c];
+                for ((d, &v), &t) in dst.iter_mut().zip(g).zip(taps) {
+                    *d += if t == tap { v } else { 0.0 };
+                }
+            });
+        }
+    }
 }

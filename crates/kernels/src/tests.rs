@@ -3,9 +3,9 @@
 
 use proptest::prelude::*;
 
-use crate::conv::{self, ConvShape, PackedWeight, Prepared};
+use crate::conv::{self, Algorithm, ConvShape, Prepared};
 use crate::matmul;
-use crate::winograd::{self, WinogradWeight};
+use crate::winograd;
 
 /// Direct convolution, NHWC input, PyTorch-layout weight, f64 sums.
 fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<f64> {
@@ -105,16 +105,8 @@ fn worst_error(got: &[f32], want: &[f64]) -> f64 {
 /// f32 against f64 sums over at most a few thousand terms: a few ulps of the scale.
 const TOLERANCE: f64 = 1e-5;
 
-#[derive(Clone, Copy, Debug)]
-enum Algorithm {
-    /// Whatever `Prepared::new` picks for the shape.
-    Chosen,
-    Im2col,
-    Winograd,
-}
-
 fn check(s: ConvShape, relu: bool, seed: u64) {
-    check_with(s, relu, seed, Algorithm::Chosen)
+    check_with(s, relu, seed, Algorithm::of(&s))
 }
 
 fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
@@ -123,11 +115,7 @@ fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
     let w = values(s.weight_len(), seed + 1);
     let b = values(s.c_out, seed + 2);
     let dy = values(s.output_len(), seed + 3);
-    let packed = match algorithm {
-        Algorithm::Chosen => Prepared::new(&s, &w),
-        Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(&s, &w)),
-        Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(&s, &w)),
-    };
+    let packed = Prepared::with(algorithm, &s, &w);
 
     let y = conv::forward(&s, &x, &packed, Some(&b), relu);
     let want = reference_forward(&s, &x, &w, &b, relu);
@@ -145,11 +133,20 @@ fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
     };
     let (dx, dw, db) = reference_backward(&s, &x, &w, &g);
     let e = worst_error(grads.input.as_ref().unwrap(), &dx);
-    assert!(e < TOLERANCE, "input-gradient error {e} for {s:?}");
+    assert!(
+        e < TOLERANCE,
+        "input-gradient error {e} for {s:?} ({algorithm:?})"
+    );
     let e = worst_error(&grads.weight, &dw);
-    assert!(e < TOLERANCE, "weight-gradient error {e} for {s:?}");
+    assert!(
+        e < TOLERANCE,
+        "weight-gradient error {e} for {s:?} ({algorithm:?})"
+    );
     let e = worst_error(&grads.bias, &db);
-    assert!(e < TOLERANCE, "bias-gradient error {e} for {s:?}");
+    assert!(
+        e < TOLERANCE,
+        "bias-gradient error {e} for {s:?} ({algorithm:?})"
+    );
 }
 
 fn shape3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> ConvShape {
@@ -219,11 +216,12 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
         })
     };
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    let mut algorithms = vec![Prepared::Im2col(PackedWeight::from_torch(&s, &w))];
+    let mut algorithms = vec![Algorithm::Im2col, Algorithm::Direct];
     if winograd::applies(&s, 1) {
-        algorithms.push(Prepared::Winograd(WinogradWeight::from_torch(&s, &w)));
+        algorithms.push(Algorithm::Winograd);
     }
-    for packed in algorithms {
+    for algorithm in algorithms {
+        let packed = Prepared::with(algorithm, &s, &w);
         let one = run(&packed, 1);
         for threads in [2, 3, 5] {
             let other = run(&packed, threads);
@@ -238,7 +236,7 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
             {
                 assert!(
                     bits(a) == bits(b),
-                    "{what} differs at {threads} threads for {s:?}"
+                    "{what} differs at {threads} threads for {s:?} ({algorithm:?})"
                 );
             }
         }
@@ -271,16 +269,40 @@ fn a_layer_of_one_chunk_shared_by_tiles_is_bit_identical_whatever_the_thread_cou
 }
 
 #[test]
+fn small_outputs_skip_the_padding_taps_and_match_the_direct_convolution() {
+    // resnet18's deep 3×3 layers at 64 px (2×2, padding 1: 20 of 36 taps are padding), the
+    // stride-2 3×3 into them, a 1×1 image, and a 5×5 kernel wider than the image.
+    let deep = shape3x3(16, 24, 40, 2);
+    let down = ConvShape {
+        stride: [2, 2],
+        ..shape3x3(16, 12, 20, 4)
+    };
+    let single = shape3x3(16, 8, 8, 1);
+    let wide = ConvShape {
+        kernel: [5, 5],
+        padding: [2, 2],
+        ..shape3x3(17, 6, 5, 3)
+    };
+    for s in [deep, down, single, wide] {
+        assert_eq!(Algorithm::of(&s), Algorithm::Direct, "{s:?}");
+        check(s, true, 200);
+        check(s, false, 201);
+    }
+    // Its GEMMs, whose rows are the images, split into tiles of columns.
+    let tiled = shape3x3(32, 256, 256, 2);
+    assert!(matmul::Tiling::of(tiled.batch, tiled.c_out, 2 * tiled.c_in).tiles > 1);
+    assert_bit_identical_at_any_thread_count(tiled);
+}
+
+#[test]
 fn a_nan_input_stays_nan_through_the_fused_relu() {
     let s = shape3x3(1, 1, 1, 3);
     let mut x = vec![1.0; 9];
     x[4] = f32::NAN;
-    for packed in [
-        Prepared::Im2col(PackedWeight::from_torch(&s, &[-1.0; 9])),
-        Prepared::Winograd(WinogradWeight::from_torch(&s, &[-1.0; 9])),
-    ] {
+    for algorithm in [Algorithm::Im2col, Algorithm::Winograd, Algorithm::Direct] {
+        let packed = Prepared::with(algorithm, &s, &[-1.0; 9]);
         let y = conv::forward(&s, &x, &packed, None, true);
-        assert!(y.iter().all(|v| v.is_nan()), "{y:?}");
+        assert!(y.iter().all(|v| v.is_nan()), "{algorithm:?}: {y:?}");
     }
 }
 
@@ -321,6 +343,27 @@ proptest! {
         let s = ConvShape { batch, c_in, height, width, c_out, kernel: [3, 3], stride: [1, 1], padding: [py, px] };
         prop_assume!(s.validate().is_ok());
         check_with(s, relu, seed, Algorithm::Winograd);
+    }
+
+    #[test]
+    fn pixel_by_pixel_matches_the_direct_convolution_on_random_shapes(
+        batch in 1usize..4,
+        c_in in 1usize..9,
+        c_out in 1usize..9,
+        height in 1usize..7,
+        width in 1usize..7,
+        kh in 1usize..6,
+        kw in 1usize..6,
+        sy in 1usize..4,
+        sx in 1usize..4,
+        py in 0usize..4,
+        px in 0usize..4,
+        relu in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let s = ConvShape { batch, c_in, height, width, c_out, kernel: [kh, kw], stride: [sy, sx], padding: [py, px] };
+        prop_assume!(s.validate().is_ok());
+        check_with(s, relu, seed, Algorithm::Direct);
     }
 
     #[test]
@@ -449,8 +492,9 @@ mod batch_norm {
         let beta = values(channels, 23);
         let dy = values(rows * channels, 24);
         let stats = norm::batch_stats(&x, channels);
-        let y = norm::normalize(&x, &gamma, &beta, &stats.mean, &stats.var, eps);
-        let g = norm::backward(&x, &gamma, &stats, eps, &dy);
+        let y = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy, None, false);
+        assert!(g.residual.is_none());
         for c in 0..channels {
             let col: Vec<f64> = (0..rows).map(|r| x[r * channels + c] as f64).collect();
             let mean = col.iter().sum::<f64>() / rows as f64;
@@ -482,6 +526,42 @@ mod batch_norm {
     }
 
     #[test]
+    fn the_residual_add_and_relu_fused_equal_the_three_operations() {
+        let (channels, eps) = (5, 1e-5);
+        let x = values(channels * 1300, 41);
+        let r = values(channels * 1300, 42);
+        let (gamma, beta) = (values(channels, 43), values(channels, 44));
+        let dy = values(channels * 1300, 45);
+        let stats = norm::batch_stats(&x, channels);
+        let plain = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
+        let want: Vec<f32> = plain
+            .iter()
+            .zip(&r)
+            .map(|(v, r)| (v + r).max(0.0))
+            .collect();
+        let y = norm::normalize(&x, &gamma, &beta, &stats, eps, Some(&r), true);
+        assert_eq!(y, want);
+        assert!(y.contains(&0.0) && y.iter().any(|v| *v > 0.0));
+        // Backward: the gradient through the ReLU goes to the residual as it is, and to the
+        // norm's plain backward.
+        let masked: Vec<f32> = dy
+            .iter()
+            .zip(&y)
+            .map(|(d, o)| if *o > 0.0 { *d } else { 0.0 })
+            .collect();
+        let want = norm::backward(&x, &gamma, &stats, eps, &masked, None, false);
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy, Some(&y), true);
+        assert_eq!(g.residual.as_ref(), Some(&masked));
+        assert_eq!(
+            (&g.input, &g.gamma, &g.beta),
+            (&want.input, &want.gamma, &want.beta)
+        );
+        // Without the ReLU the residual's gradient is the upstream one.
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy, None, true);
+        assert_eq!(g.residual, Some(dy));
+    }
+
+    #[test]
     fn sums_are_bit_identical_whatever_the_thread_count() {
         let (channels, x, dy) = (8, values(8 * 5000, 31), values(8 * 5000, 32));
         let gamma = values(channels, 33);
@@ -492,7 +572,7 @@ mod batch_norm {
                 .unwrap();
             pool.install(|| {
                 let s = norm::batch_stats(&x, channels);
-                let g = norm::backward(&x, &gamma, &s, 1e-5, &dy);
+                let g = norm::backward(&x, &gamma, &s, 1e-5, &dy, None, false);
                 (s, g.input, g.gamma, g.beta)
             })
         };

@@ -12,6 +12,7 @@
 //! whatever the thread count); inside a chunk the transforms run image by image and the 16
 //! GEMMs side by side, each on one thread.
 
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use crate::conv::{ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials};
@@ -238,6 +239,7 @@ fn four_planes<'a>(
 /// into the image's 16 planes of `v` (each `[tiles][c]`, tile index `t`). `d` and `r` are
 /// scratch of `16 · c`.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn input_transform(
     s: &ConvShape,
     img: &[f32],
@@ -280,15 +282,20 @@ fn transform_inputs(s: &ConvShape, t: &Tiling, x: &[f32], n0: usize, images: usi
         .into_par_iter()
         .enumerate()
         .for_each(|(n, mut planes)| {
-            let img = &x[(n0 + n) * image_len..][..image_len];
-            let (mut d, mut r) = (vec![0.0f32; 16 * s.c_in], vec![0.0f32; 16 * s.c_in]);
-            for ty in 0..t.th {
-                for tx in 0..t.tw {
-                    let tile = ty * t.tw + tx;
-                    input_transform(s, img, ty, tx, tile, &mut planes, &mut d, &mut r);
-                }
-            }
+            input_image(s, t, &x[(n0 + n) * image_len..][..image_len], &mut planes)
         });
+}
+
+/// One image of [`transform_inputs`], compiled for the CPU's widest vectors.
+#[multiversion(targets = "simd")]
+fn input_image(s: &ConvShape, t: &Tiling, img: &[f32], planes: &mut [&mut [f32]]) {
+    let (mut d, mut r) = (vec![0.0f32; 16 * s.c_in], vec![0.0f32; 16 * s.c_in]);
+    for ty in 0..t.th {
+        for tx in 0..t.tw {
+            let tile = ty * t.tw + tx;
+            input_transform(s, img, ty, tx, tile, planes, &mut d, &mut r);
+        }
+    }
 }
 
 /// `y = conv(x, w) + bias`, then ReLU when `relu`; `x` and `y` NHWC.
@@ -357,53 +364,67 @@ fn output_transform(
     let y = &mut y[..images * t.oh * t.ow * co];
     y.par_chunks_mut(t.oh * t.ow * co)
         .enumerate()
-        .for_each(|(n, y)| {
-            // Aᵀ M (2 rows of 4), then the tile's 4 outputs, each a vector of co.
-            let mut r = vec![0.0f32; 8 * co];
-            let mut out = vec![0.0f32; 4 * co];
-            for ty in 0..t.th {
-                for tx in 0..t.tw {
-                    let tile = (n * t.th + ty) * t.tw + tx;
-                    for j in 0..4 {
-                        // Column j of M: M[i][j] = M[ξ = 4i + j].
-                        let col = four(m, (j * tiles + tile) * co, 4 * tiles * co, co);
-                        let [r0, r1] = two_mut(&mut r, j * co, 4 * co, co);
-                        add(r0, col[0], col[1]);
-                        add_into(r0, col[2]);
-                        sub(r1, col[1], col[2]);
-                        for (d, x) in r1.iter_mut().zip(col[3]) {
-                            *d -= x;
-                        }
-                    }
-                    for a in 0..2 {
-                        let row = four(&r, a * 4 * co, co, co);
-                        let [o0, o1] = two_mut(&mut out, 2 * a * co, co, co);
-                        add(o0, row[0], row[1]);
-                        add_into(o0, row[2]);
-                        add_into(o0, bias);
-                        sub(o1, row[1], row[2]);
-                        for ((d, x), b) in o1.iter_mut().zip(row[3]).zip(bias) {
-                            *d += b - x;
-                        }
-                    }
-                    for (k, vals) in out.chunks_exact(co).enumerate() {
-                        let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
-                        if oy >= t.oh || ox >= t.ow {
-                            continue;
-                        }
-                        let dst = &mut y[(oy * t.ow + ox) * co..][..co];
-                        if relu {
-                            for (d, v) in dst.iter_mut().zip(vals) {
-                                // `<`: a NaN stays a NaN.
-                                *d = if *v < 0.0 { 0.0 } else { *v };
-                            }
-                        } else {
-                            dst.copy_from_slice(vals);
-                        }
-                    }
+        .for_each(|(n, y)| output_image(t, m, tiles, n, co, bias, relu, y));
+}
+
+/// Image `n` of [`output_transform`], compiled for the CPU's widest vectors.
+#[multiversion(targets = "simd")]
+#[allow(clippy::too_many_arguments)]
+fn output_image(
+    t: &Tiling,
+    m: &[f32],
+    tiles: usize,
+    n: usize,
+    co: usize,
+    bias: &[f32],
+    relu: bool,
+    y: &mut [f32],
+) {
+    // Aᵀ M (2 rows of 4), then the tile's 4 outputs, each a vector of co.
+    let mut r = vec![0.0f32; 8 * co];
+    let mut out = vec![0.0f32; 4 * co];
+    for ty in 0..t.th {
+        for tx in 0..t.tw {
+            let tile = (n * t.th + ty) * t.tw + tx;
+            for j in 0..4 {
+                // Column j of M: M[i][j] = M[ξ = 4i + j].
+                let col = four(m, (j * tiles + tile) * co, 4 * tiles * co, co);
+                let [r0, r1] = two_mut(&mut r, j * co, 4 * co, co);
+                add(r0, col[0], col[1]);
+                add_into(r0, col[2]);
+                sub(r1, col[1], col[2]);
+                for (d, x) in r1.iter_mut().zip(col[3]) {
+                    *d -= x;
                 }
             }
-        });
+            for a in 0..2 {
+                let row = four(&r, a * 4 * co, co, co);
+                let [o0, o1] = two_mut(&mut out, 2 * a * co, co, co);
+                add(o0, row[0], row[1]);
+                add_into(o0, row[2]);
+                add_into(o0, bias);
+                sub(o1, row[1], row[2]);
+                for ((d, x), b) in o1.iter_mut().zip(row[3]).zip(bias) {
+                    *d += b - x;
+                }
+            }
+            for (k, vals) in out.chunks_exact(co).enumerate() {
+                let (oy, ox) = (2 * ty + k / 2, 2 * tx + k % 2);
+                if oy >= t.oh || ox >= t.ow {
+                    continue;
+                }
+                let dst = &mut y[(oy * t.ow + ox) * co..][..co];
+                if relu {
+                    for (d, v) in dst.iter_mut().zip(vals) {
+                        // `<`: a NaN stays a NaN.
+                        *d = if *v < 0.0 { 0.0 } else { *v };
+                    }
+                } else {
+                    dst.copy_from_slice(vals);
+                }
+            }
+        }
+    }
 }
 
 /// Two `len`-long pieces of `buf`, at `at` and `at + step` (`step >= len`).
@@ -504,42 +525,48 @@ fn output_grad_transform(t: &Tiling, g: &[f32], images: usize, co: usize, dm: &m
         .into_par_iter()
         .enumerate()
         .for_each(|(n, mut planes)| {
-            let g = &g[n * out_image..][..out_image];
-            // A dy: 4 rows of 2 vectors.
-            let mut sr = vec![0.0f32; 8 * co];
-            for ty in 0..t.th {
-                for tx in 0..t.tw {
-                    let tile = ty * t.tw + tx;
-                    let pos = |a: usize, b: usize| {
-                        let (oy, ox) = (2 * ty + a, 2 * tx + b);
-                        if oy < t.oh && ox < t.ow {
-                            &g[(oy * t.ow + ox) * co..][..co]
-                        } else {
-                            &zeros[..]
-                        }
-                    };
-                    for b in 0..2 {
-                        // Column b of dy through A: [d0, d0 + d1, d0 - d1, -d1].
-                        let (d0, d1) = (pos(0, b), pos(1, b));
-                        let [s0, s1, s2, s3] = four_mut(&mut sr, b * co, 2 * co, co);
-                        s0.copy_from_slice(d0);
-                        add(s1, d0, d1);
-                        sub(s2, d0, d1);
-                        neg(s3, d1);
-                    }
-                    for i in 0..4 {
-                        // Row i through Aᵀ on the right: [s0, s0 + s1, s0 - s1, -s1] into
-                        // dM[4i + j].
-                        let (s0, s1) = (&sr[2 * i * co..][..co], &sr[(2 * i + 1) * co..][..co]);
-                        let [m0, m1, m2, m3] = four_planes(&mut planes, i, tile, co);
-                        m0.copy_from_slice(s0);
-                        add(m1, s0, s1);
-                        sub(m2, s0, s1);
-                        neg(m3, s1);
-                    }
-                }
-            }
+            output_grad_image(t, &g[n * out_image..][..out_image], co, &zeros, &mut planes)
         });
+}
+
+/// Image `n` of [`output_grad_transform`] (`g` its output gradient), compiled for the CPU's
+/// widest vectors.
+#[multiversion(targets = "simd")]
+fn output_grad_image(t: &Tiling, g: &[f32], co: usize, zeros: &[f32], planes: &mut [&mut [f32]]) {
+    // A dy: 4 rows of 2 vectors.
+    let mut sr = vec![0.0f32; 8 * co];
+    for ty in 0..t.th {
+        for tx in 0..t.tw {
+            let tile = ty * t.tw + tx;
+            let pos = |a: usize, b: usize| {
+                let (oy, ox) = (2 * ty + a, 2 * tx + b);
+                if oy < t.oh && ox < t.ow {
+                    &g[(oy * t.ow + ox) * co..][..co]
+                } else {
+                    zeros
+                }
+            };
+            for b in 0..2 {
+                // Column b of dy through A: [d0, d0 + d1, d0 - d1, -d1].
+                let (d0, d1) = (pos(0, b), pos(1, b));
+                let [s0, s1, s2, s3] = four_mut(&mut sr, b * co, 2 * co, co);
+                s0.copy_from_slice(d0);
+                add(s1, d0, d1);
+                sub(s2, d0, d1);
+                neg(s3, d1);
+            }
+            for i in 0..4 {
+                // Row i through Aᵀ on the right: [s0, s0 + s1, s0 - s1, -s1] into
+                // dM[4i + j].
+                let (s0, s1) = (&sr[2 * i * co..][..co], &sr[(2 * i + 1) * co..][..co]);
+                let [m0, m1, m2, m3] = four_planes(planes, i, tile, co);
+                m0.copy_from_slice(s0);
+                add(m1, s0, s1);
+                sub(m2, s0, s1);
+                neg(m3, s1);
+            }
+        }
+    }
 }
 
 /// `dd = B dV Bᵀ` per tile, added into the chunk's input gradient (dropping the padding), each
@@ -549,37 +576,49 @@ fn input_grad_transform(s: &ConvShape, t: &Tiling, dv: &[f32], tiles: usize, dx:
     let image_len = s.height * s.width * c;
     dx.par_chunks_mut(image_len)
         .enumerate()
-        .for_each(|(n, img)| {
-            let (mut r, mut dd) = (vec![0.0f32; 16 * c], vec![0.0f32; 16 * c]);
-            for ty in 0..t.th {
-                for tx in 0..t.tw {
-                    let tile = (n * t.th + ty) * t.tw + tx;
-                    // B dV down each column j, then · Bᵀ along each row.
-                    for j in 0..4 {
-                        let src = four(dv, (j * tiles + tile) * c, 4 * tiles * c, c);
-                        b4(four_mut(&mut r, j * c, 4 * c, c), src);
+        .for_each(|(n, img)| input_grad_image(s, t, dv, tiles, n, img));
+}
+
+/// Image `n` of [`input_grad_transform`], compiled for the CPU's widest vectors.
+#[multiversion(targets = "simd")]
+fn input_grad_image(
+    s: &ConvShape,
+    t: &Tiling,
+    dv: &[f32],
+    tiles: usize,
+    n: usize,
+    img: &mut [f32],
+) {
+    let c = s.c_in;
+    let (mut r, mut dd) = (vec![0.0f32; 16 * c], vec![0.0f32; 16 * c]);
+    for ty in 0..t.th {
+        for tx in 0..t.tw {
+            let tile = (n * t.th + ty) * t.tw + tx;
+            // B dV down each column j, then · Bᵀ along each row.
+            for j in 0..4 {
+                let src = four(dv, (j * tiles + tile) * c, 4 * tiles * c, c);
+                b4(four_mut(&mut r, j * c, 4 * c, c), src);
+            }
+            for i in 0..4 {
+                let src = four(&r, i * 4 * c, c, c);
+                b4(four_mut(&mut dd, i * 4 * c, c, c), src);
+            }
+            for i in 0..4 {
+                let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
+                if iy >= s.height {
+                    continue;
+                }
+                for j in 0..4 {
+                    let ix = (2 * tx + j).wrapping_sub(s.padding[1]);
+                    if ix >= s.width {
+                        continue;
                     }
-                    for i in 0..4 {
-                        let src = four(&r, i * 4 * c, c, c);
-                        b4(four_mut(&mut dd, i * 4 * c, c, c), src);
-                    }
-                    for i in 0..4 {
-                        let iy = (2 * ty + i).wrapping_sub(s.padding[0]);
-                        if iy >= s.height {
-                            continue;
-                        }
-                        for j in 0..4 {
-                            let ix = (2 * tx + j).wrapping_sub(s.padding[1]);
-                            if ix >= s.width {
-                                continue;
-                            }
-                            add_into(
-                                &mut img[(iy * s.width + ix) * c..][..c],
-                                &dd[(i * 4 + j) * c..][..c],
-                            );
-                        }
-                    }
+                    add_into(
+                        &mut img[(iy * s.width + ix) * c..][..c],
+                        &dd[(i * 4 + j) * c..][..c],
+                    );
                 }
             }
-        });
+        }
+    }
 }

@@ -11,11 +11,10 @@ use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, PaddingConfig2d};
-use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Net, settle_norms};
-use crate::ops::{batch_norm, conv2d, max_pool2d};
+use crate::ops::{batch_norm, conv2d, max_pool2d, norm_add_relu};
 
 /// Which ResNet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,16 +148,23 @@ impl Block {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        let out = relu(batch_norm(&self.bn1, conv2d(&self.conv1, x.clone(), false)));
-        let mut out = batch_norm(&self.bn2, conv2d(&self.conv2, out, false));
-        if let (Some(conv3), Some(bn3)) = (&self.conv3, &self.bn3) {
-            out = batch_norm(bn3, conv2d(conv3, relu(out), false));
-        }
-        let identity = match &self.downsample {
+        // Each norm with what follows it fused: the ReLU, and at the end the residual add.
+        let out = norm_add_relu(&self.bn1, conv2d(&self.conv1, x.clone(), false), None, true);
+        let identity = |x: Tensor<4>| match &self.downsample {
             Some(d) => batch_norm(&d.bn, conv2d(&d.conv, x, false)),
             None => x,
         };
-        relu(out.add(identity))
+        match (&self.conv3, &self.bn3) {
+            (Some(conv3), Some(bn3)) => {
+                let out = norm_add_relu(&self.bn2, conv2d(&self.conv2, out, false), None, true);
+                let out = conv2d(conv3, out, false);
+                norm_add_relu(bn3, out, Some(identity(x)), true)
+            }
+            _ => {
+                let out = conv2d(&self.conv2, out, false);
+                norm_add_relu(&self.bn2, out, Some(identity(x)), true)
+            }
+        }
     }
 
     fn norms(&self) -> impl Iterator<Item = &BatchNorm> {
@@ -209,7 +215,7 @@ impl ResNet {
 
     /// `[batch, 3, H, W]` (H, W ≥ 32) → logits `[batch, classes]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = relu(batch_norm(&self.bn1, conv2d(&self.conv1, x, false)));
+        let x = norm_add_relu(&self.bn1, conv2d(&self.conv1, x, false), None, true);
         let mut x = max_pool2d(&self.maxpool, x);
         for block in self.blocks() {
             x = block.forward(x);

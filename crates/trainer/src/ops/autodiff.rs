@@ -14,10 +14,10 @@ use kernels::conv::{self, Prepared};
 use kernels::norm::{self, BatchStats};
 use kernels::pool;
 
-use super::flex::{conv_with_weight, max_pool_with_taps};
+use super::flex::{conv_with_weight, max_pool_with_taps, norm_add_relu as flex_norm_add_relu};
 use super::{
-    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s, from_nhwc,
-    from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
+    ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s,
+    from_nhwc, from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 #[derive(Debug)]
@@ -80,20 +80,39 @@ impl Backward<Flex, 1> for PoolBackward {
     }
 }
 
+/// Batch norm's backward; `N` parents: input, gamma, beta, and the residual when there is one.
 #[derive(Debug)]
-struct NormBackward;
+struct NormBackward<const N: usize>;
 
-impl Backward<Flex, 3> for NormBackward {
-    /// Input, gamma, the batch statistics, epsilon.
-    type State = (FlexTensor, FlexTensor, Arc<BatchStats>, f64);
+impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
+    /// Input, gamma, the batch statistics, the spec, and the output when the ReLU is fused.
+    type State = (
+        FlexTensor,
+        FlexTensor,
+        Arc<BatchStats>,
+        NormSpec,
+        Option<FlexTensor>,
+    );
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_gamma, node_beta] = ops.parents;
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let mut parents = ops.parents.into_iter();
+        let mut parent = || parents.next().flatten();
+        let (node_x, node_gamma, node_beta, node_residual) =
+            (parent(), parent(), parent(), parent());
         let dy = grads.consume::<Flex>(&ops.node);
-        let (x, gamma, stats, epsilon) = ops.state;
+        let (x, gamma, stats, spec, y) = ops.state;
         let dims = dims4(&x);
         let _timer = profile::Backward::start(|| norm_name(dims));
-        let g = norm::backward(&nhwc(&x), &f32s(&gamma), &stats, epsilon, &nhwc(&dy));
+        let y = y.as_ref().map(nhwc);
+        let g = norm::backward(
+            &nhwc(&x),
+            &f32s(&gamma),
+            &stats,
+            spec.epsilon,
+            &nhwc(&dy),
+            y.as_deref(),
+            node_residual.is_some(),
+        );
         if let Some(node) = node_x {
             grads.register::<Flex>(node.id, from_nhwc(g.input, dims));
         }
@@ -102,6 +121,9 @@ impl Backward<Flex, 3> for NormBackward {
         }
         if let Some(node) = node_beta {
             grads.register::<Flex>(node.id, from_vec(g.beta, &[dims[1]]));
+        }
+        if let (Some(node), Some(dr)) = (node_residual, g.residual) {
+            grads.register::<Flex>(node.id, from_nhwc(dr, dims));
         }
     }
 }
@@ -152,23 +174,64 @@ impl<C: CheckpointStrategy> TrainctlOps for Autodiff<Flex, C> {
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
-        epsilon: f64,
+        spec: NormSpec,
     ) -> NormOutput<Self> {
-        let prep = NormBackward
-            .prepare::<C>([x.node(), gamma.node(), beta.node()])
-            .compute_bound()
-            .stateful();
-        let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
-        let out = Flex::batch_norm_train(x.clone(), gamma.clone(), beta.into_primitive(), epsilon);
-        let stats = BatchStats {
-            mean: f32s(&out.mean).into_owned(),
-            var: f32s(&out.var).into_owned(),
-        };
-        let (mean, var) = (Self::from_inner(out.mean), Self::from_inner(out.var));
-        let output = match prep {
-            OpsKind::Tracked(prep) => prep.finish((x, gamma, Arc::new(stats), epsilon), out.output),
-            OpsKind::UnTracked(prep) => prep.finish(out.output),
-        };
-        NormOutput { output, mean, var }
+        norm_add_relu::<C>(x, gamma, beta, None, spec)
     }
+
+    fn batch_norm_add_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        spec: NormSpec,
+    ) -> NormOutput<Self> {
+        norm_add_relu::<C>(x, gamma, beta, Some(residual), spec)
+    }
+}
+
+/// Batch norm (+ residual, + ReLU) on flex, with the backward that takes the residual's node
+/// as a fourth parent when there is one.
+fn norm_add_relu<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+    gamma: FloatTensor<Autodiff<Flex, C>>,
+    beta: FloatTensor<Autodiff<Flex, C>>,
+    residual: Option<FloatTensor<Autodiff<Flex, C>>>,
+    spec: NormSpec,
+) -> NormOutput<Autodiff<Flex, C>> {
+    let nodes = [x.node(), gamma.node(), beta.node()];
+    let residual_node = residual.as_ref().map(|r| r.node());
+    let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
+    let residual = residual.map(|r| r.into_primitive());
+    let out = flex_norm_add_relu(&x, &gamma, &beta.into_primitive(), residual.as_ref(), spec);
+    let stats = Arc::new(BatchStats {
+        mean: f32s(&out.mean).into_owned(),
+        var: f32s(&out.var).into_owned(),
+    });
+    type Ad<C> = Autodiff<Flex, C>;
+    let (mean, var) = (Ad::<C>::from_inner(out.mean), Ad::<C>::from_inner(out.var));
+    let saved_y = spec.relu.then(|| out.output.clone());
+    let state = (x, gamma, stats, spec, saved_y);
+    let output = match residual_node {
+        None => match NormBackward::<3>
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, out.output),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
+        },
+        Some(r) => {
+            let [x, gamma, beta] = nodes;
+            match NormBackward::<4>
+                .prepare::<C>([x, gamma, beta, r])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out.output),
+                OpsKind::UnTracked(prep) => prep.finish(out.output),
+            }
+        }
+    };
+    NormOutput { output, mean, var }
 }

@@ -6,8 +6,8 @@ use kernels::conv::{self, Prepared};
 use kernels::{norm, pool};
 
 use super::{
-    ConvSpec, NormOutput, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s, from_nhwc,
-    from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
+    ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s,
+    from_nhwc, from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 impl TrainctlOps for Flex {
@@ -23,32 +23,56 @@ impl TrainctlOps for Flex {
         x: FlexTensor,
         gamma: FlexTensor,
         beta: FlexTensor,
-        epsilon: f64,
+        spec: NormSpec,
     ) -> NormOutput<Self> {
-        let dims = dims4(&x);
-        profile::timed(
-            || norm_name(dims),
-            None,
-            0.0,
-            || {
-                let xs = nhwc(&x);
-                let stats = norm::batch_stats(&xs, dims[1]);
-                let y = norm::normalize(
-                    &xs,
-                    &f32s(&gamma),
-                    &f32s(&beta),
-                    &stats.mean,
-                    &stats.var,
-                    epsilon,
-                );
-                NormOutput {
-                    output: from_nhwc(y, dims),
-                    mean: from_vec(stats.mean, &[dims[1]]),
-                    var: from_vec(stats.var, &[dims[1]]),
-                }
-            },
-        )
+        norm_add_relu(&x, &gamma, &beta, None, spec)
     }
+
+    fn batch_norm_add_train(
+        x: FlexTensor,
+        gamma: FlexTensor,
+        beta: FlexTensor,
+        residual: FlexTensor,
+        spec: NormSpec,
+    ) -> NormOutput<Self> {
+        norm_add_relu(&x, &gamma, &beta, Some(&residual), spec)
+    }
+}
+
+/// Batch norm with the batch's statistics, plus `residual` when there is one, then the ReLU if
+/// `spec.relu`.
+pub(super) fn norm_add_relu(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    beta: &FlexTensor,
+    residual: Option<&FlexTensor>,
+    spec: NormSpec,
+) -> NormOutput<Flex> {
+    let dims = dims4(x);
+    profile::timed(
+        || norm_name(dims),
+        None,
+        0.0,
+        || {
+            let xs = nhwc(x);
+            let stats = norm::batch_stats(&xs, dims[1]);
+            let residual = residual.map(nhwc);
+            let y = norm::normalize(
+                &xs,
+                &f32s(gamma),
+                &f32s(beta),
+                &stats,
+                spec.epsilon,
+                residual.as_deref(),
+                spec.relu,
+            );
+            NormOutput {
+                output: from_nhwc(y, dims),
+                mean: from_vec(stats.mean, &[dims[1]]),
+                var: from_vec(stats.var, &[dims[1]]),
+            }
+        },
+    )
 }
 
 /// The convolution's output and the weight as its algorithm needs it (kept for the backward).

@@ -1,6 +1,6 @@
 //! trainctl's own kernels (crate `kernels`) as burn operations of the flex backend, with their
 //! gradients for autodiff, through burn's backend extensions: convolution (+ bias + ReLU), max
-//! pooling and training-mode batch norm.
+//! pooling and training-mode batch norm (with a ResNet block's residual add and ReLU fused).
 //!
 //! Tensors stay NCHW to burn, but the outputs of these operations are stored channels-last
 //! (a permuted layout over an NHWC buffer): burn's other operations read any layout, and the
@@ -42,6 +42,14 @@ pub struct PoolSpec {
     pub padding: [usize; 2],
 }
 
+/// What a training-mode batch norm does besides normalising: its epsilon, and a ReLU after it
+/// (and after the residual add, when there is one).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormSpec {
+    pub epsilon: f64,
+    pub relu: bool,
+}
+
 /// Training-mode batch norm: the output and the batch statistics (for the running state).
 #[derive(ExtensionType)]
 pub struct NormOutput<B: burn::backend::Backend> {
@@ -63,12 +71,23 @@ pub trait TrainctlOps: burn::backend::Backend {
     /// `x` `[n, c, h, w]`.
     fn max_pool2d(x: FloatTensor<Self>, spec: PoolSpec) -> FloatTensor<Self>;
 
-    /// Normalises `x` `[n, c, h, w]` with its own per-channel statistics (biased variance).
+    /// Normalises `x` `[n, c, h, w]` with its own per-channel statistics (biased variance),
+    /// then applies ReLU if `spec.relu`.
     fn batch_norm_train(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
-        epsilon: f64,
+        spec: NormSpec,
+    ) -> NormOutput<Self>;
+
+    /// [`batch_norm_train`](TrainctlOps::batch_norm_train) with `residual` (the shape of `x`)
+    /// added before the ReLU. (burn's extension traits take no optional tensors.)
+    fn batch_norm_add_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        residual: FloatTensor<Self>,
+        spec: NormSpec,
     ) -> NormOutput<Self>;
 }
 
@@ -134,15 +153,44 @@ pub fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
 /// statistics, folded into the running state as burn's `BatchNorm` does; otherwise burn's own
 /// inference path with the running statistics.
 pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
+    norm_add_relu(bn, x, None, false)
+}
+
+/// `relu(bn(x) + residual)` (without the add when `residual` is `None`, without the ReLU when
+/// `!relu`): a ResNet block's tail, in one pass in training (see [`batch_norm`]).
+pub fn norm_add_relu(
+    bn: &BatchNorm,
+    x: Tensor<4>,
+    residual: Option<Tensor<4>>,
+    relu: bool,
+) -> Tensor<4> {
     if !(x.device().is_autodiff() && bn.training.is_enabled()) {
-        return bn.forward(x);
+        let y = bn.forward(x);
+        let y = match residual {
+            Some(r) => y.add(r),
+            None => y,
+        };
+        return if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        };
     }
-    let out = <Dispatch as TrainctlOps>::batch_norm_train(
+    let (x, gamma, beta) = (
         x.into_dispatch(),
         bn.gamma.val().into_dispatch(),
         bn.beta.val().into_dispatch(),
-        bn.epsilon,
     );
+    let spec = NormSpec {
+        epsilon: bn.epsilon,
+        relu,
+    };
+    let out = match residual {
+        Some(r) => {
+            <Dispatch as TrainctlOps>::batch_norm_add_train(x, gamma, beta, r.into_dispatch(), spec)
+        }
+        None => <Dispatch as TrainctlOps>::batch_norm_train(x, gamma, beta, spec),
+    };
     let (mean, var) = (
         Tensor::<1>::from_dispatch(out.mean).detach(),
         Tensor::<1>::from_dispatch(out.var).detach(),

@@ -196,3 +196,42 @@ fn batch_norm_matches_burn_in_training_and_updates_the_running_statistics() {
         assert!(e < TOLERANCE, "running statistics differ by {e}");
     }
 }
+
+#[test]
+fn the_fused_norm_add_relu_matches_burns_three_operations() {
+    use burn::nn::BatchNormConfig;
+    let device = training_device();
+    let ours_bn = BatchNormConfig::new(6).init(&device);
+    let theirs_bn = BatchNormConfig::new(6).init(&device);
+    let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 2.0 + 0.5)
+        .require_grad();
+    let residual =
+        Tensor::<4>::random([4, 6, 5, 5], Distribution::Uniform(-1.0, 1.0), &device).require_grad();
+    let ours = super::norm_add_relu(&ours_bn, x.clone(), Some(residual.clone()), true);
+    let y = theirs_bn.forward(x.clone()) + residual.clone();
+    let e = worst(&to_vec(ours.clone()), &to_vec(relu(y.clone())));
+    assert!(e < TOLERANCE, "output differs by {e}");
+    let values = to_vec(ours.clone());
+    assert!(values.contains(&0.0) && values.iter().any(|v| *v > 0.0));
+
+    let theirs = relu_as_ours(y, &ours);
+    let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
+    let (go, gt) = (
+        (ours * r.clone()).sum().backward(),
+        (theirs * r).sum().backward(),
+    );
+    for (name, t) in [("input", &x), ("residual", &residual)] {
+        let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
+        assert!(e < 1e-4, "{name} gradient differs by {e}");
+    }
+    for (name, ours, theirs) in [
+        ("gamma", &ours_bn.gamma, &theirs_bn.gamma),
+        ("beta", &ours_bn.beta, &theirs_bn.beta),
+    ] {
+        let e = worst(
+            &to_vec(ours.val().grad(&go).unwrap()),
+            &to_vec(theirs.val().grad(&gt).unwrap()),
+        );
+        assert!(e < 1e-4, "{name} gradient differs by {e}");
+    }
+}
