@@ -97,6 +97,12 @@ impl ConvShape {
         ]
     }
 
+    /// A 1×1 kernel at stride 1 without padding: on NHWC data the input, as it lies, is
+    /// already the im2col matrix.
+    pub fn is_pointwise(&self) -> bool {
+        self.kernel == [1, 1] && self.stride == [1, 1] && self.padding == [0, 0]
+    }
+
     /// The GEMM's inner dimension: one im2col row, `(ky, kx, c)` with `c` fastest.
     pub fn k(&self) -> usize {
         self.kernel[0] * self.kernel[1] * self.c_in
@@ -437,6 +443,7 @@ pub fn im2col_forward(
     assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
+    let pointwise = s.is_pointwise();
     // The right-hand side laid out `[k][c_out]`: gemm runs up to 1.7× faster on it than on the
     // transposed view when a chunk has few rows (a ResNet's deep layers; docs/PERFORMANCE.md).
     let mut rhs = scratch(k * co);
@@ -447,10 +454,16 @@ pub fn im2col_forward(
         .for_each(|(chunk, y)| {
             let images = y.len() / (rows_img * co);
             let rows = images * rows_img;
-            with_scratch([rows * k, 0, 0], |col, _, _| {
-                col.par_chunks_mut(rows_img * k)
-                    .enumerate()
-                    .for_each(|(i, col)| im2col(s, x, chunk * per_chunk + i, 1, col));
+            let n0 = chunk * per_chunk;
+            with_scratch([if pointwise { 0 } else { rows * k }, 0, 0], |col, _, _| {
+                let patches: &[f32] = if pointwise {
+                    &x[n0 * rows_img * k..][..rows * k]
+                } else {
+                    col.par_chunks_mut(rows_img * k)
+                        .enumerate()
+                        .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+                    col
+                };
                 if let Some(b) = bias {
                     for row in y.chunks_exact_mut(co) {
                         row.copy_from_slice(b);
@@ -459,7 +472,7 @@ pub fn im2col_forward(
                 par_matmul(
                     y,
                     co,
-                    Mat::rows(col, rows, k),
+                    Mat::rows(patches, rows, k),
                     Mat::rows(&rhs, k, co),
                     bias.is_some(),
                 );
@@ -502,6 +515,7 @@ pub fn im2col_backward(
     let per_chunk = s.images_per_chunk();
     let chunks = s.batch.div_ceil(per_chunk);
     let image_len = s.height * s.width * s.c_in;
+    let pointwise = s.is_pointwise();
 
     let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
@@ -515,28 +529,34 @@ pub fn im2col_backward(
                 let images = per_chunk.min(s.batch - n0);
                 let rows = images * rows_img;
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
-                with_scratch([rows * k, rows * co, 0], |col, masked, _| {
+                let col_len = if pointwise { 0 } else { rows * k };
+                with_scratch([col_len, rows * co, 0], |col, masked, _| {
                     let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
-                    col.par_chunks_mut(rows_img * k)
-                        .enumerate()
-                        .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+                    let patches: &[f32] = if pointwise {
+                        &x[n0 * image_len..][..rows * k]
+                    } else {
+                        col.par_chunks_mut(rows_img * k)
+                            .enumerate()
+                            .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+                        col
+                    };
                     // dW as the weight is packed, `[c_out][k]`: gᵀ · col.
                     par_matmul(
                         &mut dw,
                         k,
                         Mat::rows(g, rows, co).t(),
-                        Mat::rows(col, rows, k),
+                        Mat::rows(patches, rows, k),
                         true,
                     );
                     if let Some(dx_chunk) = dx_chunk {
+                        let w = Mat::rows(&weight.data, co, k);
+                        if pointwise {
+                            // col2im of a pointwise layer is the identity: straight into dx.
+                            par_matmul(dx_chunk, k, Mat::rows(g, rows, co), w, false);
+                            return;
+                        }
                         // The im2col matrix is not needed any more: reuse it for dcol.
-                        par_matmul(
-                            col,
-                            k,
-                            Mat::rows(g, rows, co),
-                            Mat::rows(&weight.data, co, k),
-                            false,
-                        );
+                        par_matmul(col, k, Mat::rows(g, rows, co), w, false);
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))

@@ -193,7 +193,14 @@ fn resnet_shapes_match_the_direct_convolution() {
         stride: [2, 2],
         ..shape3x3(2, 8, 16, 11)
     };
-    for (i, s) in [stem, proj, down].into_iter().enumerate() {
+    // A bottleneck's 1×1 stride-1 layers: the input is the im2col matrix as it lies.
+    let pointwise = ConvShape {
+        kernel: [1, 1],
+        padding: [0, 0],
+        ..shape3x3(3, 24, 40, 7)
+    };
+    assert!(pointwise.is_pointwise());
+    for (i, s) in [stem, proj, down, pointwise].into_iter().enumerate() {
         check(s, false, 100 + i as u64);
     }
 }
@@ -263,7 +270,12 @@ fn a_layer_of_one_chunk_shared_by_tiles_is_bit_identical_whatever_the_thread_cou
         padding: [0, 0],
         ..shape3x3(1, 128, 256, 8)
     };
-    for s in [deep, projection, shape3x3(1, 32, 48, 5)] {
+    let pointwise = ConvShape {
+        kernel: [1, 1],
+        padding: [0, 0],
+        ..shape3x3(2, 256, 128, 8)
+    };
+    for s in [deep, projection, pointwise, shape3x3(1, 32, 48, 5)] {
         assert_bit_identical_at_any_thread_count(s);
     }
 }
@@ -595,4 +607,11 @@ fn several_chunks_and_a_partial_one_match_the_direct_convolution() {
     for algorithm in [Algorithm::Im2col, Algorithm::Winograd] {
         check_with(s, true, 5, algorithm);
     }
+    let pointwise = ConvShape {
+        kernel: [1, 1],
+        padding: [0, 0],
+        ..shape3x3(9, 64, 24, 32)
+    };
+    assert!(pointwise.images_per_chunk() < pointwise.batch);
+    check(pointwise, true, 6);
 }
