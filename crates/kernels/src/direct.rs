@@ -10,12 +10,15 @@
 //!
 //! - forward: `Y[:, p] += X[:, q..q+len] · Wᵀ[taps]`;
 //! - input gradient: `dX[:, q..q+len] += G[:, p] · W[taps]`;
-//! - weight gradient: `dW[taps] += G[:, p]ᵀ · X[:, q..q+len]`.
+//! - weight gradient, tap by tap: `dW[tap] = Σ G[:, p]ᵀ · X[:, q]` over the pixel pairs the
+//!   tap links, their images stacked into one product (each element of dW written once).
 //!
-//! The spans run one after the other in a fixed order, each GEMM shared out by
-//! [`par_matmul`]'s shape-fixed tiles with every element's sum done whole by one thread: the
-//! result is bit-identical whatever the thread count. The weight is im2col's
+//! The products run one after the other in a fixed order, each shared out by [`par_matmul`]'s
+//! shape-fixed tiles with every element's sum done whole by one thread: the result is
+//! bit-identical whatever the thread count. The weight is im2col's
 //! [`PackedWeight`] (`[c_out][(ky, kx, c_in)]`), whose columns a span's taps are a run of.
+
+use rayon::prelude::*;
 
 use crate::conv::{ConvGrads, ConvShape, PackedWeight, chunk_gradient, tap_range, unpack_to_torch};
 use crate::layout::transpose_into;
@@ -144,21 +147,46 @@ pub fn backward(
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     let mut masked = scratch(dy.len());
     let mut db = vec![0.0f32; co];
-    let g = chunk_gradient(dy, relu_output, 0..dy.len(), &mut masked, &mut db);
-    let g = Mat::rows(g, s.batch, image_out);
-    let x_rows = Mat::rows(x, s.batch, image_in);
+    let gs = chunk_gradient(dy, relu_output, 0..dy.len(), &mut masked, &mut db);
+    let g = Mat::rows(gs, s.batch, image_out);
     let w = Mat::rows(&weight.data, co, k);
     let spans = spans(s);
 
+    // dW tap by tap: the (output pixel, input pixel) pairs a tap links, their images stacked
+    // along the inner dimension, so that each tap's block of dW is one GEMM, written once.
+    let taps = s.kernel[0] * s.kernel[1];
+    let pairs_of = |tap: usize| -> Vec<(usize, usize)> {
+        spans
+            .iter()
+            .filter(|sp| (sp.tap..sp.tap + sp.len).contains(&tap))
+            .map(|sp| (sp.p, sp.q + tap - sp.tap))
+            .collect()
+    };
+    let most = (0..taps).map(|t| pairs_of(t).len()).max().unwrap_or(0);
+    let (mut g_pairs, mut x_pairs) = (scratch(most * s.batch * co), scratch(most * s.batch * ci));
     let mut dw = vec![0.0f32; s.weight_len()];
-    for span in &spans {
-        let taps = span.tap * ci..(span.tap + span.len) * ci;
+    for tap in 0..taps {
+        let pairs = pairs_of(tap);
+        if pairs.is_empty() {
+            continue; // the tap only ever meets padding: its gradient is zero
+        }
+        let rows = pairs.len() * s.batch;
+        g_pairs[..rows * co]
+            .par_chunks_mut(s.batch * co)
+            .zip(x_pairs[..rows * ci].par_chunks_mut(s.batch * ci))
+            .zip(&pairs)
+            .for_each(|((gp, xp), &(p, q))| {
+                for n in 0..s.batch {
+                    gp[n * co..][..co].copy_from_slice(&gs[n * image_out + p * co..][..co]);
+                    xp[n * ci..][..ci].copy_from_slice(&x[n * image_in + q * ci..][..ci]);
+                }
+            });
         par_matmul(
-            &mut dw[taps.start..],
+            &mut dw[tap * ci..],
             k,
-            g.col_range(span.p * co..(span.p + 1) * co).t(),
-            x_rows.col_range(span.q * ci..(span.q + span.len) * ci),
-            true,
+            Mat::rows(&g_pairs[..rows * co], rows, co).t(),
+            Mat::rows(&x_pairs[..rows * ci], rows, ci),
+            false,
         );
     }
     let dx = need_input.then(|| {
