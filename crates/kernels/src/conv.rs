@@ -246,6 +246,20 @@ pub(crate) fn sum_partials(
     (dw, db)
 }
 
+/// Panics unless the backward's inputs have the sizes `s` gives them.
+pub(crate) fn check_backward_sizes(
+    s: &ConvShape,
+    x: &[f32],
+    relu_output: Option<&[f32]>,
+    dy: &[f32],
+) {
+    assert_eq!(x.len(), s.input_len(), "convolution input size");
+    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
+    if let Some(y) = relu_output {
+        assert_eq!(y.len(), s.output_len(), "convolution output size");
+    }
+}
+
 /// The in-range kernel columns for output column `ox`: `(kx_lo, kx_hi, ix of kx_lo)`.
 #[inline]
 pub(crate) fn tap_range(
@@ -506,11 +520,7 @@ pub fn im2col_backward(
     dy: &[f32],
     need_input: bool,
 ) -> ConvGrads {
-    assert_eq!(x.len(), s.input_len(), "convolution input size");
-    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
-    if let Some(y) = relu_output {
-        assert_eq!(y.len(), s.output_len(), "convolution output size");
-    }
+    check_backward_sizes(s, x, relu_output, dy);
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
     let chunks = s.batch.div_ceil(per_chunk);

@@ -20,7 +20,10 @@
 
 use rayon::prelude::*;
 
-use crate::conv::{ConvGrads, ConvShape, PackedWeight, chunk_gradient, tap_range, unpack_to_torch};
+use crate::conv::{
+    ConvGrads, ConvShape, PackedWeight, check_backward_sizes, chunk_gradient, tap_range,
+    unpack_to_torch,
+};
 use crate::layout::transpose_into;
 use crate::matmul::{Mat, par_matmul};
 use crate::scratch::scratch;
@@ -138,11 +141,7 @@ pub fn backward(
     dy: &[f32],
     need_input: bool,
 ) -> ConvGrads {
-    assert_eq!(x.len(), s.input_len(), "convolution input size");
-    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
-    if let Some(y) = relu_output {
-        assert_eq!(y.len(), s.output_len(), "convolution output size");
-    }
+    check_backward_sizes(s, x, relu_output, dy);
     let (ci, co, k) = (s.c_in, s.c_out, s.k());
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     let mut masked = scratch(dy.len());

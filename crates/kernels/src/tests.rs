@@ -358,27 +358,6 @@ proptest! {
     }
 
     #[test]
-    fn pixel_by_pixel_matches_the_direct_convolution_on_random_shapes(
-        batch in 1usize..4,
-        c_in in 1usize..9,
-        c_out in 1usize..9,
-        height in 1usize..7,
-        width in 1usize..7,
-        kh in 1usize..6,
-        kw in 1usize..6,
-        sy in 1usize..4,
-        sx in 1usize..4,
-        py in 0usize..4,
-        px in 0usize..4,
-        relu in any::<bool>(),
-        seed in any::<u64>(),
-    ) {
-        let s = ConvShape { batch, c_in, height, width, c_out, kernel: [kh, kw], stride: [sy, sx], padding: [py, px] };
-        prop_assume!(s.validate().is_ok());
-        check_with(s, relu, seed, Algorithm::Direct);
-    }
-
-    #[test]
     fn random_shapes_match_the_direct_convolution(
         batch in 1usize..4,
         c_in in 1usize..9,
@@ -397,6 +376,8 @@ proptest! {
         let s = ConvShape { batch, c_in, height, width, c_out, kernel: [kh, kw], stride: [sy, sx], padding: [py, px] };
         prop_assume!(s.validate().is_ok());
         check(s, relu, seed);
+        // Pixel by pixel computes any shape, whichever the rule picks.
+        check_with(s, relu, seed, Algorithm::Direct);
     }
 }
 

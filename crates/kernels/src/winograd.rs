@@ -15,7 +15,9 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::conv::{ConvGrads, ConvShape, accumulator_groups, chunk_gradient, sum_partials};
+use crate::conv::{
+    ConvGrads, ConvShape, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
+};
 use crate::matmul::{Mat, matmul};
 use crate::scratch::with_scratch;
 
@@ -483,8 +485,7 @@ pub fn backward(
         applies(s, 1),
         "Winograd F(2×2, 3×3) needs a 3×3 stride-1 convolution: {s:?}"
     );
-    assert_eq!(x.len(), s.input_len(), "convolution input size");
-    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
+    check_backward_sizes(s, x, relu_output, dy);
     let t = Tiling::of(s);
     let (ci, co) = (s.c_in, s.c_out);
     let per_chunk = images_per_chunk(s, &t);

@@ -178,16 +178,7 @@ fn batch_norm_matches_burn_in_training_and_updates_the_running_statistics() {
     );
     let e = worst(&to_vec(x.grad(&go).unwrap()), &to_vec(x.grad(&gt).unwrap()));
     assert!(e < 1e-4, "input gradient differs by {e}");
-    for (name, ours, theirs) in [
-        ("gamma", &ours_bn.gamma, &theirs_bn.gamma),
-        ("beta", &ours_bn.beta, &theirs_bn.beta),
-    ] {
-        let e = worst(
-            &to_vec(ours.val().grad(&go).unwrap()),
-            &to_vec(theirs.val().grad(&gt).unwrap()),
-        );
-        assert!(e < 1e-4, "{name} gradient differs by {e}");
-    }
+    assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
     for (ours, theirs) in [
         (&ours_bn.running_mean, &theirs_bn.running_mean),
         (&ours_bn.running_var, &theirs_bn.running_var),
@@ -224,13 +215,23 @@ fn the_fused_norm_add_relu_matches_burns_three_operations() {
         let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
         assert!(e < 1e-4, "{name} gradient differs by {e}");
     }
+    assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
+}
+
+/// gamma's and beta's gradients of our batch norm (`go`) against burn's (`gt`).
+fn assert_same_norm_parameter_gradients(
+    ours: &burn::nn::BatchNorm,
+    go: &burn::tensor::Gradients,
+    theirs: &burn::nn::BatchNorm,
+    gt: &burn::tensor::Gradients,
+) {
     for (name, ours, theirs) in [
-        ("gamma", &ours_bn.gamma, &theirs_bn.gamma),
-        ("beta", &ours_bn.beta, &theirs_bn.beta),
+        ("gamma", &ours.gamma, &theirs.gamma),
+        ("beta", &ours.beta, &theirs.beta),
     ] {
         let e = worst(
-            &to_vec(ours.val().grad(&go).unwrap()),
-            &to_vec(theirs.val().grad(&gt).unwrap()),
+            &to_vec(ours.val().grad(go).unwrap()),
+            &to_vec(theirs.val().grad(gt).unwrap()),
         );
         assert!(e < 1e-4, "{name} gradient differs by {e}");
     }
