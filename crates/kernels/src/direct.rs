@@ -21,10 +21,9 @@
 use rayon::prelude::*;
 
 use crate::conv::{
-    ConvGrads, ConvShape, PackedWeight, check_backward_sizes, chunk_gradient, tap_range,
-    unpack_to_torch,
+    ConvGrads, ConvShape, PackedWeight, check_backward_sizes, chunk_gradient, forward_rhs,
+    relu_in_place, tap_range, unpack_to_torch,
 };
-use crate::layout::transpose_into;
 use crate::matmul::{Mat, par_matmul};
 use crate::scratch::scratch;
 
@@ -96,13 +95,10 @@ pub fn forward(
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
-    assert_eq!(x.len(), s.input_len(), "convolution input size");
-    assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
     let (ci, co, k) = (s.c_in, s.c_out, s.k());
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     // `[(ky, kx, c_in)][c_out]`: a span's taps are a run of its rows.
-    let mut rhs = scratch(k * co);
-    transpose_into(&weight.data, &mut rhs, co, k);
+    let rhs = forward_rhs(s, x, weight);
     let mut out = vec![0.0f32; s.output_len()];
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(co) {
@@ -122,12 +118,7 @@ pub fn forward(
         written[span.p] = true;
     }
     if relu {
-        for v in out.iter_mut() {
-            // `<`, not `max`: a NaN stays a NaN, as in PyTorch.
-            if *v < 0.0 {
-                *v = 0.0;
-            }
-        }
+        relu_in_place(&mut out);
     }
     out
 }
