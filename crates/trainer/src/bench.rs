@@ -198,9 +198,9 @@ fn time_steps(
         let loss = loss_fn.forward(model.forward(x), y);
         let loss_value = to_vec(loss.clone())[0];
         let t1 = Instant::now();
-        let grads = loss.backward();
+        let mut grads = loss.backward();
         let t2 = Instant::now();
-        gradients(&model, &grads, &mut grads_flat);
+        gradients(&model, &mut grads, &mut grads_flat);
         let t3 = Instant::now();
         for (p, g) in params.iter_mut().zip(&grads_flat) {
             *p -= 1e-3 * g;

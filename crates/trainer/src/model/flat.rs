@@ -213,11 +213,12 @@ pub fn load<M: Net>(model: M, params: Option<&[f32]>, buffers: &[f32]) -> M {
 }
 
 /// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
-/// gradient contribute zeros, so every rank's buffer has the same layout.
-pub fn gradients<M: Net>(model: &M, grads: &burn::tensor::Gradients, out: &mut Vec<f32>) {
+/// gradient contribute zeros, so every rank's buffer has the same layout. Each gradient is
+/// taken out of `grads` (so that its values move rather than being copied twice).
+pub fn gradients<M: Net>(model: &M, grads: &mut burn::tensor::Gradients, out: &mut Vec<f32>) {
     struct Grads<'a> {
         path: Path,
-        grads: &'a burn::tensor::Gradients,
+        grads: &'a mut burn::tensor::Gradients,
         out: &'a mut Vec<f32>,
     }
     impl ModuleVisitor for Grads<'_> {
@@ -232,7 +233,7 @@ pub fn gradients<M: Net>(model: &M, grads: &burn::tensor::Gradients, out: &mut V
                 return;
             }
             let tensor = param.val();
-            match tensor.grad(self.grads) {
+            match tensor.grad_remove(self.grads) {
                 Some(g) => self.out.extend(to_vec(g)),
                 None => self
                     .out

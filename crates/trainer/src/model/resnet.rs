@@ -344,9 +344,9 @@ mod tests {
             assert_eq!(logits.dims(), [2, 7]);
             let values = to_vec(logits.clone());
             assert!(values.iter().all(|v| v.is_finite()), "{values:?}");
-            let grads = logits.sum().backward();
+            let mut grads = logits.sum().backward();
             let mut flat = Vec::new();
-            gradients(&model, &grads, &mut flat);
+            gradients(&model, &mut grads, &mut flat);
             let snap = snapshot(&model);
             assert_eq!(flat.len(), snap.params.len());
             // Every tensor got a gradient (a parameter left out of the graph would be all zeros).

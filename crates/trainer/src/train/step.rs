@@ -73,8 +73,8 @@ impl Step {
         let y = Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [n]), &self.device);
         let logits = model.forward(x);
         let loss = self.loss_fn.forward(logits.clone(), y);
-        let grads = loss.backward();
-        gradients(model, &grads, &mut self.reduced);
+        let mut grads = loss.backward();
+        gradients(model, &mut grads, &mut self.reduced);
         self.reduced.push(to_vec(loss)[0]);
         self.reduced.push(batch_accuracy(&to_vec(logits), labels));
         self.reduced.push(if stop { 1.0 } else { 0.0 });
