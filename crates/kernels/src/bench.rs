@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::conv::{self, Algorithm, ConvShape, Prepared};
-use crate::winograd;
+use crate::{direct, winograd};
 
 /// Forward and backward (both gradients) time of one algorithm on one layer.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -19,8 +19,8 @@ pub struct AlgorithmTimes {
 }
 
 /// One convolution at its place in the network, by each of trainctl's algorithms that
-/// computes it (Winograd: stride-1 3×3 layers only; direct: outputs of at most 16 pixels,
-/// beyond which it loses to both).
+/// computes it (Winograd: stride-1 3×3 layers only; direct: outputs of at most
+/// `direct::MAX_OUTPUT_PIXELS` pixels, beyond which it loses to both).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LayerTimes {
     pub layer: String,
@@ -114,7 +114,8 @@ pub fn conv_layers(
                 let winograd = winograd::applies(&shape, 1)
                     .then(|| Prepared::with(Algorithm::Winograd, &shape, &w));
                 let [oh, ow] = shape.out_size();
-                let direct = (oh * ow <= 16).then(|| Prepared::with(Algorithm::Direct, &shape, &w));
+                let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS)
+                    .then(|| Prepared::with(Algorithm::Direct, &shape, &w));
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {

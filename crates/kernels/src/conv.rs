@@ -308,6 +308,35 @@ fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
     }
 }
 
+/// Elements of the scratch [`patch_matrix`] needs for `images` images: none for a pointwise
+/// layer.
+fn col_len(s: &ConvShape, images: usize) -> usize {
+    if s.is_pointwise() {
+        0
+    } else {
+        images * s.rows_per_image() * s.k()
+    }
+}
+
+/// The im2col matrix of images `n0..n0 + images`: a pointwise layer's input as it lies, else
+/// `col` ([`col_len`] elements) filled image by image on rayon's threads.
+fn patch_matrix<'a>(
+    s: &ConvShape,
+    x: &'a [f32],
+    n0: usize,
+    images: usize,
+    col: &'a mut [f32],
+) -> &'a [f32] {
+    let image = s.rows_per_image() * s.k();
+    if s.is_pointwise() {
+        return &x[n0 * image..][..images * image];
+    }
+    col.par_chunks_mut(image)
+        .enumerate()
+        .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
+    col
+}
+
 /// The adjoint of [`im2col`]: adds every row's patch back into `dx` (images `n0..`, `dx`
 /// holding just those images).
 fn col2im(s: &ConvShape, dcol: &[f32], images: usize, dx: &mut [f32]) {
@@ -475,7 +504,6 @@ pub fn im2col_forward(
 ) -> Vec<f32> {
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
-    let pointwise = s.is_pointwise();
     let rhs = forward_rhs(s, x, weight);
     let mut out = vec![0.0f32; s.output_len()];
     out.par_chunks_mut(per_chunk * rows_img * co)
@@ -484,15 +512,8 @@ pub fn im2col_forward(
             let images = y.len() / (rows_img * co);
             let rows = images * rows_img;
             let n0 = chunk * per_chunk;
-            with_scratch([if pointwise { 0 } else { rows * k }, 0, 0], |col, _, _| {
-                let patches: &[f32] = if pointwise {
-                    &x[n0 * rows_img * k..][..rows * k]
-                } else {
-                    col.par_chunks_mut(rows_img * k)
-                        .enumerate()
-                        .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
-                    col
-                };
+            with_scratch([col_len(s, images), 0, 0], |col, _, _| {
+                let patches = patch_matrix(s, x, n0, images, col);
                 if let Some(b) = bias {
                     for row in y.chunks_exact_mut(co) {
                         row.copy_from_slice(b);
@@ -535,7 +556,6 @@ pub fn im2col_backward(
     let per_chunk = s.images_per_chunk();
     let chunks = s.batch.div_ceil(per_chunk);
     let image_len = s.height * s.width * s.c_in;
-    let pointwise = s.is_pointwise();
 
     let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
@@ -549,17 +569,9 @@ pub fn im2col_backward(
                 let images = per_chunk.min(s.batch - n0);
                 let rows = images * rows_img;
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
-                let col_len = if pointwise { 0 } else { rows * k };
-                with_scratch([col_len, rows * co, 0], |col, masked, _| {
+                with_scratch([col_len(s, images), rows * co, 0], |col, masked, _| {
                     let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
-                    let patches: &[f32] = if pointwise {
-                        &x[n0 * image_len..][..rows * k]
-                    } else {
-                        col.par_chunks_mut(rows_img * k)
-                            .enumerate()
-                            .for_each(|(i, col)| im2col(s, x, n0 + i, 1, col));
-                        col
-                    };
+                    let patches = patch_matrix(s, x, n0, images, col);
                     // dW as the weight is packed, `[c_out][k]`: gᵀ · col.
                     par_matmul(
                         &mut dw,
@@ -570,7 +582,7 @@ pub fn im2col_backward(
                     );
                     if let Some(dx_chunk) = dx_chunk {
                         let w = Mat::rows(&weight.data, co, k);
-                        if pointwise {
+                        if s.is_pointwise() {
                             // col2im of a pointwise layer is the identity: straight into dx.
                             par_matmul(dx_chunk, k, Mat::rows(g, rows, co), w, false);
                             return;

@@ -30,7 +30,7 @@ use crate::scratch::scratch;
 /// Output pixels up to which the per-pixel GEMMs, whose rows are the batch, beat im2col's
 /// (measured on a ResNet's layers at 64 px: the stride-2 3×3 from 8×8 to 4×4 still gains about
 /// 20 % over im2col, docs/PERFORMANCE.md).
-const MAX_OUTPUT_PIXELS: usize = 16;
+pub(crate) const MAX_OUTPUT_PIXELS: usize = 16;
 /// Images below which a per-pixel GEMM has too few rows to run at gemm's speed.
 const MIN_BATCH: usize = 16;
 

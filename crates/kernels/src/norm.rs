@@ -3,8 +3,8 @@
 //! (the residual add and the ReLU after the norm) is fused into the same passes.
 //!
 //! The per-block loops are compiled for the CPU's widest vectors (multiversion's runtime
-//! dispatch). Sums run over fixed blocks of rows whose partial sums (f64) are added in block order, so the
-//! result never depends on the thread count.
+//! dispatch). Sums run over fixed blocks of rows whose partial sums (f64) are added in block
+//! order, so the result never depends on the thread count.
 
 use multiversion::multiversion;
 use rayon::prelude::*;
