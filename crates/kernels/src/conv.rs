@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use crate::direct;
 use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, par_matmul};
-use crate::scratch::{Scratch, scratch, with_scratch};
+use crate::scratch::{Scratch, scratch, with_scratch, zeros};
 use crate::winograd::{self, WinogradWeight};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
@@ -153,7 +153,7 @@ impl PackedWeight {
                 data: weight.to_vec(),
             };
         }
-        let mut data = vec![0.0; weight.len()];
+        let mut data = zeros(weight.len());
         transpose_each(weight, &mut data, shape.c_in, taps);
         PackedWeight { data }
     }
@@ -165,7 +165,7 @@ pub(crate) fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
     if taps == 1 {
         return packed;
     }
-    let mut out = vec![0.0; packed.len()];
+    let mut out = zeros(packed.len());
     transpose_each(&packed, &mut out, taps, shape.c_in);
     out
 }
@@ -505,7 +505,7 @@ pub fn im2col_forward(
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
     let rhs = forward_rhs(s, x, weight);
-    let mut out = vec![0.0f32; s.output_len()];
+    let mut out = zeros(s.output_len());
     out.par_chunks_mut(per_chunk * rows_img * co)
         .enumerate()
         .for_each(|(chunk, y)| {
@@ -557,12 +557,12 @@ pub fn im2col_backward(
     let chunks = s.batch.div_ceil(per_chunk);
     let image_len = s.height * s.width * s.c_in;
 
-    let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
+    let mut dx = need_input.then(|| zeros(s.input_len()));
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
-            let mut dw = vec![0.0f32; k * co];
+            let mut dw = zeros(k * co);
             let mut db = vec![0.0f32; co];
             for (chunk, dx_chunk) in chunks {
                 let n0 = chunk * per_chunk;

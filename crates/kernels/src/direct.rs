@@ -25,7 +25,7 @@ use crate::conv::{
     relu_in_place, tap_range, unpack_to_torch,
 };
 use crate::matmul::{Mat, par_matmul};
-use crate::scratch::scratch;
+use crate::scratch::{scratch, zeros};
 
 /// Output pixels up to which the per-pixel GEMMs, whose rows are the batch, beat im2col's
 /// (measured on a ResNet's layers at 64 px: the stride-2 3×3 from 8×8 to 4×4 still gains about
@@ -100,7 +100,7 @@ pub fn forward(
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     // `[(ky, kx, c_in)][c_out]`: a span's taps are a run of its rows.
     let rhs = forward_rhs(s, x, weight);
-    let mut out = vec![0.0f32; s.output_len()];
+    let mut out = zeros(s.output_len());
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(co) {
             row.copy_from_slice(b);
@@ -155,7 +155,7 @@ pub fn backward(
     };
     let most = (0..taps).map(|t| pairs_of(t).len()).max().unwrap_or(0);
     let (mut g_pairs, mut x_pairs) = (scratch(most * s.batch * co), scratch(most * s.batch * ci));
-    let mut dw = vec![0.0f32; s.weight_len()];
+    let mut dw = zeros(s.weight_len());
     for tap in 0..taps {
         let pairs = pairs_of(tap);
         if pairs.is_empty() {
@@ -181,7 +181,7 @@ pub fn backward(
         );
     }
     let dx = need_input.then(|| {
-        let mut dx = vec![0.0f32; s.input_len()];
+        let mut dx = zeros(s.input_len());
         for span in &spans {
             par_matmul(
                 &mut dx[span.q * ci..],

@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use crate::scratch::zeros;
+
 /// Tile edge of the blocked transposes: 16×16 floats stay in L1 on both sides.
 const TILE: usize = 16;
 
@@ -56,14 +58,14 @@ pub fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
 
 /// [`transpose_into`] a new vector.
 pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut dst = vec![0.0; src.len()];
+    let mut dst = zeros(src.len());
     transpose_into(src, &mut dst, rows, cols);
     dst
 }
 
 /// `[n, c, h, w]` → `[n, h, w, c]`.
 pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut dst = vec![0.0; src.len()];
+    let mut dst = zeros(src.len());
     transpose_each(src, &mut dst, channels, pixels);
     dst
 }
@@ -74,7 +76,7 @@ mod tests {
 
     /// `[n, h, w, c]` → `[n, c, h, w]`: the way back, to check the way there.
     fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-        let mut dst = vec![0.0; src.len()];
+        let mut dst = zeros(src.len());
         transpose_each(src, &mut dst, pixels, channels);
         dst
     }

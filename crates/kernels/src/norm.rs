@@ -9,6 +9,8 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use crate::scratch::zeros;
+
 /// Rows per block of the reductions.
 const BLOCK_ROWS: usize = 512;
 
@@ -104,7 +106,7 @@ pub fn normalize(
         })
         .unzip();
     let block = BLOCK_ROWS * channels;
-    let mut y = vec![0.0f32; x.len()];
+    let mut y = zeros(x.len());
     y.par_chunks_mut(block)
         .zip(x.par_chunks(block))
         .enumerate()
@@ -218,9 +220,9 @@ pub fn backward(
         coefficients[1][ch] = f as f32;
         coefficients[2][ch] = (-f * dbeta[ch] / rows - xa * mean[ch]) as f32;
     }
-    let mut dx = vec![0.0f32; x.len()];
+    let mut dx = zeros(x.len());
     // The residual's gradient is g itself: written in the same pass.
-    let mut dr = residual.then(|| vec![0.0f32; x.len()]);
+    let mut dr = residual.then(|| zeros(x.len()));
     let mut dr_blocks: Vec<Option<&mut [f32]>> = match dr.as_deref_mut() {
         Some(dr) => dr.chunks_mut(block).map(Some).collect(),
         None => (0..x.len().div_ceil(block)).map(|_| None).collect(),

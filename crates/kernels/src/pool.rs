@@ -5,6 +5,8 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use crate::scratch::zeros;
+
 /// Input `[batch, height, width, channels]`; padding counts as -∞ (as in PyTorch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolShape {
@@ -122,7 +124,7 @@ pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u32]) -> Vec<f32> {
     let [oh, ow] = s.out_size();
     let c = s.channels;
     let (in_img, out_img) = (s.height * s.width * c, oh * ow * c);
-    let mut dx = vec![0.0f32; s.input_len()];
+    let mut dx = zeros(s.input_len());
     dx.par_chunks_mut(in_img.max(1))
         .zip(
             dy.par_chunks(out_img.max(1))

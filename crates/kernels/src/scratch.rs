@@ -6,6 +6,8 @@
 //! a rayon join, during which its thread runs other chunks that need scratch of their own.
 
 use std::ops::{Deref, DerefMut};
+
+use rayon::iter::ParallelExtend;
 use std::sync::Mutex;
 
 /// Buffers kept for reuse; more than the live ones of any step of the models trained here.
@@ -13,8 +15,14 @@ const KEPT: usize = 32;
 
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
-/// A buffer of `f32`s on loan from the pool (contents unspecified), returned on drop.
-pub(crate) struct Scratch(Vec<f32>);
+/// A buffer of `f32`s on loan from the pool (contents unspecified), returned on drop: the first
+/// `len` elements of a vector whose own length is every element it ever initialised, so that a
+/// loan only zeroes memory no earlier loan has written (zeroing a reused buffer on every loan
+/// was a serial memset of each im2col matrix and masked gradient).
+pub(crate) struct Scratch {
+    buf: Vec<f32>,
+    len: usize,
+}
 
 /// A buffer of `len` elements: the smallest kept one that holds them, else a new one.
 pub(crate) fn scratch(len: usize) -> Scratch {
@@ -34,30 +42,28 @@ pub(crate) fn scratch(len: usize) -> Scratch {
         },
     };
     drop(pool);
-    if buf.len() > len {
-        buf.truncate(len);
-    } else {
+    if buf.len() < len {
         buf.resize(len, 0.0);
     }
-    Scratch(buf)
+    Scratch { buf, len }
 }
 
 impl Deref for Scratch {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.0
+        &self.buf[..self.len]
     }
 }
 
 impl DerefMut for Scratch {
     fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.0
+        &mut self.buf[..self.len]
     }
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        let buf = std::mem::take(&mut self.0);
+        let buf = std::mem::take(&mut self.buf);
         let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
         if pool.len() < KEPT {
             pool.push(buf);
@@ -67,6 +73,21 @@ impl Drop for Scratch {
             pool[i] = buf;
         }
     }
+}
+
+/// Elements from which [`zeros`] fills on rayon's threads (about 0.1 ms of one core's memset).
+const PARALLEL_ZEROS: usize = 1 << 18;
+
+/// A new vector of `len` zeros, zeroed on rayon's threads when it is large: a kernel's output
+/// (an activation, its gradient, a weight's) is zeroed by the allocator in one serial memset
+/// otherwise, during which the other threads wait.
+pub(crate) fn zeros(len: usize) -> Vec<f32> {
+    if len < PARALLEL_ZEROS {
+        return vec![0.0; len];
+    }
+    let mut v = Vec::with_capacity(len);
+    v.par_extend(rayon::iter::repeat_n(0.0f32, len));
+    v
 }
 
 /// Runs `f` with three scratch buffers of `sizes` elements (contents unspecified).
@@ -96,6 +117,36 @@ mod tests {
             loans.iter().any(|s| s.as_ptr() == first),
             "the buffer was not reused"
         );
+    }
+
+    #[test]
+    fn a_loan_zeroes_only_what_no_earlier_loan_wrote() {
+        let first = {
+            let mut s = scratch(3000);
+            s.fill(7.0);
+            s.as_ptr()
+        };
+        // A shorter loan, then a longer one within what the first wrote: no zeroing either time.
+        let shorter: Vec<Scratch> = (0..KEPT).map(|_| scratch(1000)).collect();
+        assert!(shorter.iter().any(|s| s.as_ptr() == first), "not reused");
+        drop(shorter);
+        let longer: Vec<Scratch> = (0..KEPT).map(|_| scratch(2000)).collect();
+        let ours = longer
+            .iter()
+            .find(|s| s.as_ptr() == first)
+            .expect("the buffer was not reused");
+        assert!(
+            ours.iter().all(|&v| v == 7.0),
+            "a reused buffer was zeroed again"
+        );
+    }
+
+    #[test]
+    fn large_zeros_are_zeros() {
+        let len = PARALLEL_ZEROS * 3 + 5;
+        let v = zeros(len);
+        assert_eq!(v.len(), len);
+        assert!(v.iter().all(|&x| x == 0.0));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::conv::{
     ConvGrads, ConvShape, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
 };
 use crate::matmul::{Mat, matmul};
-use crate::scratch::with_scratch;
+use crate::scratch::{with_scratch, zeros};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
 const CHUNK_BYTES: usize = 6 << 20;
@@ -45,7 +45,7 @@ impl WinogradWeight {
     pub fn from_torch(s: &ConvShape, weight: &[f32]) -> Self {
         assert_eq!(weight.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
-        let mut data = vec![0.0f32; ci * (16 * co + ROW_PAD)];
+        let mut data = zeros(ci * (16 * co + ROW_PAD));
         data.par_chunks_mut(16 * co + ROW_PAD)
             .enumerate()
             .for_each(|(c, u)| transform_weights(weight, c, ci, &mut u[..16 * co]));
@@ -104,7 +104,7 @@ const GRAD_BLOCK: usize = 16;
 /// block of output channels on its own thread.
 fn weight_grad_to_torch(s: &ConvShape, du: &[f32]) -> Vec<f32> {
     let ci = s.c_in;
-    let mut out = vec![0.0; s.weight_len()];
+    let mut out = zeros(s.weight_len());
     out.par_chunks_mut(GRAD_BLOCK * 9 * ci)
         .enumerate()
         .for_each(|(block, w)| weight_grad_block(du, ci, block * GRAD_BLOCK, w));
@@ -356,7 +356,7 @@ pub fn forward(
     let (ci, co) = (s.c_in, s.c_out);
     let per_chunk = images_per_chunk(s, &t);
     let out_image = t.oh * t.ow * co;
-    let mut out = vec![0.0f32; s.output_len()];
+    let mut out = zeros(s.output_len());
     out.par_chunks_mut(per_chunk * out_image)
         .enumerate()
         .for_each(|(chunk, y)| {
@@ -493,12 +493,12 @@ pub fn backward(
     let image_len = s.height * s.width * ci;
     let out_image = t.oh * t.ow * co;
 
-    let mut dx = need_input.then(|| vec![0.0f32; s.input_len()]);
+    let mut dx = need_input.then(|| zeros(s.input_len()));
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
-            let mut du = vec![0.0f32; 16 * ci * co];
+            let mut du = zeros(16 * ci * co);
             let mut db = vec![0.0f32; co];
             for (chunk, dx_chunk) in chunks {
                 let n0 = chunk * per_chunk;
