@@ -8,7 +8,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::data::synthetic;
-use crate::device::{set_cpu_threads, training_device};
+use crate::device::{on_compute_threads, set_cpu_threads, training_device};
 use crate::model::{Architecture, Model, buffers, gradients, load, snapshot, to_vec};
 
 /// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
@@ -189,18 +189,24 @@ fn time_steps(
             crate::ops::profile::start();
         }
         let t0 = Instant::now();
-        let x = Tensor::<4>::from_data(
-            TensorData::new(pixels.to_vec(), [batch_size, 3, image_size, image_size]),
-            &device,
-        );
-        let y =
-            Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [batch_size]), &device);
-        let loss = loss_fn.forward(model.forward(x), y);
-        let loss_value = to_vec(loss.clone())[0];
-        let t1 = Instant::now();
-        let mut grads = loss.backward();
-        let t2 = Instant::now();
-        gradients(&model, &mut grads, &mut grads_flat);
+        // As the trainer's step runs them (`train::step`).
+        let (loss_value, t1, t2) = on_compute_threads(|| {
+            let x = Tensor::<4>::from_data(
+                TensorData::new(pixels.to_vec(), [batch_size, 3, image_size, image_size]),
+                &device,
+            );
+            let y = Tensor::<1, Int>::from_data(
+                TensorData::new(labels.to_vec(), [batch_size]),
+                &device,
+            );
+            let loss = loss_fn.forward(model.forward(x), y);
+            let loss_value = to_vec(loss.clone())[0];
+            let t1 = Instant::now();
+            let mut grads = loss.backward();
+            let t2 = Instant::now();
+            gradients(&model, &mut grads, &mut grads_flat);
+            (loss_value, t1, t2)
+        });
         let t3 = Instant::now();
         for (p, g) in params.iter_mut().zip(&grads_flat) {
             *p -= 1e-3 * g;

@@ -4,13 +4,14 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use burn::tensor::activation::softmax;
 use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::{ModelInfo, read_model};
 use crate::data::augment;
 use crate::data::loader::{Loader, LoaderOptions};
 use crate::data::{Augment, Samples};
-use crate::device::inference_device;
+use crate::device::{inference_device, on_compute_threads};
 use crate::error::{Result, TrainError};
 use crate::model::{Architecture, Model, load, snapshot, to_vec};
 
@@ -193,8 +194,7 @@ fn classify(model: &Model, pixels: Vec<f32>, n: usize, size: usize) -> Vec<Vec<f
         TensorData::new(pixels, [n, 3, size, size]),
         &inference_device(),
     );
-    let probs = burn::tensor::activation::softmax(model.forward(x), 1);
-    let values = to_vec(probs);
+    let values = on_compute_threads(|| to_vec(softmax(model.forward(x), 1)));
     let classes = values.len() / n.max(1);
     values.chunks(classes.max(1)).map(|c| c.to_vec()).collect()
 }

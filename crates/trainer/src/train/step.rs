@@ -8,6 +8,7 @@ use collective::ProcessGroup;
 
 use super::TrainConfig;
 use super::state::TrainState;
+use crate::device::on_compute_threads;
 use crate::error::Result;
 use crate::model::{Model, buffers, gradients, load, to_vec};
 
@@ -66,17 +67,21 @@ impl Step {
             .expect("a step's model is back after every run");
         let n = labels.len();
         let timer = Instant::now();
-        let x = Tensor::<4>::from_data(
-            TensorData::new(pixels, [n, 3, self.image_size, self.image_size]),
-            &self.device,
-        );
-        let y = Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [n]), &self.device);
-        let logits = model.forward(x);
-        let loss = self.loss_fn.forward(logits.clone(), y);
-        let mut grads = loss.backward();
-        gradients(model, &mut grads, &mut self.reduced);
-        self.reduced.push(to_vec(loss)[0]);
-        self.reduced.push(batch_accuracy(&to_vec(logits), labels));
+        let (device, image_size, loss_fn) = (&self.device, self.image_size, &self.loss_fn);
+        let reduced = &mut self.reduced;
+        on_compute_threads(|| {
+            let x = Tensor::<4>::from_data(
+                TensorData::new(pixels, [n, 3, image_size, image_size]),
+                device,
+            );
+            let y = Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [n]), device);
+            let logits = model.forward(x);
+            let loss = loss_fn.forward(logits.clone(), y);
+            let mut grads = loss.backward();
+            gradients(model, &mut grads, reduced);
+            reduced.push(to_vec(loss)[0]);
+            reduced.push(batch_accuracy(&to_vec(logits), labels));
+        });
         self.reduced.push(if stop { 1.0 } else { 0.0 });
         let mut compute_s = timer.elapsed().as_secs_f64();
 
