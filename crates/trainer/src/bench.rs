@@ -9,7 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::data::synthetic;
 use crate::device::{on_compute_threads, set_cpu_threads, training_device};
-use crate::model::{Architecture, Model, buffers, gradients, load, snapshot, to_vec};
+use crate::model::{Architecture, Model, Net, buffers, gradients, load, snapshot, to_vec};
 
 /// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
 pub fn bench_classes(arch: Architecture) -> usize {
@@ -205,6 +205,7 @@ fn time_steps(
             let mut grads = loss.backward();
             let t2 = Instant::now();
             gradients(&model, &mut grads, &mut grads_flat);
+            model.settle();
             (loss_value, t1, t2)
         });
         let t3 = Instant::now();

@@ -134,6 +134,9 @@ pub trait Net: Module + Sized {
     /// burn's `RunningState` keeps a forward's update aside (per thread) and applies it only
     /// at the next forward; visitors and mappers see the stale value, and a value mapped in
     /// would be overwritten by the pending update. Every read or write of buffers settles first.
+    /// Only the calling thread's update is folded in: settle on the thread that ran the forward
+    /// (a step runs on any of the compute pool's threads, `device::on_compute_threads`), or a
+    /// later forward on another thread leaves two updates that burn averages.
     fn settle(&self);
 }
 

@@ -10,7 +10,7 @@ use super::TrainConfig;
 use super::state::TrainState;
 use crate::device::on_compute_threads;
 use crate::error::Result;
-use crate::model::{Model, buffers, gradients, load, to_vec};
+use crate::model::{Model, Net, buffers, gradients, load, to_vec};
 
 /// The model being trained and what a step needs beside it.
 pub(super) struct Step {
@@ -79,6 +79,8 @@ impl Step {
             let loss = loss_fn.forward(logits.clone(), y);
             let mut grads = loss.backward();
             gradients(model, &mut grads, reduced);
+            // On the thread that ran the forward: settling elsewhere misses its update.
+            model.settle();
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
         });
