@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Int, Tensor, TensorData};
+use kernels::sgd::Sgd;
 
 use crate::data::synthetic;
 use crate::device::{on_compute_threads, set_cpu_threads, training_device};
@@ -180,6 +181,7 @@ fn time_steps(
 ) -> StepTimes {
     let device = training_device();
     let mut params = snapshot(&model).params;
+    let mut momentum = vec![0.0; params.len()];
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut grads_flat = Vec::new();
     let mut parts: [Vec<f64>; 5] = Default::default();
@@ -209,9 +211,14 @@ fn time_steps(
             (loss_value, t1, t2)
         });
         let t3 = Instant::now();
-        for (p, g) in params.iter_mut().zip(&grads_flat) {
-            *p -= 1e-3 * g;
-        }
+        // The trainer's update with bench/pytorch_step.py's hyper-parameters.
+        let sgd = Sgd {
+            learning_rate: 1e-3,
+            momentum: 0.9,
+            weight_decay: 1e-4,
+            first: i == 0,
+        };
+        kernels::sgd::step(&mut params, &mut momentum, &grads_flat, sgd);
         let bufs = buffers(&model);
         model = load(model, Some(&params), &bufs);
         let t4 = Instant::now();

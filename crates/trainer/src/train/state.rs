@@ -1,6 +1,8 @@
 //! Everything a checkpoint holds, as flat buffers, and what is done to it: fresh start,
 //! resume (refusing a checkpoint of another run), the broadcast header, the SGD update.
 
+use kernels::sgd::Sgd;
+
 use super::record::Recorder;
 use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint};
 use crate::error::{Result, TrainError};
@@ -165,24 +167,15 @@ impl TrainState {
         h[0] != 0
     }
 
-    /// PyTorch's SGD: d = g + wd·p; buf = d on the first step, else momentum·buf + d; p -= lr·buf.
+    /// PyTorch's SGD ([`kernels::sgd::step`]) with `cfg`'s hyper-parameters.
     pub(super) fn sgd_step(&mut self, cfg: &TrainConfig, grads: &[f32]) {
-        let (lr, mu, wd) = (
-            cfg.learning_rate as f32,
-            cfg.momentum as f32,
-            cfg.weight_decay as f32,
-        );
-        let first = self.progress.global_step == 0;
-        for ((p, b), g) in self
-            .params
-            .iter_mut()
-            .zip(self.momentum.iter_mut())
-            .zip(grads)
-        {
-            let d = g + wd * *p;
-            *b = if first || mu == 0.0 { d } else { mu * *b + d };
-            *p -= lr * *b;
-        }
+        let sgd = Sgd {
+            learning_rate: cfg.learning_rate as f32,
+            momentum: cfg.momentum as f32,
+            weight_decay: cfg.weight_decay as f32,
+            first: self.progress.global_step == 0,
+        };
+        kernels::sgd::step(&mut self.params, &mut self.momentum, grads, sgd);
     }
 
     pub(super) fn snapshot(&self, template: &Snapshot) -> Snapshot {
