@@ -76,7 +76,7 @@ mod tests {
 
     /// `[n, h, w, c]` → `[n, c, h, w]`: the way back, to check the way there.
     fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-        let mut dst = zeros(src.len());
+        let mut dst = vec![0.0; src.len()];
         transpose_each(src, &mut dst, pixels, channels);
         dst
     }

@@ -6,46 +6,70 @@
 //! a rayon join, during which its thread runs other chunks that need scratch of their own.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Mutex;
 
 use rayon::iter::ParallelExtend;
-use std::sync::Mutex;
 
 /// Buffers kept for reuse; more than the live ones of any step of the models trained here.
 const KEPT: usize = 32;
 
-static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+/// Buffers not on loan.
+struct Pool(Mutex<Vec<Vec<f32>>>);
 
-/// A buffer of `f32`s on loan from the pool (contents unspecified), returned on drop: the first
+/// The kernels' pool (tests lend from pools of their own, which no other test touches).
+static POOL: Pool = Pool::new();
+
+/// A buffer of `f32`s on loan from a pool (contents unspecified), returned on drop: the first
 /// `len` elements of a vector whose own length is every element it ever initialised, so that a
 /// loan only zeroes memory no earlier loan has written (zeroing a reused buffer on every loan
 /// was a serial memset of each im2col matrix and masked gradient).
 pub(crate) struct Scratch {
     buf: Vec<f32>,
     len: usize,
+    pool: &'static Pool,
 }
 
-/// A buffer of `len` elements: the smallest kept one that holds them, else a new one.
+/// A buffer of `len` elements from the kernels' pool.
 pub(crate) fn scratch(len: usize) -> Scratch {
-    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let fit = pool
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| b.capacity() >= len)
-        .min_by_key(|(_, b)| b.capacity())
-        .map(|(i, _)| i);
-    let mut buf = match fit {
-        Some(i) => pool.swap_remove(i),
-        // None fits: grow the largest rather than keep it beside a new one.
-        None => match (0..pool.len()).max_by_key(|&i| pool[i].capacity()) {
-            Some(i) => pool.swap_remove(i),
-            None => Vec::new(),
-        },
-    };
-    drop(pool);
-    if buf.len() < len {
-        buf.resize(len, 0.0);
+    POOL.lend(len)
+}
+
+impl Pool {
+    const fn new() -> Pool {
+        Pool(Mutex::new(Vec::new()))
     }
-    Scratch { buf, len }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Vec<f32>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The smallest kept buffer that holds `len` elements, else a new one.
+    fn lend(&'static self, len: usize) -> Scratch {
+        let mut pool = self.lock();
+        let fit = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buf = match fit {
+            Some(i) => pool.swap_remove(i),
+            // None fits: grow the largest rather than keep it beside a new one.
+            None => match (0..pool.len()).max_by_key(|&i| pool[i].capacity()) {
+                Some(i) => pool.swap_remove(i),
+                None => Vec::new(),
+            },
+        };
+        drop(pool);
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        Scratch {
+            buf,
+            len,
+            pool: self,
+        }
+    }
 }
 
 impl Deref for Scratch {
@@ -64,7 +88,7 @@ impl DerefMut for Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         let buf = std::mem::take(&mut self.buf);
-        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = self.pool.lock();
         if pool.len() < KEPT {
             pool.push(buf);
         } else if let Some(i) = (0..pool.len()).min_by_key(|&i| pool[i].capacity())
@@ -105,40 +129,41 @@ mod tests {
 
     #[test]
     fn a_returned_buffer_is_lent_again_and_resized() {
+        static OWN: Pool = Pool::new();
         let first = {
-            let mut s = scratch(1000);
+            let mut s = OWN.lend(1000);
             s[999] = 7.0;
             s.as_ptr()
         };
-        // The pool is shared with other tests: look for our buffer among a few loans.
-        let loans: Vec<Scratch> = (0..KEPT).map(|_| scratch(10)).collect();
-        assert!(loans.iter().all(|s| s.len() == 10));
-        assert!(
-            loans.iter().any(|s| s.as_ptr() == first),
-            "the buffer was not reused"
-        );
+        let again = OWN.lend(10);
+        assert_eq!(again.len(), 10);
+        assert_eq!(again.as_ptr(), first, "the buffer was not reused");
+        let beside = OWN.lend(10);
+        assert_ne!(beside.as_ptr(), first, "a buffer on loan was lent twice");
     }
 
     #[test]
     fn a_loan_zeroes_only_what_no_earlier_loan_wrote() {
+        static OWN: Pool = Pool::new();
         let first = {
-            let mut s = scratch(3000);
+            let mut s = OWN.lend(3000);
             s.fill(7.0);
             s.as_ptr()
         };
         // A shorter loan, then a longer one within what the first wrote: no zeroing either time.
-        let shorter: Vec<Scratch> = (0..KEPT).map(|_| scratch(1000)).collect();
-        assert!(shorter.iter().any(|s| s.as_ptr() == first), "not reused");
-        drop(shorter);
-        let longer: Vec<Scratch> = (0..KEPT).map(|_| scratch(2000)).collect();
-        let ours = longer
-            .iter()
-            .find(|s| s.as_ptr() == first)
-            .expect("the buffer was not reused");
+        assert_eq!(OWN.lend(1000).as_ptr(), first, "not reused");
+        let longer = OWN.lend(2000);
+        assert_eq!(longer.as_ptr(), first, "not reused");
         assert!(
-            ours.iter().all(|&v| v == 7.0),
+            longer.iter().all(|&v| v == 7.0),
             "a reused buffer was zeroed again"
         );
+        // Beyond what was ever written, a loan reads zeros.
+        let grown = {
+            drop(longer);
+            OWN.lend(4000)
+        };
+        assert!(grown[3000..].iter().all(|&v| v == 0.0));
     }
 
     #[test]
