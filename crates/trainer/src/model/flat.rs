@@ -3,6 +3,8 @@
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
+use kernels::layout::{copied, copy};
+use rayon::prelude::*;
 
 use super::Net;
 
@@ -193,7 +195,7 @@ impl ModuleMapper for Writer<'_> {
         *values = rest;
         let device = tensor.device();
         let require_grad = tensor.is_require_grad();
-        let mut fresh = Tensor::<D>::from_data(TensorData::new(mine.to_vec(), shape), &device);
+        let mut fresh = Tensor::<D>::from_data(TensorData::new(copied(mine), shape), &device);
         if require_grad {
             fresh = fresh.require_grad();
         }
@@ -214,12 +216,14 @@ pub fn load<M: Net>(model: M, params: Option<&[f32]>, buffers: &[f32]) -> M {
 
 /// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
 /// gradient contribute zeros, so every rank's buffer has the same layout. Each gradient is
-/// taken out of `grads` (so that its values move rather than being copied twice).
+/// taken out of `grads` (its values move out of burn), then copied into `out` on rayon's
+/// threads (`out` keeps its allocation from step to step).
 pub fn gradients<M: Net>(model: &M, grads: &mut burn::tensor::Gradients, out: &mut Vec<f32>) {
+    /// Each parameter's element count and gradient, in order.
     struct Grads<'a> {
         path: Path,
         grads: &'a mut burn::tensor::Gradients,
-        out: &'a mut Vec<f32>,
+        parts: Vec<(usize, Option<Vec<f32>>)>,
     }
     impl ModuleVisitor for Grads<'_> {
         fn enter_module(&mut self, name: &str, container: &str) {
@@ -233,19 +237,33 @@ pub fn gradients<M: Net>(model: &M, grads: &mut burn::tensor::Gradients, out: &m
                 return;
             }
             let tensor = param.val();
-            match tensor.grad_remove(self.grads) {
-                Some(g) => self.out.extend(to_vec(g)),
-                None => self
-                    .out
-                    .extend(std::iter::repeat_n(0.0, tensor.shape().num_elements())),
-            }
+            let len = tensor.shape().num_elements();
+            self.parts
+                .push((len, tensor.grad_remove(self.grads).map(to_vec)));
         }
     }
-    out.clear();
-    model.visit(&mut Grads {
+    let mut visitor = Grads {
         path: Path::default(),
         grads,
-        out,
+        parts: Vec::new(),
+    };
+    model.visit(&mut visitor);
+    let parts = visitor.parts;
+    let total = parts.iter().map(|(len, _)| len).sum();
+    if out.len() != total {
+        out.clear();
+        out.resize(total, 0.0);
+    }
+    let mut rest = out.as_mut_slice();
+    let mut jobs = Vec::with_capacity(parts.len());
+    for (len, values) in &parts {
+        let (mine, after) = std::mem::take(&mut rest).split_at_mut(*len);
+        rest = after;
+        jobs.push((mine, values));
+    }
+    jobs.into_par_iter().for_each(|(dst, values)| match values {
+        Some(v) => copy(dst, v),
+        None => dst.fill(0.0),
     });
 }
 
