@@ -99,7 +99,7 @@ fn block(s: &[f32], s_stride: usize, d: &mut [f32], d_stride: usize, nr: usize, 
 fn starts(n: usize) -> impl Iterator<Item = usize> {
     (0..n / 8)
         .map(|i| i * 8)
-        .chain((n % 8 != 0).then_some(n - 8))
+        .chain((!n.is_multiple_of(8)).then_some(n - 8))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -165,6 +165,13 @@ pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     dst
 }
 
+/// `[n, h, w, c]` → `[n, c, h, w]`.
+pub fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
+    let mut dst = zeros(src.len());
+    transpose_each(src, &mut dst, pixels, channels);
+    dst
+}
+
 /// Elements from which [`copy`] and [`copied`] run on rayon's threads, by chunks of this many
 /// (a serial memcpy of a 512×512×3×3 weight is about 2 ms, during which the other threads wait).
 const PARALLEL_COPY: usize = 1 << 16;
@@ -197,13 +204,6 @@ pub fn copied(src: &[f32]) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `[n, h, w, c]` → `[n, c, h, w]`: the way back, to check the way there.
-    fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-        let mut dst = vec![0.0; src.len()];
-        transpose_each(src, &mut dst, pixels, channels);
-        dst
-    }
 
     #[test]
     fn copies_of_any_size_are_exact() {

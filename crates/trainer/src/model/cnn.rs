@@ -8,7 +8,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 
 use super::{Net, settle_norms};
-use crate::ops::{batch_norm, conv2d, max_pool2d};
+use crate::ops::{Input, batch_norm, conv2d, max_pool2d};
 
 /// Conv(3→32) ReLU, Conv(32→64) ReLU, MaxPool2, BatchNorm(64), Conv(64→128) ReLU,
 /// Conv(128→128) ReLU, MaxPool2, BatchNorm(128), Conv(128→256) ReLU, Conv(256→256) ReLU,
@@ -57,14 +57,14 @@ impl SeedCnn {
 
     /// `[batch, 3, 32, 32]` → logits `[batch, 10]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = conv2d(&self.conv0, x, true);
-        let x = conv2d(&self.conv2, x, true);
+        let x = conv2d(&self.conv0, x, true, Input::Once);
+        let x = conv2d(&self.conv2, x, true, Input::Once);
         let x = batch_norm(&self.bn5, max_pool2d(&self.pool, x));
-        let x = conv2d(&self.conv6, x, true);
-        let x = conv2d(&self.conv8, x, true);
+        let x = conv2d(&self.conv6, x, true, Input::Once);
+        let x = conv2d(&self.conv8, x, true, Input::Once);
         let x = batch_norm(&self.bn11, max_pool2d(&self.pool, x));
-        let x = conv2d(&self.conv12, x, true);
-        let x = conv2d(&self.conv14, x, true);
+        let x = conv2d(&self.conv12, x, true, Input::Once);
+        let x = conv2d(&self.conv14, x, true, Input::Once);
         let x = batch_norm(&self.bn17, max_pool2d(&self.pool, x));
         let x: Tensor<2> = x.flatten(1, 3);
         self.fc21.forward(relu(self.fc19.forward(x)))

@@ -14,7 +14,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, Pa
 use burn::tensor::{Device, Tensor};
 
 use super::{Net, settle_norms};
-use crate::ops::{batch_norm, conv2d, max_pool2d, norm_add_relu};
+use crate::ops::{Input, batch_norm, conv2d, max_pool2d, norm_add_relu};
 
 /// Which ResNet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,21 +148,28 @@ impl Block {
     }
 
     fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        // Each norm with what follows it fused: the ReLU, and at the end the residual add.
-        let out = norm_add_relu(&self.bn1, conv2d(&self.conv1, x.clone(), false), None, true);
-        let identity = |x: Tensor<4>| match &self.downsample {
-            Some(d) => batch_norm(&d.bn, conv2d(&d.conv, x, false)),
-            None => x,
+        // Each norm with what follows it fused: the ReLU, and at the end the residual add. The
+        // block's input goes to its first convolution and to the residual or the downsample
+        // path: shared.
+        let conv1 = conv2d(&self.conv1, x.clone(), false, Input::Shared);
+        let out = norm_add_relu(&self.bn1, conv1, None, true);
+        let residual = |x: Tensor<4>| match &self.downsample {
+            Some(d) => (
+                batch_norm(&d.bn, conv2d(&d.conv, x, false, Input::Shared)),
+                Input::Once,
+            ),
+            None => (x, Input::Shared),
         };
         match (&self.conv3, &self.bn3) {
             (Some(conv3), Some(bn3)) => {
-                let out = norm_add_relu(&self.bn2, conv2d(&self.conv2, out, false), None, true);
-                let out = conv2d(conv3, out, false);
-                norm_add_relu(bn3, out, Some(identity(x)), true)
+                let out = conv2d(&self.conv2, out, false, Input::Once);
+                let out = norm_add_relu(&self.bn2, out, None, true);
+                let out = conv2d(conv3, out, false, Input::Once);
+                norm_add_relu(bn3, out, Some(residual(x)), true)
             }
             _ => {
-                let out = conv2d(&self.conv2, out, false);
-                norm_add_relu(&self.bn2, out, Some(identity(x)), true)
+                let out = conv2d(&self.conv2, out, false, Input::Once);
+                norm_add_relu(&self.bn2, out, Some(residual(x)), true)
             }
         }
     }
@@ -215,7 +222,12 @@ impl ResNet {
 
     /// `[batch, 3, H, W]` (H, W ≥ 32) → logits `[batch, classes]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = norm_add_relu(&self.bn1, conv2d(&self.conv1, x, false), None, true);
+        let x = norm_add_relu(
+            &self.bn1,
+            conv2d(&self.conv1, x, false, Input::Once),
+            None,
+            true,
+        );
         let mut x = max_pool2d(&self.maxpool, x);
         for block in self.blocks() {
             x = block.forward(x);

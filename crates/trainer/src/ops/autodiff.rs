@@ -17,7 +17,7 @@ use kernels::pool;
 use super::flex::{conv_with_weight, max_pool_with_taps, norm_add_relu as flex_norm_add_relu};
 use super::{
     ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s,
-    from_nhwc, from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
+    from_nhwc, from_vec, input_gradient, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 #[derive(Debug)]
@@ -50,7 +50,7 @@ impl Backward<Flex, 3> for ConvBackward {
             node_x.is_some(),
         );
         if let (Some(node), Some(dx)) = (node_x, g.input) {
-            grads.register::<Flex>(node.id, from_nhwc(dx, dims4(&x)));
+            grads.register::<Flex>(node.id, input_gradient(dx, dims4(&x), spec.input));
         }
         if let Some(node) = node_w {
             grads.register::<Flex>(node.id, from_vec(g.weight, &dims4(&weight)));
@@ -123,7 +123,7 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
             grads.register::<Flex>(node.id, from_vec(g.beta, &[dims[1]]));
         }
         if let (Some(node), Some(dr)) = (node_residual, g.residual) {
-            grads.register::<Flex>(node.id, from_nhwc(dr, dims));
+            grads.register::<Flex>(node.id, input_gradient(dr, dims, spec.residual));
         }
     }
 }

@@ -23,15 +23,30 @@ use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 use kernels::conv::{ConvShape, Prepared};
-use kernels::layout::nchw_to_nhwc;
+use kernels::layout::{nchw_to_nhwc, nhwc_to_nchw};
 use kernels::pool::PoolShape;
 
-/// What a convolution does besides its weights: stride, symmetric padding, fused ReLU.
+/// Whether the model uses a tensor once or also elsewhere (a ResNet block's input goes to the
+/// block's first convolution and to the residual or the downsample path).
+///
+/// burn sums the gradients of a tensor used twice, and does it in one fast pass only when both
+/// are stored NCHW: on channels-last ones its element-by-element walk crosses a page per element
+/// (3-4 ms a block of resnet50 at 64 px, a tenth of the step). So the gradient of a shared
+/// input is handed to burn NCHW, at the cost of a transpose each way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    Once,
+    Shared,
+}
+
+/// What a convolution does besides its weights: stride, symmetric padding, fused ReLU, and
+/// how its input is used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvSpec {
     pub stride: [usize; 2],
     pub padding: [usize; 2],
     pub relu: bool,
+    pub input: Input,
 }
 
 /// A max pooling window.
@@ -42,12 +57,13 @@ pub struct PoolSpec {
     pub padding: [usize; 2],
 }
 
-/// What a training-mode batch norm does besides normalising: its epsilon, and a ReLU after it
-/// (and after the residual add, when there is one).
+/// What a training-mode batch norm does besides normalising: its epsilon, a ReLU after it (and
+/// after the residual add, when there is one), and how the residual is used.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct NormSpec {
     pub epsilon: f64,
     pub relu: bool,
+    pub residual: Input,
 }
 
 /// Training-mode batch norm: the output and the batch statistics (for the running state).
@@ -106,7 +122,7 @@ fn symmetric_padding(padding: &PaddingConfig2d, what: &str) -> [usize; 2] {
 /// # Panics
 /// On a dilated or grouped convolution, or asymmetric padding: the seed CNN and the ResNets
 /// have none.
-pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4> {
     assert!(
         conv.dilation == [1, 1] && conv.groups == 1,
         "trainctl's convolution has no dilation or groups"
@@ -120,6 +136,7 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
         stride: conv.stride,
         padding: symmetric_padding(&conv.padding, "convolution"),
         relu,
+        input,
     };
     Tensor::from_dispatch(<Dispatch as TrainctlOps>::conv2d(
         x.into_dispatch(),
@@ -157,17 +174,18 @@ pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
 }
 
 /// `relu(bn(x) + residual)` (without the add when `residual` is `None`, without the ReLU when
-/// `!relu`): a ResNet block's tail, in one pass in training (see [`batch_norm`]).
+/// `!relu`): a ResNet block's tail, in one pass in training (see [`batch_norm`]). The residual
+/// comes with how the model uses it.
 pub fn norm_add_relu(
     bn: &BatchNorm,
     x: Tensor<4>,
-    residual: Option<Tensor<4>>,
+    residual: Option<(Tensor<4>, Input)>,
     relu: bool,
 ) -> Tensor<4> {
     if !(x.device().is_autodiff() && bn.training.is_enabled()) {
         let y = bn.forward(x);
         let y = match residual {
-            Some(r) => y.add(r),
+            Some((r, _)) => y.add(r),
             None => y,
         };
         return if relu {
@@ -184,9 +202,10 @@ pub fn norm_add_relu(
     let spec = NormSpec {
         epsilon: bn.epsilon,
         relu,
+        residual: residual.as_ref().map_or(Input::Once, |(_, input)| *input),
     };
     let out = match residual {
-        Some(r) => {
+        Some((r, _)) => {
             <Dispatch as TrainctlOps>::batch_norm_add_train(x, gamma, beta, r.into_dispatch(), spec)
         }
         None => <Dispatch as TrainctlOps>::batch_norm_train(x, gamma, beta, spec),
@@ -253,6 +272,18 @@ fn nhwc(t: &FlexTensor) -> Cow<'_, [f32]> {
     }
     let [_, c, h, w] = dims;
     Cow::Owned(nchw_to_nhwc(&f32s(t), c, h * w))
+}
+
+/// The gradient of an input (NHWC) as burn is to hold it: channels-last, or NCHW when the
+/// input is [`Input::Shared`].
+fn input_gradient(data: Vec<f32>, dims: [usize; 4], input: Input) -> FlexTensor {
+    match input {
+        Input::Once => from_nhwc(data, dims),
+        Input::Shared => {
+            let [_, c, h, w] = dims;
+            from_vec(nhwc_to_nchw(&data, c, h * w), &dims)
+        }
+    }
 }
 
 /// An NHWC buffer as a `[n, c, h, w]` tensor stored channels-last.

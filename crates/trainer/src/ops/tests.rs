@@ -6,6 +6,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Distribution, Tensor};
 use proptest::prelude::*;
 
+use super::Input;
 use crate::device::training_device;
 use crate::model::to_vec;
 
@@ -32,11 +33,11 @@ fn relu_as_ours(y: Tensor<4>, ours: &Tensor<4>) -> Tensor<4> {
 }
 
 /// Forward output and the gradients of x, weight and bias of `sum(out * r)` for a random `r`,
-/// by trainctl's op and by burn's module.
-fn compare(conv: &Conv2d, input: [usize; 4], relu_after: bool) {
+/// by trainctl's op (its input used as `uses` says) and by burn's module.
+fn compare(conv: &Conv2d, input: [usize; 4], relu_after: bool, uses: Input) {
     let device = training_device();
     let x = Tensor::<4>::random(input, Distribution::Uniform(-1.0, 1.0), &device).require_grad();
-    let ours = super::conv2d(conv, x.clone(), relu_after);
+    let ours = super::conv2d(conv, x.clone(), relu_after, uses);
     let y = conv.forward(x.clone());
     let theirs = if relu_after {
         relu(y.clone())
@@ -83,7 +84,12 @@ fn conv(c_in: usize, c_out: usize, kernel: usize, stride: usize, padding: usize)
 #[test]
 fn seed_cnn_layers_match_burn() {
     for (c_in, c_out, size) in kernels::bench::CONV_LAYERS.map(|(_, i, o, s)| (i, o, s)) {
-        compare(&conv(c_in, c_out, 3, 1, 1), [3, c_in, size, size], true);
+        compare(
+            &conv(c_in, c_out, 3, 1, 1),
+            [3, c_in, size, size],
+            true,
+            Input::Once,
+        );
     }
 }
 
@@ -103,8 +109,8 @@ fn convolutions_without_a_bias_match_burn() {
             .with_bias(false)
             .init(&training_device());
         assert!(layer.bias.is_none());
-        for relu_after in [false, true] {
-            compare(&layer, [2, c_in, size, size], relu_after);
+        for (relu_after, uses) in [(false, Input::Once), (true, Input::Shared)] {
+            compare(&layer, [2, c_in, size, size], relu_after, uses);
         }
     }
 }
@@ -117,8 +123,8 @@ fn an_input_of_burn_layout_and_one_of_ours_give_the_same_result() {
     let device = training_device();
     let (a, b) = (conv(3, 8, 3, 1, 1), conv(8, 4, 3, 2, 1));
     let x = Tensor::<4>::random([2, 3, 9, 9], Distribution::Default, &device).require_grad();
-    let first = super::conv2d(&a, x.clone(), true);
-    let ours = super::conv2d(&b, first.clone(), false);
+    let first = super::conv2d(&a, x.clone(), true, Input::Once);
+    let ours = super::conv2d(&b, first.clone(), false, Input::Once);
     let theirs = b.forward(relu_as_ours(a.forward(x.clone()), &first));
     let e = worst(&to_vec(ours.clone()), &to_vec(theirs.clone()));
     assert!(e < TOLERANCE, "forward differs by {e}");
@@ -143,9 +149,12 @@ proptest! {
         stride in 1usize..3,
         padding in 0usize..4,
         relu_after in any::<bool>(),
+        shared in any::<bool>(),
     ) {
         prop_assume!(size + 2 * padding >= kernel);
-        compare(&conv(c_in, c_out, kernel, stride, padding), [batch, c_in, size, size], relu_after);
+        let uses = if shared { Input::Shared } else { Input::Once };
+        let layer = conv(c_in, c_out, kernel, stride, padding);
+        compare(&layer, [batch, c_in, size, size], relu_after, uses);
     }
 }
 
@@ -215,30 +224,88 @@ fn batch_norm_matches_burn_in_training_and_updates_the_running_statistics() {
 fn the_fused_norm_add_relu_matches_burns_three_operations() {
     use burn::nn::BatchNormConfig;
     let device = training_device();
-    let ours_bn = BatchNormConfig::new(6).init(&device);
-    let theirs_bn = BatchNormConfig::new(6).init(&device);
-    let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 2.0 + 0.5)
-        .require_grad();
-    let residual =
-        Tensor::<4>::random([4, 6, 5, 5], Distribution::Uniform(-1.0, 1.0), &device).require_grad();
-    let ours = super::norm_add_relu(&ours_bn, x.clone(), Some(residual.clone()), true);
-    let y = theirs_bn.forward(x.clone()) + residual.clone();
-    let e = worst(&to_vec(ours.clone()), &to_vec(relu(y.clone())));
-    assert!(e < TOLERANCE, "output differs by {e}");
-    let values = to_vec(ours.clone());
-    assert!(values.contains(&0.0) && values.iter().any(|v| *v > 0.0));
+    for uses in [Input::Once, Input::Shared] {
+        let ours_bn = BatchNormConfig::new(6).init(&device);
+        let theirs_bn = BatchNormConfig::new(6).init(&device);
+        let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 2.0 + 0.5)
+            .require_grad();
+        let residual = Tensor::<4>::random([4, 6, 5, 5], Distribution::Uniform(-1.0, 1.0), &device)
+            .require_grad();
+        let ours = super::norm_add_relu(&ours_bn, x.clone(), Some((residual.clone(), uses)), true);
+        let y = theirs_bn.forward(x.clone()) + residual.clone();
+        let e = worst(&to_vec(ours.clone()), &to_vec(relu(y.clone())));
+        assert!(e < TOLERANCE, "output differs by {e}");
+        let values = to_vec(ours.clone());
+        assert!(values.contains(&0.0) && values.iter().any(|v| *v > 0.0));
 
-    let theirs = relu_as_ours(y, &ours);
-    let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
-    let (go, gt) = (
-        (ours * r.clone()).sum().backward(),
-        (theirs * r).sum().backward(),
-    );
-    for (name, t) in [("input", &x), ("residual", &residual)] {
-        let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
-        assert!(e < 1e-4, "{name} gradient differs by {e}");
+        let theirs = relu_as_ours(y, &ours);
+        let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
+        let (go, gt) = (
+            (ours * r.clone()).sum().backward(),
+            (theirs * r).sum().backward(),
+        );
+        for (name, t) in [("input", &x), ("residual", &residual)] {
+            let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
+            assert!(e < 1e-4, "{name} gradient differs by {e} ({uses:?})");
+        }
+        assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
     }
-    assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
+}
+
+#[test]
+fn a_block_input_used_twice_gets_the_sum_of_both_gradients() {
+    // As in a ResNet block: `h` (channels-last, the output of an op of ours) goes to a
+    // convolution and to the residual, both marked shared, so burn sums two NCHW gradients; and
+    // to a downsample convolution beside the first, both shared.
+    use burn::nn::BatchNormConfig;
+    let device = training_device();
+    let (stem, c1, down) = (
+        conv(3, 6, 3, 1, 1),
+        conv(6, 6, 3, 1, 1),
+        conv(6, 6, 1, 1, 0),
+    );
+    let bn = BatchNormConfig::new(6).init(&device);
+    let x = Tensor::<4>::random([2, 3, 7, 7], Distribution::Default, &device).require_grad();
+    for downsample in [false, true] {
+        let h = super::conv2d(&stem, x.clone(), true, Input::Once);
+        let out = super::conv2d(&c1, h.clone(), false, Input::Shared);
+        let residual = if downsample {
+            super::conv2d(&down, h.clone(), false, Input::Shared)
+        } else {
+            h.clone()
+        };
+        let uses = if downsample {
+            Input::Once
+        } else {
+            Input::Shared
+        };
+        let ours = super::norm_add_relu(&bn, out, Some((residual, uses)), true);
+
+        let hb = relu_as_ours(stem.forward(x.clone()), &h);
+        let rb = if downsample {
+            down.forward(hb.clone())
+        } else {
+            hb.clone()
+        };
+        let theirs = relu_as_ours(bn.forward(c1.forward(hb)) + rb, &ours);
+        let e = worst(&to_vec(ours.clone()), &to_vec(theirs.clone()));
+        assert!(
+            e < TOLERANCE,
+            "output differs by {e} (downsample: {downsample})"
+        );
+        let (go, gt) = (ours.sum().backward(), theirs.sum().backward());
+        let e = worst(&to_vec(x.grad(&go).unwrap()), &to_vec(x.grad(&gt).unwrap()));
+        assert!(
+            e < 1e-4,
+            "input gradient differs by {e} (downsample: {downsample})"
+        );
+        let w = stem.weight.val();
+        let e = worst(&to_vec(w.grad(&go).unwrap()), &to_vec(w.grad(&gt).unwrap()));
+        assert!(
+            e < 1e-4,
+            "stem weight gradient differs by {e} (downsample: {downsample})"
+        );
+    }
 }
 
 /// gamma's and beta's gradients of our batch norm (`go`) against burn's (`gt`).
