@@ -175,6 +175,11 @@ pub struct EpochDone {
     pub epoch: usize,
     pub step: u64,
     pub seconds: f64,
+    /// The epoch's samples, as trained by all ranks, as one number (16 hex digits; the
+    /// trainer's `sampler::digest`): equal in two runs that trained the same samples the same
+    /// number of times, whatever restarts came between. Absent in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples_digest: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -164,6 +164,10 @@ pub struct Progress {
     /// the end exactly when no sample was skipped or trained twice.
     #[serde(default)]
     pub samples_seen: u64,
+    /// The [`digest`](crate::sampler::digest) of the samples trained so far in the epoch in
+    /// progress, over all ranks (0 in checkpoints written before it was kept).
+    #[serde(default)]
+    pub epoch_digest: u64,
     pub seed: u64,
     pub world_size: usize,
     pub dataset_len: usize,
@@ -528,6 +532,7 @@ pub(crate) mod tests {
             position: 1280,
             global_step: 77,
             samples_seen: 9_000,
+            epoch_digest: 0x0123_4567_89AB_CDEF,
             seed: 5,
             world_size: 2,
             dataset_len: 50_000,

@@ -12,7 +12,7 @@ pub mod eval;
 pub mod fuzzing;
 pub mod model;
 pub(crate) mod ops;
-pub(crate) mod sampler;
+pub mod sampler;
 pub mod train;
 
 pub use error::{Result, TrainError};

@@ -74,6 +74,16 @@ impl Shard {
     }
 }
 
+/// Samples as one number, whatever their order: the wrapping sum of a 64-bit mix of each sample
+/// id. Two runs that trained the same samples of an epoch, each as many times (padding
+/// included), have the same digest; a sample lost, added or trained twice changes it. Sums of
+/// digests are the digest of the union, so ranks' and steps' digests add up to the epoch's.
+pub fn digest(ids: &[usize]) -> u64 {
+    ids.iter().fold(0u64, |acc, &id| {
+        acc.wrapping_add(SplitMix64(id as u64).next())
+    })
+}
+
 /// splitmix64: tiny, fast and fixed forever, so an epoch's order never changes between releases.
 struct SplitMix64(u64);
 
@@ -101,6 +111,21 @@ mod tests {
         let mut sorted = epoch_order(100, 1, 3);
         sorted.sort();
         assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_digest_sees_a_lost_or_repeated_sample_but_not_the_order() {
+        let epoch = epoch_order(50, 7, 1);
+        let whole = digest(&epoch);
+        let mut reversed = epoch.clone();
+        reversed.reverse();
+        assert_eq!(digest(&reversed), whole, "order does not matter");
+        let (a, b) = epoch.split_at(17);
+        assert_eq!(digest(a).wrapping_add(digest(b)), whole, "parts add up");
+        assert_ne!(digest(&epoch[1..]), whole, "a sample lost");
+        let mut twice = epoch.clone();
+        twice.push(epoch[3]);
+        assert_ne!(digest(&twice), whole, "a sample trained twice");
     }
 
     proptest! {

@@ -212,6 +212,33 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
         expected[0].2,
         "the same weights as the uninterrupted run"
     );
+
+    // Each epoch trained every one of the 256 images exactly once (2 ranks × batch 32 divide
+    // it: no padding), the interrupted epoch across both attempts included.
+    let every_image = format!(
+        "{:016x}",
+        trainer::sampler::digest(&(0..256).collect::<Vec<_>>())
+    );
+    for out in ["a", "b"] {
+        assert_eq!(
+            epoch_digests(&job.path(out).join("local")),
+            [(1, every_image.clone()), (2, every_image.clone())],
+            "run {out}"
+        );
+    }
+}
+
+/// Each epoch's `samples_digest` as rank 0's metrics recorded it, the last record of an epoch
+/// winning (an epoch recorded twice was trained again after a restart).
+fn epoch_digests(run_dir: &std::path::Path) -> Vec<(usize, String)> {
+    use telemetry::metrics::{Record, rank_file, read_metrics};
+    let mut epochs = std::collections::BTreeMap::new();
+    for record in read_metrics(&rank_file(run_dir, 0)).unwrap().records {
+        if let Record::Epoch(e) = record {
+            epochs.insert(e.epoch, e.samples_digest.expect("a digest"));
+        }
+    }
+    epochs.into_iter().collect()
 }
 
 #[test]

@@ -33,10 +33,10 @@ use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
 use crate::model::{Model, Snapshot, load, snapshot};
-use crate::sampler::Shard;
+use crate::sampler::{Shard, digest};
 use record::Recorder;
 use state::TrainState;
-use step::Step;
+use step::{Step, StepInput};
 
 /// Trains on the world described by `world`, calling `report` on the way.
 pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
@@ -245,14 +245,12 @@ impl Run<'_> {
             let data_s = step_start.elapsed().as_secs_f64();
             let images = shard.position_after(step + 1) - shard.position_after(step);
             let stop = cfg.stop.load(Ordering::Relaxed);
-            let outcome = self.step.run(
-                batch.pixels,
-                &batch.labels,
-                stop,
-                group,
-                &mut self.state,
-                cfg,
-            )?;
+            let input = StepInput {
+                pixels: batch.pixels,
+                labels: &batch.labels,
+                digest: digest(shard.batch(step)),
+            };
+            let outcome = self.step.run(input, stop, group, &mut self.state, cfg)?;
             let global_step = self.state.progress.global_step + 1;
             if !outcome.loss.is_finite() {
                 return Err(TrainError::NonFiniteLoss {
@@ -266,6 +264,7 @@ impl Run<'_> {
             progress.global_step = global_step;
             progress.position = shard.position_after(step + 1);
             progress.samples_seen += images as u64;
+            progress.epoch_digest = progress.epoch_digest.wrapping_add(outcome.digest);
 
             let iter = steps_before + step + 1;
             let step_s = step_start.elapsed().as_secs_f64();
@@ -323,12 +322,18 @@ impl Run<'_> {
                 last_checkpoint_step = global_step;
             }
         }
+        let epoch_digest = std::mem::take(&mut self.state.progress.epoch_digest);
         self.state.progress.epoch += 1;
         self.state.progress.position = 0;
         self.checkpoint(report)?;
         let seconds = epoch_start.elapsed().as_secs_f64();
-        self.recorder
-            .epoch(epoch + 1, self.state.progress.global_step, seconds, report);
+        self.recorder.epoch(
+            epoch + 1,
+            self.state.progress.global_step,
+            seconds,
+            epoch_digest,
+            report,
+        );
         if rank == 0 {
             report(Event::EpochDone {
                 epoch: epoch + 1,

@@ -128,13 +128,21 @@ impl Recorder {
         self.record(&r, report);
     }
 
-    pub fn epoch(&mut self, epoch: usize, step: u64, seconds: f64, report: &mut dyn FnMut(Event)) {
+    pub fn epoch(
+        &mut self,
+        epoch: usize,
+        step: u64,
+        seconds: f64,
+        digest: u64,
+        report: &mut dyn FnMut(Event),
+    ) {
         let r = Record::Epoch(EpochDone {
             time: telemetry::unix_time(),
             rank: self.rank,
             epoch,
             step,
             seconds,
+            samples_digest: Some(format!("{digest:016x}")),
         });
         self.record(&r, report);
     }

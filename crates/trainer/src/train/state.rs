@@ -10,8 +10,8 @@ use crate::model::Snapshot;
 
 use super::{Event, TrainConfig};
 
-/// The resume header's size: a flag and four u64s.
-pub(super) const HEADER_BYTES: usize = 1 + 4 * 8;
+/// The resume header's size: a flag and five u64s.
+pub(super) const HEADER_BYTES: usize = 1 + 5 * 8;
 
 /// Everything a checkpoint holds, as flat buffers.
 pub(super) struct TrainState {
@@ -37,6 +37,7 @@ impl TrainState {
                 position: 0,
                 global_step: 0,
                 samples_seen: 0,
+                epoch_digest: 0,
                 seed: cfg.seed,
                 world_size,
                 dataset_len,
@@ -135,7 +136,8 @@ impl TrainState {
     }
 
     /// Whether this rank resumed and where training stands, as bytes for the broadcast: the
-    /// flag, then epoch, position, global step and samples seen as whole little-endian u64s.
+    /// flag, then epoch, position, global step, samples seen and the epoch's digest as whole
+    /// little-endian u64s.
     pub(super) fn header(&self, resumed: bool) -> [u8; HEADER_BYTES] {
         let mut h = [0u8; HEADER_BYTES];
         h[0] = resumed as u8;
@@ -144,6 +146,7 @@ impl TrainState {
             self.progress.position as u64,
             self.progress.global_step,
             self.progress.samples_seen,
+            self.progress.epoch_digest,
         ]
         .into_iter()
         .enumerate()
@@ -164,6 +167,7 @@ impl TrainState {
         self.progress.position = v(1) as usize;
         self.progress.global_step = v(2);
         self.progress.samples_seen = v(3);
+        self.progress.epoch_digest = v(4);
         h[0] != 0
     }
 
@@ -252,6 +256,7 @@ mod tests {
             position: (1 << 50) + 3,
             global_step: u64::MAX - 1,
             samples_seen: (1 << 48) + 1,
+            epoch_digest: 0xDEAD_BEEF_0123_4567,
             ..crate::checkpoint::tests::progress()
         };
         let state = |progress: Progress| TrainState {
@@ -267,6 +272,7 @@ mod tests {
             position: 0,
             global_step: 0,
             samples_seen: 0,
+            epoch_digest: 0,
             ..progress.clone()
         });
         assert!(other.apply_header(&header));

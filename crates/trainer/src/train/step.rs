@@ -19,8 +19,18 @@ pub(super) struct Step {
     loss_fn: CrossEntropyLoss,
     device: Device,
     image_size: usize,
-    /// The gradients, then the loss, the accuracy and the stop flag, all-reduced together.
+    /// The gradients, then the loss, the accuracy, the samples' digest and the stop flag,
+    /// all-reduced together.
     reduced: Vec<f32>,
+}
+
+/// One rank's share of a step.
+pub(super) struct StepInput<'a> {
+    /// `[n, 3, size, size]`.
+    pub(super) pixels: Vec<f32>,
+    pub(super) labels: &'a [i64],
+    /// The [`digest`](crate::sampler::digest) of the samples' ids.
+    pub(super) digest: u64,
 }
 
 /// What one step did, as every rank agrees.
@@ -31,6 +41,8 @@ pub(super) struct StepOutcome {
     pub(super) accuracy: f32,
     /// Some rank was asked to stop: all finish this step, then stop together.
     pub(super) stopping: bool,
+    /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
+    pub(super) digest: u64,
     pub(super) compute_s: f64,
     pub(super) allreduce_s: f64,
 }
@@ -43,19 +55,18 @@ impl Step {
             loss_fn: CrossEntropyLossConfig::new().init(device),
             device: device.clone(),
             image_size,
-            reduced: Vec::with_capacity(params + 3),
+            reduced: Vec::with_capacity(params + 3 + DIGEST_LIMBS),
         }
     }
 
-    /// Trains on `pixels` (`[n, 3, size, size]`) and `labels`: the gradients, loss, accuracy and
-    /// `stop` are averaged over the ranks, SGD updates `state.params`, rank 0's BatchNorm
-    /// buffers become everyone's, and the model is loaded with both. A non-finite mean loss
-    /// leaves the weights as they were (the caller stops the run). Every rank ends the step
-    /// holding bit-identical parameters and buffers.
+    /// Trains on this rank's `input`: the gradients, loss, accuracy and `stop` are averaged
+    /// over the ranks and the samples' digests summed, SGD updates `state.params`, rank 0's
+    /// BatchNorm buffers become everyone's, and the model is loaded with both. A non-finite
+    /// mean loss leaves the weights as they were (the caller stops the run). Every rank ends
+    /// the step holding bit-identical parameters and buffers.
     pub(super) fn run(
         &mut self,
-        pixels: Vec<f32>,
-        labels: &[i64],
+        input: StepInput,
         stop: bool,
         group: &mut ProcessGroup,
         state: &mut TrainState,
@@ -65,6 +76,11 @@ impl Step {
             .model
             .as_ref()
             .expect("a step's model is back after every run");
+        let StepInput {
+            pixels,
+            labels,
+            digest,
+        } = input;
         let n = labels.len();
         let timer = Instant::now();
         let (device, image_size, loss_fn) = (&self.device, self.image_size, &self.loss_fn);
@@ -84,6 +100,7 @@ impl Step {
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
         });
+        self.reduced.extend(digest_limbs(digest));
         self.reduced.push(if stop { 1.0 } else { 0.0 });
         let mut compute_s = timer.elapsed().as_secs_f64();
 
@@ -91,12 +108,15 @@ impl Step {
         group.all_reduce_mean(&mut self.reduced)?;
         let mut allreduce_s = timer.elapsed().as_secs_f64();
         let stopping = self.reduced.pop().is_some_and(|v| v > 0.0);
+        let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
+        let digest = digest_sum(&limbs, group.world_size());
         let accuracy = self.reduced.pop().unwrap_or(f32::NAN);
         let loss = self.reduced.pop().unwrap_or(f32::NAN);
         let outcome = |compute_s, allreduce_s| StepOutcome {
             loss,
             accuracy,
             stopping,
+            digest,
             compute_s,
             allreduce_s,
         };
@@ -122,6 +142,23 @@ impl Step {
     }
 }
 
+/// A digest rides the mean all-reduce as bytes, one per f32: the sum of whole numbers below
+/// 256 over fewer than 4,096 ranks is exact in f32, and the mean's rounding, times the world
+/// size, stays far below one half, so rounding gives the exact sum back.
+const DIGEST_LIMBS: usize = 8;
+
+fn digest_limbs(digest: u64) -> [f32; DIGEST_LIMBS] {
+    std::array::from_fn(|i| ((digest >> (8 * i)) & 0xFF) as f32)
+}
+
+/// The wrapping sum of the ranks' digests, from the mean of their limbs.
+fn digest_sum(mean: &[f32], world_size: usize) -> u64 {
+    mean.iter().enumerate().fold(0u64, |acc, (i, &m)| {
+        let limb_sum = (m as f64 * world_size as f64).round() as u64;
+        acc.wrapping_add(limb_sum.wrapping_shl(8 * i as u32))
+    })
+}
+
 /// Fraction of `labels` the `logits` (rows of classes) get right.
 fn batch_accuracy(logits: &[f32], labels: &[i64]) -> f32 {
     let classes = logits.len() / labels.len().max(1);
@@ -140,4 +177,52 @@ fn batch_accuracy(logits: &[f32], labels: &[i64]) -> f32 {
         })
         .count();
     correct as f32 / labels.len() as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What `ProcessGroup::all_reduce_mean` does to the ranks' limbs: an f32 sum (the ring's
+    /// order differs, but sums of whole numbers below 2^24 are exact in any order), then a
+    /// scale by `1 / world`.
+    fn through_the_mean(digests: &[u64]) -> u64 {
+        let world = digests.len();
+        let mut mean = [0.0f32; DIGEST_LIMBS];
+        for d in digests {
+            for (m, l) in mean.iter_mut().zip(digest_limbs(*d)) {
+                *m += l;
+            }
+        }
+        for m in &mut mean {
+            *m *= 1.0 / world as f32;
+        }
+        digest_sum(&mean, world)
+    }
+
+    fn wrapping_sum(digests: &[u64]) -> u64 {
+        digests.iter().fold(0u64, |a, d| a.wrapping_add(*d))
+    }
+
+    proptest! {
+        #[test]
+        fn digests_survive_the_mean_all_reduce_exactly(digests in prop::collection::vec(any::<u64>(), 1..65)) {
+            prop_assert_eq!(through_the_mean(&digests), wrapping_sum(&digests));
+        }
+    }
+
+    #[test]
+    fn the_largest_limbs_on_the_largest_world_come_back_exactly() {
+        for world in [3, 1000, 4095] {
+            for d in [u64::MAX, u64::MAX - 1, 0x8080_8080_8080_8080] {
+                let digests = vec![d; world];
+                assert_eq!(
+                    through_the_mean(&digests),
+                    wrapping_sum(&digests),
+                    "{world} ranks"
+                );
+            }
+        }
+    }
 }

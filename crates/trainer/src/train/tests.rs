@@ -8,11 +8,12 @@ use collective::{ProcessGroup, World};
 
 use super::TrainConfig;
 use super::state::TrainState;
-use super::step::Step;
+use super::step::{Step, StepInput};
 use crate::checkpoint::ModelInfo;
 use crate::data::{DatasetName, DownloadOptions, Normalisation, synthetic};
 use crate::device::training_device;
 use crate::model::{Architecture, Model, Snapshot, load, snapshot};
+use crate::sampler::digest;
 
 fn config() -> TrainConfig {
     TrainConfig {
@@ -50,9 +51,10 @@ fn batch(indices: &[usize]) -> (Vec<f32>, Vec<i64>) {
     (pixels, labels)
 }
 
-/// One step on each rank of a world of `batches.len()` threads, every rank starting from
-/// `start`; returns each rank's parameters and buffers after the step.
-fn step_on(start: &Snapshot, batches: Vec<(Vec<f32>, Vec<i64>)>) -> Vec<(Vec<f32>, Vec<f32>)> {
+/// One step on each rank of a world of `batches.len()` threads (rank `r` on the images
+/// `batches[r]`), every rank starting from `start`; returns each rank's parameters and buffers
+/// after the step, and the step's samples digest as that rank got it.
+fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32>, u64)> {
     let ranks = batches.len();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -61,7 +63,7 @@ fn step_on(start: &Snapshot, batches: Vec<(Vec<f32>, Vec<i64>)>) -> Vec<(Vec<f32
     let threads: Vec<_> = batches
         .into_iter()
         .enumerate()
-        .map(|(rank, (pixels, labels))| {
+        .map(|(rank, indices)| {
             let start = start.clone();
             std::thread::spawn(move || {
                 let world = World::loopback(rank as u32, ranks as u32, port, "step-test");
@@ -81,11 +83,17 @@ fn step_on(start: &Snapshot, batches: Vec<(Vec<f32>, Vec<i64>)>) -> Vec<(Vec<f32
                 };
                 let mut state = TrainState::fresh(&cfg, &start, ranks, 16, info);
                 let mut step = Step::new(model, &device, 32, state.params.len());
+                let (pixels, labels) = batch(&indices);
+                let input = StepInput {
+                    pixels,
+                    labels: &labels,
+                    digest: digest(&indices),
+                };
                 let outcome = step
-                    .run(pixels, &labels, false, &mut group, &mut state, &cfg)
+                    .run(input, false, &mut group, &mut state, &cfg)
                     .unwrap();
                 assert!(outcome.loss.is_finite() && !outcome.stopping);
-                (state.params, state.buffers)
+                (state.params, state.buffers, outcome.digest)
             })
         })
         .collect();
@@ -103,8 +111,8 @@ fn start() -> Snapshot {
 fn two_ranks_on_the_same_batch_take_exactly_the_one_rank_step() {
     let start = start();
     let all: Vec<usize> = (0..8).collect();
-    let one = step_on(&start, vec![batch(&all)]);
-    let two = step_on(&start, vec![batch(&all), batch(&all)]);
+    let one = step_on(&start, vec![all.clone()]);
+    let two = step_on(&start, vec![all.clone(), all]);
     assert_ne!(one[0].0, start.params, "the step changed the weights");
     assert!(
         one[0].0 == two[0].0 && one[0].1 == two[0].1,
@@ -122,9 +130,14 @@ fn two_ranks_on_the_same_batch_take_exactly_the_one_rank_step() {
 fn two_ranks_on_different_shards_end_the_step_identical() {
     let start = start();
     let (first, second): (Vec<usize>, Vec<usize>) = ((0..8).collect(), (8..16).collect());
-    let two = step_on(&start, vec![batch(&first), batch(&second)]);
+    let two = step_on(&start, vec![first.clone(), second]);
     assert!(two[0].0 == two[1].0, "parameters differ between ranks");
     assert!(two[0].1 == two[1].1, "buffers differ between ranks");
-    let alone = step_on(&start, vec![batch(&first)]);
+    let both = digest(&(0..16).collect::<Vec<_>>());
+    assert!(
+        two[0].2 == both && two[1].2 == both,
+        "every rank has the digest of both halves"
+    );
+    let alone = step_on(&start, vec![first]);
     assert_ne!(two[0].0, alone[0].0, "the other rank's gradients count");
 }
