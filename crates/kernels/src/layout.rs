@@ -255,6 +255,8 @@ mod tests {
             (19, 21),
             (64, 9),
             (9, 64),
+            (70, 260),
+            (260, 70),
         ];
         for (rows, cols) in sizes {
             let len = rows * cols;
