@@ -4,11 +4,17 @@
 For each backend (c10d, etcd) and several runs, on this machine's loopback:
   - fresh: two agents started -> first training step done;
   - kill:  one of three agents killed (SIGKILL) mid-epoch -> survivors' round complete,
-           workers started, first training step done at the new world size;
-  - join:  a third agent started while two train -> first step done at world size 3.
+           workers started, first training step done at the new world size; and the steps
+           trained again (the last global step before the kill minus the step the restarted
+           workers resumed from, from the metrics files);
+  - join:  a third agent started while two train -> first step done at world size 3, and the
+           steps trained again.
 Prints each run and the medians. Usage: bench/failover.py [--runs N] [--trainctl PATH]
+[--model seed-cnn|resnet18] [--backends c10d,etcd]. The seed CNN trains on generated CIFAR-10,
+a ResNet on a generated 64x64 image folder (tiny-imagenet's layout), decoded into the cache.
 Needs `etcd` on PATH (scripts/test installs Debian's etcd-server).
 """
+import json
 import argparse
 import os
 import queue
@@ -39,8 +45,12 @@ class Agent:
         )
         threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
 
+    hosts_store = False
+
     def _pump(self, lines):
         for line in self.proc.stdout:
+            if "(hosted by this agent)" in line:
+                self.hosts_store = True
             lines.put((time.monotonic(), self.name, line.rstrip("\n")))
 
     def kill(self):
@@ -65,18 +75,42 @@ def is_step(line):
     return "] loss:" in line
 
 
+def redone(workdir, run_id, at):
+    """Steps trained again after the event at unix time `at`: the last global step any rank
+    recorded before the workers were started again, minus the step they resumed from."""
+    steps, starts = [], []
+    metrics = os.path.join(workdir, "runs", run_id, "metrics")
+    for name in os.listdir(metrics):
+        with open(os.path.join(metrics, name)) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue  # a killed worker's last, partial line
+                if r.get("kind") == "step":
+                    steps.append((r["time"], r["step"]))
+                elif r.get("kind") == "start" and r["time"] > at:
+                    starts.append((r["time"], r["step"]))
+    if not starts:
+        return 0
+    restarted = min(t for t, _ in starts)
+    before = max((step for t, step in steps if t < restarted), default=0)
+    return before - min(step for _, step in starts)
+
+
 class Job:
-    def __init__(self, trainctl, backend, workdir, etcd_url):
+    def __init__(self, trainctl, backend, workdir, etcd_url, model):
         self.trainctl, self.backend, self.workdir = trainctl, backend, workdir
         self.run = 0
         self.etcd_url = etcd_url
+        self.model = model
 
     def agent_cmd(self, run_id, endpoint):
         return [
             self.trainctl, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
             "--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "--job-token", "bench",
-            "train", "--data", "data", "--out", "runs", "--epochs", "100",
+            "train", "--model", self.model, "--data", "data", "--out", "runs", "--epochs", "100",
             "--batch-size", "8", "--threads", "1", "--print-freq", "1", "--no-eval",
         ]
 
@@ -101,14 +135,15 @@ class Job:
                 a.kill()
 
     def kill(self):
-        agents, lines, _, _ = self.start(3)
+        agents, lines, _, (run_id, _) = self.start(3)
         try:
             wait_for(lines, lambda n, l: "world size 3" in l and "round" in l)
             for _ in range(3):
                 wait_for(lines, lambda n, l: is_step(l))
-            # Kill an agent that does not host the c10d store (the first one may).
-            victim = agents[2]
-            t0 = time.monotonic()
+            # Kill an agent that does not host the c10d store (whichever bound its port first
+            # does; losing it ends the job, which is another test's case).
+            victim = next(a for a in reversed(agents) if not a.hosts_store)
+            t0, at = time.monotonic(), time.time()
             victim.kill()
             t_round = wait_for(lines, lambda n, l: "of 2," in l and "round" in l)
             t_started = wait_for(lines, lambda n, l: "started rank" in l)
@@ -117,6 +152,7 @@ class Job:
                 "new round": t_round - t0,
                 "workers started": t_started - t0,
                 "first step": t_step - t0,
+                "steps redone": redone(self.workdir, run_id, at),
             }
         finally:
             for a in agents:
@@ -128,11 +164,15 @@ class Job:
             wait_for(lines, lambda n, l: "world size 2" in l and "round" in l)
             for _ in range(3):
                 wait_for(lines, lambda n, l: is_step(l))
-            t0 = time.monotonic()
+            t0, at = time.monotonic(), time.time()
             agents.append(Agent("late", self.agent_cmd(run_id, endpoint), self.workdir, lines))
             t_round = wait_for(lines, lambda n, l: "of 3," in l and "round" in l)
             t_step = wait_for(lines, lambda n, l: is_step(l))
-            return {"new round": t_round - t0, "first step": t_step - t0}
+            return {
+                "new round": t_round - t0,
+                "first step": t_step - t0,
+                "steps redone": redone(self.workdir, run_id, at),
+            }
         finally:
             for a in agents:
                 a.kill()
@@ -142,13 +182,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--trainctl", default="target/debug/trainctl")
+    ap.add_argument("--model", default="seed-cnn")
+    ap.add_argument("--backends", default="c10d,etcd")
     args = ap.parse_args()
     trainctl = os.path.abspath(args.trainctl)
     work = tempfile.mkdtemp(prefix="failover-")
     etcd = None
     try:
-        subprocess.run([trainctl, "data", "synth", "--out", f"{work}/data",
-                        "--train", "960", "--test", "16"], check=True, capture_output=True)
+        synth = [trainctl, "data", "synth", "--out", f"{work}/data", "--train", "960", "--test", "16"]
+        if args.model != "seed-cnn":
+            synth += ["--tiny", "--classes", "10", "--image-size", "64"]
+        subprocess.run(synth, check=True, capture_output=True)
         etcd_bin = shutil.which("etcd")
         if etcd_bin is None:
             sys.exit("etcd not found: run scripts/test once (it installs etcd-server)")
@@ -162,13 +206,14 @@ def main():
              "--initial-cluster", f"default=http://127.0.0.1:{pport}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2)
-        for backend in ["c10d", "etcd"]:
-            job = Job(trainctl, backend, work, f"http://127.0.0.1:{cport}")
+        for backend in args.backends.split(","):
+            job = Job(trainctl, backend, work, f"http://127.0.0.1:{cport}", args.model)
             for scenario in ["fresh", "kill", "join"]:
                 runs = [getattr(job, scenario)() for _ in range(args.runs)]
                 for key in runs[0]:
                     values = [r[key] for r in runs]
-                    print(f"{backend:5} {scenario:6} {key:16} median {statistics.median(values):6.2f} s"
+                    unit = "" if key == "steps redone" else " s"
+                    print(f"{backend:5} {scenario:6} {key:16} median {statistics.median(values):6.2f}{unit}"
                           f"  runs: {' '.join(f'{v:.2f}' for v in values)}", flush=True)
     finally:
         if etcd:
