@@ -228,6 +228,79 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
     }
 }
 
+/// A worker killed mid-epoch with no checkpoint due (no `--checkpoint-every`): rank 0, which
+/// loses its peer, saves the last step it completed before the restart, so the job goes on from
+/// there rather than from the epoch's start, and ends with the uninterrupted run's weights,
+/// each epoch having trained every image exactly once.
+#[test]
+fn a_lost_worker_costs_at_most_the_step_in_flight() {
+    // 256 images, 2 workers × batch 32: 4 steps an epoch, 8 in all.
+    let job = Job::new(256, 20);
+    let args_for = |out: &str| {
+        let mut args = train_args(&job, out, 2);
+        args.push("--no-eval".into());
+        args
+    };
+    let whole = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(args_for("a")),
+        )
+        .stdout,
+    );
+    let expected = finished(&whole);
+    assert_eq!(expected.len(), 2, "{whole}");
+
+    let mut run = Running::start(
+        trainctl()
+            .args([
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "1",
+            ])
+            .args(args_for("b")),
+    );
+    run.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,     2] loss:"));
+    run.kill_worker(1, Duration::from_secs(20));
+    assert!(
+        run.wait(Duration::from_secs(180)).success(),
+        "{}",
+        run.output()
+    );
+    let out = run.output();
+    // "resuming from checkpoint: epoch 1, N samples into it, step S (...)"
+    let resumed_step: u64 = out
+        .lines()
+        .find_map(|l| l.split("resuming from checkpoint: epoch 1, ").nth(1))
+        .and_then(|rest| rest.split(", step ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|step| step.parse().ok())
+        .unwrap_or_else(|| panic!("no resume inside epoch 1:\n{out}"));
+    assert!(
+        (2..4).contains(&resumed_step),
+        "the restart went back to step {resumed_step}, not to the last one completed (2 or 3):\n{out}"
+    );
+    let done = finished(&out);
+    assert_eq!(done.len(), 2, "{out}");
+    assert!(done.iter().all(|(_, steps, _)| *steps == 8), "{out}");
+    assert_eq!(
+        done[0].2, expected[0].2,
+        "the same weights as the uninterrupted run:\n{out}"
+    );
+    let every_image = format!(
+        "{:016x}",
+        trainer::sampler::digest(&(0..256).collect::<Vec<_>>())
+    );
+    assert_eq!(
+        epoch_digests(&job.path("b").join("local")),
+        [(1, every_image.clone()), (2, every_image)]
+    );
+}
+
 /// Each epoch's `samples_digest` as rank 0's metrics recorded it, the last record of an epoch
 /// winning (an epoch recorded twice was trained again after a restart).
 fn epoch_digests(run_dir: &std::path::Path) -> Vec<(usize, String)> {

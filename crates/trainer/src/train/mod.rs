@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use collective::{ProcessGroup, World};
+use collective::{CollectiveError, ProcessGroup, World};
 
 pub use config::TrainConfig;
 pub use event::Event;
@@ -250,7 +250,14 @@ impl Run<'_> {
                 labels: &batch.labels,
                 digest: digest(shard.batch(step)),
             };
-            let outcome = self.step.run(input, stop, group, &mut self.state, cfg)?;
+            let outcome = match self.step.run(input, stop, group, &mut self.state, cfg) {
+                Ok(outcome) => outcome,
+                Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
+                    self.save_before_restart(report);
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
             let global_step = self.state.progress.global_step + 1;
             if !outcome.loss.is_finite() {
                 return Err(TrainError::NonFiniteLoss {
@@ -341,6 +348,23 @@ impl Run<'_> {
             });
         }
         Ok(())
+    }
+
+    /// A peer was lost mid-step: every rank holds the state of the last step it completed
+    /// (`Step::run` changes nothing before its collectives succeed), so rank 0 saves it, and
+    /// the restart that follows goes back to this step rather than to the last scheduled
+    /// checkpoint (up to an epoch earlier). A failure to save is reported; the restart then
+    /// resumes from the previous checkpoint as it would have.
+    fn save_before_restart(&mut self, report: &mut dyn FnMut(Event)) {
+        if self.rank != 0 {
+            return;
+        }
+        if let Err(e) = self.checkpoint(report) {
+            report(Event::Warning(format!(
+                "a peer was lost and the checkpoint of step {} could not be saved: {e}; the restart resumes from the one before",
+                self.state.progress.global_step
+            )));
+        }
     }
 
     fn checkpoint(&mut self, report: &mut dyn FnMut(Event)) -> Result<()> {

@@ -124,14 +124,17 @@ impl Step {
             return Ok(outcome(compute_s, allreduce_s));
         }
 
+        // Both collectives before anything in `state` changes: when one fails (a peer lost),
+        // `state` is still the last step this rank completed, whole, and can be checkpointed.
         let timer = Instant::now();
-        state.sgd_step(cfg, &self.reduced);
-        state.buffers = buffers(model);
+        let mut synced = buffers(model);
         compute_s += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
-        group.broadcast(&mut state.buffers, 0)?;
+        group.broadcast(&mut synced, 0)?;
         allreduce_s += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
+        state.sgd_step(cfg, &self.reduced);
+        state.buffers = synced;
         let model = self
             .model
             .take()
