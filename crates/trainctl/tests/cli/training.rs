@@ -145,23 +145,9 @@ fn an_interrupted_run_resumes_and_takes_the_same_steps() {
 /// uninterrupted run's weights.
 #[test]
 fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
-    // 256 images, 2 workers × batch 32: 4 steps an epoch, 8 in all.
     let job = Job::new(256, 20);
-    let args_for = |out: &str| {
-        let mut args = train_args(&job, out, 2);
-        args.push("--no-eval".into());
-        args
-    };
-    let whole = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(args_for("a")),
-        )
-        .stdout,
-    );
-    let expected = finished(&whole);
-    assert_eq!(expected.len(), 2, "{whole}");
+    let args_for = |out: &str| two_epochs_no_eval(&job, out);
+    let expected = uninterrupted(&args_for("a"));
 
     let mut first = Running::start(
         trainctl()
@@ -215,17 +201,44 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
 
     // Each epoch trained every one of the 256 images exactly once (2 ranks × batch 32 divide
     // it: no padding), the interrupted epoch across both attempts included.
-    let every_image = format!(
-        "{:016x}",
-        trainer::sampler::digest(&(0..256).collect::<Vec<_>>())
-    );
     for out in ["a", "b"] {
         assert_eq!(
             epoch_digests(&job.path(out).join("local")),
-            [(1, every_image.clone()), (2, every_image.clone())],
+            [(1, every_image(256)), (2, every_image(256))],
             "run {out}"
         );
     }
+}
+
+/// 256 images, 2 workers × batch 32: 4 steps an epoch, 8 in all, without the evaluation.
+fn two_epochs_no_eval(job: &Job, out: &str) -> Vec<String> {
+    let mut args = train_args(job, out, 2);
+    args.push("--no-eval".into());
+    args
+}
+
+/// The ranks' finish lines (rank, steps, weights fingerprint) of an uninterrupted standalone
+/// run of `args` on two workers.
+fn uninterrupted(args: &[String]) -> Vec<(u32, u64, String)> {
+    let whole = text(
+        &run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(args),
+        )
+        .stdout,
+    );
+    let expected = finished(&whole);
+    assert_eq!(expected.len(), 2, "{whole}");
+    expected
+}
+
+/// The digest of an epoch that trained each of images `0..n` once.
+fn every_image(n: usize) -> String {
+    format!(
+        "{:016x}",
+        trainer::sampler::digest(&(0..n).collect::<Vec<_>>())
+    )
 }
 
 /// A worker killed mid-epoch with no checkpoint due (no `--checkpoint-every`): rank 0, which
@@ -234,23 +247,9 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
 /// each epoch having trained every image exactly once.
 #[test]
 fn a_lost_worker_costs_at_most_the_step_in_flight() {
-    // 256 images, 2 workers × batch 32: 4 steps an epoch, 8 in all.
     let job = Job::new(256, 20);
-    let args_for = |out: &str| {
-        let mut args = train_args(&job, out, 2);
-        args.push("--no-eval".into());
-        args
-    };
-    let whole = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(args_for("a")),
-        )
-        .stdout,
-    );
-    let expected = finished(&whole);
-    assert_eq!(expected.len(), 2, "{whole}");
+    let args_for = |out: &str| two_epochs_no_eval(&job, out);
+    let expected = uninterrupted(&args_for("a"));
 
     let mut run = Running::start(
         trainctl()
@@ -291,13 +290,9 @@ fn a_lost_worker_costs_at_most_the_step_in_flight() {
         done[0].2, expected[0].2,
         "the same weights as the uninterrupted run:\n{out}"
     );
-    let every_image = format!(
-        "{:016x}",
-        trainer::sampler::digest(&(0..256).collect::<Vec<_>>())
-    );
     assert_eq!(
         epoch_digests(&job.path("b").join("local")),
-        [(1, every_image.clone()), (2, every_image)]
+        [(1, every_image(256)), (2, every_image(256))]
     );
 }
 
