@@ -58,8 +58,9 @@ pub fn training_step(
 
 /// One operation of trainctl's at one shape in a training step: what `trainctl bench --layers`
 /// prints for a ResNet, one per line; the operation `other` is the rest of the step (burn's
-/// own operations: ReLU, residual additions, pooling, the classifier, the loss; the gradients'
-/// way out and the update).
+/// own operations: ReLU, residual additions, pooling, the classifier, the loss, and its sums of
+/// a tensor's gradients when the tensor is used twice; the gradients' way out and the update).
+/// An operation's backward is timed up to the gradients it hands to burn, not burn's sums.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct OpRow {
     pub model: &'static str,

@@ -39,7 +39,7 @@ impl Backward<Flex, 3> for ConvBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, weight, prepared, y, spec) = ops.state;
         let shape = conv_shape(&x, &weight, &spec);
-        let _timer = profile::Backward::start(|| conv_profile(&shape).0);
+        let timer = profile::Backward::start(|| conv_profile(&shape).0);
         let y = y.as_ref().map(nhwc);
         let g = conv::backward(
             &shape,
@@ -49,8 +49,11 @@ impl Backward<Flex, 3> for ConvBackward {
             &nhwc(&dy),
             node_x.is_some(),
         );
-        if let (Some(node), Some(dx)) = (node_x, g.input) {
-            grads.register::<Flex>(node.id, input_gradient(dx, dims4(&x), spec.input));
+        let dx = g.input.map(|dx| input_gradient(dx, dims4(&x), spec.input));
+        // The clock stops before burn's part: registering sums with a gradient already there.
+        drop(timer);
+        if let (Some(node), Some(dx)) = (node_x, dx) {
+            grads.register::<Flex>(node.id, dx);
         }
         if let Some(node) = node_w {
             grads.register::<Flex>(node.id, from_vec(g.weight, &dims4(&weight)));
@@ -73,10 +76,11 @@ impl Backward<Flex, 1> for PoolBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         let (dims, taps, spec) = ops.state;
         let Some(node) = node_x else { return };
-        let _timer = profile::Backward::start(|| pool_name(dims, &spec));
+        let timer = profile::Backward::start(|| pool_name(dims, &spec));
         let shape = pool_shape(dims, &spec);
-        let dx = pool::max_backward(&shape, &nhwc(&dy), &taps);
-        grads.register::<Flex>(node.id, from_nhwc(dx, dims));
+        let dx = from_nhwc(pool::max_backward(&shape, &nhwc(&dy), &taps), dims);
+        drop(timer);
+        grads.register::<Flex>(node.id, dx);
     }
 }
 
@@ -102,7 +106,7 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, gamma, stats, spec, y) = ops.state;
         let dims = dims4(&x);
-        let _timer = profile::Backward::start(|| norm_name(dims));
+        let timer = profile::Backward::start(|| norm_name(dims));
         let y = y.as_ref().map(nhwc);
         let g = norm::backward(
             &nhwc(&x),
@@ -113,8 +117,11 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
             y.as_deref(),
             node_residual.is_some(),
         );
+        let dx = from_nhwc(g.input, dims);
+        let dr = g.residual.map(|dr| input_gradient(dr, dims, spec.residual));
+        drop(timer);
         if let Some(node) = node_x {
-            grads.register::<Flex>(node.id, from_nhwc(g.input, dims));
+            grads.register::<Flex>(node.id, dx);
         }
         if let Some(node) = node_gamma {
             grads.register::<Flex>(node.id, from_vec(g.gamma, &[dims[1]]));
@@ -122,8 +129,8 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
         if let Some(node) = node_beta {
             grads.register::<Flex>(node.id, from_vec(g.beta, &[dims[1]]));
         }
-        if let (Some(node), Some(dr)) = (node_residual, g.residual) {
-            grads.register::<Flex>(node.id, input_gradient(dr, dims, spec.residual));
+        if let (Some(node), Some(dr)) = (node_residual, dr) {
+            grads.register::<Flex>(node.id, dr);
         }
     }
 }
