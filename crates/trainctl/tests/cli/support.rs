@@ -8,6 +8,13 @@ use std::time::{Duration, Instant};
 
 use trainer::data::synthetic;
 
+/// `trainctl run --standalone --nproc-per-node 2`: a test adds its launcher flags and program.
+pub fn two_local_workers() -> Command {
+    let mut cmd = trainctl();
+    cmd.args(["run", "--standalone", "--nproc-per-node", "2"]);
+    cmd
+}
+
 pub fn trainctl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainctl"));
     cmd.env_remove("RUST_LOG");

@@ -31,15 +31,8 @@ fn pixels_of(png: &Path, rgb: [u8; 3]) -> usize {
 fn a_run_with_a_restart_is_recorded_for_tensorboard_and_the_report() {
     let job = Job::new(256, 40);
     let mut run = Running::start(
-        trainctl()
-            .args([
-                "run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                "--max-restarts",
-                "1",
-            ])
+        two_local_workers()
+            .args(["--max-restarts", "1"])
             .args(args(&job, "runs", 2)),
     );
     run.wait_for_line(Duration::from_secs(120), |l| {

@@ -91,38 +91,20 @@ fn an_interrupted_run_resumes_and_takes_the_same_steps() {
     let job = Job::new(256, 20);
     let mut args = train_args(&job, "a", 2);
     args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
-    let whole = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(&args),
-        )
-        .stdout,
-    );
+    let whole = text(&run_ok(two_local_workers().args(&args)).stdout);
     let expected = finished(&whole);
     assert_eq!(expected.len(), 2, "{whole}");
 
     let mut args_b = train_args(&job, "b", 2);
     args_b.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
-    let mut first = Running::start(
-        trainctl()
-            .args(["run", "--standalone", "--nproc-per-node", "2"])
-            .args(&args_b),
-    );
+    let mut first = Running::start(two_local_workers().args(&args_b));
     first.wait_for_line(Duration::from_secs(120), |l| {
         l.contains("checkpoint saved at step 4")
     });
     // The launcher dies without a chance to clean up; its workers must die with it.
     first.kill_launcher(2);
 
-    let resumed = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(&args_b),
-        )
-        .stdout,
-    );
+    let resumed = text(&run_ok(two_local_workers().args(&args_b)).stdout);
     assert!(resumed.contains("resuming from checkpoint"), "{resumed}");
     let got = finished(&resumed);
     assert_eq!(
@@ -149,11 +131,7 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
     let args_for = |out: &str| two_epochs_no_eval(&job, out);
     let expected = uninterrupted(&args_for("a"));
 
-    let mut first = Running::start(
-        trainctl()
-            .args(["run", "--standalone", "--nproc-per-node", "2"])
-            .args(args_for("b")),
-    );
+    let mut first = Running::start(two_local_workers().args(args_for("b")));
     // Mid-epoch, with no checkpoint yet (no --checkpoint-every): all would be lost without it.
     first.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,     2] loss:"));
     nix::sys::signal::kill(
@@ -179,14 +157,7 @@ fn sigterm_mid_epoch_checkpoints_the_step_and_the_rerun_resumes_there() {
         "the checkpoint holds the last step taken: {progress}\n{output}"
     );
 
-    let resumed = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(args_for("b")),
-        )
-        .stdout,
-    );
+    let resumed = text(&run_ok(two_local_workers().args(args_for("b"))).stdout);
     assert!(resumed.contains("resuming from checkpoint"), "{resumed}");
     assert_eq!(
         losses(&resumed).len() as u64,
@@ -220,14 +191,7 @@ fn two_epochs_no_eval(job: &Job, out: &str) -> Vec<String> {
 /// The ranks' finish lines (rank, steps, weights fingerprint) of an uninterrupted standalone
 /// run of `args` on two workers.
 fn uninterrupted(args: &[String]) -> Vec<(u32, u64, String)> {
-    let whole = text(
-        &run_ok(
-            trainctl()
-                .args(["run", "--standalone", "--nproc-per-node", "2"])
-                .args(args),
-        )
-        .stdout,
-    );
+    let whole = text(&run_ok(two_local_workers().args(args)).stdout);
     let expected = finished(&whole);
     assert_eq!(expected.len(), 2, "{whole}");
     expected
@@ -252,15 +216,8 @@ fn a_lost_worker_costs_at_most_the_step_in_flight() {
     let expected = uninterrupted(&args_for("a"));
 
     let mut run = Running::start(
-        trainctl()
-            .args([
-                "run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                "--max-restarts",
-                "1",
-            ])
+        two_local_workers()
+            .args(["--max-restarts", "1"])
             .args(args_for("b")),
     );
     run.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,     2] loss:"));
@@ -459,15 +416,8 @@ fn a_killed_worker_is_restarted_and_the_job_resumes_where_it_was() {
     let mut args = train_args(&job, "r", 2);
     args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
     let mut run = Running::start(
-        trainctl()
-            .args([
-                "run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                "--max-restarts",
-                "1",
-            ])
+        two_local_workers()
+            .args(["--max-restarts", "1"])
             .args(&args),
     );
     run.wait_for_line(Duration::from_secs(120), |l| {
