@@ -216,6 +216,22 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Every rank's `value`, in rank order: one small broadcast from each rank in turn (for a
+    /// handful of integers once per regroup, not for data).
+    pub fn all_gather_u64(&mut self, value: u64) -> Result<Vec<u64>, CollectiveError> {
+        (0..self.world_size)
+            .map(|root| {
+                let mut word = if root == self.rank {
+                    value.to_le_bytes()
+                } else {
+                    [0; 8]
+                };
+                self.broadcast_bytes(&mut word, root)?;
+                Ok(u64::from_le_bytes(word))
+            })
+            .collect()
+    }
+
     fn next_seq(&mut self) -> u64 {
         self.seq += 1;
         self.seq

@@ -8,6 +8,7 @@
 //! Invariant: buffers travel as little-endian `f32` (every platform trainctl targets).
 
 pub mod bench;
+pub mod control;
 mod group;
 pub mod store;
 pub mod wire;

@@ -36,6 +36,9 @@ pub struct World {
     pub timeout: Duration,
     /// Where `trainctl run` listens for this worker's metrics records.
     pub telemetry_fd: Option<i32>,
+    /// Where this worker hears of the next round from its elastic agent
+    /// ([`crate::control`]); none: a changed group restarts the worker.
+    pub control_fd: Option<i32>,
 }
 
 pub const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
@@ -72,6 +75,7 @@ impl World {
             max_restarts: 0,
             timeout: DEFAULT_TIMEOUT,
             telemetry_fd: None,
+            control_fd: None,
         }
     }
 
@@ -123,15 +127,19 @@ impl World {
                 }
             },
         };
-        let telemetry_fd = match lookup(vars::TELEMETRY_FD) {
-            None => None,
-            Some(v) => Some(v.trim().parse::<i32>().ok().filter(|fd| *fd > 2).ok_or(
-                WorldError::Invalid {
-                    name: vars::TELEMETRY_FD,
+        let fd = |name: &'static str| match lookup(name) {
+            None => Ok(None),
+            Some(v) => v
+                .trim()
+                .parse::<i32>()
+                .ok()
+                .filter(|fd| *fd > 2)
+                .map(Some)
+                .ok_or(WorldError::Invalid {
+                    name,
                     value: v,
                     expected: "a file descriptor number above 2",
-                },
-            )?),
+                }),
         };
         Ok(World {
             rank,
@@ -146,7 +154,8 @@ impl World {
             restart_count: num(vars::RESTART_COUNT, 0)?,
             max_restarts: num(vars::MAX_RESTARTS, 0)?,
             timeout,
-            telemetry_fd,
+            telemetry_fd: fd(vars::TELEMETRY_FD)?,
+            control_fd: fd(vars::CONTROL_FD)?,
         })
     }
 }

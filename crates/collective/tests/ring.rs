@@ -110,6 +110,22 @@ fn broadcast_bytes_copies_the_root_bytes() {
 }
 
 #[test]
+fn all_gather_gives_every_rank_every_value_in_rank_order() {
+    for n in [1u32, 2, 4] {
+        let results = on_ranks(n, |mut g| {
+            let mine = u64::MAX - g.rank() as u64 * 0x1_0000_0001;
+            g.all_gather_u64(mine).unwrap()
+        });
+        let expected: Vec<u64> = (0..n as u64)
+            .map(|r| u64::MAX - r * 0x1_0000_0001)
+            .collect();
+        for got in &results {
+            assert_eq!(got, &expected, "world {n}");
+        }
+    }
+}
+
+#[test]
 fn repeated_collectives_stay_in_step() {
     let results = on_ranks(3, |mut g| {
         let mut total = 0.0;

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use collective::control::ToAgent;
 use rendezvous::{Joined, Rendezvous, Watch};
 
 use crate::output::Sink;
@@ -31,6 +32,13 @@ pub fn run_elastic(
     Ok(outcome)
 }
 
+/// This node's workers, left running between rounds to regroup in place.
+struct Kept {
+    group: Group,
+    /// Why they left their group, for the report of the regroup.
+    reason: String,
+}
+
 fn run_rounds(
     spec: &LaunchSpec,
     rdzv: &mut Rendezvous,
@@ -40,24 +48,36 @@ fn run_rounds(
 ) -> Result<Outcome, LaunchError> {
     let launch = Launch::open(spec)?;
     let (signals, timers) = (&launch.signals, launch.timers.as_ref());
+    let mut kept: Option<Kept> = None;
+    // Regroups in a row whose new group failed before it trained: past --max-restarts, the
+    // workers are started again instead.
+    let mut failed_regroups = 0u32;
     loop {
         rdzv.set_port(crate::free_port()?);
         events(LaunchEvent::Joining {
             node: rdzv.node_id().to_string(),
         });
-        let assignment = match rdzv.join(&|| signals.received().is_some())? {
-            Joined::Assigned(a) => a,
-            Joined::Stopped => {
-                return Ok(Outcome::Interrupted {
-                    signal: signals.received().unwrap_or(15),
-                    checkpointed: false,
-                });
+        let joined = rdzv.join(&|| signals.received().is_some());
+        let assignment = match joined {
+            Ok(Joined::Assigned(a)) => a,
+            ended => {
+                // Waiting workers that will not train again: a stop request lets them save.
+                let checkpointed = kept
+                    .take()
+                    .is_some_and(|k| k.group.stop_interrupted(spec.grace));
+                return match ended? {
+                    Joined::Assigned(_) => unreachable!("matched above"),
+                    Joined::Stopped => Ok(Outcome::Interrupted {
+                        signal: signals.received().unwrap_or(15),
+                        checkpointed,
+                    }),
+                    Joined::Closed(c) if c.succeeded => {
+                        events(LaunchEvent::JobAlreadyOver);
+                        Ok(Outcome::Succeeded)
+                    }
+                    Joined::Closed(c) => Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
+                };
             }
-            Joined::Closed(c) if c.succeeded => {
-                events(LaunchEvent::JobAlreadyOver);
-                return Ok(Outcome::Succeeded);
-            }
-            Joined::Closed(c) => return Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
         };
         events(LaunchEvent::Joined(assignment.clone()));
         let round_spec = LaunchSpec {
@@ -69,13 +89,30 @@ fn run_rounds(
             master_port: assignment.master_port,
             ..spec.clone()
         };
-        let mut group = Group::spawn(
-            &round_spec,
-            assignment.restart_count,
-            assignment.round,
-            launch.outputs(&stdout, &stderr),
-            events,
-        )?;
+        // Why this node's workers regroup, until they report that they did.
+        let mut regrouping = None;
+        let assigned = kept.take().and_then(|mut k| {
+            if k.group.assign(&round_spec, assignment.restart_count) {
+                return Some(k);
+            }
+            // One of them exited meanwhile: this node starts afresh.
+            k.group.stop(spec.grace);
+            None
+        });
+        let mut group = match assigned {
+            Some(k) => {
+                regrouping = Some(k.reason);
+                k.group
+            }
+            None => Group::spawn(
+                &round_spec,
+                assignment.restart_count,
+                assignment.round,
+                spec.regroup,
+                launch.outputs(&stdout, &stderr),
+                events,
+            )?,
+        };
         // The job was closed by another node that finished: our workers finish too, no restart.
         let mut closing = false;
         let mut store_down_since: Option<Instant> = None;
@@ -86,6 +123,62 @@ fn run_rounds(
                     signal,
                     checkpointed,
                 });
+            }
+            let mut lost = None;
+            for (local_rank, message) in group.messages() {
+                match message {
+                    ToAgent::Lost { reason, .. } => lost = Some(reason),
+                    ToAgent::Regrouped(r) if local_rank == 0 => {
+                        failed_regroups = 0;
+                        events(LaunchEvent::Regrouped(crate::Regrouped {
+                            node: rdzv.node_id().to_string(),
+                            reason: regrouping.take().unwrap_or_default(),
+                            world_size_before: r.world_size_before,
+                            world_size: r.world_size,
+                            step: r.step,
+                            steps_dropped: r.steps_dropped,
+                            bytes: r.bytes,
+                            seconds: r.seconds,
+                        }));
+                    }
+                    ToAgent::Ready | ToAgent::Paused { .. } | ToAgent::Regrouped(_) => {}
+                }
+            }
+            if let Some(reason) = lost
+                && !closing
+            {
+                if regrouping.is_some() {
+                    failed_regroups += 1;
+                }
+                let reason = format!("a peer was lost ({reason})");
+                let report = format!("on node {}: {reason}", rdzv.node_id());
+                if failed_regroups > spec.max_restarts {
+                    // Today's restart: stop them; the next round starts new workers, which
+                    // take the state from a peer that still trains, or from the checkpoint.
+                    events(LaunchEvent::RegroupFallback {
+                        failed: failed_regroups,
+                    });
+                    failed_regroups = 0;
+                    group.stop(spec.grace);
+                } else {
+                    events(LaunchEvent::Regrouping {
+                        reason: reason.clone(),
+                    });
+                    kept = Some(Kept { group, reason });
+                }
+                // Not counted (another node's failure), so its time orders nothing.
+                match rdzv.worker_failed(false, &report, 0, spec.max_restarts) {
+                    // The store is gone (see below): joining waits for it, the workers too.
+                    Err(e) => events(LaunchEvent::StoreUnreachable(e.to_string())),
+                    Ok(None) => {}
+                    Ok(Some(closed)) => {
+                        if let Some(k) = kept.take() {
+                            k.group.stop(spec.grace);
+                        }
+                        return Ok(Outcome::JobFailed(closed.root_cause.unwrap_or(report)));
+                    }
+                }
+                break;
             }
             match group.poll() {
                 Status::Running => {}
@@ -141,8 +234,17 @@ fn run_rounds(
                         }
                     }
                     Ok(Watch::Restart(reason)) => {
-                        group.stop(spec.grace);
-                        events(LaunchEvent::Reopened { reason });
+                        if group.can_regroup() {
+                            // They finish the step under way, all ranks the same one, and wait.
+                            group.pause();
+                            events(LaunchEvent::Regrouping {
+                                reason: reason.clone(),
+                            });
+                            kept = Some(Kept { group, reason });
+                        } else {
+                            group.stop(spec.grace);
+                            events(LaunchEvent::Reopened { reason });
+                        }
                         break;
                     }
                     Ok(Watch::Closed(c)) if c.succeeded => closing = true,

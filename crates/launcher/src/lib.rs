@@ -57,6 +57,10 @@ pub struct LaunchSpec {
     /// Serve torch.distributed.elastic's file-based timers at this named pipe
     /// (`TORCHELASTIC_ENABLE_FILE_TIMER=1`; the workers get `TORCHELASTIC_TIMER_FILE`).
     pub file_timer: Option<PathBuf>,
+    /// Elastic jobs: workers that offer to (the built-in trainer) go on in the next round's
+    /// group without a restart when the group changes (`--regroup in-process`); otherwise
+    /// every change restarts them (`--regroup restart`, torchrun's way).
+    pub regroup: bool,
 }
 
 /// A worker the launcher started.
@@ -98,6 +102,34 @@ pub enum LaunchEvent {
         wait: std::time::Duration,
     },
     StoreBack,
+    /// This node's workers left their group (`reason`: a peer lost, a node joining) and wait,
+    /// still running, for the next round.
+    Regrouping {
+        reason: String,
+    },
+    /// This node's workers train in the new round's group, none restarted.
+    Regrouped(Regrouped),
+    /// `failed` regroups in a row failed (more than `--max-restarts`): the workers are stopped
+    /// and started again, as with `--regroup restart`.
+    RegroupFallback {
+        failed: u32,
+    },
+}
+
+/// A regroup in place as this node saw it (its local rank 0's figures).
+#[derive(Debug, Clone)]
+pub struct Regrouped {
+    pub node: String,
+    pub reason: String,
+    pub world_size_before: u32,
+    pub world_size: u32,
+    /// The global step training goes on from.
+    pub step: u64,
+    pub steps_dropped: u64,
+    /// State streamed from a peer to the ranks that lacked it.
+    pub bytes: u64,
+    /// From the worker's leaving its old group to its new group's state being in place.
+    pub seconds: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -210,6 +242,7 @@ mod tests {
             telemetry: None,
             hang_timeout: None,
             file_timer: None,
+            regroup: false,
         }
     }
 

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant, SystemTime};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
+use collective::control::{Channel, ToAgent, ToWorker};
+
 use crate::error_file::{self, WorkerError};
 use crate::output::{Activity, Sink, Tail, pump};
 use crate::report::{ExitKind, Failure, Outcome, Stuck};
@@ -32,6 +34,12 @@ struct Worker {
     /// The earliest it may have exited: when it was last seen running (wall clock, to be
     /// ordered against error files and other nodes' failures).
     exited_at: Option<SystemTime>,
+    /// The agent's end of its control channel, when its group may regroup in place.
+    control: Option<Channel>,
+    /// It said it regroups in place (the built-in trainer does; other programs restart).
+    ready: bool,
+    /// Assignments sent to it.
+    assignments: u64,
 }
 
 impl Worker {
@@ -126,6 +134,7 @@ pub fn launch(
             spec,
             restart_count,
             restart_count.into(),
+            false,
             launch.outputs(&stdout, &stderr),
             events,
         )?;
@@ -226,11 +235,13 @@ fn recorded(path: &Path) -> Option<Recorded> {
 }
 
 impl Group {
-    /// Starts every local worker of `spec`; `attempt` names the log folder.
+    /// Starts every local worker of `spec`; `attempt` names the log folder. With `regroup`,
+    /// each gets a control channel over which it may offer to regroup in place.
     pub(crate) fn spawn(
         spec: &LaunchSpec,
         restart_count: u32,
         attempt: u64,
+        regroup: bool,
         outputs: Outputs,
         events: &mut dyn FnMut(LaunchEvent),
     ) -> Result<Group, LaunchError> {
@@ -269,7 +280,7 @@ impl Group {
                 .unwrap_or(Path::new(".")),
         };
         for local_rank in 0..spec.nproc_per_node {
-            match spawn(spec, local_rank, restart_count, files, outputs) {
+            match spawn(spec, local_rank, restart_count, regroup, files, outputs) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
                         rank: w.rank,
@@ -288,6 +299,73 @@ impl Group {
             timers.workers(group.workers.iter().map(|w| (w.child.id(), w.rank)));
         }
         Ok(group)
+    }
+
+    /// What the workers said on their control channels since the last call: (local rank,
+    /// message). Reports of leaving a group sent before the worker read its latest assignment
+    /// are about a group already replaced, and left out. A channel that fails is left alone:
+    /// its worker's exit shows in [`Group::poll`].
+    pub(crate) fn messages(&mut self) -> Vec<(u32, ToAgent)> {
+        let mut said = Vec::new();
+        for w in &mut self.workers {
+            let Some(channel) = w.control.as_mut() else {
+                continue;
+            };
+            while let Ok(Some(message)) = channel.recv::<ToAgent>(Duration::ZERO) {
+                match &message {
+                    ToAgent::Ready => w.ready = true,
+                    ToAgent::Lost { assignments, .. } | ToAgent::Paused { assignments, .. }
+                        if *assignments < w.assignments =>
+                    {
+                        continue;
+                    }
+                    _ => {}
+                }
+                said.push((w.local_rank, message));
+            }
+        }
+        said
+    }
+
+    /// Whether every worker is running and has said it regroups in place.
+    pub(crate) fn can_regroup(&self) -> bool {
+        !self.workers.is_empty() && self.workers.iter().all(|w| w.ready && w.exited.is_none())
+    }
+
+    /// Asks every worker to leave its group after the step under way (all ranks agree on
+    /// which) and wait for [`Group::assign`].
+    pub(crate) fn pause(&mut self) {
+        for w in &mut self.workers {
+            if let Some(channel) = w.control.as_mut() {
+                // A worker that is gone shows in the next poll.
+                let _ = channel.send(&ToWorker::Pause);
+            }
+        }
+    }
+
+    /// Hands every worker its place in the round `spec` describes (the environment it would
+    /// be started with). False when one could not be told (it exited): the group must then be
+    /// started again.
+    pub(crate) fn assign(&mut self, spec: &LaunchSpec, restart_count: u32) -> bool {
+        if !self.can_regroup() {
+            return false;
+        }
+        self.restart_count = restart_count;
+        self.node_rank = spec.node_rank;
+        let omp = collective::world::is_set("OMP_NUM_THREADS");
+        for w in &mut self.workers {
+            let env = worker_env(spec, w.local_rank, restart_count, omp, &w.error_file);
+            let told = w
+                .control
+                .as_mut()
+                .is_some_and(|c| c.send(&ToWorker::Assign(env)).is_ok());
+            if !told {
+                return false;
+            }
+            w.assignments += 1;
+            w.rank = spec.rank_offset + w.local_rank;
+        }
+        true
     }
 
     pub(crate) fn poll(&mut self) -> Status {
@@ -582,6 +660,7 @@ fn spawn(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
+    regroup: bool,
     files: Files,
     outputs: Outputs,
 ) -> Result<Worker, LaunchError> {
@@ -617,12 +696,28 @@ fn spawn(
     if let Some(fd) = telemetry_fd {
         cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
     }
+    // The worker's end stays open in this process only until the worker has it.
+    let (control, worker_end) = if regroup {
+        let (agent_end, worker_end) = Channel::pair().map_err(|source| LaunchError::Spawn {
+            rank,
+            program: "control channel".into(),
+            source,
+        })?;
+        (Some(agent_end), Some(worker_end))
+    } else {
+        (None, None)
+    };
+    let control_fd = worker_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+    if let Some(fd) = control_fd {
+        cmd.env(contract::env::CONTROL_FD, fd.to_string());
+    }
     // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
-            if let Some(fd) = telemetry_fd {
-                // The pipe is close-on-exec for everyone else; this worker keeps it.
+            // The pipe and the socket are close-on-exec for everyone else; this worker keeps
+            // them.
+            for fd in [telemetry_fd, control_fd].into_iter().flatten() {
                 let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
                 nix::fcntl::fcntl(
                     fd,
@@ -651,6 +746,7 @@ fn spawn(
         program: program.to_string_lossy().into_owned(),
         source,
     })?;
+    drop(worker_end);
     let tail: Tail = Arc::new(Mutex::new(Default::default()));
     let prefix = format!("[{rank}]:");
     let mut pumps = Vec::new();
@@ -696,6 +792,9 @@ fn spawn(
         stderr_log: stderr_path,
         error_file,
         exited_at: None,
+        control,
+        ready: false,
+        assignments: 0,
     })
 }
 

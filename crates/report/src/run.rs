@@ -134,6 +134,17 @@ impl RunData {
                 Record::Checkpoint(_) => checkpoints += 1,
                 Record::Epoch(e) => epochs_done = epochs_done.max(e.epoch),
                 Record::Eval(e) => eval = Some(e.clone()),
+                Record::Regroup(g) if g.world_size != g.world_size_before => {
+                    markers.push(Marker {
+                        step: g.step,
+                        kind: MarkerKind::WorldSize,
+                        label: format!(
+                            "regrouped: world size {} → {}",
+                            g.world_size_before, g.world_size
+                        ),
+                    });
+                }
+                Record::Regroup(_) => {}
             }
         }
         let times = records.iter().map(Record::time);
@@ -216,6 +227,7 @@ mod tests {
             restart,
             step,
             resumed: step > 0,
+            from_peer: false,
             config: RunConfig::default(),
         })
     }

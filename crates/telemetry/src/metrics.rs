@@ -29,6 +29,8 @@ pub enum Record {
     Epoch(EpochDone),
     /// Rank 0's test-set evaluation, summed over all ranks.
     Eval(Eval),
+    /// The worker went on in a new group without restarting (a node lost or joined).
+    Regroup(Regroup),
 }
 
 impl Record {
@@ -39,6 +41,7 @@ impl Record {
             Record::Checkpoint(r) => r.time,
             Record::Epoch(r) => r.time,
             Record::Eval(r) => r.time,
+            Record::Regroup(r) => r.time,
         }
     }
 
@@ -62,7 +65,12 @@ pub struct Start {
     pub restart: u32,
     /// Global step the worker starts from (0, or the checkpoint's).
     pub step: u64,
+    /// Rank 0 read a checkpoint.
     pub resumed: bool,
+    /// This worker joined a group that was training and took its state from a peer (no
+    /// checkpoint read).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_peer: bool,
     pub config: RunConfig,
 }
 
@@ -180,6 +188,29 @@ pub struct EpochDone {
     /// number of times, whatever restarts came between. Absent in older files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub samples_digest: Option<String>,
+}
+
+/// A regroup in place, as one worker saw it: it left its group after global step `step`
+/// (a peer lost, or a pause for a node joining) and goes on in the next round's group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Regroup {
+    pub time: f64,
+    /// The worker's rank in the new group (it may differ from the old one).
+    pub rank: u32,
+    pub world_size_before: u32,
+    pub world_size: u32,
+    /// The global step the new group goes on from.
+    pub step: u64,
+    /// Steps this worker had completed that the new group does not keep.
+    pub steps_dropped: u64,
+    /// Bytes of state streamed from a peer to the ranks that lacked it (0: all had it).
+    pub bytes: u64,
+    /// Whether this worker received the state (it joined, or was one step behind).
+    pub received: bool,
+    /// From leaving the old group to the new group's state being in place.
+    pub seconds: f64,
+    /// Why the group changed: `peer lost: ...` or `paused`.
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

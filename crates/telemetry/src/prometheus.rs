@@ -107,6 +107,8 @@ pub struct JobGauges {
     pub round: u64,
     pub world_size: u32,
     pub worker_starts: u64,
+    /// Times this node's workers went on in a new group without restarting.
+    pub regroups: u64,
     workers: std::collections::BTreeMap<u32, WorkerGauges>,
     last_checkpoint: Option<(std::time::Instant, u64)>,
     test_accuracy: Option<f64>,
@@ -136,7 +138,7 @@ impl JobGauges {
                 self.last_checkpoint = Some((std::time::Instant::now(), c.step));
             }
             Record::Eval(e) => self.test_accuracy = Some(e.accuracy),
-            Record::Start(_) | Record::Epoch(_) => {}
+            Record::Start(_) | Record::Epoch(_) | Record::Regroup(_) => {}
         }
     }
 
@@ -187,6 +189,12 @@ impl JobGauges {
                 "Workers this agent has started.",
             )
             .sample(vec![], self.worker_starts as f64),
+            Family::new(
+                "trainctl_agent_regroups_total",
+                Kind::Counter,
+                "Times this node's workers went on in a new group (a node lost or joined) without a restart.",
+            )
+            .sample(vec![], self.regroups as f64),
             Family::new(
                 "trainctl_world_size",
                 Kind::Gauge,

@@ -33,6 +33,7 @@ fn start() -> Record {
         restart: 0,
         step: 0,
         resumed: false,
+        from_peer: false,
         config: RunConfig {
             run_id: "cifar10".into(),
             epochs: 10,

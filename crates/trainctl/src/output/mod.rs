@@ -380,6 +380,22 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Reopened { reason } => err(format_args!(
             "trainctl run: new rendezvous round: {reason}; restarting the workers"
         )),
+        LaunchEvent::Regrouping { reason } => err(format_args!(
+            "trainctl run: {reason}; the workers keep running and wait for the next round"
+        )),
+        LaunchEvent::Regrouped(r) => err(format_args!(
+            "trainctl run: regrouped in place ({}): world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted",
+            r.reason,
+            r.world_size_before,
+            r.world_size,
+            r.step,
+            r.steps_dropped,
+            megabytes(r.bytes),
+            r.seconds
+        )),
+        LaunchEvent::RegroupFallback { failed } => warn(&format!(
+            "{failed} regroups in a row failed (more than --max-restarts): restarting this node's workers instead, as --regroup restart does"
+        )),
         LaunchEvent::JobAlreadyOver => err(format_args!(
             "trainctl run: this run id's job has already finished; nothing to do"
         )),

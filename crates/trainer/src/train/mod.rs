@@ -12,6 +12,7 @@
 mod config;
 mod event;
 pub mod record;
+mod regroup;
 mod state;
 mod step;
 #[cfg(test)]
@@ -35,8 +36,9 @@ use crate::eval::{Confusion, evaluate, inference_model};
 use crate::model::{Model, Snapshot, load, snapshot};
 use crate::sampler::{Shard, digest};
 use record::Recorder;
+use regroup::{Control, Leave, sync};
 use state::TrainState;
-use step::{Step, StepInput};
+use step::{Flags, Step, StepInput};
 
 /// Trains on the world described by `world`, calling `report` on the way.
 pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
@@ -44,6 +46,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     let _span =
         tracing::info_span!("worker", rank = world.rank, restart = world.restart_count).entered();
     set_cpu_threads(cfg.threads);
+    let mut control = Control::open(world, report);
     let mut group = ProcessGroup::join(world)?;
     let setup = Setup::prepare(cfg, world, &mut group, report)?;
     let (rank, world_size) = (group.rank(), group.world_size());
@@ -59,20 +62,9 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         setup.train.len(),
         setup.info.clone(),
     );
-    let resumed = if rank == 0 {
-        state.resume(cfg, report)?
-    } else {
-        false
-    };
-    // Rank 0's state (fresh or resumed) becomes everyone's.
-    let mut header = state.header(resumed);
-    group.broadcast_bytes(&mut header, 0)?;
-    let resumed = state.apply_header(&header);
-    group.broadcast(&mut state.params, 0)?;
-    group.broadcast(&mut state.buffers, 0)?;
-    if resumed {
-        group.broadcast(&mut state.momentum, 0)?;
-    }
+    // Rank 0's state (fresh or resumed) becomes everyone's, or, when this worker joins a
+    // group that is training, the state of the rank furthest on.
+    let synced = sync(cfg, &mut group, &mut state, false, report)?;
     let model = load(model, Some(&state.params), &state.buffers);
 
     let mut recorder = Recorder::open(&cfg.run_dir, world, report);
@@ -84,7 +76,8 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             world_size: world_size as u32,
             restart: world.restart_count,
             step: state.progress.global_step,
-            resumed,
+            resumed: synced.resumed,
+            from_peer: synced.received,
             config: config::run_config(cfg, world, setup.image_size),
         },
         world_size,
@@ -93,7 +86,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
 
     let mut run = Run {
         cfg,
-        world,
+        world: world.clone(),
         setup: &setup,
         step: Step::new(model, &device, setup.image_size, state.params.len()),
         state,
@@ -104,7 +97,16 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         world_size,
     };
     while run.state.progress.epoch < cfg.epochs {
-        run.epoch(&mut group, report)?;
+        match (
+            run.epoch(&mut group, control.as_mut(), report)?,
+            control.as_mut(),
+        ) {
+            (None, _) => {}
+            (Some(why), Some(control)) => group = run.regroup(group, why, control, report)?,
+            (Some(_), None) => {
+                unreachable!("only a worker with a control channel leaves its group")
+            }
+        }
     }
     run.finish(&mut group, report)
 }
@@ -137,6 +139,7 @@ impl Setup {
         };
         group.barrier()?;
         ensured?;
+        // (A worker that regroups passes the same barrier in its new group: `regroup`.)
         let layout = data::ensure(
             &cfg.data,
             cfg.dataset,
@@ -185,7 +188,8 @@ impl Setup {
 /// A run under way: what the epoch loop carries from step to step.
 struct Run<'a> {
     cfg: &'a TrainConfig,
-    world: &'a World,
+    /// The group's environment (the latest round's, after a regroup).
+    world: World,
     setup: &'a Setup,
     step: Step,
     state: TrainState,
@@ -199,8 +203,15 @@ struct Run<'a> {
 
 impl Run<'_> {
     /// The rest of the current epoch (from the position all ranks agree on), then its
-    /// checkpoint. Returns [`TrainError::Preempted`] once a stop was asked for and saved.
-    fn epoch(&mut self, group: &mut ProcessGroup, report: &mut dyn FnMut(Event)) -> Result<()> {
+    /// checkpoint. Returns [`TrainError::Preempted`] once a stop was asked for and saved, and
+    /// why the worker must leave its group when it must (only with a `control` channel: a peer
+    /// lost, or a pause the agent asked for), holding the last step it completed.
+    fn epoch(
+        &mut self,
+        group: &mut ProcessGroup,
+        mut control: Option<&mut Control>,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<Option<Leave>> {
         let (cfg, rank, world_size) = (self.cfg, self.rank, self.world_size);
         let epoch = self.state.progress.epoch;
         let _epoch_span = tracing::info_span!("epoch", epoch = epoch + 1).entered();
@@ -244,14 +255,20 @@ impl Run<'_> {
             let batch = next_batch(&mut loader, &mut self.unreadable, report)?;
             let data_s = step_start.elapsed().as_secs_f64();
             let images = shard.position_after(step + 1) - shard.position_after(step);
-            let stop = cfg.stop.load(Ordering::Relaxed);
+            let flags = Flags {
+                stop: cfg.stop.load(Ordering::Relaxed),
+                pause: control.as_mut().is_some_and(|c| c.pause_requested()),
+            };
             let input = StepInput {
                 pixels: batch.pixels,
                 labels: &batch.labels,
                 digest: digest(shard.batch(step)),
             };
-            let outcome = match self.step.run(input, stop, group, &mut self.state, cfg) {
+            let outcome = match self.step.run(input, flags, group, &mut self.state, cfg) {
                 Ok(outcome) => outcome,
+                Err(TrainError::Collective(CollectiveError::PeerLost(e))) if control.is_some() => {
+                    return Ok(Some(Leave::Lost(e)));
+                }
                 Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
                     self.save_before_restart(report);
                     return Err(e);
@@ -321,6 +338,9 @@ impl Run<'_> {
                     epoch: epoch + 1,
                 });
             }
+            if outcome.pausing {
+                return Ok(Some(Leave::Paused));
+            }
             let due = cfg
                 .checkpoint_every
                 .is_some_and(|n| n > 0 && global_step - last_checkpoint_step >= n);
@@ -347,7 +367,7 @@ impl Run<'_> {
                 seconds,
             });
         }
-        Ok(())
+        Ok(None)
     }
 
     /// A peer was lost mid-step: every rank holds the state of the last step it completed

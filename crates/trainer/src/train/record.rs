@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::Path;
 
 use collective::World;
-use telemetry::metrics::{Checkpoint, EpochDone, Eval, Record, Start, rank_file};
+use telemetry::metrics::{Checkpoint, EpochDone, Eval, Record, Regroup, Start, rank_file};
 use telemetry::tfevents::EventWriter;
 use telemetry::{MetricsWriter, RunConfig, Step};
 
@@ -108,6 +108,30 @@ impl Recorder {
                     ("train/world_size", s.world_size as f64),
                 ],
             )
+        });
+    }
+
+    pub fn regroup(
+        &mut self,
+        r: &collective::control::Regrouped,
+        reason: &str,
+        report: &mut dyn FnMut(Event),
+    ) {
+        let record = Record::Regroup(Regroup {
+            time: telemetry::unix_time(),
+            rank: r.rank,
+            world_size_before: r.world_size_before,
+            world_size: r.world_size,
+            step: r.step,
+            steps_dropped: r.steps_dropped,
+            bytes: r.bytes,
+            received: r.received,
+            seconds: r.seconds,
+            reason: reason.to_string(),
+        });
+        self.record(&record, report);
+        self.tensorboard(report, |tb| {
+            tb.scalars(r.step, &[("train/world_size", r.world_size as f64)])
         });
     }
 

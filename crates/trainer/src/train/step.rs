@@ -19,7 +19,7 @@ pub(super) struct Step {
     loss_fn: CrossEntropyLoss,
     device: Device,
     image_size: usize,
-    /// The gradients, then the loss, the accuracy, the samples' digest and the stop flag,
+    /// The gradients, then the loss, the accuracy, the samples' digest and the flags,
     /// all-reduced together.
     reduced: Vec<f32>,
 }
@@ -33,6 +33,15 @@ pub(super) struct StepInput<'a> {
     pub(super) digest: u64,
 }
 
+/// What a rank asks of all at a step: each is raised for all when any rank raises it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Flags {
+    /// Stop after this step (SIGTERM).
+    pub(super) stop: bool,
+    /// Leave the group after this step (the agent regroups for a node joining).
+    pub(super) pause: bool,
+}
+
 /// What one step did, as every rank agrees.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StepOutcome {
@@ -41,6 +50,8 @@ pub(super) struct StepOutcome {
     pub(super) accuracy: f32,
     /// Some rank was asked to stop: all finish this step, then stop together.
     pub(super) stopping: bool,
+    /// Some rank's agent asked for a pause: all finish this step, then leave the group.
+    pub(super) pausing: bool,
     /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
     pub(super) digest: u64,
     pub(super) compute_s: f64,
@@ -55,11 +66,20 @@ impl Step {
             loss_fn: CrossEntropyLossConfig::new().init(device),
             device: device.clone(),
             image_size,
-            reduced: Vec::with_capacity(params + 3 + DIGEST_LIMBS),
+            reduced: Vec::with_capacity(params + 4 + DIGEST_LIMBS),
         }
     }
 
-    /// Trains on this rank's `input`: the gradients, loss, accuracy and `stop` are averaged
+    /// Loads `state`'s parameters and buffers into the model (after they came from a peer).
+    pub(super) fn load(&mut self, state: &TrainState) {
+        let model = self
+            .model
+            .take()
+            .expect("a step's model is back after every run");
+        self.model = Some(load(model, Some(&state.params), &state.buffers));
+    }
+
+    /// Trains on this rank's `input`: the gradients, loss, accuracy and `flags` are averaged
     /// over the ranks and the samples' digests summed, SGD updates `state.params`, rank 0's
     /// BatchNorm buffers become everyone's, and the model is loaded with both. A non-finite
     /// mean loss leaves the weights as they were (the caller stops the run). Every rank ends
@@ -67,7 +87,7 @@ impl Step {
     pub(super) fn run(
         &mut self,
         input: StepInput,
-        stop: bool,
+        flags: Flags,
         group: &mut ProcessGroup,
         state: &mut TrainState,
         cfg: &TrainConfig,
@@ -101,12 +121,14 @@ impl Step {
             reduced.push(batch_accuracy(&to_vec(logits), labels));
         });
         self.reduced.extend(digest_limbs(digest));
-        self.reduced.push(if stop { 1.0 } else { 0.0 });
+        self.reduced.push(if flags.stop { 1.0 } else { 0.0 });
+        self.reduced.push(if flags.pause { 1.0 } else { 0.0 });
         let mut compute_s = timer.elapsed().as_secs_f64();
 
         let timer = Instant::now();
         group.all_reduce_mean(&mut self.reduced)?;
         let mut allreduce_s = timer.elapsed().as_secs_f64();
+        let pausing = self.reduced.pop().is_some_and(|v| v > 0.0);
         let stopping = self.reduced.pop().is_some_and(|v| v > 0.0);
         let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
         let digest = digest_sum(&limbs, group.world_size());
@@ -116,6 +138,7 @@ impl Step {
             loss,
             accuracy,
             stopping,
+            pausing,
             digest,
             compute_s,
             allreduce_s,
@@ -135,11 +158,7 @@ impl Step {
         let timer = Instant::now();
         state.sgd_step(cfg, &self.reduced);
         state.buffers = synced;
-        let model = self
-            .model
-            .take()
-            .expect("a step's model is back after every run");
-        self.model = Some(load(model, Some(&state.params), &state.buffers));
+        self.load(state);
         compute_s += timer.elapsed().as_secs_f64();
         Ok(outcome(compute_s, allreduce_s))
     }

@@ -8,7 +8,7 @@ use collective::{ProcessGroup, World};
 
 use super::TrainConfig;
 use super::state::TrainState;
-use super::step::{Step, StepInput};
+use super::step::{Flags, Step, StepInput};
 use crate::checkpoint::ModelInfo;
 use crate::data::{DatasetName, DownloadOptions, Normalisation, synthetic};
 use crate::device::training_device;
@@ -90,7 +90,7 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     digest: digest(&indices),
                 };
                 let outcome = step
-                    .run(input, false, &mut group, &mut state, &cfg)
+                    .run(input, Flags::default(), &mut group, &mut state, &cfg)
                     .unwrap();
                 assert!(outcome.loss.is_finite() && !outcome.stopping);
                 (state.params, state.buffers, outcome.digest)

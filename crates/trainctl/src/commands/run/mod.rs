@@ -18,6 +18,13 @@ use launcher::{LaunchSpec, Outcome};
 use plan::{Backend, Endpoint, Plan, Topology};
 use telemetry::prometheus::JobGauges;
 
+/// What an elastic job's workers do when the group changes (`--regroup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Regroup {
+    InProcess,
+    Restart,
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Single-node job on this machine: loopback rendezvous on a free port.
@@ -62,6 +69,13 @@ pub struct Args {
     /// TORCHELASTIC_MAX_RESTARTS.
     #[arg(long, env = "PET_MAX_RESTARTS", default_value_t = 0)]
     pub(crate) max_restarts: u32,
+    /// Elastic jobs, when a node is lost or one joins: `in-process` (the default) keeps the
+    /// built-in trainer's workers running: they regroup at the new world size from the step
+    /// they hold, a joining node's workers take the state from a peer, and no checkpoint is
+    /// read; `restart` stops and starts every worker from the last checkpoint, as torchrun
+    /// does. Other programs always restart.
+    #[arg(long, env = "TRAINCTL_REGROUP", value_enum, default_value_t = Regroup::InProcess)]
+    pub(crate) regroup: Regroup,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
     pub(crate) log_dir: Option<PathBuf>,
@@ -289,6 +303,7 @@ impl Watch {
                     g.restart_count = *restart_count;
                     g.round += 1;
                 }
+                LaunchEvent::Regrouped(_) => g.regroups += 1,
                 _ => {}
             }
         }
@@ -362,6 +377,7 @@ fn worker_spec(
         working_dir: (!args.fetch.is_empty()).then(|| args.fetch_dir.clone()),
         telemetry: None,
         file_timer,
+        regroup: args.regroup == Regroup::InProcess,
         hang_timeout: match args.hang_timeout {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => bail!(

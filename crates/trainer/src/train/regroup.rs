@@ -1,0 +1,303 @@
+//! Going on in a new group without restarting: when a peer is lost, or when the agent asks for
+//! a pause because a node joins, the worker leaves its group holding the last step it
+//! completed, tells its agent over the control channel ([`collective::control`]), waits for the
+//! next round's membership, joins the new group and takes the state of its most advanced rank
+//! ([`sync`]). The epoch goes on from the position all ranks then hold, re-sharded over the
+//! new world; nothing is read from a checkpoint and no process starts.
+//!
+//! Invariant: the collectives of a group's start are the same for a worker that has just
+//! started and one that regroups (join, the data barrier, [`sync`]), so both can be in the same
+//! new group.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use collective::control::{Channel, ControlError, Regrouped, ToAgent, ToWorker};
+use collective::{CollectiveError, ProcessGroup, World};
+
+use super::state::TrainState;
+use super::{Event, Run, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// Why a worker leaves its group.
+pub(super) enum Leave {
+    /// A collective failed: a peer is gone.
+    Lost(String),
+    /// The agent asked for a pause (a node joins) and every rank stopped after the same step.
+    Paused,
+}
+
+/// The worker's end of the control channel.
+pub(super) struct Control {
+    channel: Channel,
+    /// The agent asked for a pause that has not happened yet.
+    pause: bool,
+    /// An assignment that came before the pause happened (the round completed within a step).
+    assigned: Option<Vec<(String, String)>>,
+    /// Assignments received, for the agent to tell current reports from stale ones.
+    assignments: u64,
+}
+
+impl Control {
+    /// The channel `world` names, announced ready; `None` (the worker restarts as torchrun's
+    /// do) when there is none or it cannot be used, which is reported.
+    pub(super) fn open(world: &World, report: &mut dyn FnMut(Event)) -> Option<Control> {
+        let fd = world.control_fd?;
+        let opened = Channel::from_fd(fd)
+            .map_err(ControlError::from)
+            .and_then(|mut channel| channel.send(&ToAgent::Ready).map(|()| channel));
+        match opened {
+            Ok(channel) => Some(Control {
+                channel,
+                pause: false,
+                assigned: None,
+                assignments: 0,
+            }),
+            Err(e) => {
+                report(Event::Warning(format!(
+                    "the agent's control channel (descriptor {fd}) cannot be used: {e}; a change of group restarts this worker"
+                )));
+                None
+            }
+        }
+    }
+
+    /// Whether the agent has asked for a pause (checked before each step, without waiting).
+    pub(super) fn pause_requested(&mut self) -> bool {
+        // A broken channel shows when the worker next needs it; until then training goes on.
+        while let Ok(Some(message)) = self.channel.recv::<ToWorker>(Duration::ZERO) {
+            match message {
+                ToWorker::Pause => self.pause = true,
+                // The next round already: kept for when this worker leaves its group.
+                ToWorker::Assign(env) => {
+                    self.pause = true;
+                    self.assigned = Some(env);
+                }
+            }
+        }
+        self.pause
+    }
+
+    /// Tells the agent `message`, then waits for the next round's environment. `None` when a
+    /// stop was asked for meanwhile; an error when the agent closed the channel (it will start
+    /// this node's workers again).
+    fn next_round(
+        &mut self,
+        left: &Left,
+        stop: &AtomicBool,
+    ) -> Result<Option<Vec<(String, String)>>, ControlError> {
+        let assignments = self.assignments;
+        self.channel.send(&match left {
+            Left::Lost { step, reason } => ToAgent::Lost {
+                assignments,
+                step: *step,
+                reason: reason.clone(),
+            },
+            Left::Paused { step } => ToAgent::Paused {
+                assignments,
+                step: *step,
+            },
+        })?;
+        self.pause = false;
+        let mut assigned = self.assigned.take();
+        while assigned.is_none() {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            match self.channel.recv::<ToWorker>(Duration::from_millis(100))? {
+                // Asked before the group broke up: this worker has already left it.
+                Some(ToWorker::Pause) | None => {}
+                Some(ToWorker::Assign(env)) => assigned = Some(env),
+            }
+        }
+        self.assignments += 1;
+        Ok(assigned)
+    }
+}
+
+/// What a worker tells its agent on leaving its group.
+enum Left {
+    Lost { step: u64, reason: String },
+    Paused { step: u64 },
+}
+
+/// How a group's ranks came to hold the same state.
+pub(super) struct Synced {
+    /// Rank 0 read a checkpoint (only when no rank held a live state).
+    pub(super) resumed: bool,
+    /// This rank received its state from a peer.
+    pub(super) received: bool,
+    /// Bytes broadcast from the rank that had the state (0 when every rank had it).
+    pub(super) bytes: u64,
+}
+
+/// Makes every rank's state the same at a group's start. Ranks that hold a live state (`live`:
+/// they trained in an earlier group) say which global step they hold; when one does, the
+/// lowest rank of those furthest on streams its state (position, parameters, buffers,
+/// momentum) to all, unless every rank already holds that step (then their states are the
+/// same, by the bit-identity invariant). When none does, the job starts: rank 0's fresh or
+/// resumed state goes to all, as at any start.
+pub(super) fn sync(
+    cfg: &TrainConfig,
+    group: &mut ProcessGroup,
+    state: &mut TrainState,
+    live: bool,
+    report: &mut dyn FnMut(Event),
+) -> Result<Synced> {
+    let rank = group.rank();
+    let held = group.all_gather_u64(if live {
+        state.progress.global_step + 1
+    } else {
+        0
+    })?;
+    let furthest = held.iter().copied().max().unwrap_or(0);
+    let (source, resumed) = if furthest == 0 {
+        let resumed = rank == 0 && state.resume(cfg, report)?;
+        (0, resumed)
+    } else if held.iter().all(|&h| h == furthest) {
+        return Ok(Synced {
+            resumed: false,
+            received: false,
+            bytes: 0,
+        });
+    } else {
+        let source = held.iter().position(|&h| h == furthest).unwrap_or(0);
+        (source, false)
+    };
+    let mut header = state.header(resumed);
+    group.broadcast_bytes(&mut header, source)?;
+    let resumed = state.apply_header(&header);
+    group.broadcast(&mut state.params, source)?;
+    group.broadcast(&mut state.buffers, source)?;
+    // A fresh start's momentum is zeros everywhere already.
+    let momentum = resumed || furthest > 0;
+    if momentum {
+        group.broadcast(&mut state.momentum, source)?;
+    }
+    let floats =
+        state.params.len() + state.buffers.len() + if momentum { state.momentum.len() } else { 0 };
+    Ok(Synced {
+        resumed,
+        received: rank != source,
+        bytes: (header.len() + 4 * floats) as u64,
+    })
+}
+
+impl Run<'_> {
+    /// Leaves `group` for `why` and returns the next round's group, with this worker's state
+    /// the same as every other rank's. Joining or syncing the new group can fail (another node
+    /// lost meanwhile): the worker then says so and waits for the round after. Ends with an
+    /// error only when the agent gives up on regrouping (closes the channel: the worker exits
+    /// as a lost peer's would, and is started again) or a stop is asked for (rank 0 of the old
+    /// group checkpoints what all hold).
+    pub(super) fn regroup(
+        &mut self,
+        group: ProcessGroup,
+        why: Leave,
+        control: &mut Control,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<ProcessGroup> {
+        let left = Instant::now();
+        let world_size_before = self.world_size;
+        let step_left = self.state.progress.global_step;
+        // Closing its links now makes every peer still inside a collective fail at once.
+        drop(group);
+        let (reason, mut message) = match why {
+            Leave::Lost(e) => (
+                format!("peer lost: {e}"),
+                Left::Lost {
+                    step: step_left,
+                    reason: e,
+                },
+            ),
+            Leave::Paused => (
+                "paused for a new round".to_string(),
+                Left::Paused { step: step_left },
+            ),
+        };
+        loop {
+            let env = match control.next_round(&message, &self.cfg.stop) {
+                Ok(Some(env)) => env,
+                Ok(None) => return Err(self.stop_while_regrouping(report)),
+                Err(e) => {
+                    return Err(TrainError::Collective(CollectiveError::PeerLost(format!(
+                        "{reason}; the agent did not regroup this worker ({e})"
+                    ))));
+                }
+            };
+            let world = World {
+                telemetry_fd: self.world.telemetry_fd,
+                control_fd: self.world.control_fd,
+                ..World::from_lookup(|name| {
+                    env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+                })
+                .map_err(|e| TrainError::Config(format!("the agent's new round: {e}")))?
+            };
+            match self.join_new_group(&world, report) {
+                Ok((group, synced)) => {
+                    let regrouped = Regrouped {
+                        world_size_before: world_size_before as u32,
+                        world_size: self.world_size as u32,
+                        rank: self.rank as u32,
+                        step: self.state.progress.global_step,
+                        steps_dropped: step_left.saturating_sub(self.state.progress.global_step),
+                        bytes: synced.bytes,
+                        seconds: left.elapsed().as_secs_f64(),
+                        received: synced.received,
+                    };
+                    self.recorder.regroup(&regrouped, &reason, report);
+                    // The agent's report of the regroup; training goes on without it.
+                    let _ = control.channel.send(&ToAgent::Regrouped(regrouped));
+                    return Ok(group);
+                }
+                Err(TrainError::Collective(e)) => {
+                    report(Event::Warning(format!(
+                        "rank {}: the new group failed ({e}); waiting for the next round",
+                        world.rank
+                    )));
+                    message = Left::Lost {
+                        step: self.state.progress.global_step,
+                        reason: format!("joining the new group: {e}"),
+                    };
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Joins the group `world` describes, as a worker that has just started would (join, the
+    /// data barrier of [`super::Setup::prepare`], [`sync`]), and takes its place in it.
+    fn join_new_group(
+        &mut self,
+        world: &World,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<(ProcessGroup, Synced)> {
+        let mut group = ProcessGroup::join(world)?;
+        group.barrier()?;
+        let synced = sync(self.cfg, &mut group, &mut self.state, true, report)?;
+        if synced.received {
+            self.step.load(&self.state);
+        }
+        if world.rank as usize != self.rank {
+            self.recorder = super::Recorder::open(&self.cfg.run_dir, world, report);
+        }
+        self.rank = group.rank();
+        self.world_size = group.world_size();
+        self.world = world.clone();
+        Ok((group, synced))
+    }
+
+    /// A stop (SIGTERM) while waiting for the next round: every rank holds the same state,
+    /// so the one that was rank 0 saves it, as a stop at a step boundary would.
+    fn stop_while_regrouping(&mut self, report: &mut dyn FnMut(Event)) -> TrainError {
+        if self.rank == 0
+            && let Err(e) = self.checkpoint(report)
+        {
+            return e;
+        }
+        TrainError::Preempted {
+            global_step: self.state.progress.global_step,
+            epoch: self.state.progress.epoch + 1,
+        }
+    }
+}
