@@ -64,6 +64,9 @@ pub struct Regrouped {
 pub enum ToWorker {
     /// Stop after the step under way (all ranks agree on which) and wait for an assignment.
     Pause,
+    /// Leave the group now, dropping the step in flight (a node of the group is gone: its
+    /// collectives would wait for the timeout), and wait for an assignment.
+    Abort,
     /// The next round's membership: the worker environment, name and value.
     Assign(Vec<(String, String)>),
 }
@@ -138,6 +141,7 @@ impl Message for ToWorker {
     fn encode(&self) -> Vec<u8> {
         match self {
             ToWorker::Pause => Encoder::new().u8(0),
+            ToWorker::Abort => Encoder::new().u8(2),
             ToWorker::Assign(env) => env
                 .iter()
                 .fold(Encoder::new().u8(1).u32(env.len() as u32), |e, (k, v)| {
@@ -151,6 +155,7 @@ impl Message for ToWorker {
         let mut d = Decoder::new(buf);
         let message = match d.u8("message kind")? {
             0 => ToWorker::Pause,
+            2 => ToWorker::Abort,
             1 => {
                 let n = d.u32("variables")? as usize;
                 // Each variable takes at least its two length prefixes.
@@ -213,6 +218,11 @@ impl Channel {
         // A descriptor of another kind (a file, a pipe) is refused here, not misread later.
         stream.local_addr()?;
         Ok(Channel::new(stream))
+    }
+
+    /// A second handle on the same channel (one thread reads, another writes).
+    pub fn try_clone(&self) -> io::Result<Channel> {
+        Ok(Channel::new(self.stream.try_clone()?))
     }
 
     fn new(stream: UnixStream) -> Channel {
@@ -331,11 +341,14 @@ mod tests {
         assert_eq!(agent.recv::<ToAgent>(Duration::ZERO).unwrap(), None);
         let assign = ToWorker::Assign(vec![("RANK".into(), "1".into()), ("X".into(), "".into())]);
         agent.send(&ToWorker::Pause).unwrap();
+        agent.send(&ToWorker::Abort).unwrap();
         agent.send(&assign).unwrap();
-        assert_eq!(
-            worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
-            Some(ToWorker::Pause)
-        );
+        for m in [ToWorker::Pause, ToWorker::Abort] {
+            assert_eq!(
+                worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
+                Some(m)
+            );
+        }
         assert_eq!(
             worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
             Some(assign)

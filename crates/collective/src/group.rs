@@ -16,6 +16,21 @@ use crate::world::World;
 /// next is on the wire, large enough that per-segment overhead vanishes.
 const SEGMENT_FLOATS: usize = 64 * 1024;
 
+/// Breaks a group's links: see [`ProcessGroup::interrupter`].
+#[derive(Debug)]
+pub struct Interrupter {
+    links: [TcpStream; 2],
+}
+
+impl Interrupter {
+    pub fn interrupt(&self) {
+        for link in &self.links {
+            // Already closed by the peer: nothing left to break.
+            let _ = link.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
 /// A connected group of ranks.
 pub struct ProcessGroup {
     rank: usize,
@@ -124,6 +139,17 @@ impl ProcessGroup {
             seq: 0,
             _store_server: None,
         }
+    }
+
+    /// A handle that breaks this group's links from another thread: every collective under
+    /// way or to come fails at once (as if the peers were lost). `None` for a group of one.
+    pub fn interrupter(&self) -> Option<Interrupter> {
+        let (Some(next), Some(prev)) = (&self.next, &self.prev) else {
+            return None;
+        };
+        Some(Interrupter {
+            links: [next.try_clone().ok()?, prev.try_clone().ok()?],
+        })
     }
 
     pub fn rank(&self) -> usize {

@@ -14,7 +14,7 @@ pub mod store;
 pub mod wire;
 pub mod world;
 
-pub use group::ProcessGroup;
+pub use group::{Interrupter, ProcessGroup};
 pub use world::World;
 
 use std::time::Duration;

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use collective::control::ToAgent;
-use rendezvous::{Joined, Rendezvous, Watch};
+use rendezvous::{Joined, Rendezvous, Restart, Watch};
 
 use crate::output::Sink;
 use crate::report::{ExitKind, Outcome};
@@ -169,7 +169,10 @@ fn run_rounds(
                 // Not counted (another node's failure), so its time orders nothing.
                 match rdzv.worker_failed(false, &report, 0, spec.max_restarts) {
                     // The store is gone (see below): joining waits for it, the workers too.
-                    Err(e) => events(LaunchEvent::StoreUnreachable(e.to_string())),
+                    Err(e) => events(LaunchEvent::StoreLostRegrouping {
+                        error: e.to_string(),
+                        wait: rdzv.config().join_timeout,
+                    }),
                     Ok(None) => {}
                     Ok(Some(closed)) => {
                         if let Some(k) = kept.take() {
@@ -233,10 +236,16 @@ fn run_rounds(
                             events(LaunchEvent::StoreBack);
                         }
                     }
-                    Ok(Watch::Restart(reason)) => {
+                    Ok(Watch::Restart(Restart { reason, node_gone })) => {
                         if group.can_regroup() {
-                            // They finish the step under way, all ranks the same one, and wait.
-                            group.pause();
+                            if node_gone {
+                                // Their collectives with the node gone would wait for the
+                                // collective timeout: the step in flight is dropped at once.
+                                group.abort();
+                            } else {
+                                // They finish the step under way, all ranks the same one.
+                                group.pause();
+                            }
                             events(LaunchEvent::Regrouping {
                                 reason: reason.clone(),
                             });

@@ -61,6 +61,10 @@ pub struct LaunchSpec {
     /// group without a restart when the group changes (`--regroup in-process`); otherwise
     /// every change restarts them (`--regroup restart`, torchrun's way).
     pub regroup: bool,
+    /// How long a worker asked to regroup (pause, or join the next round's group) may take to
+    /// answer before it counts as hung: it must finish its step, or wait for the joiners, up to
+    /// its collective timeout.
+    pub regroup_timeout: Duration,
 }
 
 /// A worker the launcher started.
@@ -102,6 +106,13 @@ pub enum LaunchEvent {
         wait: std::time::Duration,
     },
     StoreBack,
+    /// This node's workers left their group and the store cannot be reached to say so (it
+    /// went with the node that hosted it): the agent joins again, waiting up to `wait` for a
+    /// store at the endpoint; the workers keep running meanwhile.
+    StoreLostRegrouping {
+        error: String,
+        wait: std::time::Duration,
+    },
     /// This node's workers left their group (`reason`: a peer lost, a node joining) and wait,
     /// still running, for the next round.
     Regrouping {
@@ -243,6 +254,7 @@ mod tests {
             hang_timeout: None,
             file_timer: None,
             regroup: false,
+            regroup_timeout: Duration::from_secs(240),
         }
     }
 

@@ -12,6 +12,9 @@ pub enum ExitKind {
     /// Stopped by the launcher: no worker of the node wrote a line for this long
     /// (`--hang-timeout`).
     Hung(Duration),
+    /// Stopped by the elastic agent: asked to regroup, the worker did not answer for this long
+    /// (it waits in a collective, or is stopped).
+    Unanswered(Duration),
 }
 
 impl fmt::Display for ExitKind {
@@ -26,6 +29,11 @@ impl fmt::Display for ExitKind {
                 f,
                 "stopped after {:.0} s without a line of output (--hang-timeout)",
                 silent.as_secs_f64()
+            ),
+            ExitKind::Unanswered(waited) => write!(
+                f,
+                "stopped after not answering its agent's regroup for {:.0} s",
+                waited.as_secs_f64()
             ),
         }
     }
@@ -80,14 +88,18 @@ impl Failure {
     /// One line: which rank failed and why, for the first line of the report and the reason
     /// other nodes are given for a new round.
     pub fn summary(&self) -> String {
-        if let ExitKind::Hung(silent) = self.exit {
+        if let ExitKind::Hung(silent) | ExitKind::Unanswered(silent) = self.exit {
+            let what = match self.exit {
+                ExitKind::Hung(_) => "no line of output",
+                _ => "no answer to a regroup",
+            };
             let ranks: Vec<String> = self.stuck.iter().map(|s| s.rank.to_string()).collect();
             let ranks = match ranks.len() {
                 1 => format!("rank {}", ranks[0]),
                 _ => format!("ranks {}", ranks.join(", ")),
             };
             return format!(
-                "{ranks} hung: no line of output for {:.0} s; rank {} at {}",
+                "{ranks} hung: {what} for {:.0} s; rank {} at {}",
                 silent.as_secs_f64(),
                 self.rank,
                 self.stuck
@@ -136,7 +148,9 @@ pub enum Outcome {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let stopped = match self.exit {
-            ExitKind::Hung(_) => "its stacks were taken and the workers stopped",
+            ExitKind::Hung(_) | ExitKind::Unanswered(_) => {
+                "its stacks were taken and the workers stopped"
+            }
             _ => "the other workers were stopped",
         };
         writeln!(f, "{}; {stopped}", self.summary())?;

@@ -40,6 +40,8 @@ struct Worker {
     ready: bool,
     /// Assignments sent to it.
     assignments: u64,
+    /// Since when it owes an answer to a pause or an assignment.
+    owes_since: Option<Instant>,
 }
 
 impl Worker {
@@ -181,6 +183,8 @@ pub(crate) enum Trouble {
     Failed(Box<Failure>),
     /// No worker wrote a line for this long (`--hang-timeout`).
     Hung(Duration),
+    /// A worker asked to regroup has not answered for this long.
+    Unanswered(Duration),
 }
 
 /// This node's workers of one attempt.
@@ -200,6 +204,8 @@ pub(crate) struct Group {
     /// When the workers last wrote a line.
     activity: Arc<Activity>,
     hang_timeout: Option<Duration>,
+    /// How long a worker asked to regroup may take to answer.
+    regroup_timeout: Duration,
 }
 
 impl Drop for Group {
@@ -271,6 +277,7 @@ impl Group {
             logs: attempt_dir.clone(),
             activity: outputs.activity.clone(),
             hang_timeout: spec.hang_timeout,
+            regroup_timeout: spec.regroup_timeout,
         };
         let files = Files {
             logs: attempt_dir.as_deref(),
@@ -314,12 +321,14 @@ impl Group {
             while let Ok(Some(message)) = channel.recv::<ToAgent>(Duration::ZERO) {
                 match &message {
                     ToAgent::Ready => w.ready = true,
+                    // It is not hung, but it still owes an answer about the latest round.
                     ToAgent::Lost { assignments, .. } | ToAgent::Paused { assignments, .. }
                         if *assignments < w.assignments =>
                     {
+                        w.owes_since = Some(Instant::now());
                         continue;
                     }
-                    _ => {}
+                    _ => w.owes_since = None,
                 }
                 said.push((w.local_rank, message));
             }
@@ -335,10 +344,21 @@ impl Group {
     /// Asks every worker to leave its group after the step under way (all ranks agree on
     /// which) and wait for [`Group::assign`].
     pub(crate) fn pause(&mut self) {
+        self.tell(ToWorker::Pause);
+    }
+
+    /// Asks every worker to leave its group now, dropping the step in flight (a node of the
+    /// group is gone), and wait for [`Group::assign`].
+    pub(crate) fn abort(&mut self) {
+        self.tell(ToWorker::Abort);
+    }
+
+    fn tell(&mut self, message: ToWorker) {
         for w in &mut self.workers {
             if let Some(channel) = w.control.as_mut() {
                 // A worker that is gone shows in the next poll.
-                let _ = channel.send(&ToWorker::Pause);
+                let _ = channel.send(&message);
+                w.owes_since.get_or_insert_with(Instant::now);
             }
         }
     }
@@ -363,6 +383,7 @@ impl Group {
                 return false;
             }
             w.assignments += 1;
+            w.owes_since.get_or_insert_with(Instant::now);
             w.rank = spec.rank_offset + w.local_rank;
         }
         true
@@ -416,6 +437,12 @@ impl Group {
         if self.hang_timeout.is_some_and(|limit| silent >= limit) {
             return Status::Trouble(Trouble::Hung(silent));
         }
+        let owed = self.workers.iter().filter_map(|w| w.owes_since).min();
+        if let Some(waited) = owed.map(|since| since.elapsed())
+            && waited >= self.regroup_timeout
+        {
+            return Status::Trouble(Trouble::Unanswered(waited));
+        }
         Status::Running
     }
 
@@ -423,14 +450,17 @@ impl Group {
     pub(crate) fn stop_troubled(self, grace: Duration, trouble: Trouble) -> Failure {
         match trouble {
             Trouble::Failed(f) => self.stop_failed(grace, *f),
-            Trouble::Hung(silent) => self.stop_hung(grace, silent),
+            Trouble::Hung(silent) => self.stop_hung(grace, silent, ExitKind::Hung(silent)),
+            Trouble::Unanswered(waited) => {
+                self.stop_hung(grace, waited, ExitKind::Unanswered(waited))
+            }
         }
     }
 
     /// A hang: every running worker's stack is taken (and written whole beside the logs) before
     /// the group is stopped. The report names where each was; the rank it leads with is one
     /// that is not waiting in a collective, when there is one (the others wait for it).
-    fn stop_hung(mut self, grace: Duration, silent: Duration) -> Failure {
+    fn stop_hung(mut self, grace: Duration, silent: Duration, exit: ExitKind) -> Failure {
         let seen_running = self.last_poll;
         let dumps: Vec<(u32, u32, stacks::Dump)> = self
             .workers
@@ -462,7 +492,7 @@ impl Group {
             local_rank: worker.map_or(0, |w| w.local_rank),
             node_rank: self.node_rank,
             pid,
-            exit: ExitKind::Hung(silent),
+            exit,
             after: self.start.elapsed(),
             at: SystemTime::now() - silent,
             restart_count: self.restart_count,
@@ -795,6 +825,7 @@ fn spawn(
         control,
         ready: false,
         assignments: 0,
+        owes_since: None,
     })
 }
 

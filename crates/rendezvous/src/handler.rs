@@ -28,9 +28,17 @@ pub enum Joined {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Watch {
     Healthy,
-    /// The round is over: stop the workers and join again.
-    Restart(String),
+    /// The round is over: stop the workers (or have them regroup) and join again.
+    Restart(Restart),
     Closed(Closed),
+}
+
+/// Why the running round is over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restart {
+    pub reason: String,
+    /// A node of the round is gone (no heartbeat): its peers' collectives will not complete.
+    pub node_gone: bool,
 }
 
 pub struct Rendezvous {
@@ -38,6 +46,8 @@ pub struct Rendezvous {
     me: Node,
     backend: Box<dyn Backend>,
     round: u64,
+    /// The nodes of `round`.
+    nodes: Vec<String>,
     heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
     /// The c10d store, when this agent hosts it; dropped last.
     server: Option<StoreServer>,
@@ -167,6 +177,7 @@ impl Rendezvous {
             me,
             backend,
             round: 0,
+            nodes: Vec::new(),
             heartbeat: Some((stop, thread)),
             server,
         })
@@ -245,6 +256,7 @@ impl Rendezvous {
                         JoinStep::Wait => {}
                         JoinStep::Assigned(a) => {
                             self.round = a.round;
+                            self.nodes = a.nodes.clone();
                             return Ok(Joined::Assigned(a));
                         }
                         JoinStep::Closed(c) => return Ok(Joined::Closed(c)),
@@ -278,6 +290,12 @@ impl Rendezvous {
     pub fn watch(&mut self) -> Result<Watch, RendezvousError> {
         loop {
             let (read, alive) = self.read()?;
+            let restart = |reason| {
+                Watch::Restart(Restart {
+                    reason,
+                    node_gone: self.nodes.iter().any(|n| !alive.contains(n)),
+                })
+            };
             match state::watch_step(
                 read.state.as_ref(),
                 &self.me.id,
@@ -286,11 +304,11 @@ impl Rendezvous {
                 self.cfg.limits,
             ) {
                 WatchStep::Healthy => return Ok(Watch::Healthy),
-                WatchStep::Restart(reason) => return Ok(Watch::Restart(reason)),
+                WatchStep::Restart(reason) => return Ok(restart(reason)),
                 WatchStep::Closed(c) => return Ok(Watch::Closed(c)),
                 WatchStep::Reopen(next, reason) => {
                     if self.backend.write(read.token.as_deref(), &next)? {
-                        return Ok(Watch::Restart(reason));
+                        return Ok(restart(reason));
                     }
                 }
             }

@@ -28,6 +28,9 @@ pub struct Shard {
     pub world_size: usize,
     /// Samples in the whole epoch.
     pub epoch_len: usize,
+    /// How many of `indices` are the epoch's own; the rest repeat samples to pad the epoch's
+    /// rest to a multiple of the world size, as torch's `DistributedSampler` does.
+    pub unpadded: usize,
 }
 
 impl Shard {
@@ -54,6 +57,7 @@ impl Shard {
             start: consumed.min(n),
             world_size,
             epoch_len: n,
+            unpadded: rest.len().saturating_sub(rank).div_ceil(world_size),
         }
     }
 
@@ -68,6 +72,15 @@ impl Shard {
         &self.indices[lo..hi]
     }
 
+    /// The samples of `batch(step)` that are not padding: what the epoch's
+    /// [`digest`] counts, so that an epoch that trained each sample once has the digest of all
+    /// its samples whatever the world sizes it ran at.
+    pub fn unpadded_batch(&self, step: usize) -> &[usize] {
+        let lo = (step * self.batch_size).min(self.unpadded);
+        let hi = ((step + 1) * self.batch_size).min(self.unpadded);
+        &self.indices[lo..hi]
+    }
+
     /// The epoch position (global samples consumed) once `steps_done` steps of this shard ran.
     pub fn position_after(&self, steps_done: usize) -> usize {
         (self.start + steps_done * self.batch_size * self.world_size).min(self.epoch_len)
@@ -75,9 +88,10 @@ impl Shard {
 }
 
 /// Samples as one number, whatever their order: the wrapping sum of a 64-bit mix of each sample
-/// id. Two runs that trained the same samples of an epoch, each as many times (padding
-/// included), have the same digest; a sample lost, added or trained twice changes it. Sums of
-/// digests are the digest of the union, so ranks' and steps' digests add up to the epoch's.
+/// id. Two runs that trained the same samples of an epoch, each as many times, have the same
+/// digest; a sample lost, added or trained twice changes it. Sums of digests are the digest of
+/// the union, so ranks' and steps' digests add up to the epoch's. The trainer digests
+/// [`Shard::unpadded_batch`]es.
 pub fn digest(ids: &[usize]) -> u64 {
     ids.iter().fold(0u64, |acc, &id| {
         acc.wrapping_add(SplitMix64(id as u64).next())
@@ -155,6 +169,13 @@ mod tests {
             seen.extend(second.iter().flat_map(|s| s.indices.iter().copied()));
             let distinct: HashSet<usize> = seen.iter().copied().collect();
             prop_assert_eq!(distinct.len(), n, "nothing lost");
+            // Without the padding, each sample exactly once, whatever the two world sizes.
+            let unpadded = first
+                .iter()
+                .map(|s| (0..steps).map(|k| digest(s.unpadded_batch(k))).fold(0u64, u64::wrapping_add))
+                .chain(second.iter().map(|s| (0..s.steps()).map(|k| digest(s.unpadded_batch(k))).fold(0u64, u64::wrapping_add)))
+                .fold(0u64, u64::wrapping_add);
+            prop_assert_eq!(unpadded, digest(&(0..n).collect::<Vec<_>>()), "each sample once");
             // Repeats come only from padding: at most world-1 per phase.
             prop_assert!(seen.len() <= n + (w1 - 1) + (w2 - 1), "{} samples for {}", seen.len(), n);
         }

@@ -416,6 +416,12 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             failure.exit,
             wait.as_secs()
         )),
+        LaunchEvent::StoreLostRegrouping { error, wait } => warn(&format!(
+            "rendezvous store lost ({error}): the node that hosted the store is probably gone; \
+             waiting up to {} s for a store at the same endpoint (its replacement starts a fresh \
+             one); the workers keep running and regroup then",
+            wait.as_secs()
+        )),
         LaunchEvent::StoreBack => err(format_args!(
             "trainctl run: rendezvous store reachable again"
         )),

@@ -277,12 +277,20 @@ fn worker_killed(store: Store, name: &str) {
         nix::sys::signal::SIGKILL,
     )
     .unwrap();
-    // Restart 1 of 1: both agents start again with TORCHELASTIC_RESTART_COUNT=1.
+    // Restart 1 of 1: both agents go on at a round with TORCHELASTIC_RESTART_COUNT=1; the
+    // killed worker's agent starts a new one, which takes the state from the other node's
+    // worker, which regrouped in place.
     for &a in &agents {
         c.agents[a].wait_for_line(JOB_TIMEOUT, |l| l.contains("restart count 1, store at"));
     }
-    c.agents[agents[0]].wait_for_workers(2, JOB_TIMEOUT);
     c.agents[agents[1]].wait_for_workers(2, JOB_TIMEOUT);
+    c.agents[agents[0]].wait_for_line(JOB_TIMEOUT, |l| l.contains("regrouped in place"));
+    assert_eq!(
+        workers_of(&c.agents[agents[0]]).len(),
+        1,
+        "the surviving node's worker is not restarted:\n{}",
+        c.agents[agents[0]].output()
+    );
     // A second failure exceeds --max-restarts 1: the job ends, both agents report the root
     // cause, which is the first failure.
     let second = *workers_of(&c.agents[agents[0]]).last().unwrap();
@@ -332,8 +340,9 @@ fn c10d_worker_killed_restarts_until_max_restarts() {
 
 /// The c10d store lives in the agent of host 1 (pod 0 on Kubernetes). Killing that agent takes
 /// the store with it; the other agent waits for a store at the same endpoint instead of failing
-/// the job, the host's replacement starts a fresh one, and training resumes from the checkpoint
-/// and finishes with every sample trained exactly once.
+/// the job, its worker still running, the host's replacement starts a fresh one, and the
+/// replacement's worker takes the state from the survivor's (no checkpoint read); the job
+/// finishes with every sample trained exactly once.
 #[test]
 fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
     let Some(mut c) = Cluster::new(Store::C10d, "c10d-store-lost") else {
@@ -349,12 +358,12 @@ fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
     let replacement = c.start(1, 0);
     let outputs = vec![c.succeeds(survivor), c.succeeds(replacement)];
     c.verify_finished(&outputs, 2);
-    // Rank 0 says where it resumed, whichever agent's node got node rank 0 in the new store.
     let all = outputs.join("\n");
     assert!(
-        all.contains("resuming from checkpoint"),
-        "the job resumes from the checkpoint after the store is replaced:\n{all}"
+        outputs[0].contains("regrouped in place") && !all.contains("resuming from checkpoint"),
+        "the survivor's worker goes on, the replacement's takes its state:\n{all}"
     );
+    assert_eq!(workers_of(&c.agents[survivor]).len(), 1, "{all}");
 }
 
 #[test]

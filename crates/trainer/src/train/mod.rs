@@ -47,25 +47,45 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         tracing::info_span!("worker", rank = world.rank, restart = world.restart_count).entered();
     set_cpu_threads(cfg.threads);
     let mut control = Control::open(world, report);
-    let mut group = ProcessGroup::join(world)?;
-    let setup = Setup::prepare(cfg, world, &mut group, report)?;
+    let mut world = world.clone();
+    // When this worker's first group broke up: it waited for another.
+    let mut rejoined: Option<(Instant, u32)> = None;
+    let Started {
+        mut group,
+        setup,
+        device,
+        model,
+        template,
+        state,
+        synced,
+    } = loop {
+        match start(cfg, &world, control.as_mut(), report) {
+            Ok(started) => break started,
+            // The group broke up before it trained (a peer lost or silent): with an agent to
+            // regroup, this worker waits for its next round instead of failing.
+            Err(TrainError::Collective(e)) if control.is_some() => {
+                if let Some(control) = control.as_mut() {
+                    rejoined.get_or_insert((Instant::now(), world.world_size));
+                    world = control.rejoin(&world, e.to_string(), &cfg.stop)?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let world = &world;
     let (rank, world_size) = (group.rank(), group.world_size());
-
-    let device = training_device();
-    device.seed(cfg.seed);
-    let model = Model::new(cfg.model, setup.info.classes.len(), &device);
-    let template = snapshot(&model);
-    let mut state = TrainState::fresh(
-        cfg,
-        &template,
-        world_size,
-        setup.train.len(),
-        setup.info.clone(),
-    );
-    // Rank 0's state (fresh or resumed) becomes everyone's, or, when this worker joins a
-    // group that is training, the state of the rank furthest on.
-    let synced = sync(cfg, &mut group, &mut state, false, report)?;
-    let model = load(model, Some(&state.params), &state.buffers);
+    if let (Some((since, world_size_before)), Some(control)) = (rejoined, control.as_mut()) {
+        control.regrouped(collective::control::Regrouped {
+            world_size_before,
+            world_size: world_size as u32,
+            rank: rank as u32,
+            step: state.progress.global_step,
+            steps_dropped: 0,
+            bytes: synced.bytes,
+            seconds: since.elapsed().as_secs_f64(),
+            received: synced.received,
+        });
+    }
 
     let mut recorder = Recorder::open(&cfg.run_dir, world, report);
     recorder.start(
@@ -109,6 +129,55 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         }
     }
     run.finish(&mut group, report)
+}
+
+/// A worker's group, its data and its state, the same as every other rank's.
+struct Started {
+    group: ProcessGroup,
+    setup: Setup,
+    device: burn::tensor::Device,
+    model: Model,
+    template: Snapshot,
+    state: TrainState,
+    synced: regroup::Synced,
+}
+
+/// Joins the group `world` describes, reads the data, and takes the group's state: rank 0's
+/// (fresh or resumed) or, when this worker joins a group that is training, that of the rank
+/// furthest on.
+fn start(
+    cfg: &TrainConfig,
+    world: &World,
+    control: Option<&mut Control>,
+    report: &mut dyn FnMut(Event),
+) -> Result<Started> {
+    let mut group = ProcessGroup::join(world)?;
+    if let Some(control) = control {
+        control.watch(&group);
+    }
+    let setup = Setup::prepare(cfg, world, &mut group, report)?;
+    let device = training_device();
+    device.seed(cfg.seed);
+    let model = Model::new(cfg.model, setup.info.classes.len(), &device);
+    let template = snapshot(&model);
+    let mut state = TrainState::fresh(
+        cfg,
+        &template,
+        group.world_size(),
+        setup.train.len(),
+        setup.info.clone(),
+    );
+    let synced = sync(cfg, &mut group, &mut state, false, report)?;
+    let model = load(model, Some(&state.params), &state.buffers);
+    Ok(Started {
+        group,
+        setup,
+        device,
+        model,
+        template,
+        state,
+        synced,
+    })
 }
 
 /// The data a run trains (and evaluates) on, read and checked before the model is built.
@@ -262,12 +331,16 @@ impl Run<'_> {
             let input = StepInput {
                 pixels: batch.pixels,
                 labels: &batch.labels,
-                digest: digest(shard.batch(step)),
+                digest: digest(shard.unpadded_batch(step)),
             };
             let outcome = match self.step.run(input, flags, group, &mut self.state, cfg) {
                 Ok(outcome) => outcome,
-                Err(TrainError::Collective(CollectiveError::PeerLost(e))) if control.is_some() => {
-                    return Ok(Some(Leave::Lost(e)));
+                // A peer gone, or silent past the timeout (hung, cut off): with an agent to
+                // regroup, the step is dropped and the worker goes on in the next round's group.
+                Err(TrainError::Collective(
+                    e @ (CollectiveError::PeerLost(_) | CollectiveError::Timeout { .. }),
+                )) if control.is_some() => {
+                    return Ok(Some(Leave::Lost(e.to_string())));
                 }
                 Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
                     self.save_before_restart(report);

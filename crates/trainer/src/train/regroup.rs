@@ -10,10 +10,11 @@
 //! new group.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use collective::control::{Channel, ControlError, Regrouped, ToAgent, ToWorker};
-use collective::{CollectiveError, ProcessGroup, World};
+use collective::{CollectiveError, Interrupter, ProcessGroup, World};
 
 use super::state::TrainState;
 use super::{Event, Run, TrainConfig};
@@ -27,9 +28,14 @@ pub(super) enum Leave {
     Paused,
 }
 
-/// The worker's end of the control channel.
+/// The worker's end of the control channel. A thread reads the agent's messages as they come,
+/// so that an [`ToWorker::Abort`] breaks the group's links even while the worker waits inside
+/// a collective; the rest is handed to the training loop between steps.
 pub(super) struct Control {
     channel: Channel,
+    inbox: mpsc::Receiver<Result<ToWorker, ControlError>>,
+    /// The current group's links, for an abort to break.
+    links: Arc<Mutex<Option<Interrupter>>>,
     /// The agent asked for a pause that has not happened yet.
     pause: bool,
     /// An assignment that came before the pause happened (the round completed within a step).
@@ -43,12 +49,23 @@ impl Control {
     /// do) when there is none or it cannot be used, which is reported.
     pub(super) fn open(world: &World, report: &mut dyn FnMut(Event)) -> Option<Control> {
         let fd = world.control_fd?;
+        let links = Arc::new(Mutex::new(None));
         let opened = Channel::from_fd(fd)
+            .and_then(|channel| {
+                let reader = channel.try_clone()?;
+                Ok((channel, reader))
+            })
             .map_err(ControlError::from)
-            .and_then(|mut channel| channel.send(&ToAgent::Ready).map(|()| channel));
+            .and_then(|(mut channel, reader)| {
+                channel.send(&ToAgent::Ready)?;
+                let inbox = read_on_a_thread(reader, Arc::clone(&links))?;
+                Ok((channel, inbox))
+            });
         match opened {
-            Ok(channel) => Some(Control {
+            Ok((channel, inbox)) => Some(Control {
                 channel,
+                inbox,
+                links,
                 pause: false,
                 assigned: None,
                 assignments: 0,
@@ -62,23 +79,62 @@ impl Control {
         }
     }
 
+    /// A worker whose first group broke up before it trained (`reason`) waits for the next
+    /// round and returns its environment.
+    pub(super) fn rejoin(
+        &mut self,
+        world: &World,
+        reason: String,
+        stop: &AtomicBool,
+    ) -> Result<World> {
+        match self.next_round(
+            &Left::Lost {
+                step: 0,
+                reason: reason.clone(),
+            },
+            stop,
+        ) {
+            Ok(Some(env)) => world_from(&env, world),
+            Ok(None) => Err(TrainError::Config(format!(
+                "stopped on request while waiting to join a group ({reason})"
+            ))),
+            Err(e) => Err(TrainError::Collective(CollectiveError::PeerLost(format!(
+                "{reason}; the agent did not regroup this worker ({e})"
+            )))),
+        }
+    }
+
+    /// Tells the agent the worker trains in its new group (what its regroup cost).
+    pub(super) fn regrouped(&mut self, regrouped: Regrouped) {
+        // The agent's report of the regroup; training goes on without it.
+        let _ = self.channel.send(&ToAgent::Regrouped(regrouped));
+    }
+
+    /// `group`'s links are the ones an abort breaks from now on.
+    pub(super) fn watch(&mut self, group: &ProcessGroup) {
+        *self.links.lock().unwrap_or_else(|p| p.into_inner()) = group.interrupter();
+    }
+
     /// Whether the agent has asked for a pause (checked before each step, without waiting).
     pub(super) fn pause_requested(&mut self) -> bool {
         // A broken channel shows when the worker next needs it; until then training goes on.
-        while let Ok(Some(message)) = self.channel.recv::<ToWorker>(Duration::ZERO) {
+        while let Ok(Ok(message)) = self.inbox.try_recv() {
             match message {
                 ToWorker::Pause => self.pause = true,
+                // Done by the reader: the next collective fails.
+                ToWorker::Abort => {}
                 // The next round already: kept for when this worker leaves its group.
                 ToWorker::Assign(env) => {
                     self.pause = true;
                     self.assigned = Some(env);
+                    self.assignments += 1;
                 }
             }
         }
         self.pause
     }
 
-    /// Tells the agent `message`, then waits for the next round's environment. `None` when a
+    /// Tells the agent `left`, then waits for the next round's environment. `None` when a
     /// stop was asked for meanwhile; an error when the agent closed the channel (it will start
     /// this node's workers again).
     fn next_round(
@@ -86,6 +142,7 @@ impl Control {
         left: &Left,
         stop: &AtomicBool,
     ) -> Result<Option<Vec<(String, String)>>, ControlError> {
+        *self.links.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let assignments = self.assignments;
         self.channel.send(&match left {
             Left::Lost { step, reason } => ToAgent::Lost {
@@ -100,19 +157,75 @@ impl Control {
         })?;
         self.pause = false;
         let mut assigned = self.assigned.take();
-        while assigned.is_none() {
-            if stop.load(Ordering::Relaxed) {
-                return Ok(None);
+        loop {
+            // Rounds that came and went while this worker was busy: only the latest can form.
+            while let Ok(Ok(message)) = self.inbox.try_recv() {
+                if let ToWorker::Assign(env) = message {
+                    assigned = Some(env);
+                    self.assignments += 1;
+                }
             }
-            match self.channel.recv::<ToWorker>(Duration::from_millis(100))? {
+            if assigned.is_some() || stop.load(Ordering::Relaxed) {
+                return Ok(assigned);
+            }
+            match self.inbox.recv_timeout(Duration::from_millis(100)) {
+                Ok(Ok(ToWorker::Assign(env))) => {
+                    assigned = Some(env);
+                    self.assignments += 1;
+                }
                 // Asked before the group broke up: this worker has already left it.
-                Some(ToWorker::Pause) | None => {}
-                Some(ToWorker::Assign(env)) => assigned = Some(env),
+                Ok(Ok(ToWorker::Pause | ToWorker::Abort)) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Err(ControlError::Closed),
             }
         }
-        self.assignments += 1;
-        Ok(assigned)
     }
+}
+
+/// Reads the agent's messages into a queue; an abort also breaks the links in `links` at once.
+/// Ends at the first error (the agent closed the channel), which it queues last.
+fn read_on_a_thread(
+    mut reader: Channel,
+    links: Arc<Mutex<Option<Interrupter>>>,
+) -> std::io::Result<mpsc::Receiver<Result<ToWorker, ControlError>>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || {
+            loop {
+                let message = match reader.recv::<ToWorker>(Duration::from_secs(3600)) {
+                    Ok(None) => continue,
+                    Ok(Some(m)) => m,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                if message == ToWorker::Abort
+                    && let Some(links) = &*links.lock().unwrap_or_else(|p| p.into_inner())
+                {
+                    links.interrupt();
+                }
+                if tx.send(Ok(message)).is_err() {
+                    return;
+                }
+            }
+        })?;
+    Ok(rx)
+}
+
+/// The worker environment of a new round, `env` as the agent handed it; the descriptors the
+/// worker inherited stay `old`'s.
+fn world_from(env: &[(String, String)], old: &World) -> Result<World> {
+    let world =
+        World::from_lookup(|name| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+            .map_err(|e| TrainError::Config(format!("the agent's new round: {e}")))?;
+    Ok(World {
+        telemetry_fd: old.telemetry_fd,
+        control_fd: old.control_fd,
+        ..world
+    })
 }
 
 /// What a worker tells its agent on leaving its group.
@@ -215,25 +328,20 @@ impl Run<'_> {
                 Left::Paused { step: step_left },
             ),
         };
+        let mut saver = self.rank == 0;
         loop {
             let env = match control.next_round(&message, &self.cfg.stop) {
                 Ok(Some(env)) => env,
-                Ok(None) => return Err(self.stop_while_regrouping(report)),
+                Ok(None) => return Err(self.stop_while_regrouping(saver, report)),
                 Err(e) => {
                     return Err(TrainError::Collective(CollectiveError::PeerLost(format!(
                         "{reason}; the agent did not regroup this worker ({e})"
                     ))));
                 }
             };
-            let world = World {
-                telemetry_fd: self.world.telemetry_fd,
-                control_fd: self.world.control_fd,
-                ..World::from_lookup(|name| {
-                    env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
-                })
-                .map_err(|e| TrainError::Config(format!("the agent's new round: {e}")))?
-            };
-            match self.join_new_group(&world, report) {
+            let world = world_from(&env, &self.world)?;
+            saver = world.rank == 0;
+            match self.join_new_group(&world, control, report) {
                 Ok((group, synced)) => {
                     let regrouped = Regrouped {
                         world_size_before: world_size_before as u32,
@@ -246,8 +354,7 @@ impl Run<'_> {
                         received: synced.received,
                     };
                     self.recorder.regroup(&regrouped, &reason, report);
-                    // The agent's report of the regroup; training goes on without it.
-                    let _ = control.channel.send(&ToAgent::Regrouped(regrouped));
+                    control.regrouped(regrouped);
                     return Ok(group);
                 }
                 Err(TrainError::Collective(e)) => {
@@ -270,9 +377,11 @@ impl Run<'_> {
     fn join_new_group(
         &mut self,
         world: &World,
+        control: &mut Control,
         report: &mut dyn FnMut(Event),
     ) -> Result<(ProcessGroup, Synced)> {
         let mut group = ProcessGroup::join(world)?;
+        control.watch(&group);
         group.barrier()?;
         let synced = sync(self.cfg, &mut group, &mut self.state, true, report)?;
         if synced.received {
@@ -287,11 +396,14 @@ impl Run<'_> {
         Ok((group, synced))
     }
 
-    /// A stop (SIGTERM) while waiting for the next round: every rank holds the same state,
-    /// so the one that was rank 0 saves it, as a stop at a step boundary would.
-    fn stop_while_regrouping(&mut self, report: &mut dyn FnMut(Event)) -> TrainError {
-        if self.rank == 0
-            && let Err(e) = self.checkpoint(report)
+    /// A stop (SIGTERM) while waiting for the next round: the survivors hold the same state
+    /// (or one step apart), so the one last assigned rank 0 (`saver`) saves its own, as a stop
+    /// at a step boundary would.
+    fn stop_while_regrouping(&mut self, saver: bool, report: &mut dyn FnMut(Event)) -> TrainError {
+        if saver
+            && let Err(e) =
+                self.state
+                    .checkpoint(self.cfg, &self.template, 0, &mut self.recorder, report)
         {
             return e;
         }

@@ -378,6 +378,12 @@ fn worker_spec(
         telemetry: None,
         file_timer,
         regroup: args.regroup == Regroup::InProcess,
+        // A pause waits for the step under way, a regroup for the new group's ranks, each
+        // bounded by the collective timeout.
+        regroup_timeout: 2 * args
+            .collective_timeout
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .map_or(collective::world::DEFAULT_TIMEOUT, Duration::from_secs_f64),
         hang_timeout: match args.hang_timeout {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => bail!(
