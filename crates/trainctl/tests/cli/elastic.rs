@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+use telemetry::metrics::{Record, rank_file, read_metrics};
 use testkit::{EtcdServer, Network};
 
 use crate::support::*;
@@ -29,6 +30,8 @@ struct Cluster {
     endpoint: String,
     run_id: String,
     agents: Vec<Running>,
+    /// `--regroup` for every agent.
+    regroup: &'static str,
     etcd: Option<EtcdServer>,
     // Dropped last: the namespaces outlive every process started in them.
     net: Network,
@@ -61,6 +64,7 @@ impl Cluster {
             endpoint,
             run_id: name.to_string(),
             agents: Vec::new(),
+            regroup: "in-process",
             etcd,
             net,
         })
@@ -93,6 +97,7 @@ impl Cluster {
             .args(["--job-token", "elastic-test"])
             .args(["--max-restarts", &max_restarts.to_string()])
             .args(["--collective-timeout", "20"])
+            .args(["--regroup", self.regroup])
             .args(["train", "--data", "data", "--out", "runs"])
             .args(["--epochs", &EPOCHS.to_string(), "--batch-size", "16"])
             .args([
@@ -197,6 +202,64 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Every rank's metrics records, rank by rank.
+    fn metrics(&self) -> Vec<Vec<Record>> {
+        let dir = self.job.path("runs").join(&self.run_id);
+        (0..3)
+            .map(|rank| rank_file(&dir, rank))
+            .filter(|f| f.is_file())
+            .map(|f| read_metrics(&f).unwrap().records)
+            .collect()
+    }
+
+    /// Exactly once, as the metrics say: in every rank's file the global steps only rise (no
+    /// step trained again), a regroup goes on at the step after the one it kept, and every
+    /// epoch of every rank trained each image once (its samples' digest).
+    fn verify_exactly_once(&self) {
+        let all = every_image(TRAIN_IMAGES as usize);
+        for (rank, records) in self.metrics().iter().enumerate() {
+            let mut last_step = 0;
+            let mut after_regroup = None;
+            for r in records {
+                match r {
+                    Record::Step(s) => {
+                        assert!(
+                            s.step > last_step,
+                            "rank {rank}: step {} after step {last_step}",
+                            s.step
+                        );
+                        if let Some(kept) = after_regroup.take() {
+                            assert_eq!(s.step, kept + 1, "rank {rank}: the step after a regroup");
+                        }
+                        last_step = s.step;
+                    }
+                    Record::Regroup(g) => after_regroup = Some(g.step),
+                    Record::Epoch(e) => assert_eq!(
+                        e.samples_digest.as_deref(),
+                        Some(all.as_str()),
+                        "rank {rank}, epoch {}: every image exactly once",
+                        e.epoch
+                    ),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The metrics' `start` records: (from a peer, from a checkpoint).
+    fn starts(&self) -> Vec<(bool, bool)> {
+        self.metrics()
+            .iter()
+            .flatten()
+            .filter_map(|r| match r {
+                Record::Start(s) => Some((s.from_peer, s.resumed)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         for a in self.agents.iter_mut() {
@@ -214,10 +277,14 @@ fn workers_of(agent: &Running) -> Vec<i32> {
         .collect()
 }
 
-fn agent_lost(store: Store, name: &str, cut_link: bool) {
+/// One of three agents killed (or cut off) mid-epoch: the other two go on at world size 2.
+/// In place (the default), their workers are the ones they started, they go on from the step
+/// they hold, and no worker starts again; with `--regroup restart`, every worker is restarted.
+fn agent_lost(store: Store, name: &str, cut_link: bool, regroup: &'static str) {
     let Some(mut c) = Cluster::new(store, name) else {
         return;
     };
+    c.regroup = regroup;
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 0)).collect();
     c.wait_for_step(2);
     let lost = agents[2];
@@ -235,6 +302,33 @@ fn agent_lost(store: Store, name: &str, cut_link: bool) {
         outputs.join("\n")
     );
     c.verify_finished(&outputs, 2);
+    c.verify_exactly_once();
+    let all = outputs.join("\n");
+    let starts: Vec<usize> = agents[..2]
+        .iter()
+        .map(|&a| workers_of(&c.agents[a]).len())
+        .collect();
+    if regroup == "in-process" {
+        assert_eq!(starts, [1, 1], "no survivor's worker starts again:\n{all}");
+        assert!(
+            outputs
+                .iter()
+                .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
+            "{all}"
+        );
+        assert!(
+            c.starts().iter().all(|&(peer, resumed)| !peer && !resumed),
+            "only the first start records: {:?}",
+            c.starts()
+        );
+    } else {
+        assert_eq!(
+            starts,
+            [2, 2],
+            "--regroup restart restarts every worker:\n{all}"
+        );
+        assert!(!all.contains("regrouped in place"), "{all}");
+    }
     if !cut_link {
         let _ = c.agents[lost].wait(Duration::from_secs(5));
         for pid in workers_of(&c.agents[lost]) {
@@ -262,6 +356,55 @@ fn agent_added(store: Store, name: &str) {
         outputs.join("\n")
     );
     c.verify_finished(&outputs, 3);
+    c.verify_exactly_once();
+    let all = outputs.join("\n");
+    for &a in &first {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    assert!(
+        outputs[..2]
+            .iter()
+            .all(|o| o.contains("regrouped in place") && o.contains("world size 2 → 3")),
+        "{all}"
+    );
+    let starts = c.starts();
+    assert_eq!(
+        starts.iter().filter(|(peer, _)| *peer).count(),
+        1,
+        "the joiner takes its state from a peer: {starts:?}"
+    );
+    assert!(
+        starts.iter().all(|(_, resumed)| !resumed),
+        "no rank reads a checkpoint: {starts:?}"
+    );
+}
+
+/// A node lost and another joining soon after: the survivors regroup twice in place, the
+/// newcomer takes the state from a peer, and every epoch still trains each image once.
+fn agent_lost_and_another_added(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 0)).collect();
+    c.wait_for_step(2);
+    c.kill(agents[2]);
+    let newcomer = c.start(3, 0);
+    let outputs = vec![
+        c.succeeds(agents[0]),
+        c.succeeds(agents[1]),
+        c.succeeds(newcomer),
+    ];
+    let all = outputs.join("\n");
+    c.verify_finished(&outputs, 3);
+    c.verify_exactly_once();
+    for &a in &agents[..2] {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    let starts = c.starts();
+    assert!(
+        starts.iter().all(|(_, resumed)| !resumed),
+        "no rank reads a checkpoint: {starts:?}"
+    );
 }
 
 fn worker_killed(store: Store, name: &str) {
@@ -320,12 +463,27 @@ fn worker_killed(store: Store, name: &str) {
 
 #[test]
 fn c10d_agent_killed_mid_epoch_the_others_finish() {
-    agent_lost(Store::C10d, "c10d-kill", false);
+    agent_lost(Store::C10d, "c10d-kill", false, "in-process");
 }
 
 #[test]
 fn c10d_link_cut_mid_epoch_the_others_finish() {
-    agent_lost(Store::C10d, "c10d-cut", true);
+    agent_lost(Store::C10d, "c10d-cut", true, "in-process");
+}
+
+#[test]
+fn c10d_agent_killed_with_regroup_restart_every_worker_restarts() {
+    agent_lost(Store::C10d, "c10d-kill-restart", false, "restart");
+}
+
+#[test]
+fn c10d_agent_killed_and_another_added_every_image_once() {
+    agent_lost_and_another_added(Store::C10d, "c10d-kill-add");
+}
+
+#[test]
+fn etcd_agent_killed_and_another_added_every_image_once() {
+    agent_lost_and_another_added(Store::Etcd, "etcd-kill-add");
 }
 
 #[test]
@@ -368,12 +526,12 @@ fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
 
 #[test]
 fn etcd_agent_killed_mid_epoch_the_others_finish() {
-    agent_lost(Store::Etcd, "etcd-kill", false);
+    agent_lost(Store::Etcd, "etcd-kill", false, "in-process");
 }
 
 #[test]
 fn etcd_link_cut_mid_epoch_the_others_finish() {
-    agent_lost(Store::Etcd, "etcd-cut", true);
+    agent_lost(Store::Etcd, "etcd-cut", true, "in-process");
 }
 
 #[test]

@@ -366,3 +366,12 @@ impl Running {
         }
     }
 }
+
+/// The digest of an epoch that trained each of images `0..n` once (an `epoch` record's
+/// `samples_digest`).
+pub fn every_image(n: usize) -> String {
+    format!(
+        "{:016x}",
+        trainer::sampler::digest(&(0..n).collect::<Vec<_>>())
+    )
+}

@@ -197,14 +197,6 @@ fn uninterrupted(args: &[String]) -> Vec<(u32, u64, String)> {
     expected
 }
 
-/// The digest of an epoch that trained each of images `0..n` once.
-fn every_image(n: usize) -> String {
-    format!(
-        "{:016x}",
-        trainer::sampler::digest(&(0..n).collect::<Vec<_>>())
-    )
-}
-
 /// A worker killed mid-epoch with no checkpoint due (no `--checkpoint-every`): rank 0, which
 /// loses its peer, saves the last step it completed before the restart, so the job goes on from
 /// there rather than from the epoch's start, and ends with the uninterrupted run's weights,

@@ -238,9 +238,10 @@ enum Left {
 pub(super) struct Synced {
     /// Rank 0 read a checkpoint (only when no rank held a live state).
     pub(super) resumed: bool,
-    /// This rank received its state from a peer.
+    /// This rank received a live state from a peer (not the job start's broadcast).
     pub(super) received: bool,
-    /// Bytes broadcast from the rank that had the state (0 when every rank had it).
+    /// Bytes of live state broadcast from the rank that had it (0 when every rank had it, and
+    /// at a job's start).
     pub(super) bytes: u64,
 }
 
@@ -289,10 +290,16 @@ pub(super) fn sync(
     }
     let floats =
         state.params.len() + state.buffers.len() + if momentum { state.momentum.len() } else { 0 };
+    // A job's start is not a regroup: nobody's live state travelled.
+    let from_peer = furthest > 0;
     Ok(Synced {
         resumed,
-        received: rank != source,
-        bytes: (header.len() + 4 * floats) as u64,
+        received: from_peer && rank != source,
+        bytes: if from_peer {
+            (header.len() + 4 * floats) as u64
+        } else {
+            0
+        },
     })
 }
 
