@@ -4,14 +4,16 @@
 For each backend (c10d, etcd) and several runs, on this machine's loopback:
   - fresh: two agents started -> first training step done;
   - kill:  one of three agents killed (SIGKILL) mid-epoch -> survivors' round complete,
-           workers started, first training step done at the new world size; and the steps
-           trained again (the last global step before the kill minus the step the restarted
-           workers resumed from, from the metrics files);
-  - join:  a third agent started while two train -> first step done at world size 3, and the
-           steps trained again.
+           workers started again (--regroup restart) or regrouped in place, first training
+           step done at the new world size; and the steps trained again (the last global step
+           before the restart or regroup minus the step training went on from, from the
+           metrics files);
+  - join:  a third agent started while two train -> first step done at world size 3 (the
+           joiner's start to its first step), and the steps trained again.
 Prints each run and the medians. Usage: bench/failover.py [--runs N] [--trainctl PATH]
-[--model seed-cnn|resnet18] [--backends c10d,etcd]. The seed CNN trains on generated CIFAR-10,
-a ResNet on a generated 64x64 image folder (tiny-imagenet's layout), decoded into the cache.
+[--model seed-cnn|resnet18] [--backends c10d,etcd] [--regroup in-process,restart]. The seed
+CNN trains on generated CIFAR-10, a ResNet on a generated 64x64 image folder (tiny-imagenet's
+layout), decoded into the cache.
 Needs `etcd` on PATH (scripts/test installs Debian's etcd-server).
 """
 import json
@@ -77,7 +79,8 @@ def is_step(line):
 
 def redone(workdir, run_id, at):
     """Steps trained again after the event at unix time `at`: the last global step any rank
-    recorded before the workers were started again, minus the step they resumed from."""
+    recorded before the workers were started again (or regrouped), minus the step training
+    went on from."""
     steps, starts = [], []
     metrics = os.path.join(workdir, "runs", run_id, "metrics")
     for name in os.listdir(metrics):
@@ -89,7 +92,7 @@ def redone(workdir, run_id, at):
                     continue  # a killed worker's last, partial line
                 if r.get("kind") == "step":
                     steps.append((r["time"], r["step"]))
-                elif r.get("kind") == "start" and r["time"] > at:
+                elif r.get("kind") in ("start", "regroup") and r["time"] > at:
                     starts.append((r["time"], r["step"]))
     if not starts:
         return 0
@@ -99,17 +102,18 @@ def redone(workdir, run_id, at):
 
 
 class Job:
-    def __init__(self, trainctl, backend, workdir, etcd_url, model):
+    def __init__(self, trainctl, backend, workdir, etcd_url, model, regroup):
         self.trainctl, self.backend, self.workdir = trainctl, backend, workdir
         self.run = 0
         self.etcd_url = etcd_url
         self.model = model
+        self.regroup = regroup
 
     def agent_cmd(self, run_id, endpoint):
         return [
             self.trainctl, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
             "--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--job-token", "bench",
+            "--rdzv-id", run_id, "--job-token", "bench", "--regroup", self.regroup,
             "train", "--model", self.model, "--data", "data", "--out", "runs", "--epochs", "100",
             "--batch-size", "8", "--threads", "1", "--print-freq", "1", "--no-eval",
         ]
@@ -146,11 +150,12 @@ class Job:
             t0, at = time.monotonic(), time.time()
             victim.kill()
             t_round = wait_for(lines, lambda n, l: "of 2," in l and "round" in l)
-            t_started = wait_for(lines, lambda n, l: "started rank" in l)
+            back = "regrouped in place" if self.regroup == "in-process" else "started rank"
+            t_back = wait_for(lines, lambda n, l: back in l)
             t_step = wait_for(lines, lambda n, l: is_step(l))
             return {
                 "new round": t_round - t0,
-                "workers started": t_started - t0,
+                "regrouped" if self.regroup == "in-process" else "workers started": t_back - t0,
                 "first step": t_step - t0,
                 "steps redone": redone(self.workdir, run_id, at),
             }
@@ -184,6 +189,8 @@ def main():
     ap.add_argument("--trainctl", default="target/debug/trainctl")
     ap.add_argument("--model", default="seed-cnn")
     ap.add_argument("--backends", default="c10d,etcd")
+    ap.add_argument("--regroup", default="in-process,restart")
+    ap.add_argument("--scenarios", default="fresh,kill,join")
     args = ap.parse_args()
     trainctl = os.path.abspath(args.trainctl)
     work = tempfile.mkdtemp(prefix="failover-")
@@ -207,14 +214,21 @@ def main():
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(2)
         for backend in args.backends.split(","):
-            job = Job(trainctl, backend, work, f"http://127.0.0.1:{cport}", args.model)
-            for scenario in ["fresh", "kill", "join"]:
-                runs = [getattr(job, scenario)() for _ in range(args.runs)]
-                for key in runs[0]:
-                    values = [r[key] for r in runs]
-                    unit = "" if key == "steps redone" else " s"
-                    print(f"{backend:5} {scenario:6} {key:16} median {statistics.median(values):6.2f}{unit}"
-                          f"  runs: {' '.join(f'{v:.2f}' for v in values)}", flush=True)
+            for scenario in args.scenarios.split(","):
+                # Runs alternate between the regroup modes, so that both see the same hour.
+                modes = args.regroup.split(",")
+                jobs = {m: Job(trainctl, backend, work, f"http://127.0.0.1:{cport}", args.model, m)
+                        for m in modes}
+                runs = {m: [] for m in modes}
+                for _ in range(args.runs):
+                    for m in modes:
+                        runs[m].append(getattr(jobs[m], scenario)())
+                for m in modes:
+                    for key in runs[m][0]:
+                        values = [r[key] for r in runs[m]]
+                        unit = "" if key == "steps redone" else " s"
+                        print(f"{backend:5} {m:10} {scenario:6} {key:16} median {statistics.median(values):6.2f}{unit}"
+                              f"  runs: {' '.join(f'{v:.2f}' for v in values)}", flush=True)
     finally:
         if etcd:
             etcd.kill()
