@@ -101,6 +101,33 @@ def redone(workdir, run_id, at):
     return before - min(step for _, step in starts)
 
 
+def first_step(workdir, run_id, world_size, at):
+    """Unix time of the first step record at `world_size` that ended after `at`, or None.
+    (A step line on the launcher's output may be the old group's last: a pause lets the step
+    under way finish, and its line can come after the new round's.)"""
+    metrics = os.path.join(workdir, "runs", run_id, "metrics")
+    times = []
+    for name in os.listdir(metrics):
+        with open(os.path.join(metrics, name)) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("kind") == "step" and r["world_size"] == world_size and r["time"] > at:
+                    times.append(r["time"])
+    return min(times, default=None)
+
+
+def step_at(lines, workdir, run_id, world_size, at):
+    """Seconds from unix time `at` to the end of the first step at `world_size`."""
+    while True:
+        wait_for(lines, lambda n, l: is_step(l))
+        t = first_step(workdir, run_id, world_size, at)
+        if t is not None:
+            return t - at
+
+
 class Job:
     def __init__(self, trainctl, backend, workdir, etcd_url, model, regroup):
         self.trainctl, self.backend, self.workdir = trainctl, backend, workdir
@@ -152,11 +179,10 @@ class Job:
             t_round = wait_for(lines, lambda n, l: "of 2," in l and "round" in l)
             back = "regrouped in place" if self.regroup == "in-process" else "started rank"
             t_back = wait_for(lines, lambda n, l: back in l)
-            t_step = wait_for(lines, lambda n, l: is_step(l))
             return {
                 "new round": t_round - t0,
                 "regrouped" if self.regroup == "in-process" else "workers started": t_back - t0,
-                "first step": t_step - t0,
+                "first step": step_at(lines, self.workdir, run_id, 2, at),
                 "steps redone": redone(self.workdir, run_id, at),
             }
         finally:
@@ -172,10 +198,9 @@ class Job:
             t0, at = time.monotonic(), time.time()
             agents.append(Agent("late", self.agent_cmd(run_id, endpoint), self.workdir, lines))
             t_round = wait_for(lines, lambda n, l: "of 3," in l and "round" in l)
-            t_step = wait_for(lines, lambda n, l: is_step(l))
             return {
                 "new round": t_round - t0,
-                "first step": t_step - t0,
+                "first step": step_at(lines, self.workdir, run_id, 3, at),
                 "steps redone": redone(self.workdir, run_id, at),
             }
         finally:

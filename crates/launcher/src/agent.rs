@@ -144,9 +144,12 @@ fn run_rounds(
                     ToAgent::Ready | ToAgent::Paused { .. } | ToAgent::Regrouped(_) => {}
                 }
             }
-            if let Some(reason) = lost
-                && !closing
-            {
+            if lost.is_some() && closing {
+                // Another node finished the job: there is no next round to regroup in.
+                group.stop(spec.grace);
+                return Ok(Outcome::Succeeded);
+            }
+            if let Some(reason) = lost {
                 if regrouping.is_some() {
                     failed_regroups += 1;
                 }

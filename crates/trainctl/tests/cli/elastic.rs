@@ -407,6 +407,29 @@ fn agent_lost_and_another_added(store: Store, name: &str) {
     );
 }
 
+/// A joining node lost while it joins (its agent killed as soon as its worker starts, while the
+/// survivors wait for it in the new group or stream it the state): the survivors' regroup
+/// fails and starts over without it, counted as one failed regroup (within --max-restarts 1,
+/// so no fallback to a restart), and the job finishes with every image once per epoch.
+fn joiner_lost_while_joining(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents = [c.start(1, 1), c.start(2, 1)];
+    c.wait_for_step(2);
+    let joiner = c.start(3, 1);
+    c.agents[joiner].wait_for_workers(1, JOB_TIMEOUT);
+    c.kill(joiner);
+    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
+    let all = outputs.join("\n");
+    c.verify_finished(&outputs, 2);
+    c.verify_exactly_once();
+    for &a in &agents {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    assert!(!all.contains("resuming from checkpoint"), "{all}");
+}
+
 fn worker_killed(store: Store, name: &str) {
     let Some(mut c) = Cluster::new(store, name) else {
         return;
@@ -484,6 +507,11 @@ fn c10d_agent_killed_and_another_added_every_image_once() {
 #[test]
 fn etcd_agent_killed_and_another_added_every_image_once() {
     agent_lost_and_another_added(Store::Etcd, "etcd-kill-add");
+}
+
+#[test]
+fn c10d_joiner_lost_while_joining_the_survivors_regroup_again() {
+    joiner_lost_while_joining(Store::C10d, "c10d-joiner-lost");
 }
 
 #[test]

@@ -340,6 +340,10 @@ fn run_serves_prometheus_metrics_while_training() {
     assert_eq!(sample(&families, "trainctl_world_size", &[]), Some(2.0));
     assert_eq!(sample(&families, "trainctl_agent_restarts", &[]), Some(0.0));
     assert_eq!(
+        sample(&families, "trainctl_agent_regroups_total", &[]),
+        Some(0.0)
+    );
+    assert_eq!(
         sample(&families, "trainctl_agent_worker_starts_total", &[]),
         Some(2.0)
     );
