@@ -115,6 +115,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         unreadable: Unreadable::default(),
         rank,
         world_size,
+        live: true,
     };
     while run.state.progress.epoch < cfg.epochs {
         match (
@@ -167,7 +168,7 @@ fn start(
         setup.train.len(),
         setup.info.clone(),
     );
-    let synced = sync(cfg, &mut group, &mut state, false, report)?;
+    let synced = sync(cfg, &mut group, &mut state, &mut false, report)?;
     let model = load(model, Some(&state.params), &state.buffers);
     Ok(Started {
         group,
@@ -268,6 +269,9 @@ struct Run<'a> {
     unreadable: Unreadable,
     rank: usize,
     world_size: usize,
+    /// `state` is a step this worker completed (or took whole from a peer), not what a stream
+    /// cut off half-way left.
+    live: bool,
 }
 
 impl Run<'_> {

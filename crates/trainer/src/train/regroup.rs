@@ -251,15 +251,18 @@ pub(super) struct Synced {
 /// momentum) to all, unless every rank already holds that step (then their states are the
 /// same, by the bit-identity invariant). When none does, the job starts: rank 0's fresh or
 /// resumed state goes to all, as at any start.
+///
+/// A rank whose state is being replaced loses `live` until the stream is whole: a stream cut
+/// off half-way (the source lost) leaves a state that must never be offered again.
 pub(super) fn sync(
     cfg: &TrainConfig,
     group: &mut ProcessGroup,
     state: &mut TrainState,
-    live: bool,
+    live: &mut bool,
     report: &mut dyn FnMut(Event),
 ) -> Result<Synced> {
     let rank = group.rank();
-    let held = group.all_gather_u64(if live {
+    let held = group.all_gather_u64(if *live {
         state.progress.global_step + 1
     } else {
         0
@@ -269,6 +272,7 @@ pub(super) fn sync(
         let resumed = rank == 0 && state.resume(cfg, report)?;
         (0, resumed)
     } else if held.iter().all(|&h| h == furthest) {
+        *live = true;
         return Ok(Synced {
             resumed: false,
             received: false,
@@ -278,6 +282,10 @@ pub(super) fn sync(
         let source = held.iter().position(|&h| h == furthest).unwrap_or(0);
         (source, false)
     };
+    // Ranks at the source's step hold its very bytes: overwriting them changes nothing.
+    if held[rank] != furthest {
+        *live = false;
+    }
     let mut header = state.header(resumed);
     group.broadcast_bytes(&mut header, source)?;
     let resumed = state.apply_header(&header);
@@ -290,11 +298,12 @@ pub(super) fn sync(
     }
     let floats =
         state.params.len() + state.buffers.len() + if momentum { state.momentum.len() } else { 0 };
+    *live = true;
     // A job's start is not a regroup: nobody's live state travelled.
     let from_peer = furthest > 0;
     Ok(Synced {
         resumed,
-        received: from_peer && rank != source,
+        received: from_peer && held[rank] != furthest,
         bytes: if from_peer {
             (header.len() + 4 * floats) as u64
         } else {
@@ -390,7 +399,24 @@ impl Run<'_> {
         let mut group = ProcessGroup::join(world)?;
         control.watch(&group);
         group.barrier()?;
-        let synced = sync(self.cfg, &mut group, &mut self.state, true, report)?;
+        if !self.live {
+            // What an earlier, broken stream left: the job's fresh state, for rank 0 to
+            // replace with the checkpoint if no rank holds a live one.
+            self.state = TrainState::fresh(
+                self.cfg,
+                &self.template,
+                world.world_size as usize,
+                self.setup.train.len(),
+                self.state.info.clone(),
+            );
+        }
+        let synced = sync(
+            self.cfg,
+            &mut group,
+            &mut self.state,
+            &mut self.live,
+            report,
+        )?;
         if synced.received {
             self.step.load(&self.state);
         }

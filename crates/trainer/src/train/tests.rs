@@ -141,3 +141,154 @@ fn two_ranks_on_different_shards_end_the_step_identical() {
     let alone = step_on(&start, vec![first]);
     assert_ne!(two[0].0, alone[0].0, "the other rank's gradients count");
 }
+
+/// What one rank holds before a group's start: live at a step with weights filled with a
+/// value, or nothing live (a joiner, or a stream cut off).
+#[derive(Clone, Copy)]
+struct Held {
+    live: bool,
+    step: u64,
+    fill: f32,
+}
+
+/// Runs [`super::regroup::sync`] on a world of `held.len()` threads; returns each rank's
+/// (global step, first parameter, first momentum value, received, bytes, live after).
+fn sync_on(held: Vec<Held>) -> Vec<(u64, f32, f32, bool, u64, bool)> {
+    let ranks = held.len();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let start = start();
+    let threads: Vec<_> = held
+        .into_iter()
+        .enumerate()
+        .map(|(rank, h)| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let world = World::loopback(rank as u32, ranks as u32, port, "sync-test");
+                let mut group = ProcessGroup::join(&world).unwrap();
+                let cfg = config();
+                let mut state = TrainState::fresh(&cfg, &start, ranks, 16, ModelInfo::seed_cifar());
+                state.progress.global_step = h.step;
+                state.params.fill(h.fill);
+                state.momentum.fill(h.fill / 2.0);
+                let mut live = h.live;
+                let synced =
+                    super::regroup::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {})
+                        .unwrap();
+                (
+                    state.progress.global_step,
+                    state.params[0],
+                    state.momentum[0],
+                    synced.received,
+                    synced.bytes,
+                    live,
+                )
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+/// A new group takes the state of the lowest rank furthest on: a survivor one step behind and
+/// a joiner receive it whole (weights, momentum, step); the source receives nothing.
+#[test]
+fn a_new_group_takes_the_state_of_the_rank_furthest_on() {
+    let got = sync_on(vec![
+        Held {
+            live: true,
+            step: 4,
+            fill: 1.0,
+        },
+        Held {
+            live: true,
+            step: 5,
+            fill: 2.0,
+        },
+        Held {
+            live: false,
+            step: 0,
+            fill: 3.0,
+        },
+        Held {
+            live: true,
+            step: 5,
+            fill: 2.0,
+        },
+    ]);
+    for (rank, &(step, param, momentum, received, bytes, live)) in got.iter().enumerate() {
+        assert_eq!(
+            (step, param, momentum, live),
+            (5, 2.0, 1.0, true),
+            "rank {rank}"
+        );
+        assert_eq!(received, rank == 0 || rank == 2, "rank {rank}");
+        assert!(bytes > 0, "rank {rank}: the state was streamed");
+    }
+}
+
+/// Survivors that all hold the same step stream nothing; a job's start (no rank live) is rank
+/// 0's state and not a state from a peer.
+#[test]
+fn equal_survivors_stream_nothing_and_a_start_is_rank_0s_state() {
+    let equal = sync_on(vec![
+        Held {
+            live: true,
+            step: 9,
+            fill: 1.0,
+        },
+        Held {
+            live: true,
+            step: 9,
+            fill: 1.0,
+        },
+    ]);
+    assert!(
+        equal.iter().all(|r| *r == (9, 1.0, 0.5, false, 0, true)),
+        "{equal:?}"
+    );
+    let fresh = sync_on(vec![
+        Held {
+            live: false,
+            step: 0,
+            fill: 1.0,
+        },
+        Held {
+            live: false,
+            step: 0,
+            fill: 3.0,
+        },
+    ]);
+    for r in &fresh {
+        assert_eq!((r.1, r.3, r.4, r.5), (1.0, false, 0, true), "{fresh:?}");
+    }
+}
+
+/// The source lost half-way through the stream (after the header, before the weights): the
+/// receiver's sync fails and its state is no longer live, so it is never offered to a later
+/// group as a step it holds.
+#[test]
+fn a_stream_cut_off_half_way_leaves_no_live_state() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let start = start();
+    let source = std::thread::spawn(move || {
+        let mut group = ProcessGroup::join(&World::loopback(0, 2, port, "cut")).unwrap();
+        group.all_gather_u64(8).unwrap();
+        let mut header = [0u8; super::state::HEADER_BYTES];
+        group.broadcast_bytes(&mut header, 0).unwrap();
+        // Gone before the parameters.
+    });
+    let mut group = ProcessGroup::join(&World::loopback(1, 2, port, "cut")).unwrap();
+    let cfg = config();
+    let mut state = TrainState::fresh(&cfg, &start, 2, 16, ModelInfo::seed_cifar());
+    state.progress.global_step = 3;
+    let mut live = true;
+    let synced = super::regroup::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {});
+    source.join().unwrap();
+    assert!(synced.is_err(), "the stream was cut off");
+    assert!(!live, "what it left is not a live state");
+}
