@@ -2,11 +2,11 @@
 //! Unix socket pair per worker, the worker's end inherited as `TRAINCTL_CONTROL_FD`.
 //!
 //! The worker says it can regroup ([`ToAgent::Ready`]), that a peer was lost and it waits for
-//! the next round ([`ToAgent::Lost`]), that it stopped at a step boundary as asked
-//! ([`ToAgent::Paused`]) and what a regroup cost ([`ToAgent::Regrouped`]). The agent asks it to
-//! stop at the next step boundary ([`ToWorker::Pause`]) and hands it the next round's
-//! membership ([`ToWorker::Assign`]: the torchrun environment it would have been started
-//! with). A worker that never says `Ready` (any program but the built-in trainer) is stopped
+//! the next round ([`ToAgent::Lost`]), that it stopped at a step boundary for an assignment
+//! ([`ToAgent::Paused`]) and what a regroup cost ([`ToAgent::Regrouped`]). The agent hands it
+//! the next round's membership ([`ToWorker::Assign`]: the torchrun environment it would have
+//! been started with), which a worker still training takes at its next step boundary, or asks
+//! it to leave its group at once ([`ToWorker::Abort`]: a node of the group is gone). A worker that never says `Ready` (any program but the built-in trainer) is stopped
 //! and started again, as torchrun does. Messages are the wire's frames and checked codec: the
 //! other end is local, but a broken one must not make this end panic or allocate at will.
 
@@ -34,7 +34,8 @@ pub enum ToAgent {
         step: u64,
         reason: String,
     },
-    /// The worker stopped after global step `step`, as asked, and waits for an assignment.
+    /// The worker stopped after global step `step` for an assignment that came while it
+    /// trained.
     Paused { assignments: u64, step: u64 },
     /// The worker trains in its new group.
     Regrouped(Regrouped),
@@ -62,12 +63,11 @@ pub struct Regrouped {
 /// What an agent tells its worker.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToWorker {
-    /// Stop after the step under way (all ranks agree on which) and wait for an assignment.
-    Pause,
     /// Leave the group now, dropping the step in flight (a node of the group is gone: its
     /// collectives would wait for the timeout), and wait for an assignment.
     Abort,
-    /// The next round's membership: the worker environment, name and value.
+    /// The next round's membership: the worker environment, name and value. A worker still
+    /// training finishes the step under way (all ranks agree on which) first.
     Assign(Vec<(String, String)>),
 }
 
@@ -140,7 +140,6 @@ impl Message for ToAgent {
 impl Message for ToWorker {
     fn encode(&self) -> Vec<u8> {
         match self {
-            ToWorker::Pause => Encoder::new().u8(0),
             ToWorker::Abort => Encoder::new().u8(2),
             ToWorker::Assign(env) => env
                 .iter()
@@ -154,7 +153,6 @@ impl Message for ToWorker {
     fn decode(buf: &[u8]) -> Result<Self, WireError> {
         let mut d = Decoder::new(buf);
         let message = match d.u8("message kind")? {
-            0 => ToWorker::Pause,
             2 => ToWorker::Abort,
             1 => {
                 let n = d.u32("variables")? as usize;
@@ -340,15 +338,12 @@ mod tests {
         }
         assert_eq!(agent.recv::<ToAgent>(Duration::ZERO).unwrap(), None);
         let assign = ToWorker::Assign(vec![("RANK".into(), "1".into()), ("X".into(), "".into())]);
-        agent.send(&ToWorker::Pause).unwrap();
         agent.send(&ToWorker::Abort).unwrap();
         agent.send(&assign).unwrap();
-        for m in [ToWorker::Pause, ToWorker::Abort] {
-            assert_eq!(
-                worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
-                Some(m)
-            );
-        }
+        assert_eq!(
+            worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
+            Some(ToWorker::Abort)
+        );
         assert_eq!(
             worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
             Some(assign)

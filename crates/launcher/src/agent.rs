@@ -241,13 +241,11 @@ fn run_rounds(
                     }
                     Ok(Watch::Restart(Restart { reason, node_gone })) => {
                         if group.can_regroup() {
+                            // Their collectives with a node gone would wait for the collective
+                            // timeout: the step in flight is dropped at once. Otherwise (nodes
+                            // joining) they train on until the round's assignment comes.
                             if node_gone {
-                                // Their collectives with the node gone would wait for the
-                                // collective timeout: the step in flight is dropped at once.
                                 group.abort();
-                            } else {
-                                // They finish the step under way, all ranks the same one.
-                                group.pause();
                             }
                             events(LaunchEvent::Regrouping {
                                 reason: reason.clone(),

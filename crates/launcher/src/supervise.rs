@@ -341,30 +341,21 @@ impl Group {
         !self.workers.is_empty() && self.workers.iter().all(|w| w.ready && w.exited.is_none())
     }
 
-    /// Asks every worker to leave its group after the step under way (all ranks agree on
-    /// which) and wait for [`Group::assign`].
-    pub(crate) fn pause(&mut self) {
-        self.tell(ToWorker::Pause);
-    }
-
     /// Asks every worker to leave its group now, dropping the step in flight (a node of the
     /// group is gone), and wait for [`Group::assign`].
     pub(crate) fn abort(&mut self) {
-        self.tell(ToWorker::Abort);
-    }
-
-    fn tell(&mut self, message: ToWorker) {
         for w in &mut self.workers {
             if let Some(channel) = w.control.as_mut() {
                 // A worker that is gone shows in the next poll.
-                let _ = channel.send(&message);
+                let _ = channel.send(&ToWorker::Abort);
                 w.owes_since.get_or_insert_with(Instant::now);
             }
         }
     }
 
     /// Hands every worker its place in the round `spec` describes (the environment it would
-    /// be started with). False when one could not be told (it exited): the group must then be
+    /// be started with); one still training takes it after the step under way, all ranks the
+    /// same one (the pause rides the step's all-reduce). False when one could not be told (it exited): the group must then be
     /// started again.
     pub(crate) fn assign(&mut self, spec: &LaunchSpec, restart_count: u32) -> bool {
         if !self.can_regroup() {

@@ -278,7 +278,7 @@ impl Run<'_> {
     /// The rest of the current epoch (from the position all ranks agree on), then its
     /// checkpoint. Returns [`TrainError::Preempted`] once a stop was asked for and saved, and
     /// why the worker must leave its group when it must (only with a `control` channel: a peer
-    /// lost, or a pause the agent asked for), holding the last step it completed.
+    /// lost, or the next round handed by the agent), holding the last step it completed.
     fn epoch(
         &mut self,
         group: &mut ProcessGroup,

@@ -1,5 +1,5 @@
-//! Going on in a new group without restarting: when a peer is lost, or when the agent asks for
-//! a pause because a node joins, the worker leaves its group holding the last step it
+//! Going on in a new group without restarting: when a peer is lost, or when the agent hands the
+//! next round because a node joins, the worker leaves its group holding the last step it
 //! completed, tells its agent over the control channel ([`collective::control`]), waits for the
 //! next round's membership, joins the new group and takes the state of its most advanced rank
 //! ([`sync`]). The epoch goes on from the position all ranks then hold, re-sharded over the
@@ -24,7 +24,7 @@ use crate::error::{Result, TrainError};
 pub(super) enum Leave {
     /// A collective failed: a peer is gone.
     Lost(String),
-    /// The agent asked for a pause (a node joins) and every rank stopped after the same step.
+    /// The agent handed the next round (a node joins) and every rank stopped after the same step.
     Paused,
 }
 
@@ -36,9 +36,9 @@ pub(super) struct Control {
     inbox: mpsc::Receiver<Result<ToWorker, ControlError>>,
     /// The current group's links, for an abort to break.
     links: Arc<Mutex<Option<Interrupter>>>,
-    /// The agent asked for a pause that has not happened yet.
+    /// An assignment came while the worker trained: it leaves its group after the step.
     pause: bool,
-    /// An assignment that came before the pause happened (the round completed within a step).
+    /// That assignment, for when the worker has left its group.
     assigned: Option<Vec<(String, String)>>,
     /// Assignments received, for the agent to tell current reports from stale ones.
     assignments: u64,
@@ -115,12 +115,12 @@ impl Control {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = group.interrupter();
     }
 
-    /// Whether the agent has asked for a pause (checked before each step, without waiting).
+    /// Whether the agent has handed the next round (checked before each step, without
+    /// waiting): the worker then leaves its group after that step, as every rank does.
     pub(super) fn pause_requested(&mut self) -> bool {
         // A broken channel shows when the worker next needs it; until then training goes on.
         while let Ok(Ok(message)) = self.inbox.try_recv() {
             match message {
-                ToWorker::Pause => self.pause = true,
                 // Done by the reader: the next collective fails.
                 ToWorker::Abort => {}
                 // The next round already: kept for when this worker leaves its group.
@@ -174,7 +174,7 @@ impl Control {
                     self.assignments += 1;
                 }
                 // Asked before the group broke up: this worker has already left it.
-                Ok(Ok(ToWorker::Pause | ToWorker::Abort)) => {}
+                Ok(Ok(ToWorker::Abort)) => {}
                 Ok(Err(e)) => return Err(e),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(ControlError::Closed),

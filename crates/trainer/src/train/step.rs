@@ -50,7 +50,7 @@ pub(super) struct StepOutcome {
     pub(super) accuracy: f32,
     /// Some rank was asked to stop: all finish this step, then stop together.
     pub(super) stopping: bool,
-    /// Some rank's agent asked for a pause: all finish this step, then leave the group.
+    /// Some rank's agent handed the next round: all finish this step, then leave the group.
     pub(super) pausing: bool,
     /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
     pub(super) digest: u64,
