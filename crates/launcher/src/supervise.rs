@@ -40,7 +40,7 @@ struct Worker {
     ready: bool,
     /// Assignments sent to it.
     assignments: u64,
-    /// Since when it owes an answer to a pause or an assignment.
+    /// Since when it owes an answer to an abort or an assignment (`Lost`, `Regrouped`).
     owes_since: Option<Instant>,
 }
 
@@ -328,7 +328,9 @@ impl Group {
                         w.owes_since = Some(Instant::now());
                         continue;
                     }
-                    _ => w.owes_since = None,
+                    // Left its group for the assignment: the answer is still to come.
+                    ToAgent::Paused { .. } => {}
+                    ToAgent::Lost { .. } | ToAgent::Regrouped(_) => w.owes_since = None,
                 }
                 said.push((w.local_rank, message));
             }
@@ -355,8 +357,8 @@ impl Group {
 
     /// Hands every worker its place in the round `spec` describes (the environment it would
     /// be started with); one still training takes it after the step under way, all ranks the
-    /// same one (the pause rides the step's all-reduce). False when one could not be told (it exited): the group must then be
-    /// started again.
+    /// same one (the pause rides the step's all-reduce). False when one could not be told (it
+    /// exited): the group must then be started again.
     pub(crate) fn assign(&mut self, spec: &LaunchSpec, restart_count: u32) -> bool {
         if !self.can_regroup() {
             return false;
