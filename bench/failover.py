@@ -77,23 +77,28 @@ def is_step(line):
     return "] loss:" in line
 
 
-def redone(workdir, run_id, at):
-    """Steps trained again after the event at unix time `at`: the last global step any rank
-    recorded before the workers were started again (or regrouped), minus the step training
-    went on from."""
-    steps, starts = [], []
+def records(workdir, run_id):
+    """Every rank's metrics records of the run, as dicts."""
     metrics = os.path.join(workdir, "runs", run_id, "metrics")
     for name in os.listdir(metrics):
         with open(os.path.join(metrics, name)) as f:
             for line in f:
                 try:
-                    r = json.loads(line)
+                    yield json.loads(line)
                 except ValueError:
                     continue  # a killed worker's last, partial line
-                if r.get("kind") == "step":
-                    steps.append((r["time"], r["step"]))
-                elif r.get("kind") in ("start", "regroup") and r["time"] > at:
-                    starts.append((r["time"], r["step"]))
+
+
+def redone(workdir, run_id, at):
+    """Steps trained again after the event at unix time `at`: the last global step any rank
+    recorded before the workers were started again (or regrouped), minus the step training
+    went on from."""
+    steps, starts = [], []
+    for r in records(workdir, run_id):
+        if r.get("kind") == "step":
+            steps.append((r["time"], r["step"]))
+        elif r.get("kind") in ("start", "regroup") and r["time"] > at:
+            starts.append((r["time"], r["step"]))
     if not starts:
         return 0
     restarted = min(t for t, _ in starts)
@@ -103,20 +108,14 @@ def redone(workdir, run_id, at):
 
 def first_step(workdir, run_id, world_size, at):
     """Unix time of the first step record at `world_size` that ended after `at`, or None.
-    (A step line on the launcher's output may be the old group's last: a pause lets the step
-    under way finish, and its line can come after the new round's.)"""
-    metrics = os.path.join(workdir, "runs", run_id, "metrics")
-    times = []
-    for name in os.listdir(metrics):
-        with open(os.path.join(metrics, name)) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if r.get("kind") == "step" and r["world_size"] == world_size and r["time"] > at:
-                    times.append(r["time"])
-    return min(times, default=None)
+    (A step line on the launcher's output may be the old group's last: the step under way
+    finishes before the workers leave their group, and its line can come after the new
+    round's.)"""
+    return min(
+        (r["time"] for r in records(workdir, run_id)
+         if r.get("kind") == "step" and r["world_size"] == world_size and r["time"] > at),
+        default=None,
+    )
 
 
 def step_at(lines, workdir, run_id, world_size, at):
