@@ -32,6 +32,7 @@ struct Cluster {
     agents: Vec<Running>,
     /// `--regroup` for every agent.
     regroup: &'static str,
+    epochs: u64,
     etcd: Option<EtcdServer>,
     // Dropped last: the namespaces outlive every process started in them.
     net: Network,
@@ -65,6 +66,7 @@ impl Cluster {
             run_id: name.to_string(),
             agents: Vec::new(),
             regroup: "in-process",
+            epochs: EPOCHS,
             etcd,
             net,
         })
@@ -99,7 +101,7 @@ impl Cluster {
             .args(["--collective-timeout", "20"])
             .args(["--regroup", self.regroup])
             .args(["train", "--data", "data", "--out", "runs"])
-            .args(["--epochs", &EPOCHS.to_string(), "--batch-size", "16"])
+            .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
             .args([
                 "--threads",
                 "1",
@@ -160,10 +162,10 @@ impl Cluster {
     /// every epoch trained exactly once, final model evaluates; `world_size` at the end.
     fn verify_finished(&self, outputs: &[String], world_size: usize) {
         let p = self.progress().expect("the final checkpoint verifies");
-        assert_eq!(p["epoch"].as_u64(), Some(EPOCHS), "{p}");
+        assert_eq!(p["epoch"].as_u64(), Some(self.epochs), "{p}");
         assert_eq!(
             p["samples_seen"].as_u64(),
-            Some(EPOCHS * TRAIN_IMAGES),
+            Some(self.epochs * TRAIN_IMAGES),
             "samples trained must add up to epochs × data set: {p}"
         );
         let all = outputs.join("\n");
@@ -177,7 +179,7 @@ impl Cluster {
         assert!(
             all.contains(&format!(
                 "(world size {world_size}, {} samples",
-                EPOCHS * TRAIN_IMAGES
+                self.epochs * TRAIN_IMAGES
             )),
             "expected the job to end at world size {world_size}:\n{all}"
         );
@@ -430,6 +432,49 @@ fn joiner_lost_while_joining(store: Store, name: &str) {
     assert!(!all.contains("resuming from checkpoint"), "{all}");
 }
 
+/// Soak: nodes killed and new ones started at moments drawn at random (the seed is printed, and
+/// `TRAINCTL_SOAK_SEED` replays it) over four epochs; the job ends at world size 3 with every
+/// image trained exactly once in every epoch and every rank's weights the same. The agent of
+/// host 1 hosts the c10d store and is left alone (losing it is another test's case).
+fn kills_and_joins_at_random(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    c.epochs = 4;
+    #[allow(clippy::disallowed_methods)] // a test's own knob, not the worker environment
+    let seed = std::env::var("TRAINCTL_SOAK_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::process::id() as u64);
+    eprintln!("{name}: seed {seed} (TRAINCTL_SOAK_SEED={seed} replays it)");
+    let mut rng = seed;
+    let mut draw = |n: u64| {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    // Host 1's agent, then the agents of hosts 2 and 3, replaced as they are killed.
+    let first = c.start(1, 3);
+    let mut running = [c.start(2, 3), c.start(3, 3)];
+    let mut step = 0;
+    for _ in 0..3 {
+        // Steps of batch 16 at world size 3 or less: 30 to 80 steps in all.
+        step += 2 + 2 * draw(3);
+        c.wait_for_step(step);
+        let victim = draw(2) as usize;
+        c.kill(running[victim]);
+        running[victim] = c.start(victim + 2, 3);
+    }
+    let outputs: Vec<String> = [first, running[0], running[1]]
+        .iter()
+        .map(|&a| c.succeeds(a))
+        .collect();
+    c.verify_finished(&outputs, 3);
+    c.verify_exactly_once();
+    assert_eq!(workers_of(&c.agents[first]).len(), 1, "{}", outputs[0]);
+}
+
 fn worker_killed(store: Store, name: &str) {
     let Some(mut c) = Cluster::new(store, name) else {
         return;
@@ -479,7 +524,7 @@ fn worker_killed(store: Store, name: &str) {
         .progress()
         .expect("the checkpoint survives the failed job");
     assert!(
-        p["epoch"].as_u64() < Some(EPOCHS),
+        p["epoch"].as_u64() < Some(c.epochs),
         "the job did not finish: {p}"
     );
 }
@@ -507,6 +552,16 @@ fn c10d_agent_killed_and_another_added_every_image_once() {
 #[test]
 fn etcd_agent_killed_and_another_added_every_image_once() {
     agent_lost_and_another_added(Store::Etcd, "etcd-kill-add");
+}
+
+#[test]
+fn c10d_kills_and_joins_at_random_every_image_once() {
+    kills_and_joins_at_random(Store::C10d, "c10d-soak");
+}
+
+#[test]
+fn etcd_kills_and_joins_at_random_every_image_once() {
+    kills_and_joins_at_random(Store::Etcd, "etcd-soak");
 }
 
 #[test]
