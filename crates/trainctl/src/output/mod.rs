@@ -381,7 +381,7 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             "trainctl run: new rendezvous round: {reason}; restarting the workers"
         )),
         LaunchEvent::Regrouping { reason } => err(format_args!(
-            "trainctl run: {reason}; the workers keep running and wait for the next round"
+            "trainctl run: {reason}; the workers keep running and regroup at the next round"
         )),
         LaunchEvent::Regrouped(r) => err(format_args!(
             "trainctl run: regrouped in place ({}): world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted",
