@@ -33,6 +33,9 @@ pub enum TrainError {
         "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it: run the same command again to resume there"
     )]
     Preempted { global_step: u64, epoch: usize },
+    /// Asked to stop (SIGTERM) before this worker trained a step: nothing of its to save.
+    #[error("stopped on request {0}")]
+    Stopped(String),
     #[error(transparent)]
     Collective(#[from] collective::CollectiveError),
 }

@@ -15,6 +15,20 @@ pub fn two_local_workers() -> Command {
     cmd
 }
 
+/// Two local workers on `args` with `--max-restarts 1`; worker 1 is SIGKILLed once a line of
+/// output satisfies `when`, and the job must still succeed. Returns its output.
+pub fn two_local_workers_one_killed(args: &[String], when: impl Fn(&str) -> bool) -> String {
+    let mut run = Running::start(two_local_workers().args(["--max-restarts", "1"]).args(args));
+    run.wait_for_line(Duration::from_secs(120), when);
+    run.kill_worker(1, Duration::from_secs(20));
+    assert!(
+        run.wait(Duration::from_secs(180)).success(),
+        "{}",
+        run.output()
+    );
+    run.output()
+}
+
 pub fn trainctl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainctl"));
     cmd.env_remove("RUST_LOG");

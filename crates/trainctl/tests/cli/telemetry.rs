@@ -30,21 +30,9 @@ fn pixels_of(png: &Path, rgb: [u8; 3]) -> usize {
 #[test]
 fn a_run_with_a_restart_is_recorded_for_tensorboard_and_the_report() {
     let job = Job::new(256, 40);
-    let mut run = Running::start(
-        two_local_workers()
-            .args(["--max-restarts", "1"])
-            .args(args(&job, "runs", 2)),
-    );
-    run.wait_for_line(Duration::from_secs(120), |l| {
+    let out = two_local_workers_one_killed(&args(&job, "runs", 2), |l| {
         l.contains("checkpoint saved at step 2")
     });
-    run.kill_worker(1, Duration::from_secs(20));
-    assert!(
-        run.wait(Duration::from_secs(180)).success(),
-        "{}",
-        run.output()
-    );
-    let out = run.output();
     // Off a terminal, progress is the seed's loss line with steps, throughput and ETA.
     assert!(
         out.lines().any(|l| l.contains("] loss: ")

@@ -207,19 +207,7 @@ fn a_lost_worker_costs_at_most_the_step_in_flight() {
     let args_for = |out: &str| two_epochs_no_eval(&job, out);
     let expected = uninterrupted(&args_for("a"));
 
-    let mut run = Running::start(
-        two_local_workers()
-            .args(["--max-restarts", "1"])
-            .args(args_for("b")),
-    );
-    run.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,     2] loss:"));
-    run.kill_worker(1, Duration::from_secs(20));
-    assert!(
-        run.wait(Duration::from_secs(180)).success(),
-        "{}",
-        run.output()
-    );
-    let out = run.output();
+    let out = two_local_workers_one_killed(&args_for("b"), |l| l.contains("[1,     2] loss:"));
     // "resuming from checkpoint: epoch 1, N samples into it, step S (...)"
     let resumed_step: u64 = out
         .lines()
@@ -407,21 +395,7 @@ fn a_killed_worker_is_restarted_and_the_job_resumes_where_it_was() {
     let job = Job::new(256, 20);
     let mut args = train_args(&job, "r", 2);
     args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
-    let mut run = Running::start(
-        two_local_workers()
-            .args(["--max-restarts", "1"])
-            .args(&args),
-    );
-    run.wait_for_line(Duration::from_secs(120), |l| {
-        l.contains("checkpoint saved at step 2")
-    });
-    run.kill_worker(1, Duration::from_secs(20));
-    assert!(
-        run.wait(Duration::from_secs(180)).success(),
-        "{}",
-        run.output()
-    );
-    let out = run.output();
+    let out = two_local_workers_one_killed(&args, |l| l.contains("checkpoint saved at step 2"));
     assert!(out.contains("restarting all workers (restart 1)"), "{out}");
     assert!(out.contains("resuming from checkpoint"), "{out}");
     // 256 images / (2 ranks x 32) = 4 steps an epoch, 2 epochs: the restart lost nothing and

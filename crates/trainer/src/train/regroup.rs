@@ -36,9 +36,8 @@ pub(super) struct Control {
     inbox: mpsc::Receiver<Result<ToWorker, ControlError>>,
     /// The current group's links, for an abort to break.
     links: Arc<Mutex<Option<Interrupter>>>,
-    /// An assignment came while the worker trained: it leaves its group after the step.
-    pause: bool,
-    /// That assignment, for when the worker has left its group.
+    /// An assignment that came while the worker trained, for when it has left its group
+    /// (after the step under way).
     assigned: Option<Vec<(String, String)>>,
     /// Assignments received, for the agent to tell current reports from stale ones.
     assignments: u64,
@@ -66,7 +65,6 @@ impl Control {
                 channel,
                 inbox,
                 links,
-                pause: false,
                 assigned: None,
                 assignments: 0,
             }),
@@ -87,16 +85,10 @@ impl Control {
         reason: String,
         stop: &AtomicBool,
     ) -> Result<World> {
-        match self.next_round(
-            &Left::Lost {
-                step: 0,
-                reason: reason.clone(),
-            },
-            stop,
-        ) {
+        match self.next_round(&Leave::Lost(reason.clone()), 0, stop) {
             Ok(Some(env)) => world_from(&env, world),
-            Ok(None) => Err(TrainError::Config(format!(
-                "stopped on request while waiting to join a group ({reason})"
+            Ok(None) => Err(TrainError::Stopped(format!(
+                "while waiting to join a group ({reason}); this worker had trained nothing"
             ))),
             Err(e) => Err(TrainError::Collective(CollectiveError::PeerLost(format!(
                 "{reason}; the agent did not regroup this worker ({e})"
@@ -125,37 +117,33 @@ impl Control {
                 ToWorker::Abort => {}
                 // The next round already: kept for when this worker leaves its group.
                 ToWorker::Assign(env) => {
-                    self.pause = true;
                     self.assigned = Some(env);
                     self.assignments += 1;
                 }
             }
         }
-        self.pause
+        self.assigned.is_some()
     }
 
-    /// Tells the agent `left`, then waits for the next round's environment. `None` when a
-    /// stop was asked for meanwhile; an error when the agent closed the channel (it will start
-    /// this node's workers again).
+    /// Tells the agent why the worker left its group (holding global step `step`), then waits
+    /// for the next round's environment. `None` when a stop was asked for meanwhile; an error
+    /// when the agent closed the channel (it will start this node's workers again).
     fn next_round(
         &mut self,
-        left: &Left,
+        why: &Leave,
+        step: u64,
         stop: &AtomicBool,
     ) -> Result<Option<Vec<(String, String)>>, ControlError> {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let assignments = self.assignments;
-        self.channel.send(&match left {
-            Left::Lost { step, reason } => ToAgent::Lost {
+        self.channel.send(&match why {
+            Leave::Lost(reason) => ToAgent::Lost {
                 assignments,
-                step: *step,
+                step,
                 reason: reason.clone(),
             },
-            Left::Paused { step } => ToAgent::Paused {
-                assignments,
-                step: *step,
-            },
+            Leave::Paused => ToAgent::Paused { assignments, step },
         })?;
-        self.pause = false;
         let mut assigned = self.assigned.take();
         loop {
             // Rounds that came and went while this worker was busy: only the latest can form.
@@ -226,12 +214,6 @@ fn world_from(env: &[(String, String)], old: &World) -> Result<World> {
         control_fd: old.control_fd,
         ..world
     })
-}
-
-/// What a worker tells its agent on leaving its group.
-enum Left {
-    Lost { step: u64, reason: String },
-    Paused { step: u64 },
 }
 
 /// How a group's ranks came to hold the same state.
@@ -322,7 +304,7 @@ impl Run<'_> {
     pub(super) fn regroup(
         &mut self,
         group: ProcessGroup,
-        why: Leave,
+        mut why: Leave,
         control: &mut Control,
         report: &mut dyn FnMut(Event),
     ) -> Result<ProcessGroup> {
@@ -331,22 +313,14 @@ impl Run<'_> {
         let step_left = self.state.progress.global_step;
         // Closing its links now makes every peer still inside a collective fail at once.
         drop(group);
-        let (reason, mut message) = match why {
-            Leave::Lost(e) => (
-                format!("peer lost: {e}"),
-                Left::Lost {
-                    step: step_left,
-                    reason: e,
-                },
-            ),
-            Leave::Paused => (
-                "paused for a new round".to_string(),
-                Left::Paused { step: step_left },
-            ),
+        let reason = match &why {
+            Leave::Lost(e) => format!("peer lost: {e}"),
+            Leave::Paused => "paused for a new round".to_string(),
         };
         let mut saver = self.rank == 0;
         loop {
-            let env = match control.next_round(&message, &self.cfg.stop) {
+            let step = self.state.progress.global_step;
+            let env = match control.next_round(&why, step, &self.cfg.stop) {
                 Ok(Some(env)) => env,
                 Ok(None) => return Err(self.stop_while_regrouping(saver, report)),
                 Err(e) => {
@@ -378,10 +352,7 @@ impl Run<'_> {
                         "rank {}: the new group failed ({e}); waiting for the next round",
                         world.rank
                     )));
-                    message = Left::Lost {
-                        step: self.state.progress.global_step,
-                        reason: format!("joining the new group: {e}"),
-                    };
+                    why = Leave::Lost(format!("joining the new group: {e}"));
                 }
                 Err(e) => return Err(e),
             }

@@ -346,6 +346,12 @@ fn worker_spec(
             .context("cannot find the trainctl executable to start workers")?;
         program.insert(0, exe.into_os_string());
     }
+    let collective_timeout = match args.collective_timeout {
+        Some(t) if !(t.is_finite() && t > 0.0) => {
+            bail!("--collective-timeout must be a positive number of seconds, got {t}")
+        }
+        t => t,
+    };
     let file_timer = args.file_timer.then(|| {
         args.timer_file.clone().unwrap_or_else(|| {
             std::env::temp_dir().join(format!("trainctl-timers-{run_id}-{}", std::process::id()))
@@ -367,22 +373,16 @@ fn worker_spec(
         monitor_interval: seconds("--monitor-interval", args.monitor_interval)?
             .max(Duration::from_millis(10)),
         program,
-        extra_env: match args.collective_timeout {
-            Some(t) if t.is_finite() && t > 0.0 => {
-                vec![("TRAINCTL_COLLECTIVE_TIMEOUT".into(), t.to_string())]
-            }
-            Some(t) => bail!("--collective-timeout must be a positive number of seconds, got {t}"),
-            None => vec![],
-        },
+        extra_env: collective_timeout
+            .map(|t| vec![(contract::env::COLLECTIVE_TIMEOUT.into(), t.to_string())])
+            .unwrap_or_default(),
         working_dir: (!args.fetch.is_empty()).then(|| args.fetch_dir.clone()),
         telemetry: None,
         file_timer,
         regroup: args.regroup == Regroup::InProcess,
-        // A pause waits for the step under way, a regroup for the new group's ranks, each
-        // bounded by the collective timeout.
-        regroup_timeout: 2 * args
-            .collective_timeout
-            .filter(|t| t.is_finite() && *t > 0.0)
+        // A worker answers after the step under way, then after its new group's ranks have
+        // all joined, each bounded by the collective timeout.
+        regroup_timeout: 2 * collective_timeout
             .map_or(collective::world::DEFAULT_TIMEOUT, Duration::from_secs_f64),
         hang_timeout: match args.hang_timeout {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
