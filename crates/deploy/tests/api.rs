@@ -17,6 +17,9 @@ struct Route {
     path: String,
     answers: Vec<(StatusCode, String)>,
     served: usize,
+    /// Answers given instead until the route at this path has served this many requests: what
+    /// the server says depends on what happened elsewhere (a job completes once its pod has).
+    until: Option<(String, usize, Vec<(StatusCode, String)>)>,
 }
 
 /// A mock API server: answers from its routes, 404 (as the API server does) otherwise, and
@@ -76,6 +79,27 @@ impl MockApi {
             path: path.into(),
             answers,
             served: 0,
+            until: None,
+        });
+        self
+    }
+
+    /// Answers `before` in turn (the last repeats) until the route at `after.0` has served
+    /// `after.1` requests, then `answers`.
+    fn on_after(
+        &self,
+        method: Method,
+        path: &str,
+        before: Vec<(StatusCode, String)>,
+        after: (&str, usize),
+        answers: Vec<(StatusCode, String)>,
+    ) -> &Self {
+        self.routes.lock().unwrap().push(Route {
+            method,
+            path: path.into(),
+            answers,
+            served: 0,
+            until: Some((after.0.into(), after.1, before)),
         });
         self
     }
@@ -108,10 +132,32 @@ impl MockApi {
                 }
                 let (code, text) = {
                     let mut routes = me.routes.lock().unwrap();
+                    let served = |routes: &[Route], path: &str| {
+                        routes
+                            .iter()
+                            .filter(|r| r.path == path)
+                            .map(|r| r.served)
+                            .sum::<usize>()
+                    };
+                    let waiting = routes
+                        .iter()
+                        .find(|r| r.method == method && r.path == path)
+                        .and_then(|r| r.until.as_ref())
+                        .is_some_and(|(after, count, _)| served(&routes, after) < *count);
                     match routes
                         .iter_mut()
                         .find(|r| r.method == method && r.path == path)
                     {
+                        Some(Route {
+                            until: Some((_, _, before)),
+                            ..
+                        }) if waiting => {
+                            let answer = before.remove(0);
+                            if before.is_empty() {
+                                before.push(answer.clone());
+                            }
+                            answer
+                        }
                         Some(route) => {
                             let i = route.served.min(route.answers.len() - 1);
                             route.served += 1;
@@ -286,36 +332,36 @@ async fn status_of_a_restarting_pod() {
     assert!(text.contains("ip-10-0-1-2"), "{text}");
 }
 
-/// A node whose kubelet stopped (NotReady, or Unknown once the node controller notices) leaves
-/// its pods Running and ready in the API: status says the node is lost and its pod's workers
-/// with it, and logs say so instead of the API server's bare 500.
+/// A node whose kubelet stopped (its Ready condition Unknown once the node controller notices,
+/// or False) leaves its pods Running and ready in the API: status says the pod cannot be
+/// reached but its workers may still run (a kubelet down for a while leaves them training), and
+/// logs say why there are none instead of the API server's bare 500, then fail at the end.
 #[tokio::test]
-async fn a_pod_on_a_lost_node_is_named_in_status_and_logs() {
+async fn a_pod_on_a_not_ready_node_is_unreachable_in_status_and_logs() {
     let api = MockApi::default();
-    api.get(JOB, job(json!({ "active": 2 })));
+    api.get(JOB, job(json!({ "active": 3 })));
+    let running = |index, node| {
+        pod(
+            index,
+            "Running",
+            Some(node),
+            json!({ "containerStatuses": [running_container(0)] }),
+        )
+    };
     api.get(
         PODS,
         list(
             "PodList",
-            vec![
-                pod(
-                    0,
-                    "Running",
-                    Some("n1"),
-                    json!({ "containerStatuses": [running_container(0)] }),
-                ),
-                pod(
-                    1,
-                    "Running",
-                    Some("n2"),
-                    json!({ "containerStatuses": [running_container(0)] }),
-                ),
-            ],
+            vec![running(0, "n1"), running(1, "n2"), running(2, "n3")],
         ),
     );
     api.get(
         "/api/v1/nodes/n2",
         node("n2", "Unknown", "Kubelet stopped posting node status."),
+    );
+    api.get(
+        "/api/v1/nodes/n3",
+        node("n3", "False", "container runtime network not ready"),
     );
     api.on(
         Method::GET,
@@ -325,37 +371,293 @@ async fn a_pod_on_a_lost_node_is_named_in_status_and_logs() {
             "2026-11-21T10:00:01.000000000Z step 1\n".into(),
         )],
     );
+    let kube = api.kube();
+    let status = kube.status("cifar10").await.unwrap();
+    assert_eq!(status.phase, Phase::Running);
+    assert!(status.pods[0].ready);
+    assert!(!status.pods[1].ready && !status.pods[2].ready);
+    let text = status.render();
+    assert!(
+        text.contains(
+            "node n2 is unreachable (Kubelet stopped posting node status.): unreachable; its \
+             workers may still be running"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "node n3 is NotReady (container runtime network not ready): unreachable; its workers \
+             may still be running"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("lost"), "{text}");
+    let mut lines = Vec::new();
+    let e = kube
+        .logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        lines,
+        [
+            "[cifar10-0-abcde pod 0] step 1",
+            "[cifar10-1-abcde pod 1] (no logs: node n2 is unreachable (Kubelet stopped posting \
+             node status.), so its kubelet cannot serve them)",
+            "[cifar10-2-abcde pod 2] (no logs: node n3 is NotReady (container runtime network \
+             not ready), so its kubelet cannot serve them)",
+        ]
+    );
+    assert!(matches!(e, ApiError::LogsMissing { .. }), "{e:?}");
+    assert!(
+        e.to_string()
+            .starts_with("could not read the logs of 2 of the job's 3 pods"),
+        "{e}"
+    );
+    assert!(
+        !api.requests()
+            .iter()
+            .any(|r| r.contains("cifar10-1-abcde/log") || r.contains("cifar10-2-abcde/log")),
+        "a pod whose node is known to be down is not asked for: {:?}",
+        api.requests()
+    );
+}
+
+/// What the API server answers for the logs of a pod whose kubelet does not answer (the
+/// ~40 s before its node turns NotReady): a 500 whose message is the kubelet's dial error.
+fn kubelet_down(pod: &str) -> (StatusCode, String) {
+    status(
+        500,
+        "",
+        &format!(
+            "Get \"https://10.0.1.12:10250/containerLogs/default/{pod}/pytorch?timestamps=true\": \
+             dial tcp 10.0.1.12:10250: connect: connection refused"
+        ),
+    )
+}
+
+/// A kubelet that does not answer for one of two pods: the other pod's lines are all shown,
+/// the unread pod is named with the kubelet's error, and only then does `job logs` fail, with
+/// what to do (no Rust debug dump of the API's Status).
+#[tokio::test]
+async fn logs_go_on_past_a_pod_whose_kubelet_does_not_answer() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 2 })));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(0, "Running", Some("n1"), json!({})),
+                pod(1, "Running", Some("n2"), json!({})),
+            ],
+        ),
+    );
+    api.on(
+        Method::GET,
+        "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
+        vec![(
+            StatusCode::OK,
+            "2026-11-21T10:00:01.000000000Z step 1\n2026-11-21T10:00:02.000000000Z step 2\n".into(),
+        )],
+    );
     api.on(
         Method::GET,
         "/api/v1/namespaces/default/pods/cifar10-1-abcde/log",
-        vec![status(
-            500,
-            "InternalError",
-            "dial tcp 10.0.0.2:10250: connect: connection refused",
-        )],
-    );
-    let kube = api.kube();
-    let status = kube.status("cifar10").await.unwrap();
-    assert!(status.pods[0].ready);
-    assert!(!status.pods[1].ready);
-    let text = status.render();
-    assert!(
-        text.contains("node n2 is unreachable (Kubelet stopped posting node status.): this pod's workers are lost"),
-        "{text}"
+        vec![kubelet_down("cifar10-1-abcde")],
     );
     let mut lines = Vec::new();
-    kube.logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
+    let e = api
+        .kube()
+        .logs("cifar10", false, &mut |l: &str| lines.push(l.to_string()))
         .await
-        .unwrap();
+        .unwrap_err();
+    assert_eq!(
+        lines,
+        [
+            "[cifar10-0-abcde pod 0] step 1",
+            "[cifar10-0-abcde pod 0] step 2",
+            "[cifar10-1-abcde pod 1] (no logs: the kubelet on node n2 did not answer (500: Get \
+             \"https://10.0.1.12:10250/containerLogs/default/cifar10-1-abcde/pytorch?\
+             timestamps=true\": dial tcp 10.0.1.12:10250: connect: connection refused))",
+        ]
+    );
+    let text = e.to_string();
     assert!(
-        lines.iter().any(|l| l == "[cifar10-0-abcde pod 0] step 1"),
-        "{lines:?}"
+        text.starts_with(
+            "could not read the logs of 1 of the job's 2 pods: cifar10-1-abcde (the \
+             kubelet on node n2 did not answer (500: Get"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("--follow"), "{text}");
+    assert!(
+        text.contains("trainctl job status --name cifar10 --namespace default"),
+        "{text}"
+    );
+    assert!(!text.contains("Status {"), "{text}");
+}
+
+/// `--follow` reattaches to a pod whose stream ended while its container ran (the kubelet
+/// restarted), waits while the kubelet does not answer (a 500) and says so, then resumes from
+/// the last line's second without showing a line twice, and ends once the pod has.
+#[tokio::test]
+async fn follow_reattaches_when_a_stream_breaks_and_repeats_no_line() {
+    let api = MockApi::default();
+    const POD: &str = "/api/v1/namespaces/default/pods/cifar10-0-abcde";
+    const LOG: &str = "/api/v1/namespaces/default/pods/cifar10-0-abcde/log";
+    let running = job(json!({ "active": 1 }));
+    let done =
+        job(json!({ "succeeded": 1, "conditions": [{ "type": "Complete", "status": "True" }] }));
+    // The job completes once its pod has: after the third look at the pod.
+    api.on_after(
+        Method::GET,
+        JOB,
+        vec![ok(running)],
+        (POD, 3),
+        vec![ok(done)],
+    );
+    let training = pod(
+        0,
+        "Running",
+        Some("n1"),
+        json!({ "containerStatuses": [running_container(0)] }),
+    );
+    api.get(PODS, list("PodList", vec![training.clone()]));
+    let mut finished = pod(0, "Succeeded", Some("n1"), json!({}));
+    finished["status"]["containerStatuses"] = json!([{
+        "name": "pytorch", "ready": false, "restartCount": 0, "image": "trainctl", "imageID": "",
+        "state": { "terminated": { "exitCode": 0, "reason": "Completed" } },
+    }]);
+    api.on(
+        Method::GET,
+        POD,
+        vec![ok(&training), ok(&training), ok(&finished)],
+    );
+    let from_second_2 = "2026-11-21T10:00:02.100000000Z step 2\n\
+                         2026-11-21T10:00:02.600000000Z step 3\n\
+                         2026-11-21T10:00:03.000000000Z done\n";
+    api.on(
+        Method::GET,
+        LOG,
+        vec![
+            // The stream ends while the container runs: its kubelet restarted.
+            (
+                StatusCode::OK,
+                "2026-11-21T10:00:01.000000000Z step 1\n2026-11-21T10:00:02.100000000Z step 2\n"
+                    .into(),
+            ),
+            // The kubelet does not answer yet.
+            kubelet_down("cifar10-0-abcde"),
+            // Back: the stream from the last line's second, which repeats step 2.
+            (StatusCode::OK, from_second_2.into()),
+        ],
+    );
+    let mut lines = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        api.kube()
+            .logs("cifar10", true, &mut |l: &str| lines.push(l.to_string())),
+    )
+    .await
+    .expect("follow ends once the job has finished")
+    .unwrap();
+    let prefix = "[cifar10-0-abcde pod 0] ";
+    let training_lines: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .filter(|l| !l.starts_with('('))
+        .collect();
+    assert_eq!(
+        training_lines,
+        ["step 1", "step 2", "step 3", "done"],
+        "{lines:#?}"
+    );
+    let said: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .filter(|l| l.starts_with('('))
+        .collect();
+    assert_eq!(said.len(), 3, "{lines:#?}");
+    assert!(
+        said[0]
+            .starts_with("(logs interrupted: the log stream ended while the container still runs")
+            && said[0].contains("waiting for the kubelet to answer again, trying every"),
+        "{said:#?}"
     );
     assert!(
-        lines
-            .iter()
-            .any(|l| l.starts_with("[cifar10-1-abcde pod 1] (no logs: node n2 is unreachable")),
-        "{lines:?}"
+        said[1].starts_with(
+            "(logs interrupted: the kubelet on node n1 did not answer (500: Get \"https://"
+        ),
+        "{said:#?}"
+    );
+    assert!(said[2].starts_with("(reattached after "), "{said:#?}");
+    for line in &lines {
+        assert!(
+            !line.contains("Status {") && !line.contains("ApiError"),
+            "{line}"
+        );
+    }
+    let logs: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.contains("/log?"))
+        .collect();
+    assert_eq!(logs.len(), 4, "three streams and a last read: {logs:#?}");
+    assert!(!logs[0].contains("sinceTime"), "{logs:#?}");
+    for reopened in &logs[1..] {
+        assert!(
+            reopened.contains("sinceTime=2026-11-21T10%3A00%3A02Z")
+                || reopened.contains("sinceTime=2026-11-21T10%3A00%3A03Z"),
+            "{logs:#?}"
+        );
+        assert!(reopened.contains("timestamps=true"), "{logs:#?}");
+    }
+    assert!(
+        logs[..3].iter().all(|r| r.contains("follow=true")) && !logs[3].contains("follow=true"),
+        "the last read, once the container has ended, does not follow: {logs:#?}"
+    );
+}
+
+/// A pod whose kubelet never answers again does not keep `--follow` waiting past the job's end.
+#[tokio::test]
+async fn follow_stops_waiting_for_a_kubelet_when_the_job_has_finished() {
+    let api = MockApi::default();
+    const LOG: &str = "/api/v1/namespaces/default/pods/cifar10-0-abcde/log";
+    let running = job(json!({ "active": 1 }));
+    let done =
+        job(json!({ "succeeded": 1, "conditions": [{ "type": "Complete", "status": "True" }] }));
+    api.on_after(
+        Method::GET,
+        JOB,
+        vec![ok(running)],
+        (LOG, 2),
+        vec![ok(done)],
+    );
+    let training = pod(
+        0,
+        "Running",
+        Some("n1"),
+        json!({ "containerStatuses": [running_container(0)] }),
+    );
+    api.get(PODS, list("PodList", vec![training.clone()]));
+    api.get("/api/v1/namespaces/default/pods/cifar10-0-abcde", training);
+    api.on(Method::GET, LOG, vec![kubelet_down("cifar10-0-abcde")]);
+    let mut lines = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        api.kube()
+            .logs("cifar10", true, &mut |l: &str| lines.push(l.to_string())),
+    )
+    .await
+    .expect("follow ends once the job has finished")
+    .unwrap();
+    let last = lines.last().unwrap();
+    assert!(
+        last.starts_with(
+            "[cifar10-0-abcde pod 0] (no more logs from this pod: the job has finished, and the \
+             kubelet on node n1 did not answer (500: Get"
+        ),
+        "{lines:#?}"
     );
 }
 
@@ -1065,8 +1367,17 @@ async fn follow_streams_until_the_job_has_finished() {
     api.on(
         Method::GET,
         "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
-        vec![(StatusCode::OK, "training\ndone\n".into())],
+        vec![(
+            StatusCode::OK,
+            "2026-11-21T10:00:01.000000000Z training\n2026-11-21T10:00:02.000000000Z done\n".into(),
+        )],
     );
+    let mut finished = pod(0, "Succeeded", Some("n1"), json!({}));
+    finished["status"]["containerStatuses"] = json!([{
+        "name": "pytorch", "ready": false, "restartCount": 0, "image": "trainctl", "imageID": "",
+        "state": { "terminated": { "exitCode": 0, "reason": "Completed" } },
+    }]);
+    api.get("/api/v1/namespaces/default/pods/cifar10-0-abcde", finished);
     let mut lines = Vec::new();
     tokio::time::timeout(
         Duration::from_secs(20),
@@ -1089,6 +1400,15 @@ async fn follow_streams_until_the_job_has_finished() {
         .filter(|r| r.contains("/log?") && r.contains("follow=true"))
         .count();
     assert_eq!(streams, 1, "one stream per pod, not one per poll");
+    let reads = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("/log?") && !r.contains("follow=true"))
+        .count();
+    assert_eq!(
+        reads, 1,
+        "one last read once the container has ended, whose lines were all shown already"
+    );
 }
 
 /// With `--rdzv-backend etcd` the job's etcd (Service, then Deployment) is applied before the

@@ -87,8 +87,14 @@ fn main() {
     keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            // kube's HTTP layer logs every 5xx answer at ERROR (a kubelet that does not
+            // answer a log request) and hyper its connection errors; the Kubernetes commands
+            // report those themselves, with what to do, so they show only when RUST_LOG asks.
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(
+                    "warn,kube=off,kube_client=off,tower_http=off,hyper=off,hyper_util=off",
+                )
+            }),
         )
         .with_writer(std::io::stderr)
         // Colour codes only for a terminal: a pod's log, a file or a pipe gets plain text.

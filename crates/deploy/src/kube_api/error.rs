@@ -97,6 +97,19 @@ pub enum ApiError {
         pods: String,
     },
     #[error(
+        "could not read the logs of {missing}; the other pods' lines were printed. Run `trainctl \
+         job logs --name {name} --namespace {namespace}` again once `trainctl job status --name \
+         {name} --namespace {namespace}` shows the pod's node Ready, or add --follow, which waits \
+         for the kubelet and reattaches when it answers"
+    )]
+    LogsMissing {
+        name: String,
+        namespace: String,
+        /// Each pod not read, with why: "cifar10-1-abcde (the kubelet on node n2 did not
+        /// answer: ...)".
+        missing: String,
+    },
+    #[error(
         "the cluster runs Kubernetes {version}; trainctl's training Job needs 1.{MIN_KUBERNETES_MINOR} \
          or later (podFailurePolicy, which retries evictions without counting them): upgrade the \
          cluster (EKS: `eksctl upgrade cluster`), or use --launcher pytorchjob"
@@ -179,6 +192,34 @@ pub(super) fn api_error(what: &str, namespace: &str, e: kube::Error) -> ApiError
             what: what.into(),
             message: error_chain(&other),
         },
+    }
+}
+
+/// Why one pod's logs could not be read, when the trouble is that pod's rather than the
+/// cluster's (its node's kubelet did not answer, the pod is gone, its container cannot serve
+/// logs), so that the other pods' logs can still be read; any other error is handed back.
+///
+/// The API server proxies a log request to the pod's kubelet and answers a 5xx when that
+/// kubelet does not answer: "500: Get \"https://10.0.1.12:10250/containerLogs/...\": dial tcp
+/// 10.0.1.12:10250: connect: connection refused".
+pub(super) fn pod_logs_problem(node: Option<&str>, e: kube::Error) -> Result<String, kube::Error> {
+    match e {
+        kube::Error::Api(s) if s.code >= 500 => {
+            let kubelet = match node {
+                Some(node) => format!("the kubelet on node {node}"),
+                None => "the pod's kubelet".to_string(),
+            };
+            let said = match (s.message.is_empty(), s.reason.is_empty()) {
+                (false, _) => format!("{}: {}", s.code, s.message),
+                (true, false) => format!("{} {}", s.code, s.reason),
+                (true, true) => s.code.to_string(),
+            };
+            Ok(format!("{kubelet} did not answer ({said})"))
+        }
+        kube::Error::Api(s) if s.code == 404 => Ok("the pod is gone".into()),
+        // "container \"pytorch\" in pod \"...\" is waiting to start: ContainerCreating"
+        kube::Error::Api(s) if s.code == 400 && !s.message.is_empty() => Ok(s.message),
+        other => Err(other),
     }
 }
 

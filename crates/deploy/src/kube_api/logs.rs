@@ -1,84 +1,136 @@
-//! `job logs`: every pod's lines merged in time order, or followed as they come.
+//! `job logs`: every pod's lines merged in time order, or followed as they come, reattaching
+//! when a pod's stream breaks.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use futures::{AsyncBufReadExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::LogParams;
+use tokio::sync::{mpsc, watch};
 
-use super::error::api_error;
+use super::error::{api_error, pod_logs_problem};
 use super::status::PodStatus;
 use super::{ApiError, Kube};
 use crate::manifests::CONTAINER;
 
+/// How many polls `--follow` waits at most between two tries to reattach to a pod whose
+/// stream broke: the waits double from one poll to this many (2 s to 16 s by default).
+const REATTACH_MAX_POLLS: u32 = 8;
+
 impl Kube {
     /// The logs of every pod of the job, each line prefixed with its pod and node index.
-    /// Without `follow`, all lines so far, merged in time order (the API's timestamps). With
-    /// `follow`, lines as they come, from pods as they start, until the job has finished and
-    /// its streams have ended.
+    ///
+    /// Without `follow`, all lines so far, merged in time order (the API's timestamps). A pod
+    /// whose logs cannot be read (its node's kubelet does not answer) is said so after the
+    /// others' lines, and the call then returns [`ApiError::LogsMissing`] naming it.
+    ///
+    /// With `follow`, lines as they come, from pods as they start, until the job has finished
+    /// and its streams have ended. A stream that breaks while its container runs (the kubelet
+    /// restarted, or did not answer) is opened again, after a wait that doubles from one poll
+    /// to [`REATTACH_MAX_POLLS`] polls, from the second of the last line shown; lines already
+    /// shown are not shown again.
     pub async fn logs(
         &self,
         name: &str,
         follow: bool,
         out: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), ApiError> {
-        if !follow {
-            let pods = self.pods(name).await?;
-            if pods.is_empty() {
-                self.require_job(name).await?;
+        if follow {
+            self.follow_logs(name, out).await
+        } else {
+            self.logs_so_far(name, out).await
+        }
+    }
+
+    async fn logs_so_far(
+        &self,
+        name: &str,
+        out: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(), ApiError> {
+        let pods = self.pods(name).await?;
+        if pods.is_empty() {
+            self.require_job(name).await?;
+        }
+        if !pods.is_empty() && !pods.iter().any(PodStatus::has_started) {
+            return Err(ApiError::NoLogsYet {
+                name: name.into(),
+                namespace: self.namespace.clone(),
+                pods: pods
+                    .iter()
+                    .map(|p| match p.why.as_str() {
+                        "" => format!("{} {}", p.name, p.phase.to_lowercase()),
+                        why => format!("{} {}: {why}", p.name, p.phase.to_lowercase()),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        let mut lines: Vec<(String, usize, String)> = Vec::new();
+        // The pods whose logs could not be read (prefix, name), and why.
+        let mut missing: Vec<(String, &str, String)> = Vec::new();
+        for (order, pod) in pods.iter().enumerate() {
+            if !pod.has_started() {
+                continue;
             }
-            if !pods.is_empty() && !pods.iter().any(PodStatus::has_started) {
-                return Err(ApiError::NoLogsYet {
-                    name: name.into(),
-                    namespace: self.namespace.clone(),
-                    pods: pods
-                        .iter()
-                        .map(|p| match p.why.as_str() {
-                            "" => format!("{} {}", p.name, p.phase.to_lowercase()),
-                            why => format!("{} {}: {why}", p.name, p.phase.to_lowercase()),
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                });
+            if let Some(problem) = &pod.node_problem {
+                // Its kubelet is not there to serve the logs: asking would only wait for the
+                // API server's dial to time out.
+                let why = format!("{problem}, so its kubelet cannot serve them");
+                missing.push((pod.prefix(), &pod.name, why));
+                continue;
             }
-            let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
-            let mut lines: Vec<(String, usize, String)> = Vec::new();
-            for (order, pod) in pods.iter().enumerate() {
-                if !pod.has_started() {
-                    continue;
-                }
-                if pod.node_lost {
-                    // The kubelet that serves its logs is gone: the API server would answer a
-                    // bare 500 "connection refused".
-                    lines.push((
-                        String::new(),
-                        order,
-                        format!("{}(no logs: {})", pod.prefix(), pod.why),
-                    ));
-                    continue;
-                }
-                let params = LogParams {
-                    container: Some(CONTAINER.into()),
-                    timestamps: true,
-                    ..LogParams::default()
-                };
-                let text = api.logs(&pod.name, &params).await.map_err(|e| {
-                    api_error(&format!("logs of pod {}", pod.name), &self.namespace, e)
-                })?;
-                for line in text.lines() {
-                    let (stamp, rest) = split_timestamp(line);
-                    lines.push((stamp.to_string(), order, pod.prefix() + rest));
-                }
+            let params = LogParams {
+                container: Some(CONTAINER.into()),
+                timestamps: true,
+                ..LogParams::default()
+            };
+            let text = match api.logs(&pod.name, &params).await {
+                Ok(text) => text,
+                Err(e) => match pod_logs_problem(pod.node.as_deref(), e) {
+                    Ok(why) => {
+                        missing.push((pod.prefix(), &pod.name, why));
+                        continue;
+                    }
+                    Err(e) => {
+                        let what = format!("logs of pod {}", pod.name);
+                        return Err(api_error(&what, &self.namespace, e));
+                    }
+                },
+            };
+            for line in text.lines() {
+                let (stamp, rest) = split_timestamp(line);
+                lines.push((stamp.to_string(), order, pod.prefix() + rest));
             }
-            // Stable sort: lines of one pod keep their order when stamps tie.
-            lines.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-            for (_, _, line) in lines {
-                out(&line);
-            }
+        }
+        // Stable sort: lines of one pod keep their order when stamps tie.
+        lines.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        for (_, _, line) in lines {
+            out(&line);
+        }
+        for (prefix, _, why) in &missing {
+            out(&format!("{prefix}(no logs: {why})"));
+        }
+        if missing.is_empty() {
             return Ok(());
         }
-        self.follow_logs(name, out).await
+        let started = pods.iter().filter(|p| p.has_started()).count();
+        Err(ApiError::LogsMissing {
+            name: name.into(),
+            namespace: self.namespace.clone(),
+            missing: format!(
+                "{} of the job's {started} pods: {}",
+                missing.len(),
+                missing
+                    .iter()
+                    .map(|(_, name, why)| format!("{name} ({why})"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ),
+        })
     }
 
     async fn follow_logs(
@@ -86,9 +138,10 @@ impl Kube {
         name: &str,
         out: &mut (dyn FnMut(&str) + Send),
     ) -> Result<(), ApiError> {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(1024);
+        let (tx, mut rx) = mpsc::channel::<String>(1024);
+        let (job_done, done) = watch::channel(false);
         let api: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
-        let mut streaming: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
+        let mut streaming = Followers::default();
         let mut seen_job = false;
         let mut pending: BTreeMap<String, String> = BTreeMap::new();
         loop {
@@ -112,36 +165,29 @@ impl Kube {
                     }
                     continue;
                 }
-                if streaming.contains_key(&pod.uid) {
+                if streaming.0.contains_key(&pod.uid) {
                     continue;
                 }
-                let api = api.clone();
-                let tx = tx.clone();
-                let prefix = pod.prefix();
-                let pod_name = pod.name.clone();
-                let task = tokio::spawn(async move {
-                    let params = LogParams {
-                        container: Some(CONTAINER.into()),
-                        follow: true,
-                        ..LogParams::default()
-                    };
-                    match api.log_stream(&pod_name, &params).await {
-                        Ok(stream) => {
-                            let mut lines = stream.lines();
-                            while let Some(Ok(line)) = lines.next().await {
-                                if tx.send(format!("{prefix}{line}")).await.is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            let _ = tx.send(format!("{prefix}(no logs: {e})")).await;
-                        }
-                    }
-                });
-                streaming.insert(pod.uid.clone(), task);
+                let follower = Follower {
+                    api: api.clone(),
+                    pod: pod.name.clone(),
+                    node: pod.node.clone(),
+                    prefix: pod.prefix(),
+                    namespace: self.namespace.clone(),
+                    lines: tx.clone(),
+                    job_done: done.clone(),
+                    first_wait: self.poll,
+                    max_wait: self.poll * REATTACH_MAX_POLLS,
+                };
+                streaming
+                    .0
+                    .insert(pod.uid.clone(), tokio::spawn(follower.run()));
             }
             let finished = status.phase.is_finished();
+            if finished {
+                // Followers waiting for a kubelet try once more, then stop.
+                job_done.send_replace(true);
+            }
             // Print what came in during a poll interval.
             let tick = tokio::time::sleep(self.poll);
             tokio::pin!(tick);
@@ -151,11 +197,216 @@ impl Kube {
                     () = &mut tick => break,
                 }
             }
-            if finished && streaming.values().all(|t| t.is_finished()) {
+            if finished && streaming.0.values().all(|t| t.is_finished()) {
                 while let Ok(line) = rx.try_recv() {
                     out(&line);
                 }
                 return Ok(());
+            }
+        }
+    }
+}
+
+/// The followers of a job's pods, by pod uid; those still running when `--follow` returns
+/// (an error, or a caller that stopped waiting) are stopped with it.
+#[derive(Default)]
+struct Followers(BTreeMap<String, tokio::task::JoinHandle<()>>);
+
+impl Drop for Followers {
+    fn drop(&mut self) {
+        for task in self.0.values() {
+            task.abort();
+        }
+    }
+}
+
+/// Follows one pod's log stream until its container has ended, reattaching when the stream
+/// breaks while it runs.
+struct Follower {
+    api: Api<Pod>,
+    pod: String,
+    node: Option<String>,
+    prefix: String,
+    namespace: String,
+    lines: mpsc::Sender<String>,
+    /// Becomes true when the job has finished: a follower waiting to reattach gives up.
+    job_done: watch::Receiver<bool>,
+    first_wait: Duration,
+    max_wait: Duration,
+}
+
+impl Follower {
+    async fn run(mut self) {
+        let mut resume = Resume::default();
+        let mut wait = self.first_wait;
+        // Since when the stream has been broken, and the cause last said.
+        let mut broken: Option<(tokio::time::Instant, String)> = None;
+        // The container has ended: one last read, without following, for the lines a break
+        // just before its end may have cut off.
+        let mut last_read = false;
+        loop {
+            let params = LogParams {
+                container: Some(CONTAINER.into()),
+                follow: !last_read,
+                timestamps: true,
+                since_time: resume.since(),
+                ..LogParams::default()
+            };
+            let cause = match self.api.log_stream(&self.pod, &params).await {
+                Ok(stream) => {
+                    if let Some((since, _)) = broken.take() {
+                        let after = since.elapsed().as_secs();
+                        self.say(&format!(
+                            "(reattached after {after} s; what follows comes after the last line \
+                             shown)"
+                        ))
+                        .await;
+                    }
+                    wait = self.first_wait;
+                    resume.reopened();
+                    let mut lines = stream.lines();
+                    let mut cause = None;
+                    loop {
+                        match lines.next().await {
+                            Some(Ok(line)) => {
+                                if let Some(text) = resume.admit(&line)
+                                    && self
+                                        .lines
+                                        .send(format!("{}{text}", self.prefix))
+                                        .await
+                                        .is_err()
+                                {
+                                    return;
+                                }
+                            }
+                            Some(Err(e)) => {
+                                cause = Some(format!("the log stream broke ({e})"));
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    cause
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => return,
+                Err(e) => Some(match pod_logs_problem(self.node.as_deref(), e) {
+                    Ok(why) => why,
+                    Err(e) => api_error(&format!("logs of pod {}", self.pod), &self.namespace, e)
+                        .to_string(),
+                }),
+            };
+            if last_read {
+                if let Some(cause) = cause {
+                    self.say(&format!("(its last lines could not be read: {cause})"))
+                        .await;
+                }
+                return;
+            }
+            // The stream ended or did not open: go on only while the container runs.
+            match self.api.get_opt(&self.pod).await {
+                Ok(None) => return,
+                Ok(Some(pod)) if container_ended(&pod) => {
+                    last_read = true;
+                    continue;
+                }
+                Ok(Some(_)) | Err(_) => {}
+            }
+            let cause = cause.unwrap_or_else(|| {
+                "the log stream ended while the container still runs (its kubelet restarted, or \
+                 the API server closed the stream)"
+                    .into()
+            });
+            if *self.job_done.borrow() {
+                self.say(&format!(
+                    "(no more logs from this pod: the job has finished, and {cause})"
+                ))
+                .await;
+                return;
+            }
+            if broken.as_ref().map(|(_, said)| said) != Some(&cause) {
+                self.say(&format!(
+                    "(logs interrupted: {cause}; waiting for the kubelet to answer again, trying \
+                     every {} to {} s while the pod runs)",
+                    self.first_wait.as_secs_f64(),
+                    self.max_wait.as_secs_f64()
+                ))
+                .await;
+            }
+            let since = broken.map_or_else(tokio::time::Instant::now, |(since, _)| since);
+            broken = Some((since, cause));
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = self.job_done.changed() => {}
+            }
+            wait = (wait * 2).min(self.max_wait);
+        }
+    }
+
+    async fn say(&self, what: &str) {
+        let _ = self.lines.send(format!("{}{what}", self.prefix)).await;
+    }
+}
+
+/// Whether the pod's training container has ended (its pod finished): its log is complete.
+fn container_ended(pod: &Pod) -> bool {
+    let Some(status) = &pod.status else {
+        return false;
+    };
+    if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+        return true;
+    }
+    status
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter(|c| c.name == CONTAINER)
+        .any(|c| c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
+}
+
+/// Where a pod's log stream stopped: the newest line's time, and how many lines shown carry
+/// exactly that time. A stream opened again from that time's whole second (`sinceTime` has
+/// whole seconds) repeats what was shown since then; those lines are skipped.
+#[derive(Debug, Default)]
+struct Resume {
+    last: Option<Timestamp>,
+    shown_at_last: usize,
+    /// Lines at `last` seen in the current stream.
+    seen_at_last: usize,
+}
+
+impl Resume {
+    /// The `sinceTime` to reopen the stream from: the last line's second.
+    fn since(&self) -> Option<Timestamp> {
+        self.last
+            .and_then(|t| Timestamp::from_second(t.as_second()).ok())
+    }
+
+    /// A new stream begins: it will repeat the lines at `last` from the first.
+    fn reopened(&mut self) {
+        self.seen_at_last = 0;
+    }
+
+    /// The text of `line` without its timestamp, unless it was shown before.
+    fn admit<'a>(&mut self, line: &'a str) -> Option<&'a str> {
+        let (stamp, text) = split_timestamp(line);
+        let Ok(at) = stamp.parse::<Timestamp>() else {
+            return Some(text);
+        };
+        match self.last {
+            Some(last) if at < last => None,
+            Some(last) if at == last => {
+                self.seen_at_last += 1;
+                if self.seen_at_last <= self.shown_at_last {
+                    return None;
+                }
+                self.shown_at_last += 1;
+                Some(text)
+            }
+            _ => {
+                self.last = Some(at);
+                self.shown_at_last = 1;
+                self.seen_at_last = 1;
+                Some(text)
             }
         }
     }
@@ -179,5 +430,35 @@ mod tests {
             ("2026-11-21T10:00:00.123456789Z", "epoch 1")
         );
         assert_eq!(split_timestamp("plain line"), ("", "plain line"));
+    }
+
+    /// A stream reopened from the last line's second repeats what was shown in that second
+    /// (two lines there carry the same time): only the lines after it come through.
+    #[test]
+    fn a_reopened_stream_shows_only_new_lines() {
+        let mut resume = Resume::default();
+        let first = [
+            "2026-11-21T10:00:00.900000000Z a",
+            "2026-11-21T10:00:01.200000000Z b",
+            "2026-11-21T10:00:01.500000000Z c",
+            "2026-11-21T10:00:01.500000000Z d",
+        ];
+        let shown: Vec<_> = first.iter().filter_map(|l| resume.admit(l)).collect();
+        assert_eq!(shown, ["a", "b", "c", "d"]);
+        assert_eq!(
+            resume.since().map(|t| t.to_string()).as_deref(),
+            Some("2026-11-21T10:00:01Z"),
+            "sinceTime is the last line's whole second, rounded down"
+        );
+        resume.reopened();
+        let again = [
+            "2026-11-21T10:00:01.200000000Z b",
+            "2026-11-21T10:00:01.500000000Z c",
+            "2026-11-21T10:00:01.500000000Z d",
+            "2026-11-21T10:00:01.500000000Z e",
+            "2026-11-21T10:00:02.000000000Z f",
+        ];
+        let shown: Vec<_> = again.iter().filter_map(|l| resume.admit(l)).collect();
+        assert_eq!(shown, ["e", "f"]);
     }
 }

@@ -201,35 +201,45 @@ impl Kube {
         Ok(status)
     }
 
-    /// A pod on a node that is gone or NotReady (its kubelet stopped reporting) still reads
-    /// Running and ready; say that its node is lost, and that its ranks are. Where nodes
-    /// cannot be read (RBAC), pods stay as the API server reports them.
+    /// A pod on a node that is NotReady (its kubelet stopped reporting) still reads Running and
+    /// ready: say that it cannot be reached, not that it failed, since a kubelet that is down
+    /// for a while leaves the containers running (they train on, and the job may well succeed).
+    /// A pod whose node is gone has lost its workers. Where nodes cannot be read (RBAC), pods
+    /// stay as the API server reports them.
     async fn mark_lost_nodes(&self, pods: impl Iterator<Item = &mut PodStatus>) {
         let nodes: Api<Node> = Api::all(self.client.clone());
-        let mut known: BTreeMap<String, Option<String>> = BTreeMap::new();
+        let mut known: BTreeMap<String, Option<(String, &str)>> = BTreeMap::new();
         for pod in pods {
             let Some(node) = pod.node.clone() else {
                 continue;
             };
             if !known.contains_key(&node) {
                 let problem = match nodes.get_opt(&node).await {
-                    Ok(None) => Some(format!("node {node} is gone")),
-                    Ok(Some(n)) => node_problem(&n).map(|p| format!("node {node} {p}")),
+                    Ok(None) => Some((
+                        format!("node {node} is gone"),
+                        "this pod's workers are lost",
+                    )),
+                    Ok(Some(n)) => node_problem(&n).map(|p| {
+                        (
+                            format!("node {node} {p}"),
+                            "unreachable; its workers may still be running",
+                        )
+                    }),
                     Err(_) => None,
                 };
                 known.insert(node.clone(), problem);
             }
-            if let Some(Some(problem)) = known.get(&node)
+            if let Some(Some((problem, meaning))) = known.get(&node)
                 && pod.phase == "Running"
             {
                 pod.ready = false;
-                let lost = format!("{problem}: this pod's workers are lost");
+                let said = format!("{problem}: {meaning}");
                 pod.why = if pod.why.is_empty() {
-                    lost
+                    said
                 } else {
-                    format!("{lost}; {}", pod.why)
+                    format!("{said}; {}", pod.why)
                 };
-                pod.node_lost = true;
+                pod.node_problem = Some(problem.clone());
             }
         }
     }

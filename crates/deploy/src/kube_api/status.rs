@@ -344,8 +344,9 @@ pub struct PodStatus {
     /// A failed container's termination message: what it wrote there, or its last log lines
     /// (`FallbackToLogsOnError`).
     pub last_words: Option<String>,
-    /// Its node is gone or not ready: no logs can be read from it.
-    pub node_lost: bool,
+    /// What is wrong with its node ("node n2 is NotReady (...)", "node n2 is gone"): its
+    /// kubelet cannot serve its logs, and the API's word on the pod is stale.
+    pub node_problem: Option<String>,
 }
 
 impl PodStatus {
@@ -410,7 +411,7 @@ impl PodStatus {
             ip: status.pod_ip.clone(),
             why: why.join("; "),
             last_words: last_words.filter(|m: &String| !m.trim().is_empty()),
-            node_lost: false,
+            node_problem: None,
         }
     }
 

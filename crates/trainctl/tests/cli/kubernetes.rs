@@ -347,3 +347,173 @@ fn the_binary_runs_on_glibc_2_35() {
          (PyTorch's); update docs/KUBERNETES.md or build on an older base"
     );
 }
+
+/// A Kubernetes API on 127.0.0.1 (plain HTTP) that answers GETs by path, query left out, from
+/// `routes` (path, status code, JSON or text body) and 404 otherwise, as the API server does,
+/// until the test ends; returns a kubeconfig that points at it.
+fn mock_api(dir: &std::path::Path, routes: Vec<(&'static str, u16, String)>) -> std::path::PathBuf {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let server = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut request = String::new();
+            if reader.read_line(&mut request).is_err() {
+                continue;
+            }
+            // The rest of the head (a GET has no body).
+            let mut header = String::new();
+            while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                header.clear();
+            }
+            let target = request.split_whitespace().nth(1).unwrap_or("");
+            let path = target.split('?').next().unwrap_or("");
+            let (code, body) = routes
+                .iter()
+                .find(|(p, _, _)| *p == path)
+                .map(|(_, code, body)| (*code, body.clone()))
+                .unwrap_or_else(|| {
+                    let message = format!("{path} not found");
+                    (404, serde_json::json!({
+                        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                        "message": message, "reason": "NotFound", "code": 404,
+                    })
+                    .to_string())
+                });
+            let head = format!(
+                "HTTP/1.1 {code} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes());
+            let _ = stream.write_all(body.as_bytes());
+        }
+    });
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: mock\n  cluster:\n    server: {server}\n\
+             contexts:\n- name: mock\n  context:\n    cluster: mock\n    user: me\n\
+             current-context: mock\nusers:\n- name: me\n  user: {{}}\n"
+        ),
+    )
+    .unwrap();
+    kubeconfig
+}
+
+/// `job logs` during a kubelet outage on one of two nodes (before the node turns NotReady): the
+/// other pod's lines, the unread pod named with the kubelet's error, exit 1 only at the end,
+/// and none of the Kubernetes client's own ERROR lines unless RUST_LOG asks for them.
+#[test]
+fn job_logs_go_on_past_a_kubelet_that_does_not_answer() {
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let pod = |index: u32, node: &str| {
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": format!("cifar10-{index}-abcde"), "namespace": "default",
+                "uid": format!("uid-{index}"),
+                "labels": {
+                    "job-name": "cifar10",
+                    "batch.kubernetes.io/job-completion-index": index.to_string(),
+                    "trainctl.dev/job": "cifar10",
+                    "app.kubernetes.io/managed-by": "trainctl",
+                },
+            },
+            "spec": { "containers": [{ "name": "pytorch" }], "nodeName": node },
+            "status": { "phase": "Running" },
+        })
+    };
+    let ready = |name: &str| {
+        json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": { "name": name },
+            "status": { "conditions": [{ "type": "Ready", "status": "True" }] },
+        })
+        .to_string()
+    };
+    let dial = "Get \"https://10.0.1.12:10250/containerLogs/default/cifar10-1-abcde/pytorch?\
+                timestamps=true\": dial tcp 10.0.1.12:10250: connect: connection refused";
+    let kubeconfig = mock_api(
+        dir.path(),
+        vec![
+            (
+                "/apis/batch/v1/namespaces/default/jobs/cifar10",
+                200,
+                json!({
+                    "apiVersion": "batch/v1", "kind": "Job",
+                    "metadata": { "name": "cifar10", "namespace": "default" },
+                    "spec": { "template": { "spec": { "containers": [] } } },
+                    "status": { "active": 2 },
+                })
+                .to_string(),
+            ),
+            (
+                "/api/v1/namespaces/default/pods",
+                200,
+                json!({
+                    "apiVersion": "v1", "kind": "PodList", "metadata": {},
+                    "items": [pod(0, "n1"), pod(1, "n2")],
+                })
+                .to_string(),
+            ),
+            ("/api/v1/nodes/n1", 200, ready("n1")),
+            ("/api/v1/nodes/n2", 200, ready("n2")),
+            (
+                "/api/v1/namespaces/default/pods/cifar10-0-abcde/log",
+                200,
+                "2026-11-21T10:00:01.000000000Z epoch 1 step 10\n".into(),
+            ),
+            (
+                "/api/v1/namespaces/default/pods/cifar10-1-abcde/log",
+                500,
+                json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": dial, "code": 500,
+                })
+                .to_string(),
+            ),
+        ],
+    );
+    let out = kube_cmd(dir.path())
+        .args(["job", "logs"])
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout,
+        format!(
+            "[cifar10-0-abcde pod 0] epoch 1 step 10\n[cifar10-1-abcde pod 1] (no logs: the \
+             kubelet on node n2 did not answer (500: {dial}))\n"
+        )
+    );
+    assert!(
+        stderr.starts_with("error: could not read the logs of 1 of the job's 2 pods"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--follow"), "{stderr}");
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "one error line, nothing else: {stderr}"
+    );
+    assert!(!stderr.contains("Status {"), "{stderr}");
+
+    // The client's own line is there for whoever asks: the default filter is what hides it.
+    let out = kube_cmd(dir.path())
+        .args(["job", "logs"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "kube_client=error")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("kube_client") && stderr.contains("500"),
+        "{stderr}"
+    );
+}
