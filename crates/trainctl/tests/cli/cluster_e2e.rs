@@ -22,9 +22,16 @@ use std::time::Duration;
 
 use crate::support::*;
 
-/// The settings every command of test `name` gets.
+/// The settings every command of test `name` gets (one epoch of training).
 fn e2e(name: &str, image: &str) -> impl Fn(&[&str]) -> Command + Clone + use<> {
+    e2e_epochs(name, image, 1)
+}
+
+/// The same settings with `epochs` of training (a flag given twice is refused, so a test that
+/// trains longer says it here, not on the command).
+fn e2e_epochs(name: &str, image: &str, epochs: u32) -> impl Fn(&[&str]) -> Command + Clone + use<> {
     let name = name.to_string();
+    let epochs = epochs.to_string();
     let image = image.to_string();
     #[allow(clippy::disallowed_methods)] // the tester's settings for this test
     let host_path = std::env::var("TRAINCTL_E2E_HOST_PATH").ok();
@@ -40,7 +47,7 @@ fn e2e(name: &str, image: &str) -> impl Fn(&[&str]) -> Command + Clone + use<> {
             "--image",
             &image,
             "--epochs",
-            "1",
+            &epochs,
             "--batch-size",
             "16",
             "--cpu",
@@ -123,7 +130,7 @@ fn delete_pod(pod: &str) {
 #[ignore = "needs cluster"]
 fn cluster_e2e_survives_losing_pod_0_and_tests_the_model() {
     let name = format!("e2e-{}", std::process::id());
-    let t = e2e(&name, &image());
+    let t = e2e_epochs(&name, &image(), 3);
     let _clean = CleanUp(t.clone());
     run_ok(&mut t(&["storage"]));
     let data = run_ok(&mut t(&[
@@ -139,7 +146,7 @@ fn cluster_e2e_survives_losing_pod_0_and_tests_the_model() {
         "{}",
         text(&data.stdout)
     );
-    run_ok(t(&["job", "launch"]).args(["--nnodes", "2", "--epochs", "3"]));
+    run_ok(t(&["job", "launch"]).args(["--nnodes", "2"]));
     eventually(
         Duration::from_secs(900),
         "the first epoch's checkpoint",
@@ -200,18 +207,24 @@ fn cluster_e2e_a_one_node_job_runs_and_leaves_nothing_after_its_ttl() {
 }
 
 /// Item 2: a program that cannot run (exit 127, as a binary whose loader lacks a library)
-/// fails the job at once, not after backoffLimit retries; `job wait` returns and `job status`
-/// shows the container's last lines.
+/// fails the job at once, not after backoffLimit retries; `job wait` returns and shows the
+/// root cause `trainctl run` wrote into the termination message (the program's last lines of
+/// stderr among it).
 #[test]
 #[ignore = "needs cluster"]
 fn cluster_e2e_a_permanent_failure_fails_the_job_at_once_and_says_why() {
     let name = format!("e2e-fail-{}", std::process::id());
-    let t = e2e(&name, &image());
+    let image = image();
+    let t = e2e(&name, &image);
     let _clean = CleanUp(t.clone());
     run_ok(&mut t(&["storage"]));
     run_ok(t(&["job", "launch"]).args([
         "--nnodes",
         "1",
+        // The program runs in trainctl's own image: trainctl is in it (a program with an image
+        // of its own and no --trainctl-image is refused).
+        "--trainctl-image",
+        &image,
         "--",
         "sh",
         "-c",
@@ -222,7 +235,10 @@ fn cluster_e2e_a_permanent_failure_fails_the_job_at_once_and_says_why() {
     assert_eq!(wait.status.code(), Some(1), "{out}\n{}", text(&wait.stderr));
     assert!(out.contains(": failed"), "{out}");
     assert!(out.contains("failed pods so far: 1"), "{out}");
-    assert!(out.contains("its last lines:"), "{out}");
+    assert!(
+        out.contains("failed; the root cause, as trainctl run reported it:"),
+        "{out}"
+    );
     assert!(out.contains("libmissing.so.1"), "{out}");
 }
 
