@@ -1,8 +1,9 @@
 //! End to end on a real cluster (kind, k3d, a cluster built from source, EKS): storage, data, a
 //! 2-node training job that loses pod 0 (the c10d store's host) and still finishes, the test
 //! job, a one-node job, a permanent failure, a launch the cluster cannot take, what the garbage
-//! collector takes with a finished job, and a user program in its own image. Ignored unless
-//! asked for; README.md ("Testing on a real cluster") says how to run it:
+//! collector takes with a finished job, a user program in its own image, and a 3-node elastic
+//! job whose deleted pod leaves while the others regroup in place. Ignored unless asked for;
+//! README.md ("Testing on a real cluster") says how to run it:
 //!
 //!   TRAINCTL_E2E_IMAGE=trainctl:e2e cargo test -p trainctl --test cli -- --ignored cluster_e2e
 //!
@@ -305,5 +306,91 @@ fn cluster_e2e_runs_a_users_program_in_its_own_image_through_etcd() {
     assert!(
         deleted.contains(&format!("deleted Deployment {name}-etcd")),
         "{deleted}"
+    );
+}
+
+/// Graceful leave: a 3-node elastic job (2:3, c10d) whose pod of index 1 is deleted with the
+/// default grace period once training runs at world size 3. The deleted pod's `trainctl run`
+/// leaves the job (SIGTERM), the two others regroup in place, without restarting their
+/// workers or resuming from the checkpoint, and the job succeeds (the replacement pod joins as
+/// a new node).
+#[test]
+#[ignore = "needs cluster"]
+fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
+    let name = format!("e2e-leave-{}", std::process::id());
+    let t = e2e_epochs(&name, &image(), 30);
+    let _clean = CleanUp(t.clone());
+    run_ok(&mut t(&["storage"]));
+    run_ok(&mut t(&[
+        "data",
+        "job",
+        "--synthetic",
+        "512",
+        "--timeout",
+        "600",
+    ]));
+    run_ok(t(&["job", "launch"]).args(["--nnodes", "2:3"]));
+    // Every pod's lines as they come: the deleted pod's last ones are only here (`job logs`
+    // afterwards reads the pods that are left).
+    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
+    // A first round of three, or of two that the third joined.
+    follow.wait_for_line(Duration::from_secs(900), |l| {
+        l.contains("world size 3") || l.contains("→ 3")
+    });
+    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    let pod1 = pod_of_index(&t, &name, 1).expect("pod 1 runs");
+    let survivors: Vec<String> = [0, 2]
+        .into_iter()
+        .map(|i| pod_of_index(&t, &name, i).unwrap_or_else(|| panic!("pod {i} runs")))
+        .collect();
+    let before = follow.seen.len();
+    delete_pod(&pod1);
+
+    let status = t(&["job", "wait", "--timeout", "1200"]).output().unwrap();
+    follow.wait(Duration::from_secs(120));
+    let followed = follow.output();
+    let after = follow.seen[before..].join("\n");
+    let all = logs(&t);
+    assert!(
+        status.status.success(),
+        "{}\n{all}\nfollowed:\n{followed}",
+        text(&status.stdout)
+    );
+    // Lines of one pod, from the follow (prefixed `[POD pod INDEX] `).
+    let of = |pod: &str| -> String {
+        let prefix = format!("[{pod} pod ");
+        follow
+            .seen
+            .iter()
+            .filter(|l| l.starts_with(&prefix))
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    for pod in &survivors {
+        // From `job logs` (the pods are still there, Succeeded), or the follow.
+        let own: String = all
+            .lines()
+            .filter(|l| l.starts_with(&format!("[{pod} pod ")))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let lines = if own.is_empty() { of(pod) } else { own };
+        assert!(
+            lines.contains("leaves (SIGTERM)"),
+            "{pod}:\n{lines}\n\nall:\n{all}"
+        );
+        assert!(
+            lines.contains("regrouped in place"),
+            "{pod}:\n{lines}\n\nall:\n{all}"
+        );
+    }
+    for text in [&all, &followed] {
+        assert!(!text.contains("resuming from checkpoint"), "{text}");
+        assert!(!text.contains("restarting all workers"), "{text}");
+    }
+    let deleted = of(&pod1);
+    assert!(
+        deleted.contains("leaves"),
+        "the deleted pod {pod1} says it leaves:\n{deleted}\n\nafter the deletion:\n{after}"
     );
 }
