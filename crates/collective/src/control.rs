@@ -6,7 +6,9 @@
 //! ([`ToAgent::Paused`]) and what a regroup cost ([`ToAgent::Regrouped`]). The agent hands it
 //! the next round's membership ([`ToWorker::Assign`]: the torchrun environment it would have
 //! been started with), which a worker still training takes at its next step boundary, or asks
-//! it to leave its group at once ([`ToWorker::Abort`]: a node of the group is gone). A worker that never says `Ready` (any program but the built-in trainer) is stopped
+//! it to leave its group at once ([`ToWorker::Abort`]: a node of the group is gone) or to
+//! leave the job after the step under way ([`ToWorker::Leave`]: its node was asked to go).
+//! A worker that never says `Ready` (any program but the built-in trainer) is stopped
 //! and started again, as torchrun does. Messages are the wire's frames and checked codec: the
 //! other end is local, but a broken one must not make this end panic or allocate at will.
 
@@ -69,6 +71,10 @@ pub enum ToWorker {
     /// The next round's membership: the worker environment, name and value. A worker still
     /// training finishes the step under way (all ranks agree on which) first.
     Assign(Vec<(String, String)>),
+    /// This node is asked to go (SIGTERM) and the others go on without it: leave the group
+    /// after the step under way (the worker raises the pause every rank then takes) and exit
+    /// with `contract::exit::PREEMPTED`.
+    Leave,
 }
 
 /// A message either end can send.
@@ -141,6 +147,7 @@ impl Message for ToWorker {
     fn encode(&self) -> Vec<u8> {
         match self {
             ToWorker::Abort => Encoder::new().u8(2),
+            ToWorker::Leave => Encoder::new().u8(3),
             ToWorker::Assign(env) => env
                 .iter()
                 .fold(Encoder::new().u8(1).u32(env.len() as u32), |e, (k, v)| {
@@ -154,6 +161,7 @@ impl Message for ToWorker {
         let mut d = Decoder::new(buf);
         let message = match d.u8("message kind")? {
             2 => ToWorker::Abort,
+            3 => ToWorker::Leave,
             1 => {
                 let n = d.u32("variables")? as usize;
                 // Each variable takes at least its two length prefixes.
@@ -340,6 +348,7 @@ mod tests {
         let assign = ToWorker::Assign(vec![("RANK".into(), "1".into()), ("X".into(), "".into())]);
         agent.send(&ToWorker::Abort).unwrap();
         agent.send(&assign).unwrap();
+        agent.send(&ToWorker::Leave).unwrap();
         assert_eq!(
             worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
             Some(ToWorker::Abort)
@@ -347,6 +356,10 @@ mod tests {
         assert_eq!(
             worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
             Some(assign)
+        );
+        assert_eq!(
+            worker.recv::<ToWorker>(Duration::from_secs(1)).unwrap(),
+            Some(ToWorker::Leave)
         );
         drop(agent);
         assert!(matches!(

@@ -125,6 +125,20 @@ pub enum LaunchEvent {
     RegroupFallback {
         failed: u32,
     },
+    /// This node was asked to go and leaves (`reason`: "node X leaves (SIGTERM)"); `nodes`
+    /// others go on at `world_size`, in place.
+    Leaving {
+        reason: String,
+        nodes: u32,
+        world_size: u32,
+    },
+    /// This node was asked to go but the others cannot go on without it now (`why`): the whole
+    /// job stops and checkpoints.
+    LeaveRefused {
+        node: String,
+        signal: i32,
+        why: String,
+    },
 }
 
 /// A regroup in place as this node saw it (its local rank 0's figures).

@@ -143,6 +143,11 @@ pub enum Outcome {
     },
     /// The elastic job failed; the root cause as the first failing node reported it.
     JobFailed(String),
+    /// This node was asked to go (`signal`, SIGTERM) and left the job at a step boundary;
+    /// the others train on without it.
+    Left {
+        signal: i32,
+    },
 }
 
 impl fmt::Display for Failure {

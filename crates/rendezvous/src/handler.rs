@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use collective::store::StoreServer;
 
 use crate::backend::{Backend, C10d, Etcd, Read};
-use crate::state::{self, AfterFailure, JoinStep, Node, State, WatchStep};
+use crate::state::{self, AfterFailure, JoinStep, LeaveStep, Node, State, WatchStep};
 use crate::{Assignment, BackendKind, Closed, Config, RendezvousError};
 
 /// How joining ended.
@@ -39,6 +39,15 @@ pub struct Restart {
     pub reason: String,
     /// A node of the round is gone (no heartbeat): its peers' collectives will not complete.
     pub node_gone: bool,
+}
+
+/// How a node asked to go left the job, or why it could not leave alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leaving {
+    /// The next round opened without this node: `nodes` others go on at `world_size`.
+    Left { nodes: u32, world_size: u32 },
+    /// The others cannot go on without it now (why): the job stops as a whole.
+    Refused(String),
 }
 
 pub struct Rendezvous {
@@ -352,6 +361,67 @@ impl Rendezvous {
                 }
                 Some(_) => {}
             }
+        }
+    }
+
+    /// This node is asked to go (`reason`, e.g. "node X leaves (SIGTERM)"): opens the next
+    /// round without it when the others can go on in place ([`state::leave_step`]). The
+    /// caller's workers then leave their group at a step boundary, which the others' pause
+    /// makes the same for every rank.
+    pub fn leave(&mut self, reason: &str) -> Result<Leaving, RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let (read, alive) = self.read()?;
+            match state::leave_step(
+                read.state.as_ref(),
+                &self.me.id,
+                self.round,
+                &alive,
+                self.cfg.limits,
+                reason,
+            ) {
+                LeaveStep::Refused(why) => return Ok(Leaving::Refused(why)),
+                LeaveStep::Write {
+                    next,
+                    nodes,
+                    world_size,
+                } => {
+                    if self.backend.write(read.token.as_deref(), &next)? {
+                        return Ok(Leaving::Left { nodes, world_size });
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(RendezvousError::Store {
+                    endpoint: self.backend.describe(),
+                    problem: "could not record this node's leave (too much contention)".into(),
+                });
+            }
+        }
+    }
+
+    /// After [`Rendezvous::leave`]: an agent that hosts the store keeps it up until the others
+    /// run their next round (they have read their places), or `wait` at most. Without the
+    /// store they would train on, but could not form a round until a replacement hosts one.
+    pub fn hand_over(&mut self, wait: Duration) {
+        if self.server.is_none() {
+            return;
+        }
+        let deadline = Instant::now() + wait;
+        while Instant::now() < deadline {
+            match self.read() {
+                Ok((read, alive)) => {
+                    let moved_on = read
+                        .state
+                        .as_ref()
+                        .is_none_or(|s| s.round > self.round && s.phase != state::Phase::Joining);
+                    if moved_on || alive.iter().all(|id| *id == self.me.id) {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
+            std::thread::sleep(self.cfg.poll);
         }
     }
 

@@ -337,6 +337,69 @@ pub fn watch_step(
     WatchStep::Healthy
 }
 
+/// What an agent whose node is asked to go (SIGTERM) does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaveStep {
+    /// Write this record (the next round, without this node), then leave at a step boundary:
+    /// the others go on in place, `nodes` of them at `world_size`.
+    Write {
+        next: State,
+        nodes: u32,
+        world_size: u32,
+    },
+    /// The others cannot go on without this node, or the job is changing already (another
+    /// node leaving, joining or failed): the job stops as a whole, checkpointing once.
+    Refused(String),
+}
+
+/// Node `me`, whose workers run in `round`, is asked to go for `reason`. It may leave alone
+/// only from a running round it is part of (so that two nodes told to go at once cannot both
+/// leave: the second finds the round reopened by the first) and only when the live nodes left
+/// are at least `limits.min`; then the next round opens without it, expecting the others.
+pub fn leave_step(
+    state: Option<&State>,
+    me: &str,
+    round: u64,
+    alive: &BTreeSet<String>,
+    limits: Limits,
+    reason: &str,
+) -> LeaveStep {
+    let Some(state) = state else {
+        return LeaveStep::Refused("the rendezvous record is gone".into());
+    };
+    if state.closed().is_some() {
+        return LeaveStep::Refused("the job is over".into());
+    }
+    if state.round != round || state.phase != Phase::Running || !state.is_participant(me) {
+        return LeaveStep::Refused(format!(
+            "the job is between rounds ({})",
+            state
+                .reason
+                .as_deref()
+                .unwrap_or("another node joins or leaves")
+        ));
+    }
+    let others: Vec<&Node> = state
+        .participants
+        .iter()
+        .filter(|n| n.id != me && alive.contains(&n.id))
+        .collect();
+    if (others.len() as u32) < limits.min.max(1) {
+        return LeaveStep::Refused(format!(
+            "without it the job would have {} node(s), fewer than its minimum of {} (--nnodes MIN:MAX)",
+            others.len(),
+            limits.min.max(1)
+        ));
+    }
+    let mut staying = alive.clone();
+    staying.remove(me);
+    LeaveStep::Write {
+        next: state.reopened(reason.to_string(), &staying),
+        nodes: others.len() as u32,
+        world_size: others.iter().fold(0u32, |a, n| a.saturating_add(n.nproc)),
+    }
+}
+
 /// What follows a worker failure on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AfterFailure {

@@ -33,6 +33,23 @@ pub enum TrainError {
         "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it: run the same command again to resume there"
     )]
     Preempted { global_step: u64, epoch: usize },
+    /// Its node was asked to go (SIGTERM) and the others train on without it: this worker left
+    /// after the step every rank paused at, holding nothing they lack.
+    #[error(
+        "left the job after step {global_step} (epoch {epoch}): this node was asked to go, and the others train on without it"
+    )]
+    Left { global_step: u64, epoch: usize },
+    /// The checkpoint holds a run that finished (trained, saved, evaluated): nothing to
+    /// resume, and training it again must be asked for.
+    #[error(
+        "{path} holds a finished run ({epochs} epochs, step {global_step}; its model is {model}): nothing to resume. To train again from scratch pass --train-again (both files are replaced), to train on from it raise --epochs, or give the new run another --out or run id"
+    )]
+    Finished {
+        path: PathBuf,
+        epochs: usize,
+        global_step: u64,
+        model: PathBuf,
+    },
     /// Asked to stop (SIGTERM) before this worker trained a step: nothing of its to save.
     #[error("stopped on request {0}")]
     Stopped(String),

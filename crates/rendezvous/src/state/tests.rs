@@ -342,3 +342,104 @@ proptest! {
         }
     }
 }
+
+/// A running round of a, b and c (all live), as every agent sees it after joining.
+fn running_round_of_three() -> State {
+    let live = alive(&["a", "b", "c"]);
+    let mut state = None;
+    for id in ["a", "b", "c"] {
+        join(&mut state, id, &live, false);
+    }
+    let state = state.unwrap();
+    assert_eq!(state.phase, Phase::Running);
+    state
+}
+
+#[test]
+fn a_node_told_to_go_leaves_and_the_next_round_expects_only_the_others() {
+    let state = running_round_of_three();
+    let live = alive(&["a", "b", "c"]);
+    let LeaveStep::Write {
+        next,
+        nodes,
+        world_size,
+    } = leave_step(
+        Some(&state),
+        "b",
+        state.round,
+        &live,
+        LIMITS,
+        "node b leaves (SIGTERM)",
+    )
+    else {
+        panic!("b may leave: two nodes are left, the minimum");
+    };
+    assert_eq!((nodes, world_size), (2, 4));
+    assert_eq!(next.round, state.round + 1);
+    assert_eq!(next.phase, Phase::Joining);
+    assert_eq!(next.expected, ["a", "c"], "the leaver is not waited for");
+    assert_eq!(next.reason.as_deref(), Some("node b leaves (SIGTERM)"));
+    assert_eq!(next.failures, state.failures, "a leave is not a failure");
+    // The others see the round reopened (not a node gone: b still beats while it leaves) and
+    // complete the next one as soon as both have joined, while b is still alive.
+    assert_eq!(
+        watch_step(Some(&next), "a", state.round, &live, LIMITS),
+        WatchStep::Restart("node b leaves (SIGTERM)".into())
+    );
+    let mut rejoin = Some(next);
+    join(&mut rejoin, "a", &live, false);
+    let c = assigned(join(&mut rejoin, "c", &live, false));
+    let a = assigned(join(&mut rejoin, "a", &live, false));
+    assert_eq!(
+        (a.nnodes, a.world_size, a.node_rank, c.node_rank),
+        (2, 4, 0, 1)
+    );
+    assert_eq!(a.restart_count, state.failures);
+}
+
+#[test]
+fn a_second_node_told_to_go_at_once_is_refused_so_the_job_stops_whole() {
+    let state = running_round_of_three();
+    let live = alive(&["a", "b", "c"]);
+    let LeaveStep::Write { next, .. } =
+        leave_step(Some(&state), "b", state.round, &live, LIMITS, "b leaves")
+    else {
+        panic!("b may leave");
+    };
+    assert!(matches!(
+        leave_step(Some(&next), "c", state.round, &live, LIMITS, "c leaves"),
+        LeaveStep::Refused(why) if why.contains("between rounds") && why.contains("b leaves")
+    ));
+}
+
+#[test]
+fn a_leave_below_the_minimum_or_after_the_end_is_refused() {
+    let state = running_round_of_three();
+    // c is already gone: without b only a would be left, below MIN 2.
+    let live = alive(&["a", "b"]);
+    assert!(matches!(
+        leave_step(Some(&state), "b", state.round, &live, LIMITS, "b leaves"),
+        LeaveStep::Refused(why) if why.contains("1 node(s)") && why.contains("minimum of 2")
+    ));
+    // A fixed-size job (MIN = MAX) never shrinks.
+    let fixed = Limits { min: 3, max: 3 };
+    let all = alive(&["a", "b", "c"]);
+    assert!(matches!(
+        leave_step(Some(&state), "b", state.round, &all, fixed, "b leaves"),
+        LeaveStep::Refused(_)
+    ));
+    let closed = close_step(Some(&state), true, None).unwrap();
+    assert_eq!(
+        leave_step(Some(&closed), "b", state.round, &all, LIMITS, "b leaves"),
+        LeaveStep::Refused("the job is over".into())
+    );
+    assert!(matches!(
+        leave_step(None, "b", 0, &all, LIMITS, "b leaves"),
+        LeaveStep::Refused(_)
+    ));
+    // Not a participant of the round (a node still waiting to join) cannot leave it.
+    assert!(matches!(
+        leave_step(Some(&state), "d", state.round, &all, LIMITS, "d leaves"),
+        LeaveStep::Refused(_)
+    ));
+}

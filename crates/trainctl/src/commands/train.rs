@@ -89,6 +89,10 @@ pub struct Args {
     /// Expected MD5 of the downloaded archive (default: the official archive's).
     #[arg(long)]
     download_md5: Option<String>,
+    /// When the checkpoint holds a finished run, train again from scratch (its checkpoint and
+    /// model are replaced) instead of refusing.
+    #[arg(long)]
+    pub(crate) train_again: bool,
     /// Skip the test-set evaluation at the end.
     #[arg(long)]
     pub(crate) no_eval: bool,
@@ -163,6 +167,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             .unwrap_or_else(|| trainer::device::default_threads(world.local_world_size as usize)),
         evaluate: !args.no_eval,
         run_dir,
+        train_again: args.train_again,
         stop,
     };
     let rank = world.rank;
@@ -189,6 +194,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             crate::output::error(&anyhow::Error::new(e));
             Ok(contract::exit::PEER_LOST)
         }
+        // Its node leaves the job: the agent says so for the node, once.
+        Err(TrainError::Left { .. }) => Ok(contract::exit::PREEMPTED),
         Err(e @ TrainError::Preempted { .. }) => {
             if rank == 0 {
                 crate::output::warn(&e.to_string());

@@ -393,6 +393,16 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             megabytes(r.bytes),
             r.seconds
         )),
+        LaunchEvent::Leaving {
+            reason,
+            nodes,
+            world_size,
+        } => err(format_args!(
+            "trainctl run: {reason}: the others go on at world size {world_size} ({nodes} node(s)); this node's workers leave after the step under way"
+        )),
+        LaunchEvent::LeaveRefused { node, signal, why } => warn(&format!(
+            "node {node} was asked to go (signal {signal}) but cannot leave alone: {why}; stopping the whole job, which checkpoints once"
+        )),
         LaunchEvent::RegroupFallback { failed } => warn(&format!(
             "{failed} regroups in a row failed (more than --max-restarts): restarting this node's workers instead, as --regroup restart does"
         )),

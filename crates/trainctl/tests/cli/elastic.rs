@@ -361,6 +361,126 @@ fn agent_lost(store: Store, name: &str, cut_link: bool, regroup: &'static str) {
     }
 }
 
+/// SIGTERM, as Kubernetes sends a pod it deletes (drain, eviction, spot interruption).
+fn sigterm(agent: &Running) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.pid()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+}
+
+/// One of three agents told to go (SIGTERM) mid-epoch: it leaves at a step boundary and exits
+/// 143, and the other two go on in place at world size 2: their workers are the ones they
+/// started, nothing is read from a checkpoint, the step after the regroup follows the last one
+/// trained, and every epoch trained each image once. `leaver` is the host told to go (host 1
+/// hosts the c10d store).
+fn agent_told_to_go(store: Store, name: &str, leaver: usize) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_step(2);
+    let leaving = agents[leaver - 1];
+    sigterm(&c.agents[leaving]);
+    let status = c.agents[leaving].wait(JOB_TIMEOUT);
+    let left = c.agents[leaving].output();
+    assert_eq!(status.code(), Some(143), "the leaver exits 143:\n{left}");
+    assert!(
+        left.contains("leaves (SIGTERM): the others go on at world size 2"),
+        "the leaver says what happened:\n{left}"
+    );
+    let stayed: Vec<usize> = agents.into_iter().filter(|&a| a != leaving).collect();
+    let outputs: Vec<String> = stayed.iter().map(|&a| c.succeeds(a)).collect();
+    let all = outputs.join("\n");
+    assert!(
+        outputs.iter().all(|o| o.contains("leaves (SIGTERM)")
+            && o.contains("regrouped in place")
+            && o.contains("world size 3 → 2")),
+        "the others say the node left and go on in place:\n{all}"
+    );
+    assert!(
+        !all.contains("restarting") && !all.contains("stopped on request"),
+        "nobody restarts or stops:\n{all}"
+    );
+    let starts: Vec<usize> = stayed
+        .iter()
+        .map(|&a| workers_of(&c.agents[a]).len())
+        .collect();
+    assert_eq!(starts, [1, 1], "no survivor's worker starts again:\n{all}");
+    assert!(
+        c.starts().iter().all(|&(peer, resumed)| !peer && !resumed),
+        "no start but the first ones, none from a checkpoint: {:?}",
+        c.starts()
+    );
+    c.verify_finished(&outputs, 2);
+    c.verify_exactly_once();
+    for pid in workers_of(&c.agents[leaving]) {
+        assert!(!alive(pid), "the leaver's workers exited with it");
+    }
+}
+
+/// Every agent told to go at once (a whole job deleted): at most one leaves alone, the others
+/// cannot go on without it, so the job stops as a whole; every agent exits 143, the checkpoint
+/// holds the last step trained, and running the same command again resumes there exactly.
+fn every_agent_told_to_go(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_step(2);
+    for &a in &agents {
+        sigterm(&c.agents[a]);
+    }
+    for &a in &agents {
+        let status = c.agents[a].wait(JOB_TIMEOUT);
+        assert_eq!(
+            status.code(),
+            Some(143),
+            "agent {a} exits 143:\n{}",
+            c.agents[a].output()
+        );
+    }
+    let stopped = agents
+        .iter()
+        .map(|&a| c.agents[a].output())
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        stopped.matches("the others go on at world size").count() <= 1,
+        "at most one node leaves alone:\n{stopped}"
+    );
+    let trained = c
+        .metrics()
+        .iter()
+        .flatten()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.step),
+            _ => None,
+        })
+        .max()
+        .expect("steps were trained");
+    let p = c.progress().expect("the stop left a checkpoint");
+    assert_eq!(
+        p["global_step"].as_u64(),
+        Some(trained),
+        "the checkpoint holds the last step trained:\n{stopped}"
+    );
+    assert!(
+        p["epoch"].as_u64() < Some(c.epochs),
+        "the job stopped before its end: {p}"
+    );
+    let again: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    let outputs: Vec<String> = again.iter().map(|&a| c.succeeds(a)).collect();
+    assert!(
+        outputs.iter().any(|o| o.contains("resum")),
+        "the second run resumes from the checkpoint:\n{}",
+        outputs.join("\n")
+    );
+    c.verify_finished(&outputs, 3);
+    c.verify_exactly_once();
+}
+
 fn agent_added(store: Store, name: &str) {
     let Some(mut c) = Cluster::new(store, name) else {
         return;
@@ -545,6 +665,31 @@ fn worker_killed(store: Store, name: &str) {
         p["epoch"].as_u64() < Some(c.epochs),
         "the job did not finish: {p}"
     );
+}
+
+#[test]
+fn c10d_agent_told_to_go_leaves_and_the_others_go_on_in_place() {
+    agent_told_to_go(Store::C10d, "c10d-leave", 3);
+}
+
+#[test]
+fn c10d_store_host_told_to_go_leaves_and_the_others_go_on_in_place() {
+    agent_told_to_go(Store::C10d, "c10d-leave-host", 1);
+}
+
+#[test]
+fn etcd_agent_told_to_go_leaves_and_the_others_go_on_in_place() {
+    agent_told_to_go(Store::Etcd, "etcd-leave", 2);
+}
+
+#[test]
+fn c10d_every_agent_told_to_go_checkpoints_once_and_resumes_exactly() {
+    every_agent_told_to_go(Store::C10d, "c10d-all-go");
+}
+
+#[test]
+fn etcd_every_agent_told_to_go_checkpoints_once_and_resumes_exactly() {
+    every_agent_told_to_go(Store::Etcd, "etcd-all-go");
 }
 
 #[test]

@@ -405,3 +405,37 @@ fn a_killed_worker_is_restarted_and_the_job_resumes_where_it_was() {
     assert!(done.iter().all(|(_, steps, _)| *steps == 8), "{out}");
     assert_eq!(done[0].2, done[1].2);
 }
+
+/// The same command again after a run finished (trained, saved, evaluated) does not resume
+/// the finished run and call that a success: it fails at once, saying so and how to train
+/// again (`--train-again`) or on (`--epochs`); both of which then work.
+#[test]
+fn a_finished_run_is_not_resumed_unless_asked() {
+    let job = Job::new(64, 16);
+    let args = train_args(&job, "runs", 1);
+    run_ok(trainctl().args(&args));
+    let again = run_failing(trainctl().args(&args));
+    assert!(
+        again.contains("holds a finished run (1 epochs")
+            && again.contains("--train-again")
+            && again.contains("raise --epochs"),
+        "{again}"
+    );
+    assert!(!again.contains("resuming from checkpoint"), "{again}");
+
+    let mut on = train_args(&job, "runs", 2);
+    let longer = run_ok(trainctl().args(&on));
+    assert!(
+        text(&longer.stdout).contains("resuming from checkpoint: epoch 2, 0 samples into it"),
+        "more epochs train on from the finished run:\n{}",
+        text(&longer.stdout)
+    );
+    on.push("--train-again".into());
+    let fresh = run_ok(trainctl().args(&on));
+    let said = format!("{}{}", text(&fresh.stdout), text(&fresh.stderr));
+    assert!(
+        said.contains("--train-again trains from scratch")
+            && !said.contains("resuming from checkpoint"),
+        "{said}"
+    );
+}

@@ -42,6 +42,9 @@ pub struct TrainConfig {
     pub evaluate: bool,
     /// Where the metrics files (`metrics/`) and TensorBoard events (`tensorboard/`) go.
     pub run_dir: PathBuf,
+    /// When the checkpoint holds a finished run, train again from scratch (replacing it)
+    /// instead of refusing.
+    pub train_again: bool,
     /// Set (by a SIGTERM handler) to stop after the step in progress: every rank learns it in
     /// that step's all-reduce, rank 0 checkpoints, and all return [`TrainError::Preempted`].
     pub stop: Arc<AtomicBool>,

@@ -123,6 +123,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             control.as_mut(),
         ) {
             (None, _) => {}
+            (Some(Leave::Going), _) => return Err(run.left()),
             (Some(why), Some(control)) => group = run.regroup(group, why, control, report)?,
             (Some(_), None) => {
                 unreachable!("only a worker with a control channel leaves its group")
@@ -331,6 +332,8 @@ impl Run<'_> {
             let flags = Flags {
                 stop: cfg.stop.load(Ordering::Relaxed),
                 pause: control.as_mut().is_some_and(|c| c.pause_requested()),
+                // As of the messages `pause_requested` just read.
+                leave: control.as_ref().is_some_and(|c| c.leaving()),
             };
             let input = StepInput {
                 pixels: batch.pixels,
@@ -416,7 +419,17 @@ impl Run<'_> {
                 });
             }
             if outcome.pausing {
-                return Ok(Some(Leave::Paused));
+                if control.as_ref().is_some_and(|c| c.leaving()) {
+                    return Ok(Some(Leave::Going));
+                }
+                // With rank 0's node gone, the lowest rank that stays is the next one after
+                // that node's ranks (one node leaves at a time, its ranks consecutive).
+                let saver = if outcome.rank0_leaving {
+                    outcome.leaving
+                } else {
+                    0
+                };
+                return Ok(Some(Leave::Paused { saver }));
             }
             let due = cfg
                 .checkpoint_every

@@ -24,8 +24,23 @@ use crate::error::{Result, TrainError};
 pub(super) enum Leave {
     /// A collective failed: a peer is gone.
     Lost(String),
-    /// The agent handed the next round (a node joins) and every rank stopped after the same step.
-    Paused,
+    /// The agent handed the next round (a node joins or leaves) and every rank stopped after
+    /// the same step. `saver` is the rank (of the group left) that checkpoints if a stop comes
+    /// before the next round: rank 0, or the lowest rank that stays when rank 0's node leaves.
+    Paused { saver: usize },
+    /// This worker's node was asked to go: it leaves the job after the step all ranks paused
+    /// at, and the others regroup without it.
+    Going,
+}
+
+/// What a worker that left its group does next.
+enum Next {
+    /// Join the next round's group: its worker environment.
+    Round(Vec<(String, String)>),
+    /// A stop was asked for.
+    Stop,
+    /// Its node was asked to go.
+    Leave,
 }
 
 /// The worker's end of the control channel. A thread reads the agent's messages as they come,
@@ -41,6 +56,8 @@ pub(super) struct Control {
     assigned: Option<Vec<(String, String)>>,
     /// Assignments received, for the agent to tell current reports from stale ones.
     assignments: u64,
+    /// The agent asked this worker to leave the job (its node goes).
+    leaving: bool,
 }
 
 impl Control {
@@ -67,6 +84,7 @@ impl Control {
                 links,
                 assigned: None,
                 assignments: 0,
+                leaving: false,
             }),
             Err(e) => {
                 report(Event::Warning(format!(
@@ -86,9 +104,12 @@ impl Control {
         stop: &AtomicBool,
     ) -> Result<World> {
         match self.next_round(&Leave::Lost(reason.clone()), 0, stop) {
-            Ok(Some(env)) => world_from(&env, world),
-            Ok(None) => Err(TrainError::Stopped(format!(
+            Ok(Next::Round(env)) => world_from(&env, world),
+            Ok(Next::Stop) => Err(TrainError::Stopped(format!(
                 "while waiting to join a group ({reason}); this worker had trained nothing"
+            ))),
+            Ok(Next::Leave) => Err(TrainError::Stopped(format!(
+                "while waiting to join a group ({reason}): its node was asked to go; this worker had trained nothing"
             ))),
             Err(e) => Err(TrainError::Collective(CollectiveError::PeerLost(format!(
                 "{reason}; the agent did not regroup this worker ({e})"
@@ -120,20 +141,27 @@ impl Control {
                     self.assigned = Some(env);
                     self.assignments += 1;
                 }
+                ToWorker::Leave => self.leaving = true,
             }
         }
         self.assigned.is_some()
     }
 
+    /// Whether the agent asked this worker to leave the job (as of the last
+    /// [`Control::pause_requested`]): it raises the pause and leaves after that step.
+    pub(super) fn leaving(&self) -> bool {
+        self.leaving
+    }
+
     /// Tells the agent why the worker left its group (holding global step `step`), then waits
-    /// for the next round's environment. `None` when a stop was asked for meanwhile; an error
-    /// when the agent closed the channel (it will start this node's workers again).
+    /// for the next round's environment, a stop, or the agent's word that this node goes; an
+    /// error when the agent closed the channel (it will start this node's workers again).
     fn next_round(
         &mut self,
         why: &Leave,
         step: u64,
         stop: &AtomicBool,
-    ) -> Result<Option<Vec<(String, String)>>, ControlError> {
+    ) -> Result<Next, ControlError> {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let assignments = self.assignments;
         self.channel.send(&match why {
@@ -142,31 +170,42 @@ impl Control {
                 step,
                 reason: reason.clone(),
             },
-            Leave::Paused => ToAgent::Paused { assignments, step },
+            Leave::Paused { .. } | Leave::Going => ToAgent::Paused { assignments, step },
         })?;
         let mut assigned = self.assigned.take();
         loop {
             // Rounds that came and went while this worker was busy: only the latest can form.
             while let Ok(Ok(message)) = self.inbox.try_recv() {
-                if let ToWorker::Assign(env) = message {
-                    assigned = Some(env);
-                    self.assignments += 1;
-                }
+                self.take(message, &mut assigned);
             }
-            if assigned.is_some() || stop.load(Ordering::Relaxed) {
-                return Ok(assigned);
+            if self.leaving {
+                return Ok(Next::Leave);
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Next::Stop);
+            }
+            if let Some(env) = assigned.take() {
+                return Ok(Next::Round(env));
             }
             match self.inbox.recv_timeout(Duration::from_millis(100)) {
-                Ok(Ok(ToWorker::Assign(env))) => {
-                    assigned = Some(env);
-                    self.assignments += 1;
-                }
-                // Asked before the group broke up: this worker has already left it.
-                Ok(Ok(ToWorker::Abort)) => {}
+                Ok(Ok(message)) => self.take(message, &mut assigned),
                 Ok(Err(e)) => return Err(e),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return Err(ControlError::Closed),
             }
+        }
+    }
+
+    /// A message that came while the worker waits for its next round.
+    fn take(&mut self, message: ToWorker, assigned: &mut Option<Vec<(String, String)>>) {
+        match message {
+            ToWorker::Assign(env) => {
+                *assigned = Some(env);
+                self.assignments += 1;
+            }
+            ToWorker::Leave => self.leaving = true,
+            // Asked before the group broke up: this worker has already left it.
+            ToWorker::Abort => {}
         }
     }
 }
@@ -313,16 +352,17 @@ impl Run<'_> {
         let step_left = self.state.progress.global_step;
         // Closing its links now makes every peer still inside a collective fail at once.
         drop(group);
-        let reason = match &why {
-            Leave::Lost(e) => format!("peer lost: {e}"),
-            Leave::Paused => "paused for a new round".to_string(),
+        let (reason, mut saver) = match &why {
+            Leave::Lost(e) => (format!("peer lost: {e}"), self.rank == 0),
+            Leave::Paused { saver } => ("paused for a new round".to_string(), self.rank == *saver),
+            Leave::Going => return Err(self.left()),
         };
-        let mut saver = self.rank == 0;
         loop {
             let step = self.state.progress.global_step;
             let env = match control.next_round(&why, step, &self.cfg.stop) {
-                Ok(Some(env)) => env,
-                Ok(None) => return Err(self.stop_while_regrouping(saver, report)),
+                Ok(Next::Round(env)) => env,
+                Ok(Next::Stop) => return Err(self.stop_while_regrouping(saver, report)),
+                Ok(Next::Leave) => return Err(self.left()),
                 Err(e) => {
                     return Err(TrainError::Collective(CollectiveError::PeerLost(format!(
                         "{reason}; the agent did not regroup this worker ({e})"
@@ -398,6 +438,15 @@ impl Run<'_> {
         self.world_size = group.world_size();
         self.world = world.clone();
         Ok((group, synced))
+    }
+
+    /// This worker leaves the job (its node was asked to go), holding the step every rank
+    /// paused at: the others go on from it, so nothing is saved.
+    pub(super) fn left(&self) -> TrainError {
+        TrainError::Left {
+            global_step: self.state.progress.global_step,
+            epoch: self.state.progress.epoch + 1,
+        }
     }
 
     /// A stop (SIGTERM) while waiting for the next round: the survivors hold the same state

@@ -114,6 +114,24 @@ impl TrainState {
                 )));
             }
         }
+        if saved.epoch >= cfg.epochs && finished_run(cfg, saved.global_step) {
+            if !cfg.train_again {
+                return Err(TrainError::Finished {
+                    path: cfg.checkpoint_file.clone(),
+                    epochs: saved.epoch,
+                    global_step: saved.global_step,
+                    model: cfg.model_file.clone(),
+                });
+            }
+            report(Event::Warning(format!(
+                "{} holds a finished run ({} epochs, step {}): --train-again trains from scratch, replacing it and {}",
+                cfg.checkpoint_file.display(),
+                saved.epoch,
+                saved.global_step,
+                cfg.model_file.display()
+            )));
+            return Ok(false);
+        }
         report(Event::Resumed {
             epoch: saved.epoch,
             position: saved.position,
@@ -240,6 +258,30 @@ fn some(classes: &[String]) -> String {
         ""
     };
     format!("{} ({}{more})", classes.len(), shown.join(", "))
+}
+
+/// Whether the run whose checkpoint holds all its epochs at `global_step` also finished its
+/// end: its model saved after that checkpoint and, when it evaluates, its evaluation recorded.
+/// A run cut off in its end (a peer lost during the final evaluation) has not, and a restart
+/// resumes it to finish that end.
+fn finished_run(cfg: &TrainConfig, global_step: u64) -> bool {
+    let modified = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified());
+    let model_saved = match (modified(&cfg.model_file), modified(&cfg.checkpoint_file)) {
+        (Ok(model), Ok(checkpoint)) => model >= checkpoint,
+        _ => false,
+    };
+    if !model_saved {
+        return false;
+    }
+    if !cfg.evaluate {
+        return true;
+    }
+    let metrics = telemetry::metrics::rank_file(&cfg.run_dir, 0);
+    telemetry::metrics::read_metrics(&metrics).is_ok_and(|m| {
+        m.records
+            .iter()
+            .any(|r| matches!(r, telemetry::metrics::Record::Eval(e) if e.step == global_step))
+    })
 }
 
 #[cfg(test)]

@@ -40,6 +40,9 @@ pub(super) struct Flags {
     pub(super) stop: bool,
     /// Leave the group after this step (the agent regroups for a node joining).
     pub(super) pause: bool,
+    /// This rank's node is asked to go: it leaves the job after this step (and raises `pause`
+    /// for the others, who regroup without it).
+    pub(super) leave: bool,
 }
 
 /// What one step did, as every rank agrees.
@@ -52,6 +55,10 @@ pub(super) struct StepOutcome {
     pub(super) stopping: bool,
     /// Some rank's agent handed the next round: all finish this step, then leave the group.
     pub(super) pausing: bool,
+    /// How many ranks leave the job after this step (their node is asked to go).
+    pub(super) leaving: usize,
+    /// Whether rank 0 is one of them.
+    pub(super) rank0_leaving: bool,
     /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
     pub(super) digest: u64,
     pub(super) compute_s: f64,
@@ -66,7 +73,7 @@ impl Step {
             loss_fn: CrossEntropyLossConfig::new().init(device),
             device: device.clone(),
             image_size,
-            reduced: Vec::with_capacity(params + 4 + DIGEST_LIMBS),
+            reduced: Vec::with_capacity(params + 6 + DIGEST_LIMBS),
         }
     }
 
@@ -122,12 +129,21 @@ impl Step {
         });
         self.reduced.extend(digest_limbs(digest));
         self.reduced.push(if flags.stop { 1.0 } else { 0.0 });
-        self.reduced.push(if flags.pause { 1.0 } else { 0.0 });
+        self.reduced
+            .push(if flags.pause || flags.leave { 1.0 } else { 0.0 });
+        self.reduced.push(if flags.leave { 1.0 } else { 0.0 });
+        let rank0_leaves = flags.leave && group.rank() == 0;
+        self.reduced.push(if rank0_leaves { 1.0 } else { 0.0 });
         let mut compute_s = timer.elapsed().as_secs_f64();
 
         let timer = Instant::now();
         group.all_reduce_mean(&mut self.reduced)?;
         let mut allreduce_s = timer.elapsed().as_secs_f64();
+        // Means: times the world size, they count the ranks that raised them.
+        let count =
+            |v: Option<f32>| (v.unwrap_or(0.0) * group.world_size() as f32).round() as usize;
+        let rank0_leaving = count(self.reduced.pop()) > 0;
+        let leaving = count(self.reduced.pop());
         let pausing = self.reduced.pop().is_some_and(|v| v > 0.0);
         let stopping = self.reduced.pop().is_some_and(|v| v > 0.0);
         let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
@@ -139,6 +155,8 @@ impl Step {
             accuracy,
             stopping,
             pausing,
+            leaving,
+            rank0_leaving,
             digest,
             compute_s,
             allreduce_s,

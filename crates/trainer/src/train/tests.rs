@@ -39,6 +39,7 @@ fn config() -> TrainConfig {
         threads: 1,
         evaluate: false,
         run_dir: PathBuf::new(),
+        train_again: false,
         stop: Arc::new(AtomicBool::new(false)),
     }
 }

@@ -440,6 +440,9 @@ fn report_outcome(outcome: Outcome, err: &mut dyn Write, termination_log: Option
             signal,
             checkpointed,
         } => return report_interrupted(signal, checkpointed),
+        // The leave was said when it happened; the exit code is the signal's, which a Job's
+        // podFailurePolicy ignores, so the pod is replaced without counting a failure.
+        Outcome::Left { signal } => return 128 + signal,
     };
     let _ = write!(err, "{report}");
     if let Some(path) = termination_log

@@ -1,0 +1,516 @@
+//! The elastic agent: one per node, it joins the rendezvous, runs this node's workers at the
+//! world size of the round, and starts them again at the next round when a worker fails, a
+//! node is lost or a node arrives, until the job succeeds or `--max-restarts` failures.
+//!
+//! Its loop polls three sources every monitor interval: the stop signals, the local workers,
+//! and the rendezvous record (whose heartbeats run on their own thread). What it does about
+//! what it sees is decided in `decide`, a pure function tested on its own; this module
+//! gathers the observations and carries the decisions out.
+
+mod decide;
+
+use std::time::{Duration, Instant};
+
+use collective::control::ToAgent;
+use rendezvous::{Joined, Leaving, Rendezvous, Restart, Watch};
+
+use crate::output::Sink;
+use crate::report::{ExitKind, Failure, Outcome};
+use crate::supervise::{Group, Launch, Status, with_timer};
+use crate::{LaunchError, LaunchEvent, LaunchSpec};
+use decide::{Memory, Next, Round, Seen};
+
+/// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
+/// grace, max restarts); the rendezvous decides ranks, world size and the master address.
+pub fn run_elastic(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    stdout: Sink,
+    stderr: Sink,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Outcome, LaunchError> {
+    let outcome = run_rounds(spec, rdzv, stdout, stderr, events)?;
+    if !matches!(outcome, Outcome::Interrupted { .. }) {
+        // The job is over: if this agent hosts the store, the others still need it to learn so.
+        rdzv.linger();
+    }
+    Ok(outcome)
+}
+
+/// This node's workers, left running between rounds to regroup in place.
+struct Kept {
+    group: Group,
+    /// Why they left their group, for the report of the regroup.
+    reason: String,
+}
+
+/// How a round ended for this node.
+enum RoundEnd {
+    /// Join the next round, with the workers kept running when they regroup in place.
+    Next(Option<Kept>),
+    /// The launch is over.
+    Over(Outcome),
+}
+
+fn run_rounds(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    stdout: Sink,
+    stderr: Sink,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Outcome, LaunchError> {
+    let launch = Launch::open(spec)?;
+    let mut kept: Option<Kept> = None;
+    // Regroups in a row whose new group failed before it trained: past --max-restarts, the
+    // workers are started again instead.
+    let mut failed_regroups = 0u32;
+    loop {
+        rdzv.set_port(crate::free_port()?);
+        events(LaunchEvent::Joining {
+            node: rdzv.node_id().to_string(),
+        });
+        let joined = rdzv.join(&|| launch.signals.received().is_some());
+        let assignment = match joined {
+            Ok(Joined::Assigned(a)) => a,
+            ended => {
+                // Waiting workers that will not train again: a stop request lets them save.
+                let checkpointed = kept
+                    .take()
+                    .is_some_and(|k| k.group.stop_interrupted(spec.grace));
+                return match ended? {
+                    Joined::Assigned(_) => unreachable!("matched above"),
+                    Joined::Stopped => Ok(Outcome::Interrupted {
+                        signal: launch.signals.received().unwrap_or(15),
+                        checkpointed,
+                    }),
+                    Joined::Closed(c) if c.succeeded => {
+                        events(LaunchEvent::JobAlreadyOver);
+                        Ok(Outcome::Succeeded)
+                    }
+                    Joined::Closed(c) => Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
+                };
+            }
+        };
+        events(LaunchEvent::Joined(assignment.clone()));
+        let round_spec = LaunchSpec {
+            nnodes: assignment.nnodes,
+            node_rank: assignment.node_rank,
+            rank_offset: assignment.rank_offset,
+            world_size: assignment.world_size,
+            master_addr: assignment.master_addr.clone(),
+            master_port: assignment.master_port,
+            ..spec.clone()
+        };
+        let assigned = kept.take().and_then(|mut k| {
+            if k.group.assign(&round_spec, assignment.restart_count) {
+                return Some(k);
+            }
+            // One of them exited meanwhile: this node starts afresh.
+            k.group.stop(spec.grace);
+            None
+        });
+        // Why this node's workers regroup, until they report that they did.
+        let (group, regrouping) = match assigned {
+            Some(k) => (k.group, Some(k.reason)),
+            None => (
+                Group::spawn(
+                    &round_spec,
+                    assignment.restart_count,
+                    assignment.round,
+                    spec.regroup,
+                    launch.outputs(&stdout, &stderr),
+                    events,
+                )?,
+                None,
+            ),
+        };
+        let mut round = InRound {
+            spec,
+            launch: &launch,
+            rdzv: &mut *rdzv,
+            restart_count: assignment.restart_count,
+            regrouping,
+            failed_regroups,
+            closing: false,
+            store_down_since: None,
+        };
+        let end = round.run(group, events);
+        failed_regroups = round.failed_regroups;
+        match end {
+            RoundEnd::Next(k) => kept = k,
+            RoundEnd::Over(outcome) => return Ok(outcome),
+        }
+    }
+}
+
+/// What carrying a decision out left: the round's end, or the workers still running in it.
+enum Acted {
+    Ended(RoundEnd),
+    Running(Group),
+}
+
+/// One round of this node's workers, watched until it ends.
+struct InRound<'a> {
+    spec: &'a LaunchSpec,
+    launch: &'a Launch,
+    rdzv: &'a mut Rendezvous,
+    restart_count: u32,
+    /// Why this node's workers regroup, until they report that they did.
+    regrouping: Option<String>,
+    failed_regroups: u32,
+    /// The job was closed by another node that finished: our workers finish too, no restart.
+    closing: bool,
+    store_down_since: Option<Instant>,
+}
+
+/// What one look found, with what it needs to be acted on: why (a peer lost, a round
+/// reopened, the job's root cause, the store's error) and a failed worker's report.
+struct Looked {
+    seen: Seen,
+    why: String,
+    failure: Option<Box<Failure>>,
+}
+
+impl Looked {
+    fn just(seen: Seen) -> Looked {
+        Looked {
+            seen,
+            why: String::new(),
+            failure: None,
+        }
+    }
+
+    fn because(seen: Seen, why: String) -> Looked {
+        Looked {
+            seen,
+            why,
+            failure: None,
+        }
+    }
+}
+
+impl InRound<'_> {
+    /// Watches `group` until the round ends for this node: look, decide, act.
+    fn run(&mut self, mut group: Group, events: &mut dyn FnMut(LaunchEvent)) -> RoundEnd {
+        let spec = self.spec;
+        loop {
+            if let Some(looked) = self.look(&mut group, events) {
+                let memory = Memory {
+                    closing: self.closing,
+                    can_regroup: group.can_regroup(),
+                    regrouping: self.regrouping.is_some(),
+                    failed_regroups: self.failed_regroups,
+                    max_restarts: spec.max_restarts,
+                };
+                let next = decide::next(&looked.seen, &memory, self.store_down_since.is_some());
+                match self.act(next, looked, group, events) {
+                    Acted::Ended(end) => return end,
+                    Acted::Running(running) => group = running,
+                }
+            }
+            std::thread::sleep(spec.monitor_interval.max(Duration::from_millis(10)));
+        }
+    }
+
+    /// The most pressing thing there is to see, if any: a stop signal, a worker's report of a
+    /// lost peer, the workers' state, then (unless another node closed the job) the round.
+    fn look(&mut self, group: &mut Group, events: &mut dyn FnMut(LaunchEvent)) -> Option<Looked> {
+        if let Some(signal) = self.launch.signals.received() {
+            return Some(Looked::just(Seen::Signal(signal)));
+        }
+        let mut lost = None;
+        for (local_rank, message) in group.messages() {
+            match message {
+                ToAgent::Lost { reason, .. } => lost = Some(reason),
+                ToAgent::Regrouped(r) if local_rank == 0 => {
+                    self.failed_regroups = 0;
+                    events(LaunchEvent::Regrouped(crate::Regrouped {
+                        node: self.rdzv.node_id().to_string(),
+                        reason: self.regrouping.take().unwrap_or_default(),
+                        world_size_before: r.world_size_before,
+                        world_size: r.world_size,
+                        step: r.step,
+                        steps_dropped: r.steps_dropped,
+                        bytes: r.bytes,
+                        seconds: r.seconds,
+                    }));
+                }
+                ToAgent::Ready | ToAgent::Paused { .. } | ToAgent::Regrouped(_) => {}
+            }
+        }
+        if let Some(reason) = lost {
+            return Some(Looked::because(
+                Seen::PeerLost,
+                format!("a peer was lost ({reason})"),
+            ));
+        }
+        match group.poll() {
+            Status::Running => {}
+            Status::Succeeded => return Some(Looked::just(Seen::WorkersDone)),
+            Status::Trouble(trouble) => {
+                let failure = with_timer(
+                    group.stop_troubled(self.spec.grace, trouble),
+                    self.launch.timers.as_ref(),
+                );
+                // A lost peer is another node's failure; a preempted worker saved its work.
+                let counted = ![contract::exit::PEER_LOST, contract::exit::PREEMPTED]
+                    .iter()
+                    .any(|code| failure.exit == ExitKind::Code(*code));
+                return Some(Looked {
+                    seen: Seen::WorkerFailed { counted },
+                    why: String::new(),
+                    failure: Some(Box::new(failure)),
+                });
+            }
+        }
+        if self.closing {
+            return None;
+        }
+        Some(match self.rdzv.watch() {
+            Ok(Watch::Healthy) => Looked::just(Seen::Round(Round::Healthy)),
+            Ok(Watch::Restart(Restart { reason, node_gone })) => {
+                Looked::because(Seen::Round(Round::Reopened { node_gone }), reason)
+            }
+            Ok(Watch::Closed(c)) => Looked::because(
+                Seen::Round(Round::Closed {
+                    succeeded: c.succeeded,
+                }),
+                c.root_cause.unwrap_or_default(),
+            ),
+            // The workers do not need the store while they train: they go on.
+            Err(e) => Looked::because(Seen::Round(Round::Unreachable), e.to_string()),
+        })
+    }
+
+    /// Carries `next` out: the end of the round for this node, or the group back when it
+    /// trains on.
+    fn act(
+        &mut self,
+        next: Next,
+        looked: Looked,
+        mut group: Group,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> Acted {
+        let grace = self.spec.grace;
+        let Looked { why, failure, .. } = looked;
+        let signal = || self.launch.signals.received().unwrap_or(decide::SIGTERM);
+        Acted::Ended(match next {
+            Next::Wait => return Acted::Running(group),
+            Next::Closing => {
+                self.closing = true;
+                return Acted::Running(group);
+            }
+            Next::StoreDown => {
+                self.store_down_since = Some(Instant::now());
+                events(LaunchEvent::StoreUnreachable(why));
+                return Acted::Running(group);
+            }
+            Next::StoreBack => {
+                self.store_down_since = None;
+                events(LaunchEvent::StoreBack);
+                return Acted::Running(group);
+            }
+            Next::Leave => RoundEnd::Over(self.leave(group, signal(), events)),
+            Next::Stop => {
+                let signal = signal();
+                RoundEnd::Over(Outcome::Interrupted {
+                    signal,
+                    checkpointed: group.stop_interrupted(grace),
+                })
+            }
+            Next::Succeed { close } => {
+                group.stop(grace);
+                if close && let Err(e) = self.rdzv.close(true, None) {
+                    events(LaunchEvent::StoreUnreachable(e.to_string()));
+                }
+                RoundEnd::Over(Outcome::Succeeded)
+            }
+            Next::Regroup {
+                abort,
+                failed,
+                tell,
+            } => {
+                self.failed_regroups += failed as u32;
+                // Their collectives with a node gone would wait for the collective timeout:
+                // the step in flight is dropped at once. Otherwise (nodes joining or leaving)
+                // they train on until the round's assignment comes.
+                if abort {
+                    group.abort();
+                }
+                events(LaunchEvent::Regrouping {
+                    reason: why.clone(),
+                });
+                let kept = Kept {
+                    group,
+                    reason: why.clone(),
+                };
+                if tell {
+                    self.tell_peer_lost(Some(kept), &why, events)
+                } else {
+                    RoundEnd::Next(Some(kept))
+                }
+            }
+            Next::Restart { fallback, tell } => {
+                group.stop(grace);
+                if fallback {
+                    events(LaunchEvent::RegroupFallback {
+                        failed: self.failed_regroups + 1,
+                    });
+                    self.failed_regroups = 0;
+                } else {
+                    events(LaunchEvent::Reopened {
+                        reason: why.clone(),
+                    });
+                }
+                if tell {
+                    self.tell_peer_lost(None, &why, events)
+                } else {
+                    RoundEnd::Next(None)
+                }
+            }
+            Next::RecordFailure { counted } => {
+                let failure = *failure.expect("a worker failure comes with its report");
+                self.record_failure(failure, counted, events)
+            }
+            Next::FailAlone => {
+                let failure = failure.expect("a worker failure comes with its report");
+                RoundEnd::Over(Outcome::Failed(failure))
+            }
+            Next::JobFailed => {
+                group.stop(grace);
+                RoundEnd::Over(Outcome::JobFailed(why))
+            }
+        })
+    }
+}
+
+impl InRound<'_> {
+    /// This node's workers lost a peer (`why`): the round is reopened, uncounted (another
+    /// node's failure, so its time orders nothing), and the next round joined with `kept`.
+    fn tell_peer_lost(
+        &mut self,
+        kept: Option<Kept>,
+        why: &str,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> RoundEnd {
+        let report = format!("on node {}: {why}", self.rdzv.node_id());
+        match self
+            .rdzv
+            .worker_failed(false, &report, 0, self.spec.max_restarts)
+        {
+            // The store is gone (with the node that hosted it): joining waits for it, the
+            // workers too.
+            Err(e) => {
+                events(LaunchEvent::StoreLostRegrouping {
+                    error: e.to_string(),
+                    wait: self.rdzv.config().join_timeout,
+                });
+                RoundEnd::Next(kept)
+            }
+            Ok(None) => RoundEnd::Next(kept),
+            Ok(Some(closed)) => {
+                if let Some(k) = kept {
+                    k.group.stop(self.spec.grace);
+                }
+                RoundEnd::Over(Outcome::JobFailed(closed.root_cause.unwrap_or(report)))
+            }
+        }
+    }
+
+    /// A worker of this node failed: the rendezvous records it (`counted` against
+    /// --max-restarts) and the next round restarts every node's workers, or the job ends.
+    fn record_failure(
+        &mut self,
+        failure: Failure,
+        counted: bool,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> RoundEnd {
+        let report = format!("on node {}: {failure}", self.rdzv.node_id());
+        let at = failure.at_millis();
+        match self
+            .rdzv
+            .worker_failed(counted, &report, at, self.spec.max_restarts)
+        {
+            // The store is gone, most likely with the node that hosted it (a c10d store dies
+            // with its agent; its workers' deaths are what failed ours). Join again: joining
+            // waits, up to the join timeout, for a store at the same address, which the host's
+            // replacement (a new pod 0) starts afresh.
+            Err(e) => {
+                events(LaunchEvent::StoreLost {
+                    error: e.to_string(),
+                    failure,
+                    wait: self.rdzv.config().join_timeout,
+                });
+                RoundEnd::Next(None)
+            }
+            Ok(None) => {
+                events(LaunchEvent::Restarting {
+                    failure,
+                    restart_count: self.restart_count + counted as u32,
+                });
+                RoundEnd::Next(None)
+            }
+            Ok(Some(closed)) => {
+                RoundEnd::Over(Outcome::JobFailed(closed.root_cause.unwrap_or(report)))
+            }
+        }
+    }
+
+    /// This node is asked to go (`signal`) and its workers regroup: when the others can go on
+    /// without it, it leaves the rendezvous, its workers leave after the step under way (the
+    /// pause they raise makes it the same step for every rank) and exit, and the launch ends
+    /// with [`Outcome::Left`]; otherwise the job stops as a whole, checkpointing once.
+    fn leave(
+        &mut self,
+        mut group: Group,
+        signal: i32,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> Outcome {
+        let node = self.rdzv.node_id().to_string();
+        let reason = format!("node {node} leaves ({})", signal_name(signal));
+        let refused = match self.rdzv.leave(&reason) {
+            Ok(Leaving::Left { nodes, world_size }) => {
+                events(LaunchEvent::Leaving {
+                    reason,
+                    nodes,
+                    world_size,
+                });
+                group.leave();
+                let wait = LEAVE_TIMEOUT.min(self.spec.regroup_timeout);
+                let finished = group.wait_exited(wait);
+                group.stop(self.spec.grace);
+                // Its store, if it hosts it, stays until the others have formed their round.
+                self.rdzv.hand_over(wait);
+                return match finished {
+                    // The job ended at that very step: nothing was left to leave.
+                    Some(true) => Outcome::Succeeded,
+                    _ => Outcome::Left { signal },
+                };
+            }
+            Ok(Leaving::Refused(why)) => why,
+            Err(e) => format!("the rendezvous could not record it ({e})"),
+        };
+        events(LaunchEvent::LeaveRefused {
+            node,
+            signal,
+            why: refused,
+        });
+        Outcome::Interrupted {
+            signal,
+            checkpointed: group.stop_interrupted(self.spec.grace),
+        }
+    }
+}
+
+/// How long a leaving node's workers may take to reach the end of their step: well inside
+/// Kubernetes' default grace period of 30 s, after which the pod is killed.
+const LEAVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn signal_name(signal: i32) -> String {
+    match signal {
+        1 => "SIGHUP".into(),
+        2 => "SIGINT".into(),
+        15 => "SIGTERM".into(),
+        n => format!("signal {n}"),
+    }
+}

@@ -1,0 +1,256 @@
+//! One worker process: started in its own process group with torchrun's environment, its
+//! output pumped line by line, its control channel and telemetry pipe inherited; stopped with
+//! SIGTERM, a grace period, then SIGKILL.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+
+use collective::control::Channel;
+
+use super::Outputs;
+use crate::output::{Tail, pump};
+use crate::report::ExitKind;
+use crate::telemetry::TelemetryPipe;
+use crate::{LaunchError, LaunchSpec, worker_env};
+
+pub(super) struct Worker {
+    pub(super) rank: u32,
+    pub(super) local_rank: u32,
+    pub(super) child: Child,
+    pub(super) exited: Option<ExitKind>,
+    pub(super) pumps: Vec<JoinHandle<()>>,
+    pub(super) tail: Tail,
+    pub(super) stderr_log: Option<PathBuf>,
+    /// Where its `@record` writes the exception that ends it (`TORCHELASTIC_ERROR_FILE`).
+    pub(super) error_file: PathBuf,
+    /// The earliest it may have exited: when it was last seen running (wall clock, to be
+    /// ordered against error files and other nodes' failures).
+    pub(super) exited_at: Option<SystemTime>,
+    /// The agent's end of its control channel, when its group may regroup in place.
+    pub(super) control: Option<Channel>,
+    /// It said it regroups in place (the built-in trainer does; other programs restart).
+    pub(super) ready: bool,
+    /// Assignments sent to it.
+    pub(super) assignments: u64,
+    /// Since when it owes an answer to an abort or an assignment (`Lost`, `Regrouped`).
+    pub(super) owes_since: Option<Instant>,
+}
+
+impl Worker {
+    pub(super) fn pgid(&self) -> Pid {
+        Pid::from_raw(self.child.id() as i32)
+    }
+
+    /// Whether it has exited, and how; `seen_running` is when it was last known to run.
+    pub(super) fn poll(&mut self, seen_running: SystemTime) -> Option<&ExitKind> {
+        if self.exited.is_none()
+            && let Ok(Some(status)) = self.child.try_wait()
+        {
+            self.exited_at = Some(seen_running);
+            use std::os::unix::process::ExitStatusExt;
+            self.exited = Some(match (status.code(), status.signal()) {
+                (Some(code), _) => ExitKind::Code(code),
+                (None, Some(sig)) => ExitKind::Signal(sig),
+                (None, None) => ExitKind::Code(-1),
+            });
+        }
+        self.exited.as_ref()
+    }
+
+    pub(super) fn signal_group(&self, signal: Signal) {
+        // The group outlives its leader while grandchildren live; ESRCH just means it is gone.
+        let _ = killpg(self.pgid(), signal);
+    }
+}
+
+/// The folders of an attempt's files: its logs (when kept), and its error files (the log
+/// folder, or a scratch folder), one sub-folder per rank.
+#[derive(Clone, Copy)]
+pub(super) struct Files<'a> {
+    pub(super) logs: Option<&'a Path>,
+    pub(super) errors: &'a Path,
+}
+
+fn rank_dir(dir: &Path, rank: u32) -> Result<PathBuf, LaunchError> {
+    let dir = dir.join(rank.to_string());
+    std::fs::create_dir_all(&dir).map_err(|source| LaunchError::LogDir {
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+pub(super) fn spawn(
+    spec: &LaunchSpec,
+    local_rank: u32,
+    restart_count: u32,
+    regroup: bool,
+    files: Files,
+    outputs: Outputs,
+) -> Result<Worker, LaunchError> {
+    let Outputs {
+        stdout,
+        stderr,
+        telemetry,
+        activity,
+        ..
+    } = outputs;
+    let rank = spec.rank_offset + local_rank;
+    // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
+    let error_file = rank_dir(files.errors, rank)?.join("error.json");
+    let _ = std::fs::remove_file(&error_file);
+    let program = spec.program.first().cloned().unwrap_or_default();
+    let mut cmd = Command::new(&program);
+    cmd.args(&spec.program[1..])
+        .envs(worker_env(
+            spec,
+            local_rank,
+            restart_count,
+            collective::world::is_set("OMP_NUM_THREADS"),
+            &error_file,
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if let Some(dir) = &spec.working_dir {
+        cmd.current_dir(dir);
+    }
+    let telemetry_fd = telemetry.and_then(TelemetryPipe::fd);
+    if let Some(fd) = telemetry_fd {
+        cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
+    }
+    // The worker's end stays open in this process only until the worker has it.
+    let (control, worker_end) = if regroup {
+        let (agent_end, worker_end) = Channel::pair().map_err(|source| LaunchError::Spawn {
+            rank,
+            program: "control channel".into(),
+            source,
+        })?;
+        (Some(agent_end), Some(worker_end))
+    } else {
+        (None, None)
+    };
+    let control_fd = worker_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+    if let Some(fd) = control_fd {
+        cmd.env(contract::env::CONTROL_FD, fd.to_string());
+    }
+    // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            // The pipe and the socket are close-on-exec for everyone else; this worker keeps
+            // them.
+            for fd in [telemetry_fd, control_fd].into_iter().flatten() {
+                let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+                nix::fcntl::fcntl(
+                    fd,
+                    nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+                )
+                .map_err(std::io::Error::from)?;
+            }
+            Ok(())
+        });
+    }
+    let (stdout_log, stderr_log) = match files.logs {
+        Some(dir) => {
+            let dir = rank_dir(dir, rank)?;
+            let open = |name: &str| {
+                let path = dir.join(name);
+                std::fs::File::create(&path)
+                    .map(|f| (f, path.clone()))
+                    .map_err(|source| LaunchError::LogDir { path, source })
+            };
+            (Some(open("stdout.log")?), Some(open("stderr.log")?))
+        }
+        None => (None, None),
+    };
+    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+        rank,
+        program: program.to_string_lossy().into_owned(),
+        source,
+    })?;
+    drop(worker_end);
+    let tail: Tail = Arc::new(Mutex::new(Default::default()));
+    let prefix = format!("[{rank}]:");
+    let mut pumps = Vec::new();
+    let pump_error = |source| LaunchError::Spawn {
+        rank,
+        program: "output thread".into(),
+        source,
+    };
+    if let Some(out) = child.stdout.take() {
+        pumps.push(
+            pump(
+                out,
+                prefix.clone(),
+                stdout.clone(),
+                stdout_log.map(|l| l.0),
+                None,
+                activity.clone(),
+            )
+            .map_err(pump_error)?,
+        );
+    }
+    let stderr_path = stderr_log.as_ref().map(|l| l.1.clone());
+    if let Some(err) = child.stderr.take() {
+        pumps.push(
+            pump(
+                err,
+                prefix,
+                stderr.clone(),
+                stderr_log.map(|l| l.0),
+                Some(tail.clone()),
+                activity.clone(),
+            )
+            .map_err(pump_error)?,
+        );
+    }
+    Ok(Worker {
+        rank,
+        local_rank,
+        child,
+        exited: None,
+        pumps,
+        tail,
+        stderr_log: stderr_path,
+        error_file,
+        exited_at: None,
+        control,
+        ready: false,
+        assignments: 0,
+        owes_since: None,
+    })
+}
+
+/// SIGTERM to every worker's group, up to `grace` to exit, then SIGKILL; reaps everything.
+pub(super) fn stop_all(workers: &mut [Worker], grace: Duration) {
+    for w in workers.iter_mut() {
+        if w.poll(SystemTime::now()).is_none() {
+            w.signal_group(Signal::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while workers
+        .iter_mut()
+        .any(|w| w.poll(SystemTime::now()).is_none())
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for w in workers.iter_mut() {
+        // Also reaches grandchildren left in the group after the worker itself exited.
+        w.signal_group(Signal::SIGKILL);
+        if w.exited.is_none() {
+            let _ = w.child.wait();
+            w.poll(SystemTime::now());
+        }
+    }
+}
