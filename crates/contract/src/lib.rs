@@ -127,6 +127,25 @@ pub const TINY_IMAGENET: Dataset = Dataset {
     size: 248_100_043,
 };
 
+/// Where CIFAR-10 is found in a data folder: in the folder itself or in the folder either
+/// official archive extracts to, in the binary layout (`data_batch_1.bin` ...) or the python
+/// one (pickled `data_batch_1` ...). The trainer loads what it finds there; `trainctl doctor`
+/// looks for the same.
+pub mod cifar10 {
+    /// The folder the binary archive extracts to.
+    pub const BIN_DIR: &str = "cifar-10-batches-bin";
+    /// The folder the python archive extracts to.
+    pub const PY_DIR: &str = "cifar-10-batches-py";
+    /// Where to look, in order: the data folder itself, then each archive's folder in it.
+    pub fn folders(data: &std::path::Path) -> [std::path::PathBuf; 3] {
+        [data.to_path_buf(), data.join(BIN_DIR), data.join(PY_DIR)]
+    }
+    /// The file that says a folder holds the binary layout.
+    pub const BINARY_MARK: &str = "data_batch_1.bin";
+    /// The file that says a folder holds the python layout.
+    pub const PYTHON_MARK: &str = "data_batch_1";
+}
+
 /// Every data set `--dataset` knows, the default first.
 pub const DATASETS: [Dataset; 2] = [CIFAR10, TINY_IMAGENET];
 

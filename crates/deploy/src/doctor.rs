@@ -487,23 +487,31 @@ fn accelerator_checks(a: &Accelerators) -> Vec<Check> {
     out
 }
 
+/// Whether the claim holds CIFAR-10 where the trainer looks for it: in the data folder itself
+/// (`trainctl data synth`, `data job --synthetic`) or in the folder an official archive
+/// extracts to, binary or python.
 fn data_check(dir: &Path) -> Check {
-    let binary = dir.join("cifar-10-batches-bin").join("test_batch.bin");
-    let python = dir.join("cifar-10-batches-py").join("test_batch");
-    if binary.is_file() || python.is_file() {
-        check(
+    use contract::cifar10::{BIN_DIR, BINARY_MARK, PY_DIR, PYTHON_MARK, folders};
+    let found = folders(dir)
+        .into_iter()
+        .find(|d| d.join(BINARY_MARK).is_file() || d.join(PYTHON_MARK).is_file());
+    match found {
+        Some(at) => check(
             Verdict::Ok,
             "data",
-            format!("CIFAR-10 is in {}", dir.display()),
+            format!("CIFAR-10 is in {}", at.display()),
             None,
-        )
-    } else {
-        check(
+        ),
+        None => check(
             Verdict::Warn,
             "data",
-            format!("no CIFAR-10 in {} yet", dir.display()),
+            format!(
+                "no CIFAR-10 in {} yet (no {BINARY_MARK} or {PYTHON_MARK} there, nor under \
+                 {BIN_DIR}/ or {PY_DIR}/)",
+                dir.display()
+            ),
             Some("run `trainctl data job` before the training job".into()),
-        )
+        ),
     }
 }
 
@@ -562,6 +570,37 @@ mod tests {
         let c = accelerators(empty.path(), 0, 0, &[]);
         assert!(c.iter().all(|c| c.verdict == Verdict::Ok), "{c:?}");
         assert_eq!(c[0].detail, "0 GPUs in this pod, 0 requested");
+    }
+
+    /// Every layout the trainer reads is found: the binary files at the top (`data job
+    /// --synthetic`), the python files at the top, and either archive's folder.
+    #[test]
+    fn the_data_check_finds_every_layout_the_trainer_reads() {
+        let empty = tempfile::tempdir().unwrap();
+        let c = data_check(empty.path());
+        assert_eq!(c.verdict, Verdict::Warn);
+        assert!(c.detail.starts_with("no CIFAR-10 in"), "{c}");
+        for (folder, file) in [
+            ("", "data_batch_1.bin"),
+            ("", "data_batch_1"),
+            ("cifar-10-batches-bin", "data_batch_1.bin"),
+            ("cifar-10-batches-py", "data_batch_1"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let at = match folder {
+                "" => dir.path().to_path_buf(),
+                sub => dir.path().join(sub),
+            };
+            std::fs::create_dir_all(&at).unwrap();
+            std::fs::write(at.join(file), "").unwrap();
+            let c = data_check(dir.path());
+            assert_eq!(c.verdict, Verdict::Ok, "{folder}/{file}: {c}");
+            assert_eq!(c.detail, format!("CIFAR-10 is in {}", at.display()));
+        }
+        // A test batch alone is no training set.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("test_batch.bin"), "").unwrap();
+        assert_eq!(data_check(dir.path()).verdict, Verdict::Warn);
     }
 
     #[test]

@@ -17,9 +17,16 @@ struct Route {
     path: String,
     answers: Vec<(StatusCode, String)>,
     served: usize,
-    /// Answers given instead until the route at this path has served this many requests: what
-    /// the server says depends on what happened elsewhere (a job completes once its pod has).
-    until: Option<(String, usize, Vec<(StatusCode, String)>)>,
+    /// What the server says depends on what happened elsewhere (a job completes once its pod
+    /// has): answers given instead until another route has served enough requests.
+    until: Option<Until>,
+}
+
+/// Answers `before` (the last repeats) until the route at `path` has served `count` requests.
+struct Until {
+    path: String,
+    count: usize,
+    before: Vec<(StatusCode, String)>,
 }
 
 /// A mock API server: answers from its routes, 404 (as the API server does) otherwise, and
@@ -99,7 +106,11 @@ impl MockApi {
             path: path.into(),
             answers,
             served: 0,
-            until: Some((after.0.into(), after.1, before)),
+            until: Some(Until {
+                path: after.0.into(),
+                count: after.1,
+                before,
+            }),
         });
         self
     }
@@ -143,13 +154,13 @@ impl MockApi {
                         .iter()
                         .find(|r| r.method == method && r.path == path)
                         .and_then(|r| r.until.as_ref())
-                        .is_some_and(|(after, count, _)| served(&routes, after) < *count);
+                        .is_some_and(|until| served(&routes, &until.path) < until.count);
                     match routes
                         .iter_mut()
                         .find(|r| r.method == method && r.path == path)
                     {
                         Some(Route {
-                            until: Some((_, _, before)),
+                            until: Some(Until { before, .. }),
                             ..
                         }) if waiting => {
                             let answer = before.remove(0);
@@ -1885,4 +1896,136 @@ async fn a_server_certificate_from_another_ca_says_so() {
         "{text}"
     );
     assert!(text.contains("UnknownIssuer"), "{text}");
+}
+
+/// The Scale the API server answers for a Deployment's scale subresource.
+fn scale(name: &str, replicas: i32, running: i32) -> Value {
+    json!({
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": { "replicas": replicas },
+        "status": { "replicas": running, "selector": "trainctl.dev/job=cifar10,trainctl.dev/component=etcd" },
+    })
+}
+
+fn etcd_deployment(replicas: i32) -> Value {
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {
+            "name": "cifar10-etcd", "namespace": "default",
+            "labels": { "trainctl.dev/job": "cifar10", "trainctl.dev/component": "etcd" },
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": { "matchLabels": { "trainctl.dev/job": "cifar10", "trainctl.dev/component": "etcd" } },
+            "template": { "spec": { "containers": [] } },
+        },
+    })
+}
+
+/// Once the job has finished nothing rendezvouses through its etcd: the command that sees it
+/// finished scales the etcd's Deployment (found by its labels) to zero, leaving the Deployment
+/// and its Service for `job delete` and the TTL. While the job runs, or once the etcd has no
+/// pod left, nothing is asked or changed.
+#[tokio::test]
+async fn a_finished_jobs_etcd_is_scaled_to_zero() {
+    const DEPLOYMENTS: &str = "/apis/apps/v1/namespaces/default/deployments";
+    const SCALE: &str = "/apis/apps/v1/namespaces/default/deployments/cifar10-etcd/scale";
+    let done =
+        job(json!({ "succeeded": 2, "conditions": [{ "type": "Complete", "status": "True" }] }));
+    let finished_pod = |i| pod(i, "Succeeded", Some("n1"), json!({}));
+
+    let api = MockApi::default();
+    api.get(JOB, done.clone());
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                finished_pod(0),
+                finished_pod(1),
+                etcd_pod("Running", json!({})),
+            ],
+        ),
+    );
+    api.get(
+        DEPLOYMENTS,
+        list("DeploymentList", vec![etcd_deployment(1)]),
+    );
+    api.on(Method::PATCH, SCALE, vec![ok(scale("cifar10-etcd", 0, 1))]);
+    let kube = api.kube();
+    let status = kube.status("cifar10").await.unwrap();
+    let stopped = kube.stop_etcd_if_finished(&status).await.unwrap();
+    let names: Vec<String> = stopped
+        .iter()
+        .map(|d| format!("{} {}", d.kind, d.name))
+        .collect();
+    assert_eq!(names, ["Deployment cifar10-etcd"]);
+    let requests = api.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.starts_with(&format!("GET {DEPLOYMENTS}?"))
+                && r.contains(
+                    "labelSelector=trainctl.dev%2Fjob%3Dcifar10%2Ctrainctl.dev%2Fcomponent%3Detcd"
+                )),
+        "{requests:#?}"
+    );
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.starts_with(&format!("PATCH {SCALE}"))),
+        "{requests:#?}"
+    );
+    assert!(
+        !requests.iter().any(|r| r.starts_with("DELETE")),
+        "the Deployment stays: {requests:#?}"
+    );
+    let bodies = api.bodies.lock().unwrap().clone();
+    assert_eq!(bodies, [json!({ "spec": { "replicas": 0 } })]);
+
+    // A running job keeps its etcd: nothing is asked.
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 2 })));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(0, "Running", Some("n1"), json!({})),
+                etcd_pod("Running", json!({})),
+            ],
+        ),
+    );
+    let kube = api.kube();
+    let status = kube.status("cifar10").await.unwrap();
+    assert!(
+        kube.stop_etcd_if_finished(&status)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        !api.requests().iter().any(|r| r.contains("deployments")),
+        "{:?}",
+        api.requests()
+    );
+
+    // Stopped already (no etcd pod): nothing is asked either.
+    let api = MockApi::default();
+    api.get(JOB, done);
+    api.get(PODS, list("PodList", vec![finished_pod(0)]));
+    let kube = api.kube();
+    let status = kube.status("cifar10").await.unwrap();
+    assert!(
+        kube.stop_etcd_if_finished(&status)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        !api.requests().iter().any(|r| r.contains("deployments")),
+        "{:?}",
+        api.requests()
+    );
 }

@@ -382,6 +382,71 @@ fn permanent_exit_codes_fail_the_job_and_failures_keep_their_last_lines() {
     }
 }
 
+/// What the Job controller does with a pod that ends (docs/KUBERNETES.md, "When a pod is
+/// lost"): the podFailurePolicy's rules are tried in order and the first that matches decides.
+/// An evicted or preempted pod (DisruptionTarget) and a pod whose `trainctl run` left the job
+/// after a SIGTERM (exit 143, `contract::exit::PREEMPTED`) are replaced without counting a
+/// failure; trainctl's permanent codes fail the job at once; anything else counts against the
+/// job's budget of `max_restarts` failures per node. The replacement policy is the server's
+/// default, the only one it allows with a podFailurePolicy: a pod is replaced once it has
+/// ended (Failed), never while it still terminates.
+#[test]
+fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
+    use serde_json::json;
+    for (flags, nodes) in [
+        (&[("storage.efs", "fs-1")][..], 2),
+        (
+            &[
+                ("storage.efs", "fs-1"),
+                ("job.nnodes", "2:4"),
+                ("job.rdzv_backend", "etcd"),
+                ("job.max_restarts", "5"),
+            ][..],
+            4,
+        ),
+    ] {
+        let p = project(flags);
+        let docs = manifests::training_job(&p, "TOKEN");
+        let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
+        let spec = &job["spec"];
+        let rules = spec["podFailurePolicy"]["rules"].as_array().unwrap();
+        assert_eq!(rules.len(), 3, "{rules:#?}");
+        assert_eq!(
+            rules[0],
+            json!({
+                "action": "Ignore",
+                "onPodConditions": [{ "type": "DisruptionTarget", "status": "True" }],
+            })
+        );
+        assert_eq!(
+            rules[1],
+            json!({
+                "action": "Ignore",
+                "onExitCodes": {
+                    "containerName": "pytorch", "operator": "In",
+                    "values": [contract::exit::PREEMPTED],
+                },
+            })
+        );
+        assert_eq!(contract::exit::PREEMPTED, 143);
+        assert_eq!(rules[2]["action"], "FailJob");
+        assert_eq!(
+            rules[2]["onExitCodes"]["values"],
+            json!(contract::exit::PERMANENT)
+        );
+        assert!(!contract::exit::PERMANENT.contains(&contract::exit::PREEMPTED));
+        // The rules name the training container; its pod is never restarted in place.
+        let pod = &spec["template"]["spec"];
+        assert_eq!(pod["containers"][0]["name"], "pytorch");
+        assert_eq!(pod["restartPolicy"], "Never");
+        let max_restarts: i64 = p.job.max_restarts.into();
+        assert_eq!(spec["backoffLimit"], max_restarts * nodes, "{spec:#}");
+        assert_eq!(spec["completions"], nodes);
+        assert_eq!(spec["parallelism"], nodes);
+        assert!(spec.get("podReplacementPolicy").is_none(), "{spec:#}");
+    }
+}
+
 /// The pods serve `trainctl run --metrics-port` and say so to Prometheus; `--metrics-port 0`
 /// takes flag, port and annotations away together.
 #[test]

@@ -25,7 +25,10 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::core::v1::{Secret, Service};
 use kube::Client;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PropagationPolicy};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams,
+    PropagationPolicy,
+};
 
 use error::{CLUSTER, api_error, is_not_found};
 use status::node_problem;
@@ -362,6 +365,54 @@ impl Kube {
             }
         }
         Ok(deleted)
+    }
+
+    /// Scales the etcd of a finished job (succeeded or failed) to zero: nothing rendezvouses
+    /// any more, and it would otherwise run until the job's `ttlSecondsAfterFinished` takes it
+    /// with the job. The Deployment and its Service stay, for `job delete` and the TTL to
+    /// remove (`kubectl scale --replicas 1` brings the etcd back, with its keys when they are on
+    /// the claim). Does nothing while the job runs or when no etcd pod is left; returns the
+    /// Deployments it scaled.
+    pub async fn stop_etcd_if_finished(&self, job: &JobStatus) -> Result<Vec<Applied>, ApiError> {
+        if !job.phase.is_finished() || !job.companions.iter().any(|p| p.component == "etcd") {
+            return Ok(Vec::new());
+        }
+        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), &self.namespace);
+        let selector = format!(
+            "{}={},{}=etcd",
+            manifests::JOB_LABEL,
+            job.name,
+            manifests::COMPONENT_LABEL
+        );
+        let list = deployments
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| api_error("list deployments", &self.namespace, e))?;
+        let mut stopped = Vec::new();
+        for deployment in list.items {
+            let Some(name) = deployment.metadata.name else {
+                continue;
+            };
+            if deployment.spec.and_then(|s| s.replicas) == Some(0) {
+                continue;
+            }
+            let zero = Patch::Merge(serde_json::json!({ "spec": { "replicas": 0 } }));
+            match deployments
+                .patch_scale(&name, &PatchParams::default(), &zero)
+                .await
+            {
+                Ok(_) => stopped.push(Applied {
+                    kind: "Deployment".into(),
+                    name,
+                }),
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => {
+                    let what = format!("scale Deployment {name} to 0");
+                    return Err(api_error(&what, &self.namespace, e));
+                }
+            }
+        }
+        Ok(stopped)
     }
 
     /// Makes room for a helper job (data, test, doctor) called `name`: a finished one from

@@ -330,6 +330,9 @@ pub(super) fn node_problem(node: &Node) -> Option<String> {
 pub struct PodStatus {
     pub name: String,
     pub uid: String,
+    /// What it is to its job (its `trainctl.dev/component` label): `worker`, `etcd`,
+    /// `tensorboard`; empty for a pod trainctl did not label.
+    pub component: String,
     /// The node index: the Indexed Job's completion index or the PyTorchJob's replica index.
     /// (The rendezvous assigns node ranks in join order; the logs say which each got.)
     pub index: Option<u32>,
@@ -403,6 +406,10 @@ impl PodStatus {
         PodStatus {
             name: p.metadata.name.clone().unwrap_or_default(),
             uid: p.metadata.uid.clone().unwrap_or_default(),
+            component: labels
+                .get(crate::manifests::COMPONENT_LABEL)
+                .cloned()
+                .unwrap_or_default(),
             index,
             phase: status.phase.clone().unwrap_or_else(|| "Unknown".into()),
             ready,

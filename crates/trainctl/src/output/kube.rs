@@ -55,6 +55,18 @@ pub fn status(status: &JobStatus, stderr: bool) {
     }
 }
 
+/// The etcd Deployments scaled to zero because their job has finished (stderr: a step beside
+/// the command's result).
+pub fn etcd_stopped(stopped: &[Applied], job: &str) {
+    for d in stopped {
+        err(format_args!(
+            "scaled {} {} to 0: job {job} has finished, so nothing rendezvouses through its etcd \
+             any more (`trainctl job delete` removes it)",
+            d.kind, d.name
+        ));
+    }
+}
+
 /// The job's pods' CPU, memory and GPU use.
 pub fn top(top: &Top) {
     out_raw(format_args!("{}", top.render()));

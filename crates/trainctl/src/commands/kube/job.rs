@@ -1,6 +1,7 @@
 //! `trainctl job render|launch|status|wait|logs|top|delete`: the training job.
 
-use deploy::kube_api::Phase;
+use deploy::config::Project;
+use deploy::kube_api::{JobStatus, Kube, Phase};
 use deploy::manifests;
 
 use super::super::project::ProjectArgs;
@@ -84,8 +85,10 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
         JobCommand::Status { project } => {
             let project = project.project()?;
             runtime()?.block_on(async {
-                let status = connect(&project).await?.status(&project.job.name).await?;
+                let kube = connect(&project).await?;
+                let status = kube.status(&project.job.name).await?;
                 output::kube::status(&status, false);
+                stop_etcd_if_finished(&kube, &status, &project).await;
                 Ok(0)
             })
         }
@@ -93,11 +96,10 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
             let project = project.project()?;
             let timeout = seconds("timeout", timeout)?;
             runtime()?.block_on(async {
-                let status = connect(&project)
-                    .await?
-                    .wait(&project.job.name, timeout)
-                    .await?;
+                let kube = connect(&project).await?;
+                let status = kube.wait(&project.job.name, timeout).await?;
                 output::kube::status(&status, false);
+                stop_etcd_if_finished(&kube, &status, &project).await;
                 Ok(if status.phase == Phase::Succeeded {
                     0
                 } else {
@@ -108,10 +110,15 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
         JobCommand::Logs { project, follow } => {
             let project = project.project()?;
             runtime()?.block_on(async {
-                connect(&project)
-                    .await?
-                    .logs(&project.job.name, follow, &mut output::kube::line)
+                let kube = connect(&project).await?;
+                kube.logs(&project.job.name, follow, &mut output::kube::line)
                     .await?;
+                if follow
+                    // Gone since (deleted): nothing left to stop.
+                    && let Ok(status) = kube.status(&project.job.name).await
+                {
+                    stop_etcd_if_finished(&kube, &status, &project).await;
+                }
                 Ok(0)
             })
         }
@@ -131,5 +138,21 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
                 Ok(0)
             })
         }
+    }
+}
+
+/// A finished job's etcd is scaled to zero by whichever command sees the job finished (`job
+/// status`, `job wait`, `job logs --follow`); a failure to is said, not fatal: the job's TTL
+/// takes the etcd with the job in any case.
+async fn stop_etcd_if_finished(kube: &Kube, status: &JobStatus, project: &Project) {
+    match kube.stop_etcd_if_finished(status).await {
+        Ok(stopped) => output::kube::etcd_stopped(&stopped, &status.name),
+        Err(e) => output::warn(&format!(
+            "the etcd of finished job {} still runs: {e}; `trainctl job delete --name {}{}` \
+             removes it with the job, and the job's TTL (job.ttl_seconds) in any case",
+            status.name,
+            status.name,
+            at_namespace(project)
+        )),
     }
 }

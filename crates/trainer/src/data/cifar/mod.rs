@@ -22,8 +22,8 @@ pub const NUM_CLASSES: usize = 10;
 pub const CLASS_NAMES: [&str; NUM_CLASSES] = [
     "plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
 ];
-pub const BIN_DIR: &str = "cifar-10-batches-bin";
-pub const PY_DIR: &str = "cifar-10-batches-py";
+pub const BIN_DIR: &str = contract::cifar10::BIN_DIR;
+pub const PY_DIR: &str = contract::cifar10::PY_DIR;
 
 /// Images as CIFAR stores them: per image 1024 red, 1024 green, then 1024 blue bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,17 +77,16 @@ pub enum Layout {
 impl Layout {
     /// Looks in `dir` itself, then in the folder each official archive extracts to.
     pub fn locate(dir: &Path) -> Option<Layout> {
-        [dir.to_path_buf(), dir.join(BIN_DIR), dir.join(PY_DIR)]
-            .into_iter()
-            .find_map(|d| {
-                if d.join("data_batch_1.bin").is_file() {
-                    Some(Layout::Binary(d))
-                } else if d.join("data_batch_1").is_file() {
-                    Some(Layout::Python(d))
-                } else {
-                    None
-                }
-            })
+        use contract::cifar10::{BINARY_MARK, PYTHON_MARK, folders};
+        folders(dir).into_iter().find_map(|d| {
+            if d.join(BINARY_MARK).is_file() {
+                Some(Layout::Binary(d))
+            } else if d.join(PYTHON_MARK).is_file() {
+                Some(Layout::Python(d))
+            } else {
+                None
+            }
+        })
     }
 
     pub fn dir(&self) -> &Path {
