@@ -61,6 +61,8 @@ pub mod env {
     /// trainctl's own: a file descriptor (a pipe to `trainctl run`) the worker writes its
     /// metrics records to, one JSON line each, for the agent's progress bar and `/metrics`.
     pub const TELEMETRY_FD: &str = "TRAINCTL_TELEMETRY_FD";
+    /// Set by the kubelet in every pod: what to do after a stop is said the Kubernetes way.
+    pub const KUBERNETES_SERVICE_HOST: &str = "KUBERNETES_SERVICE_HOST";
     /// trainctl's own: a file descriptor (a Unix socket to the elastic agent) over which a
     /// worker that can regroup in place hears of the next round instead of being restarted.
     pub const CONTROL_FD: &str = "TRAINCTL_CONTROL_FD";

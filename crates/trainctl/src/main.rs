@@ -85,21 +85,22 @@ enum Command {
 
 fn main() {
     keep_freed_memory();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            // kube's HTTP layer logs every 5xx answer at ERROR (a kubelet that does not
-            // answer a log request) and hyper its connection errors; the Kubernetes commands
-            // report those themselves, with what to do, so they show only when RUST_LOG asks.
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new(
-                    "warn,kube=off,kube_client=off,tower_http=off,hyper=off,hyper_util=off",
-                )
-            }),
-        )
+    // kube's HTTP layer logs every 5xx answer at ERROR (a kubelet that does not answer a log
+    // request) and hyper its connection errors; the Kubernetes commands report those
+    // themselves, with what to do, so they show only when RUST_LOG asks.
+    const DEFAULT_FILTER: &str =
+        "warn,kube=off,kube_client=off,tower_http=off,hyper=off,hyper_util=off";
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Colour codes only for a terminal: a pod's log, a file or a pipe gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(asked) => logs.with_env_filter(asked).init(),
+        Err(_) => logs
+            .with_env_filter(tracing_subscriber::EnvFilter::new(DEFAULT_FILTER))
+            .event_format(output::diagnostics::Plain)
+            .init(),
+    }
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Run(_)) {
         // `trainctl eval ... | head` ends quietly, as Unix tools do, instead of panicking on

@@ -30,7 +30,7 @@ pub enum TrainError {
     Config(String),
     /// Asked to stop (SIGTERM): the step in progress was finished and checkpointed.
     #[error(
-        "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it: run the same command again to resume there"
+        "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it"
     )]
     Preempted { global_step: u64, epoch: usize },
     /// Its node was asked to go (SIGTERM) and the others train on without it: this worker left

@@ -198,7 +198,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         Err(TrainError::Left { .. }) => Ok(contract::exit::PREEMPTED),
         Err(e @ TrainError::Preempted { .. }) => {
             if rank == 0 {
-                crate::output::warn(&e.to_string());
+                crate::output::warn(&format!("{e}: {}", crate::output::resume_hint()));
             }
             Ok(contract::exit::PREEMPTED)
         }

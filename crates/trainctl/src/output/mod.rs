@@ -4,6 +4,7 @@
 //! While a progress bar is up (on a terminal), every line goes above it: written with the bar
 //! suspended, so lines and bar never share a row.
 
+pub mod diagnostics;
 pub mod kube;
 
 use std::fmt::Arguments;
@@ -247,6 +248,17 @@ fn duration(seconds: f64) -> String {
 
 pub fn error(e: &anyhow::Error) {
     err(format_args!("error: {e:#}"));
+}
+
+/// How to go on from a checkpoint a stop saved: in a pod (the kubelet sets
+/// KUBERNETES_SERVICE_HOST) the Job's replacement pod resumes it by itself; elsewhere the same
+/// command does.
+pub fn resume_hint() -> &'static str {
+    if collective::world::is_set(contract::env::KUBERNETES_SERVICE_HOST) {
+        "the Job's replacement pod resumes from it (so does `trainctl job launch` with the same --name)"
+    } else {
+        "run the same command again to resume from it"
+    }
 }
 
 pub fn warn(msg: &str) {

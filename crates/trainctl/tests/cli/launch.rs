@@ -413,3 +413,28 @@ fn a_port_in_use_is_reported_with_what_to_do() {
         "{err}"
     );
 }
+
+/// tracing's own warnings read like the rest of trainctl's output in a pod's log: one plain
+/// `trainctl: warning:` line, no timestamp, level column or module path.
+#[test]
+fn diagnostics_are_plain_lines_like_the_rest_of_the_output() {
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let out = trainctl()
+        .args(["run", "--nnodes", "2", "--rdzv-backend", "etcd"])
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "plain"])
+        .args(["--job-token", "t", "--rdzv-conf", "join_timeout=1"])
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("trainctl: warning: rendezvous store not reachable yet")),
+        "{err}"
+    );
+    assert!(
+        !err.contains(" WARN ") && !err.contains("rendezvous::handler"),
+        "{err}"
+    );
+}

@@ -459,7 +459,8 @@ fn report_outcome(outcome: Outcome, err: &mut dyn Write, termination_log: Option
 fn report_interrupted(signal: i32, checkpointed: bool) -> i32 {
     if checkpointed {
         crate::output::warn(&format!(
-            "stopped by signal {signal}: the workers finished their step and saved a checkpoint; run the same command again to resume from it"
+            "stopped by signal {signal}: the workers finished their step and saved a checkpoint; {}",
+            crate::output::resume_hint()
         ));
     } else {
         crate::output::warn(&format!(
