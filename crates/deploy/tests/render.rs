@@ -387,9 +387,13 @@ fn permanent_exit_codes_fail_the_job_and_failures_keep_their_last_lines() {
 /// An evicted or preempted pod (DisruptionTarget) and a pod whose `trainctl run` left the job
 /// after a SIGTERM (exit 143, `contract::exit::PREEMPTED`) are replaced without counting a
 /// failure; trainctl's permanent codes fail the job at once; anything else counts against the
-/// job's budget of `max_restarts` failures per node. The replacement policy is the server's
-/// default, the only one it allows with a podFailurePolicy: a pod is replaced once it has
-/// ended (Failed), never while it still terminates.
+/// job's budget of `max_restarts` failures per node: per index (`backoffLimitPerIndex`), so
+/// that the controller delays a replacement by that index's failures alone rather than the
+/// whole job's, with one index past its limit failing the job (`maxFailedIndexes: 0`), and
+/// `backoffLimit` the whole job's limit where the server has no per-index one (before 1.29).
+/// The replacement policy is the server's default, the only one it allows with a
+/// podFailurePolicy: a pod is replaced once it has ended (Failed), never while it still
+/// terminates.
 #[test]
 fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
     use serde_json::json;
@@ -441,6 +445,17 @@ fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
         assert_eq!(pod["restartPolicy"], "Never");
         let max_restarts: i64 = p.job.max_restarts.into();
         assert_eq!(spec["backoffLimit"], max_restarts * nodes, "{spec:#}");
+        assert_eq!(spec["backoffLimitPerIndex"], max_restarts, "{spec:#}");
+        assert_eq!(spec["maxFailedIndexes"], 0, "{spec:#}");
+        assert_eq!(
+            spec["completionMode"], "Indexed",
+            "per-index limits need it"
+        );
+        let typed: k8s_openapi::api::batch::v1::Job =
+            serde_json::from_value(job.clone().into()).unwrap();
+        let typed = typed.spec.unwrap();
+        assert_eq!(typed.backoff_limit_per_index, Some(max_restarts as i32));
+        assert_eq!(typed.max_failed_indexes, Some(0));
         assert_eq!(spec["completions"], nodes);
         assert_eq!(spec["parallelism"], nodes);
         assert!(spec.get("podReplacementPolicy").is_none(), "{spec:#}");

@@ -352,9 +352,13 @@ pub(super) fn job(
     }
 }
 
-/// Evictions and preemptions (the DisruptionTarget condition, or trainctl's own exit after a
-/// SIGTERM and a checkpoint) are retried without counting; trainctl's permanent exit codes end
-/// the job at once; anything else (a crash, OOM, a lost node) counts against backoffLimit.
+/// Evictions, preemptions and pods of lost nodes (the DisruptionTarget condition, which the
+/// eviction API, the scheduler, the taint manager and the pod garbage collector set), and
+/// trainctl's own exit after a SIGTERM (143: a deleted pod's node left the job, or the job
+/// checkpointed) are replaced without counting; trainctl's permanent exit codes end the job at
+/// once; anything else (a crash, an OOM kill, a pod killed at the end of its grace) counts
+/// against backoffLimit (and the training job's backoffLimitPerIndex). The first rule that
+/// matches decides, so a disruption is ignored whatever its exit code.
 pub(super) fn failure_policy() -> PodFailurePolicy {
     PodFailurePolicy {
         rules: vec![

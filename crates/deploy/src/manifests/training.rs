@@ -185,10 +185,20 @@ pub(super) fn indexed_job(project: &Project) -> (Service, Job) {
     let template = worker_template(project, Some(j.name.clone()));
     let service = headless_service(project, &j.name, "worker", j.rdzv_port);
     let pods = j.max_nodes as i32;
-    // A lost pod is replaced under the same index and rejoins; each node may be lost
-    // max_restarts times before Kubernetes gives up on the job.
+    // A lost pod is replaced under the same index and rejoins; each node may fail
+    // max_restarts times (failures the podFailurePolicy ignores do not count) before
+    // Kubernetes gives up on the job.
     let backoff = (j.max_restarts as i32).saturating_mul(pods).max(1);
     let mut job = job(project, &j.name, template, (pods, true), backoff);
+    if let Some(spec) = job.spec.as_mut() {
+        // Per index, the Job controller also delays a replacement by the failures of that
+        // index alone (10 s doubling, counting the ignored ones), not of the whole job: a
+        // node lost after others were waits 10 s, not 10 s × 2^(losses so far). One index past
+        // its limit fails the job at once, as the job's limit did. Servers before 1.29 drop
+        // both fields and keep backoffLimit, the whole job's limit.
+        spec.backoff_limit_per_index = Some(j.max_restarts as i32);
+        spec.max_failed_indexes = Some(0);
+    }
     queue_label(project, &mut job.metadata);
     (service, job)
 }
