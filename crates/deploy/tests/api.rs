@@ -343,6 +343,85 @@ async fn status_of_a_restarting_pod() {
     assert!(text.contains("ip-10-0-1-2"), "{text}");
 }
 
+/// A pod deleted or evicted while the job runs: its `trainctl run` leaves the job at a step
+/// boundary and exits 143, which the podFailurePolicy ignores (the Job's `status.failed` stays
+/// 0), and the Job replaces it under the same index. `job status` says it left, not that it
+/// failed, and shows none of its last lines as a failure's, while a container killed by the
+/// kernel (137) beside it is still a failure.
+#[tokio::test]
+async fn a_pod_that_left_after_a_sigterm_is_not_a_failure() {
+    let api = MockApi::default();
+    api.get(JOB, job(json!({ "active": 3, "failed": 1 })));
+    let ended = |index, code: i32, reason: &str, message: &str| {
+        let mut p = pod(
+            index,
+            "Failed",
+            Some("n2"),
+            json!({ "containerStatuses": [{
+                "name": "pytorch", "ready": false, "restartCount": 0, "image": "trainctl",
+                "imageID": "",
+                "state": { "terminated": { "exitCode": code, "reason": reason, "message": message } },
+            }] }),
+        );
+        p["metadata"]["name"] = json!(format!("cifar10-{index}-old"));
+        p["metadata"]["uid"] = json!(format!("uid-{index}-old"));
+        p
+    };
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod(
+                    0,
+                    "Running",
+                    Some("n1"),
+                    json!({ "containerStatuses": [running_container(0)] }),
+                ),
+                // FallbackToLogsOnError: the last log lines, as for any non-zero exit.
+                ended(
+                    1,
+                    143,
+                    "Error",
+                    "node 1 leaves (SIGTERM)\nleft the job at step 1200",
+                ),
+                pod(
+                    1,
+                    "Running",
+                    Some("n3"),
+                    json!({ "containerStatuses": [running_container(0)] }),
+                ),
+                ended(2, 137, "OOMKilled", "epoch 3 step 40"),
+                pod(2, "Pending", None, json!({})),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    let left = status
+        .pods
+        .iter()
+        .find(|p| p.name == "cifar10-1-old")
+        .unwrap();
+    assert_eq!(
+        left.why,
+        "left the job (exit 143 after a SIGTERM: not a failure; the Job replaces the pod without \
+         counting it)"
+    );
+    assert_eq!(left.last_words, None);
+    let text = status.render();
+    assert!(!text.contains("cifar10-1-old failed"), "{text}");
+    assert!(!text.contains("left the job at step 1200"), "{text}");
+    assert!(!text.contains("exited 143"), "{text}");
+    // Only the container the kernel killed is a failure (the Job's count says 1).
+    assert!(text.contains("failed pods so far: 1"), "{text}");
+    assert!(text.contains("exited 137 (OOMKilled)"), "{text}");
+    assert!(
+        text.contains("cifar10-2-old failed; its last lines:"),
+        "{text}"
+    );
+    assert_eq!(status.phase, Phase::Running);
+}
+
 /// A node whose kubelet stopped (its Ready condition Unknown once the node controller notices,
 /// or False) leaves its pods Running and ready in the API: status says the pod cannot be
 /// reached but its workers may still run (a kubelet down for a while leaves them training), and

@@ -325,6 +325,13 @@ pub(super) fn node_problem(node: &Node) -> Option<String> {
     })
 }
 
+/// What `job status` says of a container that exited 143 (`contract::exit::PREEMPTED`): its
+/// `trainctl run` was asked to stop (SIGTERM: a deleted or evicted pod, a deleted job) and left
+/// the job or checkpointed it. Not a failure: the Job's podFailurePolicy replaces the pod
+/// without counting it, so neither its exit nor its last lines are shown as one.
+const LEFT: &str = "left the job (exit 143 after a SIGTERM: not a failure; the Job replaces \
+                    the pod without counting it)";
+
 /// One pod of a job.
 #[derive(Debug, Clone)]
 pub struct PodStatus {
@@ -387,20 +394,28 @@ impl PodStatus {
                 });
             }
             if let Some(t) = state.terminated.filter(|t| t.exit_code != 0) {
-                why.push(format!(
-                    "exited {} ({})",
-                    t.exit_code,
-                    t.reason.unwrap_or_else(|| "Error".into())
-                ));
-                last_words = last_words.or(t.message);
+                if t.exit_code == contract::exit::PREEMPTED {
+                    why.push(LEFT.into());
+                } else {
+                    why.push(format!(
+                        "exited {} ({})",
+                        t.exit_code,
+                        t.reason.unwrap_or_else(|| "Error".into())
+                    ));
+                    last_words = last_words.or(t.message);
+                }
             }
             if let Some(t) = c.last_state.as_ref().and_then(|s| s.terminated.as_ref()) {
-                why.push(format!(
-                    "last run exited {} ({})",
-                    t.exit_code,
-                    t.reason.clone().unwrap_or_else(|| "Error".into())
-                ));
-                last_words = last_words.or_else(|| t.message.clone());
+                if t.exit_code == contract::exit::PREEMPTED {
+                    why.push(format!("last run {LEFT}"));
+                } else {
+                    why.push(format!(
+                        "last run exited {} ({})",
+                        t.exit_code,
+                        t.reason.clone().unwrap_or_else(|| "Error".into())
+                    ));
+                    last_words = last_words.or_else(|| t.message.clone());
+                }
             }
         }
         PodStatus {
