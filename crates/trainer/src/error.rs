@@ -29,9 +29,7 @@ pub enum TrainError {
     #[error("invalid setting: {0}")]
     Config(String),
     /// Asked to stop (SIGTERM): the step in progress was finished and checkpointed.
-    #[error(
-        "stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it"
-    )]
+    #[error("stopped on request after step {global_step} (epoch {epoch}); the checkpoint holds it")]
     Preempted { global_step: u64, epoch: usize },
     /// Its node was asked to go (SIGTERM) and the others train on without it: this worker left
     /// after the step every rank paused at, holding nothing they lack.
