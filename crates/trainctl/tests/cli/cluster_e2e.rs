@@ -383,6 +383,10 @@ fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
             lines.contains("regrouped in place"),
             "{pod}:\n{lines}\n\nall:\n{all}"
         );
+        assert!(
+            lines.contains("world size 3 → 2"),
+            "{pod}:\n{lines}\n\nall:\n{all}"
+        );
     }
     for text in [&all, &followed] {
         assert!(!text.contains("resuming from checkpoint"), "{text}");
@@ -390,7 +394,7 @@ fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
     }
     let deleted = of(&pod1);
     assert!(
-        deleted.contains("leaves"),
+        deleted.contains("leaves (SIGTERM): the others go on at world size 2"),
         "the deleted pod {pod1} says it leaves:\n{deleted}\n\nafter the deletion:\n{after}"
     );
 }
