@@ -136,7 +136,7 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             output::error(&e);
-            std::process::exit(1);
+            std::process::exit(commands::exit_code(&e));
         }
     }
 }

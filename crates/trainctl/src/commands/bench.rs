@@ -49,7 +49,27 @@ pub struct Args {
     step_only: Option<usize>,
 }
 
+/// Counts that must be at least 1: a benchmark of nothing has no figure to print.
+fn check(args: &Args) -> anyhow::Result<()> {
+    let counts = [
+        ("--batch-size", args.batch_size),
+        ("--steps", args.steps),
+        ("--repeats", args.repeats),
+        ("--image-size", args.image_size),
+    ];
+    for (flag, value) in counts {
+        if value == 0 {
+            bail!("{flag} 0: must be at least 1");
+        }
+    }
+    if let Some(zero) = args.threads.iter().chain(&args.ranks).find(|&&n| n == 0) {
+        bail!("--threads and --ranks take counts of at least 1, got {zero}");
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    check(&args).map_err(super::usage)?;
     if let Some(dir) = &args.loader {
         let Some(augment) = trainer::data::Augment::parse(&args.augment) else {
             bail!(

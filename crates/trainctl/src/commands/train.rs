@@ -47,16 +47,25 @@ pub struct Args {
     /// training set is about 1,200 MiB at 64×64).
     #[arg(long, default_value_t = 2048)]
     pub(crate) cache_mb: u64,
+    /// Passes over the training set (a resumed run trains up to this many in all).
     #[arg(long, default_value_t = 10)]
     pub(crate) epochs: usize,
     /// Images per step on each worker.
     #[arg(long, default_value_t = 128)]
     pub(crate) batch_size: usize,
-    #[arg(long, alias = "lr", default_value_t = 1e-3)]
+    /// SGD's learning rate (a positive number).
+    #[arg(
+        long,
+        alias = "lr",
+        default_value_t = 1e-3,
+        allow_negative_numbers = true
+    )]
     pub(crate) learning_rate: f64,
-    #[arg(long, default_value_t = 0.9)]
+    /// SGD's momentum, from 0 (none) to below 1.
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
     pub(crate) momentum: f64,
-    #[arg(long, default_value_t = 1e-4)]
+    /// SGD's L2 weight decay (0 for none).
+    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
     pub(crate) weight_decay: f64,
     /// Print the mean loss every this many steps.
     #[arg(long, default_value_t = 10)]
@@ -104,6 +113,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    check(&args).map_err(super::usage)?;
     let world = World::from_env()?;
     // SIGTERM (the launcher stopping us, an eviction, `job delete`) finishes the step in
     // progress and checkpoints it instead of losing the work since the last checkpoint.
@@ -221,6 +231,69 @@ fn upload_run(client: &objects::Client, cfg: &TrainConfig, to: &objects::S3Uri) 
     if !not_uploaded.not_tried.is_empty() {
         crate::output::uploads_not_tried(&not_uploaded.not_tried, to);
     }
+}
+
+/// The checks of `args` that need nothing but the command line: run by the worker before it
+/// starts, and by `trainctl run` before it starts any worker (so a typo fails once, exit 2).
+pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
+    parse_model(&args.model)?;
+    parse_dataset(&args.dataset)?;
+    if let Some(a) = &args.augment {
+        Augment::parse(a)
+            .with_context(|| format!("--augment {a:?}: choose {}", Augment::CHOICES))?;
+    }
+    let positive = [
+        ("--epochs", args.epochs),
+        ("--batch-size", args.batch_size),
+        ("--loader-threads", args.loader_threads),
+        ("--prefetch", args.prefetch),
+    ];
+    for (flag, value) in positive {
+        if value == 0 {
+            bail!("{flag} 0: must be at least 1");
+        }
+    }
+    if args.threads == Some(0) {
+        bail!("--threads 0: must be at least 1 (leave it out for cores / workers on this node)");
+    }
+    if args.image_size == Some(0) {
+        bail!("--image-size 0: must be at least 1 (leave it out for the data set's default)");
+    }
+    if !(args.learning_rate.is_finite() && args.learning_rate > 0.0) {
+        bail!(
+            "--learning-rate {}: must be a positive number (e.g. 0.001)",
+            args.learning_rate
+        );
+    }
+    if !(args.momentum.is_finite() && (0.0..1.0).contains(&args.momentum)) {
+        bail!(
+            "--momentum {}: must be at least 0 and below 1 (0.9 is usual)",
+            args.momentum
+        );
+    }
+    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
+        bail!(
+            "--weight-decay {}: must be 0 or a positive number (e.g. 0.0001)",
+            args.weight_decay
+        );
+    }
+    Ok(())
+}
+
+/// `trainctl train ARGS...` as `trainctl run` was given it: parsed and checked as the worker
+/// will, before any worker starts. Clap's own refusal is printed as clap prints it.
+pub(crate) fn check_argv(argv: &[std::ffi::OsString]) -> anyhow::Result<()> {
+    #[derive(clap::Parser)]
+    #[command(name = "trainctl train", no_binary_name = true)]
+    struct Train {
+        #[command(flatten)]
+        args: Args,
+    }
+    let parsed = <Train as clap::Parser>::try_parse_from(argv.iter().skip(1)).map_err(|e| {
+        let text = e.render().to_string();
+        anyhow::anyhow!("{}", text.trim_start_matches("error: ").trim_end())
+    })?;
+    check(&parsed.args)
 }
 
 pub(crate) fn parse_model(name: &str) -> anyhow::Result<Architecture> {

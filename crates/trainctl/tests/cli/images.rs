@@ -302,8 +302,13 @@ fn wrong_models_sizes_and_folders_are_refused_before_training() {
     let data = dir.path().join("data");
     folder(&data, false);
     let out = dir.path().join("runs");
-    let cases: [(&str, Vec<&str>, &str); 3] = [
-        ("resnet7", vec![], "choose seed-cnn, resnet18"),
+    // An unknown network is a bad command line (exit 2), before anything is read.
+    let mut unknown = resnet_args(&data, &out, 1);
+    unknown[2] = "resnet7".to_string();
+    let refused = trainctl().args(&unknown).output().unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(text(&refused.stderr).contains("choose seed-cnn, resnet18"));
+    let cases: [(&str, Vec<&str>, &str); 2] = [
         (
             "seed-cnn",
             vec!["--image-size", "64"],

@@ -321,7 +321,9 @@ fn bad_flags_get_clear_errors() {
             "--max-restarts 1",
         ),
     ] {
-        let err = run_failing(trainctl().args(&args));
+        let out = trainctl().args(&args).output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "a bad command line: {args:?}: {err}");
         assert!(err.contains(expect), "{args:?}: {err}");
     }
 }
@@ -437,4 +439,66 @@ fn diagnostics_are_plain_lines_like_the_rest_of_the_output() {
         !err.contains(" WARN ") && !err.contains("rendezvous::handler"),
         "{err}"
     );
+}
+
+/// A command line that cannot work exits 2 (as clap's own refusals do), says which flag and
+/// value, and starts nothing: `trainctl run`'s training arguments are checked once, in the
+/// launcher, before any worker starts.
+#[test]
+fn bad_command_lines_exit_2_naming_the_flag_and_start_nothing() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["run", "--nproc-per-node", "0", "--", "true"],
+            "--nproc-per-node",
+        ),
+        (&["run", "--nnodes", "0", "--", "true"], "--nnodes"),
+        (
+            &["run", "--hang-timeout", "0", "--", "true"],
+            "--hang-timeout",
+        ),
+        (&["run", "--rdzv-id", "a/b", "--", "true"], "--rdzv-id"),
+        (
+            &["run", "--collective-timeout", "0", "--", "true"],
+            "--collective-timeout",
+        ),
+        (
+            &[
+                "run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "train",
+                "--epoch",
+                "1",
+            ],
+            "--epochs",
+        ),
+        (&["run", "train", "--batch-size", "0"], "--batch-size 0"),
+        (&["run", "train", "--model", "resnet19"], "resnet19"),
+        (
+            &["run", "train", "--learning-rate", "-1"],
+            "--learning-rate -1",
+        ),
+        (
+            &["run", "--max-restart", "3", "train"],
+            "did you mean --max-restarts?",
+        ),
+        (
+            &["run", "--stragglers", "evict", "train"],
+            "unknown flag --stragglers",
+        ),
+        (&["train", "--threads", "0"], "--threads 0"),
+        (&["train", "--momentum", "1.5"], "--momentum 1.5"),
+        (&["bench", "--steps", "0"], "--steps 0"),
+    ];
+    for (argv, says) in cases {
+        let out = trainctl().args(*argv).output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{argv:?}:\n{err}");
+        assert!(err.contains(says), "{argv:?} must say {says:?}:\n{err}");
+        assert!(
+            !err.contains("started rank") && !err.contains("[0]:"),
+            "{argv:?} started a worker:\n{err}"
+        );
+    }
 }

@@ -145,6 +145,42 @@ pub struct Args {
     pub(crate) command: Vec<OsString>,
 }
 
+/// What `trainctl run` was asked to start, checked before anything starts: `train ARGS` is
+/// parsed and checked as each worker would (a typo fails once, not once per worker), and a
+/// word starting with `-` where the program should be is an unknown flag of `run`, not a
+/// program to start.
+fn check_program(command: &[OsString]) -> anyhow::Result<()> {
+    let Some(first) = command.first().and_then(|c| c.to_str()) else {
+        return Ok(());
+    };
+    if first == "train" {
+        return super::train::check_argv(command);
+    }
+    if first.starts_with('-') && first != "--" {
+        let flag = first.split('=').next().unwrap_or(first);
+        let closest = closest_flag(flag)
+            .map(|f| format!(" (did you mean {f}?)"))
+            .unwrap_or_default();
+        bail!(
+            "unknown flag {flag} for trainctl run{closest}; flags go before the program: `trainctl run [FLAGS] train ...` or `trainctl run [FLAGS] -- PROGRAM ...` (trainctl run --help lists them)"
+        );
+    }
+    Ok(())
+}
+
+/// The flag of `trainctl run` closest to `flag` by edit distance, when one is close.
+fn closest_flag(flag: &str) -> Option<String> {
+    use clap::Args as _;
+    let cmd = Args::augment_args(clap::Command::new("run"));
+    let word = flag.trim_start_matches('-');
+    cmd.get_arguments()
+        .filter_map(|a| a.get_long())
+        .map(|long| (strsim::levenshtein(word, long), long))
+        .filter(|(distance, long)| *distance <= (long.len() / 3).max(2))
+        .min()
+        .map(|(_, long)| format!("--{long}"))
+}
+
 /// `--fetch`: the program's code from S3, before any worker starts.
 fn fetch(uris: &[String], dir: &std::path::Path) -> anyhow::Result<()> {
     if uris.is_empty() {
@@ -171,7 +207,8 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
-    let plan = Plan::from_args(&args)?;
+    check_program(&args.command).map_err(super::usage)?;
+    let plan = Plan::from_args(&args).map_err(super::usage)?;
     fetch(&args.fetch, &args.fetch_dir)?;
     match plan.topology {
         Topology::Elastic { limits, endpoint } => {
@@ -213,7 +250,7 @@ fn run_static(
         world_size: nnodes * nproc_per_node,
         master_addr,
         master_port,
-        ..worker_spec(args, nproc_per_node, run_id, token)?
+        ..worker_spec(args, nproc_per_node, run_id, token).map_err(super::usage)?
     };
     let watch = Watch::start(args)?;
     let spec = LaunchSpec {
@@ -334,6 +371,7 @@ fn job_token(args: &Args, single_node: bool, run_id: &str) -> String {
 }
 
 /// What every node's workers share, static or elastic: program, timings, logs.
+/// The workers' part of the launch from the flags; every error is a flag's value (exit 2).
 fn worker_spec(
     args: &Args,
     nproc_per_node: u32,
@@ -491,7 +529,7 @@ fn run_elastic(
             is_host,
         },
     };
-    let spec = worker_spec(args, nproc_per_node, run_id, token)?;
+    let spec = worker_spec(args, nproc_per_node, run_id, token).map_err(super::usage)?;
     let mut rdzv =
         rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
             .with_context(|| format!("cannot reach the rendezvous at {shown}"))?;
