@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use deploy::config::Project;
+use deploy::config::{Project, Renders};
 use deploy::{eksctl, manifests};
 use serde_json::Value;
 
@@ -287,7 +287,7 @@ fn storage_renders_a_class_a_volume_and_a_read_write_many_claim() {
 #[test]
 fn indexed_training_job() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, "TOKEN");
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     insta::assert_snapshot!("job_indexed", manifests::to_yaml(&docs));
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Secret", "Service", "Job"]);
@@ -337,7 +337,7 @@ fn indexed_training_job() {
 #[test]
 fn a_one_node_job_names_its_pod_like_the_endpoint() {
     let p = project(&[("storage.efs", "fs-1"), ("job.nnodes", "1")]);
-    let docs = manifests::training_job(&p, "TOKEN");
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     let job = docs.last().unwrap();
     assert_eq!(job["spec"]["completionMode"], "Indexed");
     assert_eq!(job["spec"]["completions"], 1);
@@ -362,7 +362,7 @@ fn a_one_node_job_names_its_pod_like_the_endpoint() {
 #[test]
 fn permanent_exit_codes_fail_the_job_and_failures_keep_their_last_lines() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let mut jobs = manifests::training_job(&p, "TOKEN");
+    let mut jobs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     jobs.push(manifests::data_job(&p, None));
     jobs.push(manifests::test_job(&p));
     jobs.extend(manifests::doctor_job(&p));
@@ -410,7 +410,7 @@ fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
         ),
     ] {
         let p = project(flags);
-        let docs = manifests::training_job(&p, "TOKEN");
+        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
         let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
         let spec = &job["spec"];
         let rules = spec["podFailurePolicy"]["rules"].as_array().unwrap();
@@ -467,7 +467,7 @@ fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
 #[test]
 fn training_pods_announce_their_metrics_port() {
     let pod_of = |flags: &[(&'static str, &str)]| {
-        let docs = manifests::training_job(&project(flags), "TOKEN");
+        let docs = manifests::training_job(&project(flags), manifests::Token::Value("TOKEN"));
         docs[2]["spec"]["template"].clone()
     };
     let pod = pod_of(&[("storage.efs", "fs-1"), ("job.metrics_port", "9100")]);
@@ -503,19 +503,44 @@ fn training_pods_announce_their_metrics_port() {
     assert!(err.contains("rendezvous port"), "{err}");
 }
 
+/// On a GPU instance the built-in trainer, which trains on CPUs only, takes none of the node's
+/// GPUs or EFA adapters (they would sit idle, kept from every other pod) and says so, with how
+/// to use them; its pods, and the doctor's, still tolerate the GPU nodes' taint, since they
+/// are sent there. A program of the user's (`-- PROGRAM`) takes them all.
 #[test]
-fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
-    let p = project(&[
+fn gpu_nodes_give_their_gpus_to_a_program_not_to_the_built_in_trainer() {
+    let flags = [
         ("cluster.preset", "g4dn"),
         ("storage.efs", "fs-1"),
         ("job.nproc_per_node", "8"),
-    ]);
-    let docs = manifests::training_job(&p, "TOKEN");
+    ];
+    let p = project(&flags);
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     let pod = &docs[2]["spec"]["template"]["spec"];
-    let resources = &pod["containers"][0]["resources"];
-    assert_eq!(resources["limits"]["nvidia.com/gpu"], "8");
-    assert_eq!(resources["requests"]["nvidia.com/gpu"], "8");
+    let container = &pod["containers"][0];
+    for resource in ["nvidia.com/gpu", manifests::EFA_RESOURCE] {
+        assert!(
+            container["resources"]["limits"][resource].is_null()
+                && container["resources"]["requests"][resource].is_null(),
+            "{container}"
+        );
+    }
+    assert!(!container["env"].to_string().contains("FI_PROVIDER"));
     assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(
+        pod["nodeSelector"]["node.kubernetes.io/instance-type"],
+        "g4dn.metal"
+    );
+    let warnings = p.review(Renders::TrainingJob).unwrap();
+    let idle = warnings
+        .iter()
+        .find(|w| w.contains("CPUs only"))
+        .unwrap_or_else(|| panic!("{warnings:#?}"));
+    assert!(
+        idle.contains("g4dn.metal node's 8 GPUs or its EFA adapter")
+            && idle.contains("trainctl job launch -- PROGRAM ARGS..."),
+        "{idle}"
+    );
     let doctor = manifests::doctor_job(&p);
     let doctor_pod = &doctor[1]["spec"]["template"]["spec"];
     assert_eq!(doctor_pod["tolerations"][0]["key"], "nvidia.com/gpu");
@@ -523,7 +548,33 @@ fn gpu_pods_request_gpus_and_tolerate_the_gpu_taint() {
         doctor_pod["nodeSelector"]["node.kubernetes.io/instance-type"],
         "g4dn.metal"
     );
+    assert!(!doctor_pod.to_string().contains("--expect-gpus"));
+    assert!(
+        doctor_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"].is_null(),
+        "{doctor_pod}"
+    );
+    assert!(p.review(Renders::Doctor).unwrap().iter().any(|w| w == idle));
     insta::assert_snapshot!("job_indexed_g4dn", manifests::to_yaml(&docs));
+
+    let p = project(&[flags.as_slice(), &[("job.command", "python train.py")]].concat());
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let pod = &docs[2]["spec"]["template"]["spec"];
+    let resources = &pod["containers"][0]["resources"];
+    for (resource, count) in [("nvidia.com/gpu", "8"), (manifests::EFA_RESOURCE, "1")] {
+        assert_eq!(resources["limits"][resource], count, "{resources}");
+        assert_eq!(resources["requests"][resource], count, "{resources}");
+    }
+    assert!(
+        pod["containers"][0]["env"]
+            .to_string()
+            .contains("FI_PROVIDER")
+    );
+    assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    let warnings = p.review(Renders::TrainingJob).unwrap();
+    assert!(
+        !warnings.iter().any(|w| w.contains("CPUs only")),
+        "{warnings:#?}"
+    );
 }
 
 #[test]
@@ -533,8 +584,11 @@ fn gpu_pods_on_efa_nodes_take_every_adapter_and_tell_nccl() {
             ("storage.efs", "fs-1"),
             ("cluster.preset", "p5"),
             ("cluster.instance_type", instance),
+            ("job.command", "python train.py"),
         ]);
-        manifests::training_job(&p, "TOKEN")[2]["spec"]["template"]["spec"]["containers"][0].clone()
+        manifests::training_job(&p, manifests::Token::Value("TOKEN"))[2]["spec"]["template"]["spec"]
+            ["containers"][0]
+            .clone()
     };
     let env_of = |c: &serde_json::Value| -> Vec<(String, String)> {
         c["env"]
@@ -588,7 +642,7 @@ fn a_queue_labels_the_training_job_for_kueue() {
                 ("job.launcher", launcher),
                 ("job.queue", "team-a"),
             ]),
-            "TOKEN",
+            manifests::Token::Value("TOKEN"),
         );
         let job = docs.last().unwrap();
         assert_eq!(
@@ -601,7 +655,7 @@ fn a_queue_labels_the_training_job_for_kueue() {
         }
         let unqueued = manifests::training_job(
             &project(&[("storage.efs", "fs-1"), ("job.launcher", launcher)]),
-            "TOKEN",
+            manifests::Token::Value("TOKEN"),
         );
         assert!(!manifests::to_yaml(&unqueued).contains(manifests::QUEUE_LABEL));
     }
@@ -619,7 +673,7 @@ fn pytorchjobs_validate_against_the_crd() {
             ("job.launcher", "pytorchjob"),
             ("job.nnodes", nnodes),
         ]);
-        let docs = manifests::training_job(&p, "TOKEN");
+        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
         assert_eq!(docs[1]["kind"], "PyTorchJob");
         assert_valid(pytorchjob_validator(), &docs[1], name);
         insta::assert_snapshot!(name, manifests::to_yaml(&docs));
@@ -646,7 +700,7 @@ fn pytorchjobs_validate_against_the_crd() {
 #[test]
 fn the_crd_check_catches_a_misplaced_field() {
     let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "pytorchjob")]);
-    let mut job = manifests::training_job(&p, "TOKEN").remove(1);
+    let mut job = manifests::training_job(&p, manifests::Token::Value("TOKEN")).remove(1);
     job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplica": 1 });
     assert!(!pytorchjob_validator().is_valid(&job));
     job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplicas": "one" });
@@ -680,6 +734,18 @@ fn data_test_and_doctor_jobs() {
             .get("nodeSelector")
             .is_none()
     );
+    // Each helper's container is named after what it does, and its Job's failure policy
+    // reads that container's exit codes; only the training container is `pytorch`.
+    let doctor_job = doctor.iter().find(|d| d["kind"] == "Job").unwrap();
+    for (job, name) in [(&data, "data"), (&test, "test"), (doctor_job, "doctor")] {
+        let spec = &job["spec"];
+        assert_eq!(spec["template"]["spec"]["containers"][0]["name"], name);
+        for rule in spec["podFailurePolicy"]["rules"].as_array().unwrap() {
+            if let Some(codes) = rule.get("onExitCodes") {
+                assert_eq!(codes["containerName"], name, "{rule}");
+            }
+        }
+    }
 }
 
 /// tiny-imagenet and a ResNet: the data job fetches the other archive into its own folder,
@@ -715,7 +781,7 @@ fn a_resnet_on_tiny_imagenet() {
             "90528d7ca1a48142e341f4ef8d21d0de",
         ]
     );
-    let docs = manifests::training_job(&p, "token");
+    let docs = manifests::training_job(&p, manifests::Token::Value("token"));
     let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
     let train = args(job).join(" ");
     assert!(
@@ -744,7 +810,7 @@ fn core_objects_read_back_as_their_k8s_openapi_types() {
     use k8s_openapi::api::batch::v1::Job;
     use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service};
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, "TOKEN");
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     let service: Service = serde_json::from_value(docs[1].clone().into()).unwrap();
     let job: Job = serde_json::from_value(docs[2].clone().into()).unwrap();
     assert_eq!(service.metadata.name.as_deref(), Some("cifar10"));
@@ -760,14 +826,20 @@ fn every_object_carries_the_resource_it_is_served_at() {
     // and a namespaced resource is exactly one rendered with a namespace.
     let p = project(&[("storage.efs", "fs-1"), ("job.rdzv_backend", "etcd")]);
     let pytorchjob = project(&[("job.launcher", "pytorchjob")]);
-    let mut all = manifests::training_job(&p, "TOKEN");
-    all.extend(manifests::training_job(&pytorchjob, "TOKEN"));
+    let mut all = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    all.extend(manifests::training_job(
+        &pytorchjob,
+        manifests::Token::Value("TOKEN"),
+    ));
     all.extend(manifests::storage(&p).unwrap());
     all.extend(manifests::doctor_job(&p));
     all.extend(manifests::tensorboard(&p));
     all.push(manifests::data_job(&p, None));
     all.push(manifests::test_job(&p));
-    all.push(manifests::token_secret(&p, "TOKEN"));
+    all.push(manifests::token_secret(
+        &p,
+        manifests::Token::Value("TOKEN"),
+    ));
     all.push(manifests::nvidia_device_plugin());
     let mut kinds = std::collections::BTreeSet::new();
     for m in &all {
@@ -833,7 +905,7 @@ fn a_user_program_in_its_own_image_runs_under_trainctl_run() {
                 "python /data/code/ddp_gloo.py --epochs 2 --note 'two words'",
             ),
         ]);
-        let docs = manifests::training_job(&p, "TOKEN");
+        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
         let job = docs.last().unwrap();
         let pod = if launcher == "indexed" {
             &job["spec"]["template"]["spec"]
@@ -919,7 +991,9 @@ fn trainctl_comes_from_the_image_or_an_init_container() {
         ("trainctl_image", "me/pytorch-and-trainctl:1"),
         ("job.command", "python main.py"),
     ]);
-    let job = manifests::training_job(&p, "TOKEN").pop().unwrap();
+    let job = manifests::training_job(&p, manifests::Token::Value("TOKEN"))
+        .pop()
+        .unwrap();
     let pod = &job["spec"]["template"]["spec"];
     assert!(pod.get("initContainers").is_none(), "{pod}");
     assert_eq!(
@@ -968,7 +1042,7 @@ fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
             ("job.nnodes", nnodes),
             ("job.rdzv_backend", "etcd"),
         ]);
-        let docs = manifests::training_job(&p, "TOKEN");
+        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
         let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
         let job = docs.last().unwrap();
         let pod = if launcher == "indexed" {
@@ -1037,7 +1111,10 @@ fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
         .to_string();
     assert!(e.contains("choose c10d") && e.contains("zookeeper"), "{e}");
     // The default stays c10d: no etcd.
-    let docs = manifests::training_job(&project(&[("storage.efs", "fs-1")]), "TOKEN");
+    let docs = manifests::training_job(
+        &project(&[("storage.efs", "fs-1")]),
+        manifests::Token::Value("TOKEN"),
+    );
     assert!(docs.iter().all(|d| d["kind"] != "Deployment"));
 }
 
@@ -1072,10 +1149,19 @@ fn tensorboard_serves_the_runs_folder_read_only() {
 }
 
 /// The doctor's pods take the GPUs and EFA adapters a training pod takes, and are told how
-/// many to expect.
+/// many to expect; with the built-in trainer (CPU only), none.
 #[test]
 fn the_doctor_checks_the_accelerators_a_training_pod_gets() {
-    let p = project(&[("storage.efs", "fs-1"), ("cluster.preset", "p5")]);
+    let builtin = manifests::doctor_job(&project(&[
+        ("storage.efs", "fs-1"),
+        ("cluster.preset", "p5"),
+    ]));
+    assert!(!builtin[1].to_string().contains("--expect-gpus"));
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("cluster.preset", "p5"),
+        ("job.command", "python train.py"),
+    ]);
     let doctor = manifests::doctor_job(&p).pop().unwrap();
     let c = &doctor["spec"]["template"]["spec"]["containers"][0];
     let args = c["args"].to_string();
@@ -1143,7 +1229,7 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
             "/data/cifar10"
         ]
     );
-    let docs = manifests::training_job(&p, "token");
+    let docs = manifests::training_job(&p, manifests::Token::Value("token"));
     let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
     let train = args(&pod(job)).join(" ");
     assert!(
@@ -1173,7 +1259,7 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
         ),
         ("job.upload", "none"),
     ]);
-    let docs = manifests::training_job(&p, "TOKEN");
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
     let job = docs.last().unwrap();
     assert_valid(
         pytorchjob_validator(),
@@ -1204,5 +1290,150 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
     ] {
         let err = Project::from_settings(&settings).unwrap_err().to_string();
         assert!(err.contains(settings[0].0) && err.contains(says), "{err}");
+    }
+}
+
+/// `job render` shows the token Secret without its value: the YAML is the same on every render
+/// of the job (so `kubectl diff` sees no change) and prints no secret. `job launch` writes its
+/// random token into the same Secret, and nothing else differs.
+#[test]
+fn the_token_secret_is_the_same_on_every_render_and_holds_no_token() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    let render = || manifests::training_job(&p, manifests::Token::Withheld);
+    let first = render();
+    assert_eq!(manifests::to_yaml(&first), manifests::to_yaml(&render()));
+    let secret = &first[0];
+    assert_eq!(secret["kind"], "Secret");
+    assert!(
+        secret.get("stringData").is_none() && secret.get("data").is_none(),
+        "{secret}"
+    );
+    let launched = manifests::training_job(&p, manifests::Token::Value("s3cret-from-launch"));
+    assert_eq!(launched[0]["stringData"]["token"], "s3cret-from-launch");
+    let mut without_value = launched[0].clone();
+    without_value.as_object_mut().unwrap().remove("stringData");
+    assert_eq!(without_value, first[0]);
+    assert_eq!(launched[1..], first[1..]);
+    // The pods read the token from that Secret, which must have it.
+    let env = first[2]["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
+    assert!(
+        env.contains(r#"{"key":"token","name":"cifar10-token","optional":false}"#),
+        "{env}"
+    );
+}
+
+fn refusal(flags: &[(&'static str, &str)]) -> String {
+    match project(flags).review(Renders::TrainingJob) {
+        Ok(warnings) => panic!("accepted, with {warnings:#?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn warnings(flags: &[(&'static str, &str)]) -> Vec<String> {
+    project(flags)
+        .review(Renders::TrainingJob)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A training pod larger than a node of the instance type it is pinned to can never be
+/// scheduled: refused, with the node's figures and what fits. One larger than what a node is
+/// expected to have left for pods (the default request) may fit: warned about. Pods not pinned
+/// to the instance type are not measured against it.
+#[test]
+fn requests_larger_than_a_node_are_refused_with_the_figures() {
+    let e = refusal(&[("job.cpu", "200")]);
+    assert!(
+        e.starts_with(r#"job.cpu = "200" (from flag --cpu): a c5.4xlarge node has 16 vCPUs"#)
+            && e.contains("at most 13"),
+        "{e}"
+    );
+    let e = refusal(&[("job.memory", "40Gi")]);
+    assert!(
+        e.starts_with(r#"job.memory = "40Gi" (from flag --memory): a c5.4xlarge node has 32 GiB"#)
+            && e.contains("at most 25Gi"),
+        "{e}"
+    );
+    let w = warnings(&[("job.cpu", "15"), ("image", "ecr/trainctl:1")]);
+    assert_eq!(w.len(), 1, "{w:#?}");
+    assert!(
+        w[0].contains("job.cpu = 15") && w[0].contains("13 of its 16 vCPUs"),
+        "{w:#?}"
+    );
+    let w = warnings(&[("job.memory", "30Gi"), ("image", "ecr/trainctl:1")]);
+    assert!(w[0].contains("25Gi of its 32 GiB"), "{w:#?}");
+    // The defaults fit; so does anything on nodes the pods are not pinned to.
+    assert!(warnings(&[("image", "ecr/trainctl:1")]).is_empty());
+    assert!(
+        warnings(&[
+            ("job.cpu", "200"),
+            ("job.node_selector", "none"),
+            ("image", "ecr/trainctl:1"),
+        ])
+        .is_empty()
+    );
+}
+
+/// More pods than `cluster.nodes` nodes of the instance type hold are refused, elastic or not:
+/// a Job ends only when every pod has, and those that do not fit would start only once the
+/// others had finished. The refusal says how many fit and what to give instead.
+#[test]
+fn more_pods_than_the_node_group_holds_are_refused() {
+    let e = refusal(&[("job.nnodes", "1:4")]);
+    assert!(
+        e.starts_with(r#"job.nnodes = "1:4" (from flag --nnodes): 4 pods of 13 CPU and 25Gi memory, but 2 c5.4xlarge nodes"#)
+            && e.contains("hold 2 (1 a node)")
+            && e.contains("--nnodes 1:2")
+            && e.contains("--nodes 4"),
+        "{e}"
+    );
+    let e = refusal(&[("job.nnodes", "3")]);
+    assert!(e.contains("--nnodes 2,") && e.contains("--nodes 3"), "{e}");
+    // A larger node group, or smaller pods (three of 4 CPU and 8Gi a node), hold them.
+    assert!(
+        warnings(&[
+            ("job.nnodes", "1:4"),
+            ("cluster.nodes", "4"),
+            ("image", "x/t:1")
+        ])
+        .is_empty()
+    );
+    let small = [("job.cpu", "4"), ("job.memory", "8Gi"), ("image", "x/t:1")];
+    assert!(warnings(&[small.as_slice(), &[("job.nnodes", "6")]].concat()).is_empty());
+    let e = refusal(&[small.as_slice(), &[("job.nnodes", "7")]].concat());
+    assert!(e.contains("hold 6 (3 a node)"), "{e}");
+    // A program's GPUs count too: two pods of 2 GPUs on a 4-GPU node.
+    let e = refusal(&[
+        ("cluster.instance_type", "g4dn.12xlarge"),
+        ("job.command", "python train.py"),
+        ("job.gpus_per_node", "2"),
+        ("job.cpu", "8"),
+        ("job.memory", "16Gi"),
+        ("job.nnodes", "5"),
+    ]);
+    assert!(
+        e.contains("and 2 GPUs") && e.contains("hold 4 (2 a node)"),
+        "{e}"
+    );
+}
+
+/// The default image (`trainctl:latest`, what `docker build -t trainctl .` tags) is in no
+/// registry: every render or launch of pods that run it says so, with how to build and push
+/// it and the setting that names it.
+#[test]
+fn the_default_image_is_said_to_be_in_no_registry() {
+    let p = project(&[("storage.efs", "fs-1")]);
+    for what in [Renders::TrainingJob, Renders::Doctor, Renders::HelperJob] {
+        let w = p.review(what).unwrap();
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(
+            w[0].starts_with("image trainctl:latest is the default, which no registry serves")
+                && w[0].contains("docker build")
+                && w[0].contains("--image (setting image, TRAINCTL_IMAGE)"),
+            "{w:#?}"
+        );
+    }
+    let p = project(&[("storage.efs", "fs-1"), ("image", "ecr/trainctl:0.1")]);
+    for what in [Renders::TrainingJob, Renders::Doctor, Renders::HelperJob] {
+        assert!(p.review(what).unwrap().is_empty());
     }
 }

@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 
 use crate::catalog::{self, InstanceType, Preset};
 
+use super::fit::INSTANCE_TYPE_LABEL;
 use super::{
-    ConfigError, ETCD_IMAGE, S3_SERVICE_ACCOUNT, SETTINGS, Source, TENSORBOARD_IMAGE, setting,
+    ConfigError, DEFAULT_IMAGE, ETCD_IMAGE, S3_SERVICE_ACCOUNT, SETTINGS, Source,
+    TENSORBOARD_IMAGE, setting,
 };
 
 /// The values as given, layer by layer.
@@ -100,7 +102,7 @@ impl Resolved {
             "c5.2xlarge".into(),
             Source::Default,
         );
-        default("image", "trainctl:latest".into(), Source::Default);
+        default("image", DEFAULT_IMAGE.into(), Source::Default);
         default("job.rdzv_backend", "c10d".into(), Source::Default);
         default("job.etcd_image", ETCD_IMAGE.into(), Source::Default);
         default("job.etcd_storage", "emptydir".into(), Source::Default);
@@ -158,7 +160,7 @@ impl Resolved {
         let instance = self
             .get("cluster.instance_type")
             .and_then(catalog::instance_type);
-        let image = self.get("image").unwrap_or("trainctl:latest").to_string();
+        let image = self.get("image").unwrap_or(DEFAULT_IMAGE).to_string();
         let dataset = self
             .get("data.dataset")
             .unwrap_or(contract::CIFAR10.name)
@@ -212,7 +214,7 @@ impl Resolved {
         if let Some(t) = instance {
             derived(
                 "job.node_selector",
-                format!("node.kubernetes.io/instance-type={}", t.name),
+                format!("{INSTANCE_TYPE_LABEL}={}", t.name),
                 "cluster.instance_type",
             );
             let (cpu, memory, shm) = pod_size(t);

@@ -7,6 +7,7 @@
 //! from, for `trainctl config show`, and [`Project`] is the same values checked and typed: bad
 //! values are refused here, before anything is rendered.
 
+mod fit;
 mod layers;
 mod project;
 #[cfg(test)]
@@ -41,11 +42,16 @@ impl fmt::Display for Source {
     }
 }
 
-/// One setting: its key, its flag and what it means.
+/// One setting: its key, its flag, what it means and which commands read it.
 pub struct Setting {
     pub key: &'static str,
     pub flag: &'static str,
+    /// An older flag that sets it too, kept so that command lines written for it still work.
+    pub alias: Option<&'static str>,
     pub help: &'static str,
+    /// The commands that read it (directly, or through a setting derived from it): their
+    /// `--help` lists it. `config show` lists every setting.
+    pub used_by: &'static [UsedBy],
 }
 
 impl Setting {
@@ -56,70 +62,112 @@ impl Setting {
             self.key.replace('.', "_").to_ascii_uppercase()
         )
     }
+
+    /// Whether one of `commands` reads it.
+    pub fn used_by_any(&self, commands: &[UsedBy]) -> bool {
+        self.used_by.iter().any(|u| commands.contains(u))
+    }
+}
+
+/// The commands that read project settings, so that each one's `--help` lists only the
+/// settings it uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsedBy {
+    /// `cluster config|create|addons`: eksctl's ClusterConfig.
+    Cluster,
+    /// `cluster addons` beside the ClusterConfig: what it says about the training operator.
+    Addons,
+    /// `cluster delete`.
+    ClusterDelete,
+    /// `storage`: the StorageClass, PersistentVolume and claim.
+    Storage,
+    /// `data job`.
+    DataJob,
+    /// `test job`.
+    TestJob,
+    /// `doctor`: its pods take the training pods' nodes, GPUs and EFA adapters.
+    Doctor,
+    /// `job render|launch`: the training job.
+    Training,
+    /// `job status|wait|logs|top|delete`: a job found by its name.
+    Lookup,
+    /// `tensorboard`.
+    Tensorboard,
 }
 
 macro_rules! settings {
-    ($($key:literal, $flag:literal, $help:literal;)*) => {
+    ($($key:literal, $flag:literal $((alias $alias:literal))?, [$($used:ident),*], $help:literal;)*) => {
         /// Every setting, in the order `config show` prints them.
-        pub const SETTINGS: &[Setting] = &[$(Setting { key: $key, flag: $flag, help: $help }),*];
+        pub const SETTINGS: &[Setting] = &[$(Setting {
+            key: $key,
+            flag: $flag,
+            alias: settings!(@alias $($alias)?),
+            help: $help,
+            used_by: &[$(UsedBy::$used),*],
+        }),*];
     };
+    (@alias $alias:literal) => { Some($alias) };
+    (@alias) => { None };
 }
 
+// Which commands read what: `Training` and `Doctor` read everything that shapes the training
+// pods (the instance type sizes them and decides their GPUs); the helper jobs read the image,
+// the claim and their own settings; `Lookup` needs only the job's name and namespace.
 settings! {
-    "cluster.name", "--cluster-name", "EKS cluster name";
-    "cluster.region", "--region", "AWS region";
-    "cluster.version", "--kubernetes-version", "Kubernetes version of the cluster";
-    "cluster.preset", "--preset", "architecture: cpu, g4dn, p4de-odcr or p5";
-    "cluster.instance_type", "--instance-type", "worker instance type";
-    "cluster.nodes", "--nodes", "worker nodes";
-    "cluster.system_instance_type", "--system-instance-type", "instance type of the system node group";
-    "cluster.availability_zones", "--az", "availability zones, comma-separated (the first holds the workers)";
-    "cluster.existing_vpc", "--existing-vpc", "id of an existing VPC to use";
-    "cluster.private_subnets", "--private-subnets", "private subnet ids of the existing VPC, comma-separated, in --az order";
-    "cluster.capacity_reservation_id", "--capacity-reservation-id", "on-demand capacity reservation (ODCR) of the workers";
-    "cluster.s3_bucket", "--s3-bucket", "the project's S3 bucket: the cluster gets an IRSA service account allowed that bucket alone, the pods run under it, and training uploads its results there";
-    "service_account", "--service-account", "Kubernetes service account of the training, data and test pods (with IRSA, its IAM role is theirs); none: the namespace's default";
-    "image", "--image", "container image of the training pods: trainctl's, or your program's with -- PROGRAM";
-    "trainctl_image", "--trainctl-image", "image with the trainctl binary: helper jobs run it, and an init container copies trainctl from it into training pods of another image";
-    "namespace", "--namespace", "Kubernetes namespace";
-    "storage.efs", "--efs", "EFS file system id (fs-...)";
-    "storage.fsx", "--fsx", "FSx for Lustre: FS_ID,DNS_NAME,MOUNT_NAME";
-    "storage.host_path", "--host-path", "a node directory as the volume (one-node development clusters: kind, k3d, minikube)";
-    "storage.claim", "--claim", "name of the shared ReadWriteMany claim";
-    "storage.size", "--storage-size", "capacity of the volume";
-    "storage.mount_path", "--mount-path", "where pods mount the claim";
-    "data.dataset", "--dataset", "the data set the data job fetches: cifar10 or tiny-imagenet";
-    "data.dir", "--data-dir", "the data set's directory inside the pods";
-    "data.url", "--download-url", "where the data job downloads the data set from";
-    "data.md5", "--download-md5", "MD5 the download must have";
-    "data.from", "--from", "s3://BUCKET/PREFIX the data job copies onto the claim (into data.dir) instead of downloading data.url";
-    "job.name", "--name", "job name (DNS-1123 label)";
-    "job.launcher", "--launcher", "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
-    "job.command", "--command", "your training program and its arguments (shell words; a list in trainctl.toml), run by trainctl run in every pod; or -- PROGRAM ARGS... after job render|launch; none: the built-in trainer";
-    "job.nnodes", "--nnodes", "nodes of the job: N or MIN:MAX";
-    "job.nproc_per_node", "--nproc-per-node", "workers per node";
-    "job.gpus_per_node", "--gpus-per-node", "GPUs each pod requests";
-    "job.node_selector", "--node-selector", "KEY=VALUE the training pods' nodes must have, or none";
-    "job.cpu", "--cpu", "CPU each pod requests";
-    "job.memory", "--memory", "memory each pod requests";
-    "job.shm_size", "--shm-size", "size of /dev/shm";
-    "job.model", "--model", "the built-in trainer's network: seed-cnn, resnet18, resnet34, resnet50 or resnet101";
-    "job.epochs", "--epochs", "training epochs";
-    "job.batch_size", "--batch-size", "images per step on each worker";
-    "job.learning_rate", "--lr", "SGD learning rate";
-    "job.max_restarts", "--max-restarts", "worker-group restarts before the job fails";
-    "job.hang_timeout", "--hang-timeout", "seconds without a line of output after which a pod's workers are hung: their stacks are taken, then they restart as job.max_restarts says; none: never";
-    "job.rdzv_backend", "--rdzv-backend", "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)";
-    "job.rdzv_port", "--rdzv-port", "port of the rendezvous store on node 0";
-    "job.etcd_image", "--etcd-image", "etcd's image for --rdzv-backend etcd";
-    "job.etcd_storage", "--etcd-storage", "where etcd keeps its data: emptydir (lives with the etcd pod) or claim (a folder on the shared claim: survives the pod)";
-    "job.metrics_port", "--metrics-port", "port of each training pod's Prometheus metrics (0: none)";
-    "job.queue", "--queue", "Kueue LocalQueue the job is submitted to (all pods admitted together), or none";
-    "job.runs_dir", "--runs-dir", "where runs write checkpoints and models";
-    "job.upload", "--upload", "s3://BUCKET/PREFIX where rank 0 uploads the model, checkpoint and report when training ends; none: no upload";
-    "job.fetch", "--fetch", "s3:// URIs of your program's code (objects or prefixes, space-separated), copied into each pod before job.command starts";
-    "job.ttl_seconds", "--ttl-seconds", "seconds a finished job is kept";
-    "tensorboard.image", "--tensorboard-image", "image with TensorBoard for trainctl tensorboard";
+    "cluster.name", "--cluster-name", [Cluster, ClusterDelete], "EKS cluster name";
+    "cluster.region", "--region", [Cluster, ClusterDelete], "AWS region";
+    "cluster.version", "--kubernetes-version", [Cluster], "Kubernetes version of the cluster (1.MINOR)";
+    "cluster.preset", "--preset", [Cluster, Training, Doctor], "architecture: cpu, g4dn, p4de-odcr or p5 (it picks the worker instance type)";
+    "cluster.instance_type", "--instance-type", [Cluster, Training, Doctor], "worker instance type: it sizes the training pods (CPU, memory, GPUs, EFA) and their node selector";
+    "cluster.nodes", "--nodes", [Cluster, Training, Doctor], "worker nodes: the node group's size (its maximum too), and the job's nodes unless --nnodes says otherwise";
+    "cluster.system_instance_type", "--system-instance-type", [Cluster], "instance type of the system node group";
+    "cluster.availability_zones", "--az", [Cluster], "availability zones, comma-separated (the first holds the workers)";
+    "cluster.existing_vpc", "--existing-vpc", [Cluster], "id of an existing VPC to use";
+    "cluster.private_subnets", "--private-subnets", [Cluster], "private subnet ids of the existing VPC, comma-separated, in --az order";
+    "cluster.capacity_reservation_id", "--capacity-reservation-id", [Cluster], "on-demand capacity reservation (ODCR) of the workers";
+    "cluster.s3_bucket", "--s3-bucket", [Cluster, Training, DataJob, TestJob], "the project's S3 bucket: the cluster gets an IRSA service account allowed that bucket alone, the pods run under it, and training uploads its results there";
+    "service_account", "--service-account", [Cluster, Training, DataJob, TestJob], "Kubernetes service account of the training, data and test pods (with IRSA, its IAM role is theirs); none: the namespace's default";
+    "image", "--image", [Training, DataJob, TestJob, Doctor], "container image of the training pods: trainctl's (build it with the Dockerfile and push it where the nodes pull from), or your program's with -- PROGRAM";
+    "trainctl_image", "--trainctl-image", [Training, DataJob, TestJob, Doctor], "image with the trainctl binary: helper jobs run it, and an init container copies trainctl from it into training pods of another image";
+    "namespace", "--namespace", [Cluster, Addons, Storage, DataJob, TestJob, Doctor, Training, Lookup, Tensorboard], "Kubernetes namespace";
+    "storage.efs", "--efs", [Storage], "EFS file system id (fs-...), or fs-...::fsap-... through an access point";
+    "storage.fsx", "--fsx", [Storage], "FSx for Lustre: FS_ID,DNS_NAME,MOUNT_NAME";
+    "storage.host_path", "--host-path", [Storage], "a node directory as the volume (one-node development clusters: kind, k3d, minikube)";
+    "storage.claim", "--claim", [Storage, DataJob, TestJob, Doctor, Training, Tensorboard], "name of the shared ReadWriteMany claim";
+    "storage.size", "--storage-size", [Storage], "capacity the volume and the claim declare, a Kubernetes quantity in bytes (100Gi, 1Ti, 500G); EFS and FSx do not enforce it";
+    "storage.mount_path", "--mount-path", [DataJob, TestJob, Doctor, Training, Tensorboard], "where pods mount the claim";
+    "data.dataset", "--dataset", [DataJob, TestJob, Doctor, Training], "the data set the data job fetches and the trainer reads: cifar10 or tiny-imagenet";
+    "data.dir", "--data-dir", [DataJob, TestJob, Doctor, Training], "the data set's directory inside the pods";
+    "data.url", "--download-url", [DataJob], "where the data job downloads the data set from";
+    "data.md5", "--download-md5", [DataJob], "MD5 the download must have";
+    "data.from", "--from", [DataJob], "s3://BUCKET/PREFIX the data job copies onto the claim (into data.dir) instead of downloading data.url";
+    "job.name", "--name", [DataJob, TestJob, Doctor, Training, Lookup, Tensorboard], "job name (DNS-1123 label); its helper jobs, etcd and TensorBoard are named after it";
+    "job.launcher", "--launcher", [Addons, Training], "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
+    "job.command", "--command", [Training, Doctor], "your training program and its arguments (shell words; a list in trainctl.toml), run by trainctl run in every pod; or -- PROGRAM ARGS... after job render|launch; none: the built-in trainer (CPU only: its pods take no GPUs)";
+    "job.nnodes", "--nnodes", [Training, Doctor], "nodes (pods) of the job: N, or MIN:MAX for an elastic job";
+    "job.nproc_per_node", "--nproc-per-node", [Training], "workers per node";
+    "job.gpus_per_node", "--gpus-per-node", [Training, Doctor], "GPUs each pod of -- PROGRAM requests (the built-in trainer's request none)";
+    "job.node_selector", "--node-selector", [Training, Doctor], "KEY=VALUE the training pods' nodes must have, or none";
+    "job.cpu", "--cpu", [Training], "CPU each training pod requests, in cores (14, 0.5) or millicores (500m); by default what a node of the instance type has left for pods (85 % of its vCPUs)";
+    "job.memory", "--memory", [Training], "memory each training pod requests and is limited to, a Kubernetes quantity in bytes (24Gi, 512Mi); by default what a node of the instance type has left for pods (80 % of its memory)";
+    "job.shm_size", "--shm-size", [Training], "size of each training pod's /dev/shm (memory, counted in --memory), a quantity in bytes (2Gi, 512Mi); by default an eighth of --memory (at most 8Gi), a quarter (at most 64Gi) on GPU nodes";
+    "job.model", "--model", [Training], "the built-in trainer's network: seed-cnn, resnet18, resnet34, resnet50 or resnet101";
+    "job.epochs", "--epochs", [Training], "the built-in trainer's epochs";
+    "job.batch_size", "--batch-size", [Training], "the built-in trainer's images per step on each worker";
+    "job.learning_rate", "--learning-rate" (alias "--lr"), [Training], "the built-in trainer's SGD learning rate";
+    "job.max_restarts", "--max-restarts", [Training], "worker-group restarts before the job fails (and failures per pod before the Job gives up)";
+    "job.hang_timeout", "--hang-timeout", [Training], "seconds without a line of output after which a pod's workers are hung: their stacks are taken, then they restart as job.max_restarts says; none: never";
+    "job.rdzv_backend", "--rdzv-backend", [Training], "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)";
+    "job.rdzv_port", "--rdzv-port", [Training, Doctor], "port of the rendezvous store on node 0";
+    "job.etcd_image", "--etcd-image", [Training], "etcd's image for --rdzv-backend etcd";
+    "job.etcd_storage", "--etcd-storage", [Training], "where etcd keeps its data: emptydir (lives with the etcd pod) or claim (a folder on the shared claim: survives the pod)";
+    "job.metrics_port", "--metrics-port", [Training], "port of each training pod's Prometheus metrics (0: none)";
+    "job.queue", "--queue", [Training], "Kueue LocalQueue the job is submitted to (all pods admitted together), or none";
+    "job.runs_dir", "--runs-dir", [Training, TestJob, Tensorboard], "where runs write checkpoints and models (the test job reads the model there, TensorBoard the events)";
+    "job.upload", "--upload", [Training], "s3://BUCKET/PREFIX where rank 0 uploads the model, checkpoint and report when training ends; none: no upload";
+    "job.fetch", "--fetch", [Training], "s3:// URIs of your program's code (objects or prefixes, space-separated), copied into each pod before job.command starts";
+    "job.ttl_seconds", "--ttl-seconds", [Training, DataJob, TestJob, Doctor], "seconds a finished job (and what it owns) is kept";
+    "tensorboard.image", "--tensorboard-image", [Tensorboard], "image with TensorBoard for trainctl tensorboard";
 }
 
 pub fn setting(key: &str) -> Option<&'static Setting> {
@@ -148,6 +196,9 @@ pub enum ConfigError {
     Read { file: String, error: std::io::Error },
 }
 
+/// The image of the training pods when none is given: what `docker build -t trainctl .` tags,
+/// which no registry serves (a render or launch says so).
+pub const DEFAULT_IMAGE: &str = "trainctl:latest";
 /// etcd for `--rdzv-backend etcd` (the v3 API, which trainctl's etcd backend speaks).
 pub const ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.17";
 /// TensorBoard for `trainctl tensorboard`: TensorFlow's image has the `tensorboard` command.
@@ -157,9 +208,10 @@ pub const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
 /// and the pods run under.
 pub const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
 
+pub use fit::{INSTANCE_TYPE_LABEL, Renders};
 pub use layers::{Layers, Resolved, join_words, split_words};
 pub use project::{
     Cluster, Data, EtcdStorage, Job, Launcher, MAX_JOB_NAME, Project, RdzvBackend, Storage,
     StorageBackend,
 };
-pub use values::{is_aws_id, is_dns_label, is_quantity};
+pub use values::{bytes, is_aws_id, is_dns_label, is_quantity, millicores};

@@ -168,6 +168,9 @@ pub struct Project {
     pub storage: Storage,
     pub data: Data,
     pub job: Job,
+    /// The values as resolved, each with its source: what a later check names when it refuses
+    /// one ([`Project::review`]).
+    pub(super) settings: Resolved,
 }
 
 /// Longest job name: pods are named `NAME-worker-INDEX` and must stay DNS labels (63).
@@ -432,7 +435,30 @@ impl Project {
             storage,
             data,
             job,
+            settings: r.clone(),
         })
+    }
+
+    /// Where the value of setting `key` came from.
+    pub fn source(&self, key: &str) -> Option<&Source> {
+        self.settings.values.get(key).map(|(_, source)| source)
+    }
+
+    /// The GPUs and EFA adapters each training pod takes: the job's GPUs per node and, on
+    /// instances with EFA, every adapter of the node. None for the built-in trainer, which
+    /// trains on CPUs only: a GPU it held would sit idle, kept from every other pod.
+    pub fn accelerators(&self) -> (u32, u32) {
+        if self.job.command.is_none() {
+            return (0, 0);
+        }
+        let gpus = self.job.gpus_per_node;
+        let instance = self.cluster.instance_type;
+        let adapters = if gpus > 0 && instance.supports_efa() {
+            instance.efa_interfaces
+        } else {
+            0
+        };
+        (gpus, adapters)
     }
 }
 

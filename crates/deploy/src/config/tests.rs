@@ -189,10 +189,19 @@ fn storage_backends_parse() {
 
 #[test]
 fn every_setting_has_a_distinct_flag_and_variable() {
-    let mut flags: Vec<_> = SETTINGS.iter().map(|s| s.flag).collect();
+    let mut flags: Vec<_> = SETTINGS
+        .iter()
+        .flat_map(|s| std::iter::once(s.flag).chain(s.alias))
+        .collect();
+    let given = flags.len();
     flags.sort_unstable();
     flags.dedup();
-    assert_eq!(flags.len(), SETTINGS.len());
+    assert_eq!(flags.len(), given, "a flag or alias names two settings");
+    assert_eq!(
+        setting("job.learning_rate").unwrap().alias,
+        Some("--lr"),
+        "the old flag keeps working"
+    );
     assert_eq!(
         setting("job.max_restarts").unwrap().env_var(),
         "TRAINCTL_JOB_MAX_RESTARTS"
@@ -254,4 +263,22 @@ command = ["python", "main.py", "--note", "it's two words", "--empty", ""]
     };
     let e = Resolved::resolve(&layers).err().unwrap().to_string();
     assert!(e.contains("expected a list of strings"), "{e}");
+}
+
+/// Every setting is read by some command, whose `--help` lists it; the training job reads
+/// every `job.*` setting but the helpers' own.
+#[test]
+fn every_setting_is_listed_by_the_commands_that_read_it() {
+    for s in SETTINGS {
+        assert!(!s.used_by.is_empty(), "{} is read by no command", s.key);
+        if s.key.starts_with("job.") {
+            assert!(s.used_by_any(&[UsedBy::Training]), "{}", s.key);
+        }
+    }
+    let lookup: Vec<_> = SETTINGS
+        .iter()
+        .filter(|s| s.used_by_any(&[UsedBy::Lookup]))
+        .map(|s| s.key)
+        .collect();
+    assert_eq!(lookup, ["namespace", "job.name"]);
 }

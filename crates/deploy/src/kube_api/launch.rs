@@ -6,10 +6,10 @@ use kube::Api;
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::Value;
 
+use crate::config::{bytes, millicores};
 use crate::manifests::Manifest;
 
 use super::error::{CLUSTER, api_error, is_not_found};
-use super::top::{bytes, millicores};
 use super::{ApiError, Applied, Kube, delete_with_pods};
 
 /// The oldest Kubernetes minor version (1.x) the training Job's fields work on: podFailurePolicy
@@ -293,7 +293,7 @@ impl Kube {
                 "{} ({}, {} CPU, {} memory)",
                 n.metadata.name.as_deref().unwrap_or("?"),
                 labels
-                    .get("node.kubernetes.io/instance-type")
+                    .get(crate::config::INSTANCE_TYPE_LABEL)
                     .map_or("no instance type", String::as_str),
                 a.get("cpu").map_or("?", |q| q.0.as_str()),
                 a.get("memory").map_or("?", |q| q.0.as_str()),

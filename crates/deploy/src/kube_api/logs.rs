@@ -12,9 +12,8 @@ use kube::api::LogParams;
 use tokio::sync::{mpsc, watch};
 
 use super::error::{api_error, pod_logs_problem};
-use super::status::PodStatus;
+use super::status::{PodStatus, main_container};
 use super::{ApiError, Kube};
-use crate::manifests::CONTAINER;
 
 /// How many polls `--follow` waits at most between two tries to reattach to a pod whose
 /// stream broke: the waits double from one poll to this many (2 s to 16 s by default).
@@ -84,7 +83,7 @@ impl Kube {
                 continue;
             }
             let params = LogParams {
-                container: Some(CONTAINER.into()),
+                container: Some(pod.container.clone()),
                 timestamps: true,
                 ..LogParams::default()
             };
@@ -171,6 +170,7 @@ impl Kube {
                 let follower = Follower {
                     api: api.clone(),
                     pod: pod.name.clone(),
+                    container: pod.container.clone(),
                     node: pod.node.clone(),
                     prefix: pod.prefix(),
                     namespace: self.namespace.clone(),
@@ -225,6 +225,7 @@ impl Drop for Followers {
 struct Follower {
     api: Api<Pod>,
     pod: String,
+    container: String,
     node: Option<String>,
     prefix: String,
     namespace: String,
@@ -246,7 +247,7 @@ impl Follower {
         let mut last_read = false;
         loop {
             let params = LogParams {
-                container: Some(CONTAINER.into()),
+                container: Some(self.container.clone()),
                 follow: !last_read,
                 timestamps: true,
                 since_time: resume.since(),
@@ -347,8 +348,9 @@ impl Follower {
     }
 }
 
-/// Whether the pod's training container has ended (its pod finished): its log is complete.
+/// Whether the pod's container (trainctl's) has ended (its pod finished): its log is complete.
 fn container_ended(pod: &Pod) -> bool {
+    let container = main_container(pod);
     let Some(status) = &pod.status else {
         return false;
     };
@@ -359,7 +361,7 @@ fn container_ended(pod: &Pod) -> bool {
         .container_statuses
         .iter()
         .flatten()
-        .filter(|c| c.name == CONTAINER)
+        .filter(|c| c.name == container)
         .any(|c| c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
 }
 

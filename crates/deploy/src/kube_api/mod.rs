@@ -11,10 +11,11 @@ mod logs;
 mod status;
 mod top;
 
+pub use crate::config::{bytes, millicores};
 pub use error::ApiError;
 pub use launch::MIN_KUBERNETES_MINOR;
 pub use status::{Condition, JobStatus, Phase, PodStatus};
-pub use top::{Top, Usage, bytes, millicores};
+pub use top::{Top, Usage};
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

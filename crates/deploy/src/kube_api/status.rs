@@ -340,6 +340,9 @@ pub struct PodStatus {
     /// What it is to its job (its `trainctl.dev/component` label): `worker`, `etcd`,
     /// `tensorboard`; empty for a pod trainctl did not label.
     pub component: String,
+    /// The container whose logs are the pod's: its first (`pytorch` in a training pod, `data`,
+    /// `test` or `doctor` in a helper's).
+    pub container: String,
     /// The node index: the Indexed Job's completion index or the PyTorchJob's replica index.
     /// (The rendezvous assigns node ranks in join order; the logs say which each got.)
     pub index: Option<u32>,
@@ -357,6 +360,14 @@ pub struct PodStatus {
     /// What is wrong with its node ("node n2 is NotReady (...)", "node n2 is gone"): its
     /// kubelet cannot serve its logs, and the API's word on the pod is stale.
     pub node_problem: Option<String>,
+}
+
+/// The pod's first container: the one trainctl runs in (init containers aside).
+pub(super) fn main_container(p: &Pod) -> &str {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .map_or(crate::manifests::CONTAINER, |c| c.name.as_str())
 }
 
 impl PodStatus {
@@ -425,6 +436,7 @@ impl PodStatus {
                 .get(crate::manifests::COMPONENT_LABEL)
                 .cloned()
                 .unwrap_or_default(),
+            container: main_container(p).to_string(),
             index,
             phase: status.phase.clone().unwrap_or_else(|| "Unknown".into()),
             ready,

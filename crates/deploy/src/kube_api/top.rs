@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use super::error::{CLUSTER, api_error, is_not_found};
 use super::{ApiError, Kube};
+use crate::config::{bytes, millicores};
 use crate::manifests;
 
 impl Kube {
@@ -201,43 +202,6 @@ impl Top {
         }
         s
     }
-}
-
-/// A CPU quantity in millicores: `2`, `250m`, `123456789n`, `1500u`.
-pub fn millicores(q: &str) -> Option<u64> {
-    let (number, scale) = if let Some(n) = q.strip_suffix('n') {
-        (n, 1e-6)
-    } else if let Some(n) = q.strip_suffix('u') {
-        (n, 1e-3)
-    } else if let Some(n) = q.strip_suffix('m') {
-        (n, 1.0)
-    } else {
-        (q, 1000.0)
-    };
-    let v: f64 = number.parse().ok()?;
-    (v.is_finite() && v >= 0.0).then(|| (v * scale).round() as u64)
-}
-
-/// A memory quantity in bytes: `1024`, `512Ki`, `2Gi`, `1G`.
-pub fn bytes(q: &str) -> Option<u64> {
-    const UNITS: [(&str, f64); 10] = [
-        ("Ki", 1024.0),
-        ("Mi", 1048576.0),
-        ("Gi", 1073741824.0),
-        ("Ti", 1099511627776.0),
-        ("Pi", 1125899906842624.0),
-        ("k", 1e3),
-        ("M", 1e6),
-        ("G", 1e9),
-        ("T", 1e12),
-        ("P", 1e15),
-    ];
-    let (number, scale) = UNITS
-        .iter()
-        .find_map(|(u, s)| q.strip_suffix(u).map(|n| (n, *s)))
-        .unwrap_or((q, 1.0));
-    let v: f64 = number.parse().ok()?;
-    (v.is_finite() && v >= 0.0).then(|| (v * scale).round() as u64)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use crate::config::Project;
 
 use super::Manifest;
-use super::pod::{PodOptions, accelerators, gpu_toleration, headless_service, job, pod_template};
+use super::pod::{PodOptions, headless_service, job, pod_template};
 
 /// `data job`: downloads and verifies the data set onto the claim (a no-op when it is there),
 /// copies it from S3 (`data.from`: files already there are skipped), or, with
@@ -48,8 +48,8 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Manifest {
     helper_job(project, "data", args, 3)
 }
 
-/// A one-pod Job NAME-COMPONENT running `trainctl ARGS` in the trainctl image, retried up to
-/// `backoff` times.
+/// A one-pod Job NAME-COMPONENT running `trainctl ARGS` in the trainctl image, in a container
+/// named after what it does (COMPONENT), retried up to `backoff` times.
 fn helper_job(
     project: &Project,
     component: &'static str,
@@ -60,6 +60,7 @@ fn helper_job(
         project,
         PodOptions {
             component,
+            container: component,
             image: project.trainctl_image.clone(),
             args,
             training_size: false,
@@ -116,7 +117,7 @@ pub fn doctor_job(project: &Project) -> Vec<Manifest> {
         "--data".into(),
         project.data.dir.clone(),
     ];
-    let (gpus, adapters) = accelerators(project);
+    let (gpus, adapters) = project.accelerators();
     if gpus > 0 {
         args.extend(["--expect-gpus".into(), gpus.to_string()]);
     }
@@ -127,6 +128,7 @@ pub fn doctor_job(project: &Project) -> Vec<Manifest> {
         project,
         PodOptions {
             component: "doctor",
+            container: "doctor",
             image: project.trainctl_image.clone(),
             args,
             training_size: false,
@@ -141,14 +143,11 @@ pub fn doctor_job(project: &Project) -> Vec<Manifest> {
     );
     let mut template = template;
     // The doctor checks the nodes the training will use (its pods take their GPUs and EFA
-    // adapters, so it sees what a training pod sees), GPU nodes' taint included.
-    if let Some(spec) = template.spec.as_mut() {
-        if let Some((k, v)) = j.node_selector.as_ref() {
-            spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));
-        }
-        if project.cluster.instance_type.gpus > 0 {
-            spec.tolerations = Some(vec![gpu_toleration()]);
-        }
+    // adapters, and tolerate GPU nodes' taint, so it sees what a training pod sees).
+    if let Some(spec) = template.spec.as_mut()
+        && let Some((k, v)) = j.node_selector.as_ref()
+    {
+        spec.node_selector = Some(BTreeMap::from([(k.clone(), v.clone())]));
     }
     let service = headless_service(project, &name, "doctor", j.rdzv_port);
     vec![

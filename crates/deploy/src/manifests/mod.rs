@@ -26,7 +26,9 @@ use crate::config::Project;
 pub use helpers::{data_job, doctor_job, doctor_job_name, test_job};
 pub use services::{etcd, etcd_name, nvidia_device_plugin, tensorboard, tensorboard_name};
 pub use storage::{NoStorage, storage};
-pub use training::{rdzv_host, token_secret, token_secret_name, training_job, worker_run_args};
+pub use training::{
+    Token, rdzv_host, token_secret, token_secret_name, training_job, worker_run_args,
+};
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
@@ -38,7 +40,9 @@ pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
 pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
-/// The container that runs trainctl in every pod (the operator's default name for PyTorchJob).
+/// The container that runs `trainctl run` in every training pod: the name the PyTorchJob
+/// operator looks for, which the podFailurePolicy names too. The helper jobs' containers are
+/// named after what they do (`data`, `test`, `doctor`).
 pub const CONTAINER: &str = "pytorch";
 /// Name of the rendezvous port; the training operator finds the port by this name.
 pub const RDZV_PORT_NAME: &str = "pytorchjob-port";

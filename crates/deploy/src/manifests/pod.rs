@@ -26,12 +26,16 @@ use super::{
 /// What differs between the pods trainctl runs.
 pub(super) struct PodOptions {
     pub(super) component: &'static str,
+    /// The container's name: [`CONTAINER`] for the training pods (the PyTorchJob operator and
+    /// the podFailurePolicy look for it), what the container does for the others.
+    pub(super) container: &'static str,
     pub(super) args: Vec<String>,
     /// The image the container runs.
     pub(super) image: String,
     /// CPU and memory of a training pod, or a small request for helper jobs.
     pub(super) training_size: bool,
-    /// The node's GPUs and EFA adapters, the GPU taint's toleration and NCCL's variables
+    /// Runs on the training nodes: the GPU taint's toleration on GPU instances, and the GPUs
+    /// and EFA adapters a training pod takes ([`Project::accelerators`]) with NCCL's variables
     /// (training pods, and the doctor's, which checks that they are seen).
     pub(super) accelerators: bool,
     /// Runs the user's program: the image's own working directory and a writable root file
@@ -50,7 +54,11 @@ pub(super) struct PodOptions {
 
 pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     let job = &project.job;
-    let gpus = if o.accelerators { job.gpus_per_node } else { 0 };
+    let (gpus, adapters) = if o.accelerators {
+        project.accelerators()
+    } else {
+        (0, 0)
+    };
     let mut requests = BTreeMap::new();
     let mut limits = BTreeMap::new();
     if o.training_size {
@@ -80,11 +88,6 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
     }
     // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
     // which eksctl installs with an EFA node group, schedules them) and point NCCL at them.
-    let adapters = if o.accelerators {
-        accelerators(project).1
-    } else {
-        0
-    };
     if adapters > 0 {
         let adapters = quantity(&adapters.to_string());
         requests.insert(EFA_RESOURCE.into(), adapters.clone());
@@ -173,7 +176,7 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
         BINARY.into()
     };
     let container = Container {
-        name: CONTAINER.into(),
+        name: o.container.into(),
         image: Some(o.image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
         command: Some(vec![binary]),
@@ -212,7 +215,10 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
         .node_selector
         .as_ref()
         .map(|(k, v)| BTreeMap::from([(k.clone(), v.clone())]));
-    let tolerations = (gpus > 0).then(|| vec![gpu_toleration()]);
+    // GPU nodes are tainted: pods sent there tolerate it, GPUs requested or not (the built-in
+    // trainer's pods request none).
+    let tolerations =
+        (o.accelerators && project.cluster.instance_type.gpus > 0).then(|| vec![gpu_toleration()]);
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(&job.name, o.component)),
@@ -297,19 +303,6 @@ pub(super) fn restricted(read_only_root: bool) -> SecurityContext {
     }
 }
 
-/// The GPUs and EFA adapters a training pod takes: the job's GPUs per node and, on GPU nodes
-/// with EFA, every adapter of the instance.
-pub(super) fn accelerators(project: &Project) -> (u32, u32) {
-    let gpus = project.job.gpus_per_node;
-    let instance = project.cluster.instance_type;
-    let adapters = if gpus > 0 && instance.supports_efa() {
-        instance.efa_interfaces
-    } else {
-        0
-    };
-    (gpus, adapters)
-}
-
 /// GPU nodes are tainted `nvidia.com/gpu` (see `eksctl`): only pods that tolerate it land there.
 pub(super) fn gpu_toleration() -> Toleration {
     Toleration {
@@ -336,6 +329,12 @@ pub(super) fn job(
         .and_then(|l| l.get(COMPONENT_LABEL))
         .cloned()
         .unwrap_or_default();
+    let container = template
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .map_or(CONTAINER, |c| c.name.as_str())
+        .to_string();
     Job {
         metadata: meta(project, name, &component),
         spec: Some(JobSpec {
@@ -344,7 +343,7 @@ pub(super) fn job(
             parallelism: Some(completions),
             backoff_limit: Some(backoff_limit),
             ttl_seconds_after_finished: Some(project.job.ttl_seconds),
-            pod_failure_policy: Some(failure_policy()),
+            pod_failure_policy: Some(failure_policy(&container)),
             template,
             ..JobSpec::default()
         }),
@@ -358,8 +357,9 @@ pub(super) fn job(
 /// checkpointed) are replaced without counting; trainctl's permanent exit codes end the job at
 /// once; anything else (a crash, an OOM kill, a pod killed at the end of its grace) counts
 /// against backoffLimit (and the training job's backoffLimitPerIndex). The first rule that
-/// matches decides, so a disruption is ignored whatever its exit code.
-pub(super) fn failure_policy() -> PodFailurePolicy {
+/// matches decides, so a disruption is ignored whatever its exit code. The exit codes are
+/// those of `container`, the pod's trainctl.
+pub(super) fn failure_policy(container: &str) -> PodFailurePolicy {
     PodFailurePolicy {
         rules: vec![
             PodFailurePolicyRule {
@@ -373,7 +373,7 @@ pub(super) fn failure_policy() -> PodFailurePolicy {
             PodFailurePolicyRule {
                 action: "Ignore".into(),
                 on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
-                    container_name: Some(CONTAINER.into()),
+                    container_name: Some(container.into()),
                     operator: "In".into(),
                     values: vec![contract::exit::PREEMPTED],
                 }),
@@ -382,7 +382,7 @@ pub(super) fn failure_policy() -> PodFailurePolicy {
             PodFailurePolicyRule {
                 action: "FailJob".into(),
                 on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
-                    container_name: Some(CONTAINER.into()),
+                    container_name: Some(container.into()),
                     operator: "In".into(),
                     values: contract::exit::PERMANENT.to_vec(),
                 }),

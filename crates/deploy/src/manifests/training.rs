@@ -14,15 +14,30 @@ use crate::config::{Launcher, Project, RdzvBackend};
 use super::pod::{PodOptions, headless_service, job, pod_template};
 use super::services::{etcd, etcd_name};
 use super::{
-    ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, meta,
-    to_value,
+    CONTAINER, ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS,
+    TERMINATION_LOG, meta, to_value,
 };
 
+/// The job token's place in its Secret, which every training pod reads
+/// (`TRAINCTL_JOB_TOKEN`: the collective's connections must present it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Token<'a> {
+    /// Left out (`job render`): the rendered Secret is the same on every render of the job, so
+    /// `kubectl diff` sees no change, and no secret is printed.
+    Withheld,
+    /// Written in (`job launch`: a random token made for this launch, which a stranger cannot
+    /// guess).
+    Value(&'a str),
+}
+
 /// The Secret holding the job's connection token.
-pub fn token_secret(project: &Project, token: &str) -> Manifest {
+pub fn token_secret(project: &Project, token: Token) -> Manifest {
     let secret = Secret {
         metadata: meta(project, &token_secret_name(project), "worker"),
-        string_data: Some(BTreeMap::from([("token".into(), token.into())])),
+        string_data: match token {
+            Token::Value(token) => Some(BTreeMap::from([("token".into(), token.into())])),
+            Token::Withheld => None,
+        },
         type_: Some("Opaque".into()),
         ..Secret::default()
     };
@@ -49,9 +64,9 @@ pub(super) fn train_args(project: &Project) -> TrainArgs {
     }
 }
 
-/// The training job: a Secret with the job token, the job's etcd (its Service and Deployment)
+/// The training job: a Secret for the job token, the job's etcd (its Service and Deployment)
 /// with `--rdzv-backend etcd`, then an Indexed Job and its headless Service, or a PyTorchJob.
-pub fn training_job(project: &Project, token: &str) -> Vec<Manifest> {
+pub fn training_job(project: &Project, token: Token) -> Vec<Manifest> {
     let mut out = vec![token_secret(project, token)];
     if project.job.rdzv_backend == RdzvBackend::Etcd {
         out.extend(etcd(project));
@@ -166,6 +181,7 @@ pub(super) fn worker_template(project: &Project, subdomain: Option<String>) -> P
         project,
         PodOptions {
             component: "worker",
+            container: CONTAINER,
             image: project.image.clone(),
             args,
             training_size: true,

@@ -66,12 +66,16 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
     match cmd {
         JobCommand::Render { project, program } => {
             let project = with_program(project, program)?.project()?;
-            print_yaml(&manifests::training_job(&project, &launcher::random_id(16)));
+            print_yaml(&manifests::training_job(
+                &project,
+                manifests::Token::Withheld,
+            ));
             Ok(0)
         }
         JobCommand::Launch { project, program } => {
             let project = with_program(project, program)?.project()?;
-            let docs = manifests::training_job(&project, &launcher::random_id(16));
+            let token = launcher::random_id(16);
+            let docs = manifests::training_job(&project, manifests::Token::Value(&token));
             let name = project.job.name.clone();
             runtime()?.block_on(async {
                 let kube = connect(&project).await?;
