@@ -150,6 +150,7 @@ impl Rendezvous {
         let (backend, beats, server, route) = loop {
             match connect(&cfg, kind, &id) {
                 Ok(connected) => break connected,
+                Err(e @ RendezvousError::NotAStore { .. }) => return Err(e),
                 Err(e) if started.elapsed() < cfg.join_timeout => {
                     if !warned {
                         tracing::warn!(error = %e, "rendezvous store not reachable yet; waiting");

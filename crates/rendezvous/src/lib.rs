@@ -50,6 +50,11 @@ pub enum RendezvousError {
         min: u32,
         round: u64,
     },
+    /// Something answers at the endpoint but not as a trainctl store: waiting will not help.
+    #[error(
+        "something answers at {endpoint} but it is not a trainctl rendezvous store (its answer to the handshake: {problem}): another program holds that port; give --rdzv-endpoint a port that is free on that host (c10d's default is 29400)"
+    )]
+    NotAStore { endpoint: String, problem: String },
     #[error(transparent)]
     Collective(#[from] collective::CollectiveError),
     #[error("{0}")]

@@ -30,8 +30,9 @@ pub fn run_elastic(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let outcome = run_rounds(spec, rdzv, stdout, stderr, events)?;
-    if !matches!(outcome, Outcome::Interrupted { .. }) {
+    if !matches!(outcome, Outcome::Interrupted { .. } | Outcome::Left { .. }) {
         // The job is over: if this agent hosts the store, the others still need it to learn so.
+        // (A node that left handed its store over already: the others train on.)
         rdzv.linger();
     }
     Ok(outcome)
@@ -132,7 +133,7 @@ fn run_rounds(
             regrouping,
             failed_regroups,
             closing: false,
-            store_down_since: None,
+            store_down: false,
         };
         let end = round.run(group, events);
         failed_regroups = round.failed_regroups;
@@ -160,7 +161,8 @@ struct InRound<'a> {
     failed_regroups: u32,
     /// The job was closed by another node that finished: our workers finish too, no restart.
     closing: bool,
-    store_down_since: Option<Instant>,
+    /// The last watch could not reach the store (said once, until it answers again).
+    store_down: bool,
 }
 
 /// What one look found, with what it needs to be acted on: why (a peer lost, a round
@@ -202,7 +204,7 @@ impl InRound<'_> {
                     failed_regroups: self.failed_regroups,
                     max_restarts: spec.max_restarts,
                 };
-                let next = decide::next(&looked.seen, &memory, self.store_down_since.is_some());
+                let next = decide::next(&looked.seen, &memory, self.store_down);
                 match self.act(next, looked, group, events) {
                     Acted::Ended(end) => return end,
                     Acted::Running(running) => group = running,
@@ -301,12 +303,12 @@ impl InRound<'_> {
                 return Acted::Running(group);
             }
             Next::StoreDown => {
-                self.store_down_since = Some(Instant::now());
+                self.store_down = true;
                 events(LaunchEvent::StoreUnreachable(why));
                 return Acted::Running(group);
             }
             Next::StoreBack => {
-                self.store_down_since = None;
+                self.store_down = false;
                 events(LaunchEvent::StoreBack);
                 return Acted::Running(group);
             }
@@ -476,11 +478,14 @@ impl InRound<'_> {
                     world_size,
                 });
                 group.leave();
-                let wait = LEAVE_TIMEOUT.min(self.spec.regroup_timeout);
-                let finished = group.wait_exited(wait);
+                // One budget for both waits: the pod's grace period bounds them together.
+                let deadline = Instant::now() + LEAVE_TIMEOUT.min(self.spec.regroup_timeout);
+                let finished =
+                    group.wait_exited(deadline.saturating_duration_since(Instant::now()));
                 group.stop(self.spec.grace);
                 // Its store, if it hosts it, stays until the others have formed their round.
-                self.rdzv.hand_over(wait);
+                self.rdzv
+                    .hand_over(deadline.saturating_duration_since(Instant::now()));
                 return match finished {
                     // The job ended at that very step: nothing was left to leave.
                     Some(true) => Outcome::Succeeded,
@@ -502,8 +507,9 @@ impl InRound<'_> {
     }
 }
 
-/// How long a leaving node's workers may take to reach the end of their step: well inside
-/// Kubernetes' default grace period of 30 s, after which the pod is killed.
+/// How long a leaving node may take to see its workers reach the end of their step and, when
+/// it hosts the c10d store, the others form their next round: well inside Kubernetes' default
+/// grace period of 30 s, after which the pod is killed.
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 fn signal_name(signal: i32) -> String {

@@ -58,7 +58,15 @@ pub(crate) struct Group {
     hang_timeout: Option<Duration>,
     /// How long a worker asked to regroup may take to answer.
     regroup_timeout: Duration,
+    /// Since when a worker has exited as a lost peer's consequence (exit 75) while no local
+    /// failure explains it yet.
+    consequence_since: Option<Instant>,
 }
+
+/// How long a worker's exit 75 (its peer vanished) waits for a local worker's own failure to
+/// show before it is reported: a worker that fails closes its links (and so makes its peers
+/// exit 75) a moment before it exits itself.
+const CONSEQUENCE_WINDOW: Duration = Duration::from_secs(1);
 
 impl Drop for Group {
     fn drop(&mut self) {
@@ -130,6 +138,7 @@ impl Group {
             activity: outputs.activity.clone(),
             hang_timeout: spec.hang_timeout,
             regroup_timeout: spec.regroup_timeout,
+            consequence_since: None,
         };
         let files = Files {
             logs: attempt_dir.as_deref(),
@@ -289,6 +298,17 @@ impl Group {
                         failed = Some(w);
                     }
                 }
+            }
+        }
+        // Only consequences so far, others still running: the failure they are a consequence of
+        // may be a local worker that closed its links before it exited. Give it a moment to
+        // show, so that the report names it and not the bystander.
+        let only_consequences =
+            failed.is_some_and(|f| f.exited == Some(ExitKind::Code(contract::exit::PEER_LOST)));
+        if only_consequences && running > 0 {
+            let since = *self.consequence_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < CONSEQUENCE_WINDOW {
+                return Status::Running;
             }
         }
         if let Some(w) = failed {

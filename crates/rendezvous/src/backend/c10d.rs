@@ -64,6 +64,14 @@ impl C10d {
                     collective::CollectiveError::Connect { last_error, .. } => self.error(format!(
                         "no store answers ({last_error}): start the agent on the endpoint's host, which hosts the c10d store, or check --rdzv-endpoint"
                     )),
+                    // Connected, but the handshake failed without a trainctl store's refusal:
+                    // another program holds the port.
+                    e @ (collective::CollectiveError::Wire(_)
+                    | collective::CollectiveError::Io(_)
+                    | collective::CollectiveError::Timeout { .. }) => RendezvousError::NotAStore {
+                        endpoint: format!("{}:{}", self.host, self.port),
+                        problem: e.to_string(),
+                    },
                     other => self.error(other),
                 })?;
             self.client = Some(c);
