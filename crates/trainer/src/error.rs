@@ -17,6 +17,10 @@ pub enum TrainError {
     BadModel { path: PathBuf, problem: String },
     #[error("download of {url} failed: {problem}")]
     Download { url: String, problem: String },
+    /// The node's local rank 0 (rank `leader`), which gets the data set for the node's
+    /// workers, failed (its own error says so too) or went silent.
+    #[error("no data set for this worker: rank {leader}, which gets it for this node, {problem}")]
+    NodeData { leader: u32, problem: String },
     #[error(
         "loss is {value} at epoch {epoch}, step {step} (global step {global_step}): training diverged; lower --learning-rate or check the data"
     )]

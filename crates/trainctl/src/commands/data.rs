@@ -24,6 +24,10 @@ pub enum Command {
         /// Expected MD5 (default: the official archive's).
         #[arg(long)]
         download_md5: Option<String>,
+        /// Seconds without a byte from the server before a try is given up; the download is
+        /// retried with backoff, resuming, and fails after 4 tries in a row that bring nothing.
+        #[arg(long, value_name = "SECONDS", default_value_t = data::DEFAULT_STALL_TIMEOUT.as_secs_f64())]
+        download_stall_timeout: f64,
     },
     /// Copy every object under an S3 prefix (or the one object a URI names) into DIR, several
     /// at a time; files already there with the object's size and checksum are skipped, so an
@@ -95,9 +99,13 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
             dataset,
             download_url,
             download_md5,
+            download_stall_timeout,
         } => {
             let dataset = super::train::parse_dataset(&dataset)?;
-            let opts = super::train::download_options(dataset, true, download_url, download_md5);
+            let opts = data::DownloadOptions {
+                stall_timeout: super::train::stall_timeout(download_stall_timeout)?,
+                ..super::train::download_options(dataset, true, download_url, download_md5)
+            };
             let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
             let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;
             progress.finish();

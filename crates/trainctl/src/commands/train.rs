@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 
 use collective::{CollectiveError, World};
 use trainer::TrainError;
-use trainer::data::DownloadOptions;
+use trainer::data::{DEFAULT_STALL_TIMEOUT, DownloadOptions};
 use trainer::data::{Augment, DatasetName};
 use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
@@ -98,6 +98,11 @@ pub struct Args {
     /// Expected MD5 of the downloaded archive (default: the official archive's).
     #[arg(long)]
     download_md5: Option<String>,
+    /// Seconds without a byte from the download's server before a try is given up; the
+    /// download is retried with backoff, resuming, and fails after 4 tries in a row that bring
+    /// nothing.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STALL_TIMEOUT.as_secs_f64())]
+    pub(crate) download_stall_timeout: f64,
     /// When the checkpoint holds a finished run, train again from scratch (its checkpoint and
     /// model are replaced) instead of refusing.
     #[arg(long)]
@@ -140,12 +145,15 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         model: parse_model(&args.model)?,
         data: args.data,
         dataset,
-        download: download_options(
-            dataset,
-            !args.no_download,
-            args.download_url,
-            args.download_md5,
-        ),
+        download: DownloadOptions {
+            stall_timeout: stall_timeout(args.download_stall_timeout)?,
+            ..download_options(
+                dataset,
+                !args.no_download,
+                args.download_url,
+                args.download_md5,
+            )
+        },
         image_size: args.image_size,
         augment: args
             .augment
@@ -185,7 +193,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let result = trainer::train::train(&cfg, &world, &mut |event| {
         match &event {
             Event::Step(s) => progress.step(s),
-            Event::Data(p) => progress.data(*p),
+            Event::Data(p) => progress.data(p.clone()),
             _ => {}
         }
         crate::output::train_event(rank, event)
@@ -324,5 +332,17 @@ pub(crate) fn download_options(
         size: official.size.filter(|_| md5.is_none() && url.is_none()),
         url: url.unwrap_or(official.url),
         md5: md5.unwrap_or(official.md5),
+        stall_timeout: DEFAULT_STALL_TIMEOUT,
     }
+}
+
+/// `--download-stall-timeout`, checked.
+pub(crate) fn stall_timeout(seconds: f64) -> anyhow::Result<std::time::Duration> {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        bail!(
+            "--download-stall-timeout must be a positive number of seconds, got {seconds}; leave it out for {} s",
+            DEFAULT_STALL_TIMEOUT.as_secs()
+        );
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
 }

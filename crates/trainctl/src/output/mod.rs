@@ -121,15 +121,19 @@ impl Tenths {
 }
 
 /// Progress of the data download and of training: a bar on a terminal; on anything else
-/// (a pod's log, CI) plain lines, at every tenth of a download and at the loss lines.
+/// (a pod's log, CI) plain lines, at every tenth of a download (and at least every
+/// [`SLOW_LINES`] while bytes arrive) and at the loss lines.
 pub struct Progress {
     terminal: bool,
     bar: Option<ProgressBar>,
     /// The epoch or data phase the bar shows.
     showing: Option<String>,
-    /// Last tenth of the download reported as a plain line.
-    tenth: Option<(&'static str, u64)>,
+    /// Last tenth of the download reported as a plain line, and when.
+    tenth: Option<(&'static str, u64, std::time::Instant)>,
 }
+
+/// A slow download still says how far it has come this often, between its tenths.
+const SLOW_LINES: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Progress {
     pub fn new(terminal: bool) -> Self {
@@ -164,6 +168,24 @@ impl Progress {
         let (phase, done, total) = match p {
             DataProgress::Downloading { done, total } => ("downloading CIFAR-10", done, total),
             DataProgress::Extracting { done, total } => ("extracting CIFAR-10", done, Some(total)),
+            DataProgress::Retrying {
+                problem,
+                after,
+                from,
+                tries_left,
+            } => {
+                warn(&format!(
+                    "{problem}; trying again in {} from byte {from} ({tries_left} more tries unless bytes come)",
+                    duration(after.as_secs_f64())
+                ));
+                return;
+            }
+            DataProgress::Waiting { rank } => {
+                err(format_args!(
+                    "waiting for rank {rank} (local rank 0) to get the data set for this node; its lines say how far it has come"
+                ));
+                return;
+            }
             DataProgress::Done => {
                 self.finish();
                 self.tenth = None;
@@ -184,8 +206,12 @@ impl Progress {
             Some(t) if t > 0 => done * 10 / t,
             _ => done >> 24,
         };
-        if self.tenth != Some((phase, tenth)) {
-            self.tenth = Some((phase, tenth));
+        let due = match self.tenth {
+            Some((was, last, at)) if was == phase && last == tenth => at.elapsed() >= SLOW_LINES,
+            _ => true,
+        };
+        if due {
+            self.tenth = Some((phase, tenth, std::time::Instant::now()));
             let mb = |b: u64| b as f64 / 1e6;
             match total {
                 Some(t) if t > 0 => err(format_args!(

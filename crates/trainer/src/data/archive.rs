@@ -1,13 +1,18 @@
-//! Every data set's archive: downloading it (checked against its size and MD5), taking one
-//! already in the data directory, and extracting it (`.tar.gz`, `.zip`), safely beside other
-//! nodes sharing the folder.
+//! Every data set's archive: downloading it (checked against its size and MD5; the transfer
+//! itself is [`super::download`]), taking one already in the data directory, and extracting it
+//! (`.tar.gz`, `.zip`), safely beside other nodes sharing the folder.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
+use std::time::Duration;
 
 use md5::{Digest, Md5};
 
+use super::download::{Part, download};
 use crate::error::{IoContext, Result, TrainError};
+
+/// How long a download may go without a byte before the try is given up (and retried).
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone)]
 pub struct DownloadOptions {
@@ -17,6 +22,9 @@ pub struct DownloadOptions {
     pub md5: String,
     /// Expected size of the archive in bytes, when known (the official archives').
     pub size: Option<u64>,
+    /// No byte from the server for this long ends a try of the download (see
+    /// [`super::download`]): `--download-stall-timeout`.
+    pub stall_timeout: Duration,
 }
 
 impl Default for DownloadOptions {
@@ -26,22 +34,33 @@ impl Default for DownloadOptions {
 }
 
 /// How far a download or an extraction has come, in bytes of the archive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataProgress {
     /// `total` is the server's Content-Length, when it sent one.
     Downloading {
         done: u64,
         total: Option<u64>,
     },
+    /// A try of the download failed (`problem`, naming the URL); the next one starts `after`
+    /// this wait, from byte `from`. The download gives up after `tries_left` more tries that
+    /// bring no new byte.
+    Retrying {
+        problem: String,
+        after: Duration,
+        from: u64,
+        tries_left: u32,
+    },
     Extracting {
         done: u64,
         total: u64,
     },
+    /// This worker waits for its node's local rank 0 (`rank`) to get the data set.
+    Waiting { rank: u32 },
     /// The download (or extraction) ended, well or not.
     Done,
 }
 
-/// Bytes between two progress reports.
+/// Bytes between two progress reports of an extraction.
 const REPORT_EVERY: u64 = 1 << 20;
 
 /// Unpacks an archive (first path) into a new folder (second), saying how far it got.
@@ -59,9 +78,10 @@ pub(crate) struct Archive {
 }
 
 /// Downloads and checks `archive` into `dir` and extracts it there ([`extract`]), telling
-/// `progress` how far it has come. Safe against
-/// concurrent callers sharing `dir` (nodes on a shared volume): each works in a part file and
-/// a staging folder of its own, removed whatever happens, and the final rename is atomic.
+/// `progress` how far it has come. Safe against concurrent callers sharing `dir` (nodes on a
+/// shared volume): each downloads into a part file of its own ([`Part`]) and extracts into a
+/// staging folder of its own, and the final rename is atomic. A download that failed on the
+/// network leaves its bytes for the next one to resume; nothing else is kept.
 pub(crate) fn fetch_into(
     dir: &Path,
     opts: &DownloadOptions,
@@ -69,17 +89,24 @@ pub(crate) fn fetch_into(
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<()> {
     std::fs::create_dir_all(dir).at(dir)?;
-    let part = dir.join(private_name(&format!("{}.part", archive.file)));
-    let result = download_verified(opts, &part, archive.what, progress)
-        .and_then(|()| extract(&part, dir, archive, progress));
+    let part = Part::take(dir, archive.file)?;
+    let size = match download(opts, &part, progress) {
+        Ok(size) => size,
+        Err(e) => {
+            progress(DataProgress::Done);
+            return Err(part.end_after(e));
+        }
+    };
+    let result = check_download(opts, &part, size, archive.what)
+        .and_then(|()| extract(&part.path, dir, archive, progress));
     progress(DataProgress::Done);
-    let _ = std::fs::remove_file(&part);
+    part.discard();
     result
 }
 
 /// A hidden name of this process's own in a folder other nodes may share: process ids repeat
 /// across pods (each container numbers its own), so a random part goes with the id.
-fn private_name(stem: &str) -> String {
+pub(super) fn private_name(stem: &str) -> String {
     format!(
         ".{stem}.{}.{:08x}",
         std::process::id(),
@@ -112,16 +139,18 @@ pub(crate) fn extract(
     moved
 }
 
-/// Downloads `opts.url` into `dest` and checks its size (when known) and MD5; `what` names the
-/// data set in messages.
-fn download_verified(
-    opts: &DownloadOptions,
-    dest: &Path,
-    what: &str,
-    progress: &mut dyn FnMut(DataProgress),
-) -> Result<()> {
-    let (md5, written) = fetch(&opts.url, dest, progress)?;
-    match archive_problem(opts, what, &md5, written) {
+/// Checks the downloaded archive's size (when known) and MD5.
+fn check_download(opts: &DownloadOptions, part: &Part, size: u64, what: &str) -> Result<()> {
+    let (md5, written) = part.md5()?;
+    let problem = if written != size {
+        Some(format!(
+            "the part file {} holds {written} bytes, {size} were downloaded: was it changed meanwhile?",
+            part.path.display()
+        ))
+    } else {
+        archive_problem(opts, what, &md5, written)
+    };
+    match problem {
         Some(problem) => Err(TrainError::Download {
             url: opts.url.clone(),
             problem: format!("{problem}; the partial file was removed, try again"),
@@ -171,61 +200,6 @@ pub(crate) fn extract_present(
     let extracted = extract(&path, dir, archive, progress);
     progress(DataProgress::Done);
     extracted.map(|()| true)
-}
-
-/// Streams `url` into `dest`, returning the MD5 of what was written and its size.
-fn fetch(url: &str, dest: &Path, progress: &mut dyn FnMut(DataProgress)) -> Result<(String, u64)> {
-    let fail = |problem: String| TrainError::Download {
-        url: url.to_string(),
-        problem,
-    };
-    let client = reqwest::blocking::Client::builder()
-        .timeout(None)
-        .connect_timeout(std::time::Duration::from_secs(30))
-        .build()
-        .map_err(|e| fail(e.to_string()))?;
-    let mut response = client.get(url).send().map_err(|e| {
-        fail(format!(
-            "{e} (no network? pass --download-url to use a mirror)"
-        ))
-    })?;
-    if !response.status().is_success() {
-        return Err(fail(format!("server answered {}", response.status())));
-    }
-    let total = response.content_length();
-    progress(DataProgress::Downloading { done: 0, total });
-    let mut file = std::fs::File::create(dest).at(dest)?;
-    let mut md5 = Md5::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut written = 0u64;
-    loop {
-        let n = response
-            .read(&mut buf)
-            .map_err(|e| fail(format!("connection broke after {written} bytes: {e}")))?;
-        if n == 0 {
-            break;
-        }
-        md5.update(&buf[..n]);
-        file.write_all(&buf[..n]).at(dest)?;
-        if (written + n as u64) / REPORT_EVERY != written / REPORT_EVERY {
-            progress(DataProgress::Downloading {
-                done: written + n as u64,
-                total,
-            });
-        }
-        written += n as u64;
-    }
-    file.sync_all().at(dest)?;
-    progress(DataProgress::Downloading {
-        done: written,
-        total,
-    });
-    if let Some(total) = total
-        && total != written
-    {
-        return Err(fail(format!("got {written} of {total} bytes")));
-    }
-    Ok((format!("{:x}", md5.finalize()), written))
 }
 
 /// A reader that reports how many bytes went through it.

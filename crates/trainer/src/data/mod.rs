@@ -6,7 +6,9 @@
 pub(crate) mod archive;
 pub(crate) mod augment;
 pub mod cifar;
+mod download;
 pub(crate) mod folder;
+mod handoff;
 pub(crate) mod loader;
 pub mod synthetic;
 pub(crate) mod tiny;
@@ -19,8 +21,9 @@ use crate::error::{Result, TrainError};
 use archive::{Archive, extract_present, fetch_into};
 use cifar::IMAGE_BYTES;
 
-pub use archive::{DataProgress, DownloadOptions};
+pub use archive::{DEFAULT_STALL_TIMEOUT, DataProgress, DownloadOptions};
 pub use augment::Augment;
+pub use handoff::Handoff;
 
 /// How pixels become the network's inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,6 +99,7 @@ impl DatasetName {
             url: archive.url.into(),
             md5: archive.md5.into(),
             size: Some(archive.size),
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         }
     }
 }

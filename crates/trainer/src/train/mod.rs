@@ -199,17 +199,25 @@ impl Setup {
         group: &mut ProcessGroup,
         report: &mut dyn FnMut(Event),
     ) -> Result<Setup> {
-        // One download per node; the others wait at the barrier.
+        // One download per node, by local rank 0; the node's other workers wait for it on the
+        // filesystem (`data::Handoff`), not at the barrier, whose collective timeout a slow
+        // download outlasts. Then the barrier (the one a regrouping worker passes too), after
+        // which local rank 0 removes its status.
+        let handoff = data::Handoff::new(&cfg.data, world);
         let ensured = if world.local_rank == 0 {
-            data::ensure(&cfg.data, cfg.dataset, &cfg.download, &mut |p| {
-                report(Event::Data(p))
+            handoff.lead(|| {
+                data::ensure(&cfg.data, cfg.dataset, &cfg.download, &mut |p| {
+                    report(Event::Data(p))
+                })
+                .map(|_| ())
             })
-            .map(|_| ())
         } else {
-            Ok(())
+            handoff.wait(&cfg.stop, &mut |p| report(Event::Data(p)))?
         };
-        group.barrier()?;
+        let passed = group.barrier();
+        drop(handoff);
         ensured?;
+        passed?;
         // (A worker that regroups passes the same barrier in its new group: `regroup`.)
         let layout = data::ensure(
             &cfg.data,
