@@ -28,7 +28,7 @@ impl std::error::Error for Usage {}
 
 /// `e` as a [`Usage`] error: its message (with its causes), exit code 2.
 pub fn usage(e: anyhow::Error) -> anyhow::Error {
-    anyhow::Error::new(Usage(format!("{e:#}")))
+    anyhow::Error::new(Usage(crate::output::chain(&e)))
 }
 
 /// The exit code for an error: 2 for a bad command line ([`Usage`]), else 1.

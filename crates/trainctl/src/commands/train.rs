@@ -10,8 +10,8 @@ use anyhow::{Context, bail};
 
 use collective::{CollectiveError, World};
 use trainer::TrainError;
-use trainer::data::{DEFAULT_STALL_TIMEOUT, DownloadOptions};
 use trainer::data::{Augment, DatasetName};
+use trainer::data::{DEFAULT_STALL_TIMEOUT, DownloadOptions};
 use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
 
@@ -126,6 +126,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))
         .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
+    // Checked before training, not after an epoch: the run's folder takes its files.
+    check_writable(&run_dir, world.rank)?;
     let dataset = parse_dataset(&args.dataset)?;
     // Checked before training, not hours later: the URI, and that there are credentials.
     let upload = match (&args.upload, world.rank) {
@@ -286,6 +288,24 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Whether `dir` (the run's folder: checkpoint, model, metrics) can be written, by making it
+/// and a file in it (removed at once); rank `rank`'s own probe file, so ranks do not race.
+fn check_writable(dir: &std::path::Path, rank: u32) -> anyhow::Result<()> {
+    let probe = dir.join(format!(
+        ".trainctl-write-test-{rank}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&probe, b""))
+        .and_then(|()| std::fs::remove_file(&probe))
+        .with_context(|| {
+            format!(
+                "cannot write the run's files (checkpoint, model, metrics) to {}: pass a writable folder with --out",
+                dir.display()
+            )
+        })
 }
 
 /// `trainctl train ARGS...` as `trainctl run` was given it: parsed and checked as the worker

@@ -273,7 +273,25 @@ fn duration(seconds: f64) -> String {
 }
 
 pub fn error(e: &anyhow::Error) {
-    err(format_args!("error: {e:#}"));
+    err(format_args!("error: {}", chain(e)));
+}
+
+/// An error and its causes, `: `-separated like anyhow's `{:#}`, each cause once: an error
+/// whose message already quotes its source (thiserror's `"...: {source}"`) is not followed by
+/// that source again.
+pub fn chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
 }
 
 /// How to go on from a checkpoint a stop saved: in a pod (the kubelet sets
@@ -574,4 +592,39 @@ pub fn checkpoint(path: &std::path::Path, p: &trainer::checkpoint::Progress, jso
         "  settings     : batch {}, lr {}, momentum {}, weight decay {}, seed {}",
         p.batch_size, p.learning_rate, p.momentum, p.weight_decay, p.seed
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain;
+
+    #[derive(Debug)]
+    struct Quoting(std::io::Error);
+
+    impl std::fmt::Display for Quoting {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot start worker 0 (train): {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Quoting {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_the_message_already_quotes_is_said_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let said = io.to_string();
+        let e = anyhow::Error::new(Quoting(io)).context("trainctl run");
+        assert_eq!(
+            chain(&e),
+            format!("trainctl run: cannot start worker 0 (train): {said}")
+        );
+        assert_eq!(chain(&e).matches(&said).count(), 1);
+        // Causes that add something are all kept, in order.
+        let plain = anyhow::anyhow!("disk full").context("writing runs/x/model.safetensors");
+        assert_eq!(chain(&plain), "writing runs/x/model.safetensors: disk full");
+    }
 }

@@ -176,6 +176,29 @@ fn a_killed_training_worker_stops_the_job_with_a_report() {
 
 /// When the launcher sees a failed worker and one that exited because it lost that peer
 /// (contract::exit::PEER_LOST) in the same poll, the report names the failure, not its consequence.
+/// The race behind a bystander named as the root cause: a failing worker closes its links
+/// (its peer exits 75 at once) a moment before it exits itself, so a poll can see the peer's
+/// exit 75 alone. The report still names the failure, not the bystander.
+#[test]
+fn a_peer_that_exits_75_first_is_not_the_root_cause() {
+    let out = run_failing(trainctl().args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.02",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 75; else sleep 0.6; exit 3; fi",
+    ]));
+    assert!(
+        out.contains("rank       : 0") && out.contains("exit code 3"),
+        "{out}"
+    );
+}
+
 #[test]
 fn the_root_cause_is_the_failure_not_the_peer_that_lost_it() {
     // One poll a second: both exits land between two polls.
@@ -323,7 +346,11 @@ fn bad_flags_get_clear_errors() {
     ] {
         let out = trainctl().args(&args).output().unwrap();
         let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "a bad command line: {args:?}: {err}");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "a bad command line: {args:?}: {err}"
+        );
         assert!(err.contains(expect), "{args:?}: {err}");
     }
 }
@@ -501,4 +528,29 @@ fn bad_command_lines_exit_2_naming_the_flag_and_start_nothing() {
             "{argv:?} started a worker:\n{err}"
         );
     }
+}
+
+/// A rendezvous endpoint where another program listens (it accepts and never answers) is
+/// named as such at once, with what to do, instead of a raw warning and silence until the join
+/// timeout.
+#[test]
+fn a_foreign_listener_on_the_rendezvous_port_is_named_at_once() {
+    let foreign = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = foreign.local_addr().unwrap().to_string();
+    let out = trainctl()
+        .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "foreign"])
+        .args(["--rdzv-conf", "is_host=0,timeout=1", "--job-token", "t"])
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("is not a trainctl rendezvous store")
+            && err.contains("another program holds that port")
+            && err.contains("--rdzv-endpoint"),
+        "{err}"
+    );
+    drop(foreign);
 }

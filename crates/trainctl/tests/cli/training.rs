@@ -439,3 +439,21 @@ fn a_finished_run_is_not_resumed_unless_asked() {
         "{said}"
     );
 }
+
+/// An --out that cannot be written is found before training, not after an epoch, and the
+/// error says which folder and which flag to change.
+#[test]
+fn an_unwritable_out_is_refused_before_training() {
+    let job = Job::new(64, 16);
+    // A folder under a regular file cannot be made, whoever runs the test (root included).
+    std::fs::write(job.path("file"), b"").unwrap();
+    let args = train_args(&job, "file/out", 1);
+    let out = trainctl().args(&args).output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot write the run's files") && err.contains("--out"),
+        "{err}"
+    );
+    assert!(!text(&out.stdout).contains("loss:"), "nothing was trained");
+}

@@ -518,7 +518,8 @@ fn run_elastic(
 ) -> anyhow::Result<i32> {
     let token = job_token(args, limits.max == 1, &run_id);
     let mut cfg = rendezvous::Config::new(&run_id, limits);
-    let is_host = rendezvous::parse_conf(&mut cfg, &args.rdzv_conf)?;
+    let is_host =
+        rendezvous::parse_conf(&mut cfg, &args.rdzv_conf).map_err(|e| super::usage(e.into()))?;
     let shown = endpoint.given.clone();
     let kind = match endpoint.backend {
         Backend::Etcd { url } => BackendKind::Etcd { url },
