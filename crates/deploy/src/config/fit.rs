@@ -158,8 +158,8 @@ impl Project {
         // node's size was warned about above and may fit).
         let (gpus, _) = self.accelerators();
         let mut per_node = (left_cpu / cpu).min(left_memory / memory);
-        if gpus > 0 {
-            per_node = per_node.min(u64::from(t.gpus / gpus));
+        if let Some(by_gpus) = t.gpus.checked_div(gpus) {
+            per_node = per_node.min(u64::from(by_gpus));
         }
         let per_node = per_node.max(1);
         let room = u64::from(self.cluster.nodes) * per_node;
@@ -207,7 +207,7 @@ fn left_for_pods(t: &InstanceType) -> (u64, u64) {
 
 /// Millicores as a CPU quantity: `13`, `13500m`.
 fn cores(millis: u64) -> String {
-    if millis % 1000 == 0 {
+    if millis.is_multiple_of(1000) {
         (millis / 1000).to_string()
     } else {
         format!("{millis}m")

@@ -12,6 +12,7 @@ pub struct Args {
     /// Thread counts to time a training step with.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     threads: Vec<usize>,
+    /// Images per timed training step (and per batch of the loader benchmark).
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
     /// The network whose step is timed: seed-cnn, resnet18, resnet34, resnet50 or resnet101.
@@ -26,6 +27,7 @@ pub struct Args {
     /// World sizes for the all-reduce.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
     ranks: Vec<usize>,
+    /// Timed all-reduces (and loopback copies) per world size; the figure is their median.
     #[arg(long, default_value_t = 20)]
     repeats: usize,
     /// Time each layer instead: for the seed CNN each convolution alone by each algorithm

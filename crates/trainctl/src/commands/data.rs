@@ -13,6 +13,8 @@ pub enum Command {
     /// Download the official archive of --dataset, check its size and MD5 and extract it,
     /// unless a data set is already there.
     Fetch {
+        /// The folder the data set is extracted into (created if missing); a data set
+        /// already there is kept.
         #[arg(long, default_value = "./data")]
         data: PathBuf,
         /// cifar10 (the binary archive) or tiny-imagenet (tiny-imagenet-200.zip).
@@ -51,7 +53,7 @@ pub enum Command {
     /// prints its logs.
     Job {
         #[command(flatten)]
-        project: super::project::ProjectArgs,
+        project: super::project::ProjectArgs<super::project::uses::DataJob>,
         /// Print the Job instead of creating it.
         #[arg(long)]
         dry_run: bool,
@@ -66,6 +68,7 @@ pub enum Command {
     /// Write a small generated data set with learnable classes (for trying things out): in
     /// CIFAR-10's binary layout, or as an image folder of JPEGs.
     Synth {
+        /// The folder the data set is written into (created if missing).
         #[arg(long)]
         out: PathBuf,
         /// Training images (all classes together).

@@ -1,38 +1,144 @@
 //! The project settings as command-line flags: one per [`deploy::config::SETTINGS`] entry,
 //! generated from that table so that flags, variables and file keys never drift apart.
+//!
+//! Each command's `--help` lists the settings it reads (the table's `used_by`, picked by the
+//! command's [`Uses`] marker), with their defaults; the others are accepted too, hidden, so
+//! that one set of flags (a script's, a test's) serves every command, and `config show
+//! --help` lists them all.
 
+use std::marker::PhantomData;
 use std::path::PathBuf;
 
 use clap::{Arg, ArgMatches, Command, FromArgMatches};
-use deploy::config::{Layers, Project, Resolved, SETTINGS};
+use deploy::config::{Layers, Project, Resolved, SETTINGS, Setting, Source, UsedBy};
 
-/// `--config FILE` and every setting's flag.
-#[derive(Debug, Clone, Default)]
-pub struct ProjectArgs {
+/// `--config FILE` and every setting's flag; `U` says which of them the command's help lists.
+pub struct ProjectArgs<U> {
     pub config: Option<PathBuf>,
     pub flags: Vec<(&'static str, String)>,
+    uses: PhantomData<fn() -> U>,
+}
+
+impl<U> Clone for ProjectArgs<U> {
+    fn clone(&self) -> Self {
+        ProjectArgs {
+            config: self.config.clone(),
+            flags: self.flags.clone(),
+            uses: PhantomData,
+        }
+    }
+}
+
+impl<U> std::fmt::Debug for ProjectArgs<U> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProjectArgs")
+            .field("config", &self.config)
+            .field("flags", &self.flags)
+            .finish()
+    }
+}
+
+/// Which settings a command reads: those whose `used_by` names one of `READS` (every setting
+/// when it is empty).
+pub trait Uses {
+    const READS: &'static [UsedBy];
+}
+
+/// The commands' markers for [`ProjectArgs`].
+pub mod uses {
+    use deploy::config::UsedBy;
+
+    macro_rules! markers {
+        ($($(#[$doc:meta])* $name:ident => [$($reads:ident),*];)*) => {$(
+            $(#[$doc])*
+            pub struct $name;
+            impl super::Uses for $name {
+                const READS: &'static [UsedBy] = &[$(UsedBy::$reads),*];
+            }
+        )*};
+    }
+
+    markers! {
+        /// `config show`: every setting.
+        Every => [];
+        /// `cluster config|create`.
+        Cluster => [Cluster];
+        /// `cluster addons`.
+        Addons => [Cluster, Addons];
+        /// `cluster delete`.
+        ClusterDelete => [ClusterDelete];
+        /// `storage`.
+        Storage => [Storage];
+        /// `data job`.
+        DataJob => [DataJob];
+        /// `test job`.
+        TestJob => [TestJob];
+        /// `doctor`.
+        Doctor => [Doctor];
+        /// `job render|launch`.
+        Training => [Training];
+        /// `job status|wait|logs|top|delete`.
+        Lookup => [Lookup];
+        /// `tensorboard`.
+        Tensorboard => [Tensorboard];
+    }
 }
 
 const HEADING: &str = "Project settings (flag > TRAINCTL_* > trainctl.toml > default)";
+const HEADING_SOME: &str = "Project settings this command reads (flag > TRAINCTL_* > \
+                            trainctl.toml > default; all of them: trainctl config show --help)";
 
-impl clap::Args for ProjectArgs {
+/// What a setting is when nothing sets it, for its help: `[default: 10]`, `[default: 13, from
+/// --instance-type]`; nothing when it has none.
+fn default_of(s: &Setting, defaults: &Resolved) -> String {
+    let Some((value, source)) = defaults.values.get(s.key) else {
+        return String::new();
+    };
+    match source {
+        Source::Preset(preset) => format!(" [default: {value} with --preset {preset}]"),
+        Source::Derived(from) => {
+            let flag = deploy::config::setting(from).map_or(*from, |f| f.flag);
+            format!(" [default: {value}, from {flag}]")
+        }
+        _ => format!(" [default: {value}]"),
+    }
+}
+
+impl<U: Uses> clap::Args for ProjectArgs<U> {
     fn augment_args(cmd: Command) -> Command {
+        let every = U::READS.is_empty();
+        let heading = if every { HEADING } else { HEADING_SOME };
         let mut cmd = cmd.arg(
             Arg::new("config")
                 .long("config")
                 .value_name("FILE")
                 .value_parser(clap::value_parser!(PathBuf))
-                .help("Project file [default: ./trainctl.toml when present; env: TRAINCTL_CONFIG]")
-                .help_heading(HEADING),
+                .help("Project file [default: ./trainctl.toml when present] [env: TRAINCTL_CONFIG]")
+                .help_heading(heading),
         );
+        let no_env = |_: &str| None;
+        let nothing = Layers {
+            flags: Vec::new(),
+            env: &no_env,
+            file: None,
+        };
+        let defaults = Resolved::resolve(&nothing).expect("no file, nothing to misread");
         for s in SETTINGS {
-            cmd = cmd.arg(
-                Arg::new(s.key)
-                    .long(s.flag.trim_start_matches("--"))
-                    .value_name("VALUE")
-                    .help(format!("{} [{}]", s.help, s.env_var()))
-                    .help_heading(HEADING),
-            );
+            let mut arg = Arg::new(s.key)
+                .long(s.flag.trim_start_matches("--"))
+                .value_name("VALUE")
+                .help(format!(
+                    "{}{} [env: {}]",
+                    s.help,
+                    default_of(s, &defaults),
+                    s.env_var()
+                ))
+                .help_heading(heading)
+                .hide(!every && !s.used_by_any(U::READS));
+            if let Some(alias) = s.alias {
+                arg = arg.visible_alias(alias.trim_start_matches("--"));
+            }
+            cmd = cmd.arg(arg);
         }
         cmd
     }
@@ -42,11 +148,12 @@ impl clap::Args for ProjectArgs {
     }
 }
 
-impl FromArgMatches for ProjectArgs {
+impl<U> FromArgMatches for ProjectArgs<U> {
     fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
         let mut args = ProjectArgs {
             config: m.get_one::<PathBuf>("config").cloned(),
             flags: Vec::new(),
+            uses: PhantomData,
         };
         for s in SETTINGS {
             if let Some(v) = m.get_one::<String>(s.key) {
@@ -69,7 +176,7 @@ fn env_lookup(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-impl ProjectArgs {
+impl<U> ProjectArgs<U> {
     /// The layered values and where each came from (no checks beyond the file's syntax).
     pub fn resolve(&self) -> anyhow::Result<Resolved> {
         let config = self

@@ -77,6 +77,16 @@ pub fn line(line: &str) {
     out(format_args!("{line}"));
 }
 
+/// `job render` shows the job's token Secret without its token (`job launch` writes a random
+/// one): how to apply the YAML without trainctl.
+pub fn token_withheld(secret: &str, namespace: &str) {
+    err(format_args!(
+        "Secret {secret} is shown without its token (trainctl job launch writes a random one); \
+         to apply this YAML yourself, create it first: kubectl create secret generic {secret} \
+         -n {namespace} --from-literal=token=$(openssl rand -hex 16)"
+    ));
+}
+
 /// A helper job that outlived the time it was given.
 pub fn not_finished(name: &str, after: Duration) {
     err(format_args!("job {name} has not finished after {after:?}"));

@@ -20,6 +20,21 @@ pub(crate) fn kube_cmd(dir: &std::path::Path) -> std::process::Command {
     cmd
 }
 
+/// Runs `cmd`, which must be refused as a bad command line (exit 2, nothing on stdout), and
+/// returns its stderr.
+fn run_refused(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{cmd:?}\nstdout:\n{}\nstderr:\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    text(&out.stderr)
+}
+
 #[test]
 fn config_show_names_each_value_and_its_source() {
     let dir = tempfile::tempdir().unwrap();
@@ -62,20 +77,20 @@ fn config_show_names_each_value_and_its_source() {
 fn bad_settings_are_refused_before_anything_is_rendered() {
     let dir = tempfile::tempdir().unwrap();
     let err =
-        run_failing(kube_cmd(dir.path()).args(["job", "render", "--instance-type", "c5.mega"]));
+        run_refused(kube_cmd(dir.path()).args(["job", "render", "--instance-type", "c5.mega"]));
     assert!(
         err.contains(
             "cluster.instance_type = \"c5.mega\" (from flag --instance-type): unknown instance type"
         ),
         "{err}"
     );
-    let err = run_failing(kube_cmd(dir.path()).args(["job", "render", "--name", "Bad_Name"]));
+    let err = run_refused(kube_cmd(dir.path()).args(["job", "render", "--name", "Bad_Name"]));
     assert!(err.contains("not a valid job name"), "{err}");
     std::fs::write(dir.path().join("trainctl.toml"), "[cluster]\nnode = 2\n").unwrap();
-    let err = run_failing(kube_cmd(dir.path()).args(["config", "show"]));
+    let err = run_refused(kube_cmd(dir.path()).args(["config", "show"]));
     assert!(err.contains("unknown setting `cluster.node`"), "{err}");
     let err =
-        run_failing(kube_cmd(dir.path()).args(["config", "show", "--config", "missing.toml"]));
+        run_refused(kube_cmd(dir.path()).args(["config", "show", "--config", "missing.toml"]));
     assert!(err.contains("cannot read missing.toml"), "{err}");
 }
 
@@ -143,7 +158,7 @@ fn cluster_create_runs_eksctl_or_prints_the_command() {
 fn an_odcr_preset_without_a_reservation_says_what_to_give() {
     let dir = tempfile::tempdir().unwrap();
     let err =
-        run_failing(kube_cmd(dir.path()).args(["cluster", "config", "--preset", "p4de-odcr"]));
+        run_refused(kube_cmd(dir.path()).args(["cluster", "config", "--preset", "p4de-odcr"]));
     assert!(err.contains("--capacity-reservation-id cr-"), "{err}");
 }
 
@@ -157,6 +172,8 @@ fn renders_print_yaml_and_api_commands_without_a_cluster_say_so() {
         "pytorchjob",
         "--nnodes",
         "1:3",
+        "--nodes",
+        "3",
         "--efs",
         "fs-0123",
     ]));
@@ -166,7 +183,7 @@ fn renders_print_yaml_and_api_commands_without_a_cluster_say_so() {
     assert!(yaml.contains("maxReplicas: 3"), "{yaml}");
     let out = run_ok(kube_cmd(dir.path()).args(["storage", "--efs", "fs-0123", "--dry-run"]));
     assert!(text(&out.stdout).contains("kind: PersistentVolumeClaim"));
-    let err = run_failing(kube_cmd(dir.path()).args(["storage", "--dry-run"]));
+    let err = run_refused(kube_cmd(dir.path()).args(["storage", "--dry-run"]));
     assert!(err.contains("no shared storage is configured"), "{err}");
     let err = run_failing(kube_cmd(dir.path()).args(["job", "status"]));
     assert!(err.contains("cannot reach the Kubernetes API"), "{err}");
@@ -352,7 +369,20 @@ fn the_binary_runs_on_glibc_2_35() {
 /// `routes` (path, status code, JSON or text body) and 404 otherwise, as the API server does,
 /// until the test ends; returns a kubeconfig that points at it.
 fn mock_api(dir: &std::path::Path, routes: Vec<(&'static str, u16, String)>) -> std::path::PathBuf {
-    use std::io::{BufRead, BufReader, Write};
+    mock_api_recording(dir, routes, Default::default())
+}
+
+/// What a client sent the mock API besides GETs: method, path and body.
+type Writes = std::sync::Arc<std::sync::Mutex<Vec<(String, String, String)>>>;
+
+/// [`mock_api`] that also takes writes (a server-side apply's PATCH, a POST): each is recorded
+/// in `writes` and answered 200 with the object it sent, given a uid, as if stored.
+fn mock_api_recording(
+    dir: &std::path::Path,
+    routes: Vec<(&'static str, u16, String)>,
+    writes: Writes,
+) -> std::path::PathBuf {
+    use std::io::{BufRead, BufReader, Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let server = format!("http://{}", listener.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -363,13 +393,42 @@ fn mock_api(dir: &std::path::Path, routes: Vec<(&'static str, u16, String)>) -> 
             if reader.read_line(&mut request).is_err() {
                 continue;
             }
-            // The rest of the head (a GET has no body).
+            // The rest of the head, and the body it announces (a GET has none).
             let mut header = String::new();
+            let mut length = 0;
             while reader.read_line(&mut header).is_ok_and(|n| n > 2) {
+                if let Some((name, value)) = header.split_once(':')
+                    && name.eq_ignore_ascii_case("content-length")
+                {
+                    length = value.trim().parse().unwrap_or(0);
+                }
                 header.clear();
             }
+            let mut sent = vec![0; length];
+            if reader.read_exact(&mut sent).is_err() {
+                continue;
+            }
+            let method = request.split_whitespace().next().unwrap_or("");
             let target = request.split_whitespace().nth(1).unwrap_or("");
             let path = target.split('?').next().unwrap_or("");
+            if method != "GET" {
+                let sent = String::from_utf8_lossy(&sent).into_owned();
+                writes
+                    .lock()
+                    .unwrap()
+                    .push((method.into(), path.into(), sent.clone()));
+                let mut stored: serde_json::Value = serde_json::from_str(&sent).unwrap_or_default();
+                stored["metadata"]["uid"] = format!("uid-{}", path.len()).into();
+                let body = stored.to_string();
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = stream.write_all(head.as_bytes());
+                let _ = stream.write_all(body.as_bytes());
+                continue;
+            }
             let (code, body) = routes
                 .iter()
                 .find(|(p, _, _)| *p == path)
@@ -516,4 +575,349 @@ fn job_logs_go_on_past_a_kubelet_that_does_not_answer() {
         stderr.contains("kube_client") && stderr.contains("500"),
         "{stderr}"
     );
+}
+
+/// What `job render` says about settings that cannot run (exit 2, the figures, nothing
+/// rendered) or may not run as meant (warnings on stderr, the YAML on stdout).
+#[test]
+fn job_render_refuses_what_cannot_run_and_warns_about_what_may_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let render = |args: &[&str]| {
+        let mut cmd = kube_cmd(dir.path());
+        cmd.args(["job", "render", "--efs", "fs-0123"]).args(args);
+        cmd
+    };
+    let err = run_refused(&mut render(&["--cpu", "200"]));
+    assert!(
+        err.contains(r#"job.cpu = "200" (from flag --cpu): a c5.4xlarge node has 16 vCPUs"#)
+            && err.contains("ask for at most 13"),
+        "{err}"
+    );
+    let err = run_refused(&mut render(&["--nnodes", "1:4"]));
+    assert!(
+        err.contains("4 pods of 13 CPU and 25Gi memory, but 2 c5.4xlarge nodes")
+            && err.contains("give --nnodes 1:2"),
+        "{err}"
+    );
+    // The g4dn preset with the built-in trainer: rendered without GPUs, and said why; the
+    // default image is said to be in no registry.
+    let out = run_ok(&mut render(&[
+        "--preset",
+        "g4dn",
+        "--az",
+        "us-west-2b,us-west-2a",
+    ]));
+    let (yaml, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(
+        yaml.contains("kind: Job") && !yaml.contains("nvidia.com/gpu:"),
+        "{yaml}"
+    );
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning: "))
+        .collect();
+    assert_eq!(warnings.len(), 2, "{stderr}");
+    assert!(
+        warnings[0].contains("trainctl:latest is the default, which no registry serves")
+            && warnings[0].contains("--image"),
+        "{stderr}"
+    );
+    assert!(
+        warnings[1].contains("CPUs only") && warnings[1].contains("-- PROGRAM ARGS..."),
+        "{stderr}"
+    );
+    // A program of the user's takes the GPUs, and nothing is said about them.
+    let out = run_ok(&mut render(&[
+        "--preset",
+        "g4dn",
+        "--az",
+        "us-west-2b,us-west-2a",
+        "--image",
+        "ecr/trainctl:1",
+        "--trainctl-image",
+        "ecr/trainctl:1",
+        "--",
+        "python",
+        "train.py",
+    ]));
+    assert!(text(&out.stdout).contains("nvidia.com/gpu: \"8\""));
+    assert!(
+        !text(&out.stderr).contains("warning:"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// `job render` prints the token Secret without its token: the same YAML on every render (so
+/// `kubectl diff` sees nothing change) and no secret on stdout. `job launch` writes a random
+/// 128-bit token into it, a new one at every launch, and prints none.
+#[test]
+fn the_job_token_is_never_printed_and_each_launch_gets_a_new_one() {
+    use serde_json::{Value, json};
+    let dir = tempfile::tempdir().unwrap();
+    let settings = ["--efs", "fs-0123", "--image", "ecr/trainctl:1"];
+    let render = || run_ok(kube_cmd(dir.path()).args(["job", "render"]).args(settings));
+    let (first, second) = (render(), render());
+    assert_eq!(text(&first.stdout), text(&second.stdout));
+    let yaml = text(&first.stdout);
+    assert!(yaml.contains("kind: Secret\n") && yaml.contains("name: cifar10-token\n"));
+    assert!(
+        !yaml.contains("stringData") && !yaml.contains("\ndata:"),
+        "{yaml}"
+    );
+    let stderr = text(&first.stderr);
+    assert!(
+        stderr.contains("kubectl create secret generic cifar10-token -n default"),
+        "{stderr}"
+    );
+
+    let version = json!({
+        "major": "1", "minor": "33", "gitVersion": "v1.33.0", "gitCommit": "", "gitTreeState": "",
+        "buildDate": "", "goVersion": "", "compiler": "", "platform": "linux/amd64",
+    });
+    let namespace =
+        json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": "default" } });
+    let writes = Writes::default();
+    let kubeconfig = mock_api_recording(
+        dir.path(),
+        vec![
+            ("/version", 200, version.to_string()),
+            ("/api/v1/namespaces/default", 200, namespace.to_string()),
+        ],
+        writes.clone(),
+    );
+    let mut tokens = Vec::new();
+    for _ in 0..2 {
+        let out = run_ok(
+            kube_cmd(dir.path())
+                .args(["job", "launch"])
+                .args(settings)
+                .env("KUBECONFIG", &kubeconfig),
+        );
+        let said = text(&out.stdout) + &text(&out.stderr);
+        assert!(said.contains("applied Secret cifar10-token"), "{said}");
+        let sent = std::mem::take(&mut *writes.lock().unwrap());
+        let (_, _, body) = sent
+            .iter()
+            .find(|(method, path, _)| {
+                method == "PATCH" && path == "/api/v1/namespaces/default/secrets/cifar10-token"
+            })
+            .unwrap_or_else(|| panic!("no Secret applied: {sent:?}"));
+        let secret: Value = serde_json::from_str(body).unwrap();
+        let token = secret["stringData"]["token"].as_str().unwrap().to_string();
+        assert!(
+            token.len() == 32 && token.chars().all(|c| c.is_ascii_hexdigit()),
+            "{token}"
+        );
+        assert!(!said.contains(&token), "{said}");
+        tokens.push(token);
+    }
+    assert_ne!(tokens[0], tokens[1]);
+}
+
+/// Each argument of a `--help` text, by section: its spec (`-f, --follow`, `--name <VALUE>`)
+/// and its description with clap's own `[default: ...]`-style notes and the line breaks left
+/// out, and the subcommands it lists.
+fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut commands = Vec::new();
+    let mut section = "";
+    let mut open = false;
+    for line in help.lines() {
+        if !line.starts_with(' ') && line.ends_with(':') {
+            section = line;
+            open = false;
+            continue;
+        }
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        if trimmed.is_empty() || section.is_empty() {
+            open = false;
+            continue;
+        }
+        if section == "Commands:" {
+            if indent == 2 {
+                commands.extend(trimmed.split_whitespace().next().map(String::from));
+            }
+            continue;
+        }
+        // An argument's first line: two spaces, or six for a long flag without a short one;
+        // its description follows two spaces later, or on the next lines, indented further.
+        if (indent == 2 || indent == 6) && trimmed.starts_with(['-', '<', '[']) {
+            let (spec, rest) = trimmed.split_once("  ").unwrap_or((trimmed, ""));
+            entries.push((spec.to_string(), rest.trim().to_string()));
+            open = true;
+        } else if open && let Some((_, description)) = entries.last_mut() {
+            description.push(' ');
+            description.push_str(trimmed);
+        }
+    }
+    (entries, commands)
+}
+
+/// `description` without clap's bracketed notes (`[default: 1]`, `[env: X]`, `[aliases: --a]`,
+/// `[possible values: ...]`), whitespace collapsed: what the argument's help says.
+fn said(description: &str) -> String {
+    let mut out = String::new();
+    let mut depth = 0;
+    for c in description.chars() {
+        match c {
+            '[' => depth += 1,
+            ']' if depth > 0 => depth -= 1,
+            c if depth == 0 => out.push(c),
+            _ => {}
+        }
+    }
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Every argument of every command says what it is in its `--help`: the walk goes through
+/// the whole command tree as a user would, `trainctl --help`, then each command's.
+/// `train` and `run` are left out for now: their flags (`train --epochs`, `--learning-rate`,
+/// `--momentum`, `--weight-decay`; `run --collective-timeout`'s default) are being given help
+/// in another change, which removes this exemption. So is `eval --batch-size` (eval.rs is
+/// outside the change that wrote this test): its doc comment removes that line.
+#[test]
+fn every_argument_of_every_command_has_help() {
+    let mut missing = Vec::new();
+    let mut walked = Vec::new();
+    let mut queue = vec![Vec::<String>::new()];
+    while let Some(path) = queue.pop() {
+        let out = run_ok(trainctl().args(&path).arg("--help"));
+        let (entries, commands) = help_entries(&text(&out.stdout));
+        for command in commands.into_iter().filter(|c| c != "help") {
+            queue.push([path.clone(), vec![command]].concat());
+        }
+        let exempt = matches!(path.first().map(String::as_str), Some("train" | "run"));
+        for (spec, description) in entries {
+            let eval_batch_size = path == ["eval"] && spec.starts_with("--batch-size ");
+            if said(&description).is_empty() && !exempt && !eval_batch_size {
+                missing.push(format!("trainctl {} {spec}", path.join(" ")));
+            }
+        }
+        walked.push(path.join(" "));
+    }
+    // The walk reached the leaves, not only the top.
+    for command in [
+        "cluster addons",
+        "doctor check",
+        "data synth",
+        "job render",
+        "bench",
+    ] {
+        assert!(walked.iter().any(|w| w == command), "{walked:?}");
+    }
+    assert!(
+        missing.is_empty(),
+        "arguments without help:\n{}",
+        missing.join("\n")
+    );
+}
+
+/// The argument `flag` of a `--help` text, spec and description, whitespace collapsed.
+fn help_of(help: &str, flag: &str) -> Option<String> {
+    help_entries(help)
+        .0
+        .into_iter()
+        .find(|(spec, _)| spec.split([',', ' ']).any(|word| word == flag))
+        .map(|(spec, description)| {
+            format!("{spec} {description}")
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+}
+
+/// Each Kubernetes command's `--help` lists the project settings it reads, with defaults and
+/// units, and not the others (which it still accepts, so one set of flags serves every
+/// command); `config show --help` lists them all. The learning rate's flag is the trainer's
+/// `--learning-rate`, and the old `--lr` still works.
+#[test]
+fn kubernetes_commands_list_the_settings_they_read() {
+    let help = |args: &[&str]| text(&run_ok(trainctl().args(args).arg("--help")).stdout);
+    let tensorboard = help(&["tensorboard"]);
+    for flag in [
+        "--tensorboard-image",
+        "--name",
+        "--namespace",
+        "--claim",
+        "--runs-dir",
+    ] {
+        assert!(
+            help_of(&tensorboard, flag).is_some(),
+            "{flag}:\n{tensorboard}"
+        );
+    }
+    for flag in [
+        "--epochs",
+        "--lr",
+        "--learning-rate",
+        "--cpu",
+        "--efs",
+        "--region",
+    ] {
+        assert!(
+            help_of(&tensorboard, flag).is_none(),
+            "{flag}:\n{tensorboard}"
+        );
+    }
+    let delete = help(&["cluster", "delete"]);
+    assert!(help_of(&delete, "--region").is_some(), "{delete}");
+    assert!(help_of(&delete, "--image").is_none(), "{delete}");
+    let status = help(&["job", "status"]);
+    assert!(help_of(&status, "--name").is_some() && help_of(&status, "--nnodes").is_none());
+
+    let render = help(&["job", "render"]);
+    let of = |flag: &str| help_of(&render, flag).unwrap_or_else(|| panic!("{flag}:\n{render}"));
+    let lr = of("--learning-rate");
+    assert!(
+        lr.contains("[alias: --lr]") && lr.contains("[default: 0.001]"),
+        "{lr}"
+    );
+    let cpu = of("--cpu");
+    assert!(
+        cpu.contains("in cores (14, 0.5) or millicores (500m)")
+            && cpu.contains("[default: 13, from --instance-type]")
+            && cpu.contains("[env: TRAINCTL_JOB_CPU]"),
+        "{cpu}"
+    );
+    let memory = of("--memory");
+    assert!(
+        memory.contains("quantity in bytes (24Gi, 512Mi)")
+            && memory.contains("[default: 25Gi, from --instance-type]"),
+        "{memory}"
+    );
+    let shm = of("--shm-size");
+    assert!(
+        shm.contains("quantity in bytes (2Gi, 512Mi)")
+            && shm.contains("[default: 3Gi, from --instance-type]"),
+        "{shm}"
+    );
+    assert!(of("--instance-type").contains("[default: c5.4xlarge with --preset cpu]"));
+    let storage = help(&["storage"]);
+    let size = help_of(&storage, "--storage-size").unwrap();
+    assert!(
+        size.contains("quantity in bytes (100Gi, 1Ti, 500G)") && size.contains("[default: 100Gi]"),
+        "{size}"
+    );
+    assert!(help_of(&storage, "--epochs").is_none(), "{storage}");
+
+    let all = help(&["config", "show"]);
+    for s in deploy::config::SETTINGS {
+        assert!(help_of(&all, s.flag).is_some(), "{}:\n{all}", s.flag);
+    }
+
+    // Settings a command does not list still work there; so does the old --lr.
+    let dir = tempfile::tempdir().unwrap();
+    run_ok(kube_cmd(dir.path()).args(["tensorboard", "--dry-run", "--epochs", "3"]));
+    let out = run_ok(kube_cmd(dir.path()).args(["config", "show", "--lr", "0.05"]));
+    let shown = text(&out.stdout);
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("job.learning_rate "))
+        .unwrap()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert_eq!(line, "job.learning_rate 0.05 flag --learning-rate");
 }

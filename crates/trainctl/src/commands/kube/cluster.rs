@@ -7,8 +7,8 @@ use anyhow::Context;
 use deploy::config::{Launcher, Project};
 use deploy::{eksctl, manifests};
 
-use super::super::project::ProjectArgs;
-use super::{apply_and_report, connect, print_yaml, runtime};
+use super::super::project::{ProjectArgs, uses};
+use super::{apply_and_report, bad_settings_are_usage, connect, print_yaml, runtime};
 use crate::output;
 
 #[derive(clap::Subcommand)]
@@ -16,7 +16,7 @@ pub enum ClusterCommand {
     /// Print eksctl's ClusterConfig for the preset (or write it with --file).
     Config {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Cluster>,
         /// Write the config here instead of printing it.
         #[arg(long)]
         file: Option<PathBuf>,
@@ -24,7 +24,7 @@ pub enum ClusterCommand {
     /// Create the cluster with eksctl (or print the command when eksctl is not installed).
     Create {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Cluster>,
         /// Where the ClusterConfig is written [default: eksctl-CLUSTER.yaml].
         #[arg(long)]
         file: Option<PathBuf>,
@@ -35,7 +35,8 @@ pub enum ClusterCommand {
     /// Delete the cluster with eksctl (or print the command).
     Delete {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::ClusterDelete>,
+        /// Print the eksctl command instead of running it.
         #[arg(long)]
         dry_run: bool,
     },
@@ -43,9 +44,13 @@ pub enum ClusterCommand {
     /// on GPU presets, and say how to install the training operator for --launcher pytorchjob.
     Addons {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Addons>,
+        /// Where the ClusterConfig that eksctl reads the add-ons from is written [default:
+        /// eksctl-CLUSTER.yaml].
         #[arg(long)]
         file: Option<PathBuf>,
+        /// Write the config, print the eksctl command and the device plugin's objects, and run
+        /// or apply nothing.
         #[arg(long)]
         dry_run: bool,
     },
@@ -104,6 +109,10 @@ fn write_cluster_file(project: &Project, file: Option<PathBuf>) -> anyhow::Resul
 }
 
 pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
+    bad_settings_are_usage(run(cmd))
+}
+
+fn run(cmd: ClusterCommand) -> anyhow::Result<i32> {
     match cmd {
         ClusterCommand::Config { project, file } => {
             let project = project.project()?;

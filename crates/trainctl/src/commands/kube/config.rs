@@ -2,7 +2,8 @@
 
 use deploy::config::{Project, SETTINGS};
 
-use super::super::project::ProjectArgs;
+use super::super::project::{ProjectArgs, uses};
+use super::bad_settings_are_usage;
 use crate::output;
 
 #[derive(clap::Subcommand)]
@@ -10,11 +11,15 @@ pub enum ConfigCommand {
     /// Print every setting's effective value and where it came from.
     Show {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Every>,
     },
 }
 
 pub fn config(cmd: ConfigCommand) -> anyhow::Result<i32> {
+    bad_settings_are_usage(show(cmd))
+}
+
+fn show(cmd: ConfigCommand) -> anyhow::Result<i32> {
     let ConfigCommand::Show { project } = cmd;
     let resolved = project.resolve()?;
     let width = SETTINGS.iter().map(|s| s.key.len()).max().unwrap_or(0);

@@ -3,11 +3,15 @@
 
 use std::path::PathBuf;
 
+use deploy::config::Renders;
 use deploy::kube_api::Phase;
 use deploy::{doctor, manifests};
 
-use super::super::project::ProjectArgs;
-use super::{connect, print_yaml, runtime, seconds, start_helper, warn_if_no_node_fits};
+use super::super::project::{ProjectArgs, uses};
+use super::{
+    bad_settings_are_usage, connect, print_yaml, reviewed, runtime, seconds, start_helper,
+    warn_if_no_node_fits,
+};
 use crate::output;
 
 #[derive(clap::Args)]
@@ -15,11 +19,11 @@ pub struct DoctorArgs {
     #[command(subcommand)]
     check: Option<DoctorCommand>,
     #[command(flatten)]
-    project: ProjectArgs,
+    project: ProjectArgs<uses::Doctor>,
     /// Print the doctor job instead of running it.
     #[arg(long)]
     dry_run: bool,
-    /// Seconds the checks may take.
+    /// Seconds to wait for the doctor job's pods to finish their checks.
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
 }
@@ -31,6 +35,8 @@ pub enum DoctorCommand {
         /// Every node's stable name, pod 0 (the rendezvous host) first.
         #[arg(long, value_delimiter = ',', required = true)]
         peers: Vec<String>,
+        /// The rendezvous port: this pod listens on it, and every peer must accept
+        /// connections on it.
         #[arg(long, default_value_t = contract::ports::C10D)]
         port: u16,
         /// Where the claim is mounted.
@@ -45,6 +51,8 @@ pub enum DoctorCommand {
         /// Address to listen on [default: 0.0.0.0].
         #[arg(long)]
         listen: Option<std::net::IpAddr>,
+        /// Seconds the checks may take: peers' names must resolve, peers must accept
+        /// connections, and this pod stays up for the others to check it, until then.
         #[arg(long, default_value_t = 120.0)]
         timeout: f64,
         /// GPUs this pod requested: fewer in /dev fails the check.
@@ -60,6 +68,10 @@ pub enum DoctorCommand {
 }
 
 pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
+    bad_settings_are_usage(run(args))
+}
+
+fn run(args: DoctorArgs) -> anyhow::Result<i32> {
     if let Some(DoctorCommand::Check {
         peers,
         port,
@@ -103,7 +115,7 @@ pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
         output::kube::checks_done(failed);
         return Ok(if failed > 0 { 1 } else { 0 });
     }
-    let project = args.project.project()?;
+    let project = reviewed(args.project.project()?, Renders::Doctor)?;
     let docs = manifests::doctor_job(&project);
     if args.dry_run {
         print_yaml(&docs);

@@ -1,29 +1,30 @@
 //! `trainctl job render|launch|status|wait|logs|top|delete`: the training job.
 
-use deploy::config::Project;
+use deploy::config::{Project, Renders};
 use deploy::kube_api::{JobStatus, Kube, Phase};
 use deploy::manifests;
 
-use super::super::project::ProjectArgs;
+use super::super::project::{ProjectArgs, uses};
 use super::{
-    at_namespace, connect, print_yaml, runtime, seconds, warn_if_no_node_fits, with_program,
+    at_namespace, bad_settings_are_usage, connect, print_yaml, reviewed, runtime, seconds,
+    warn_if_no_node_fits, with_program,
 };
 use crate::output;
 
 #[derive(clap::Subcommand)]
 pub enum JobCommand {
-    /// Print the training job's objects (YAML).
+    /// Print the training job's objects (YAML), its token Secret without the token.
     Render {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Training>,
         /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer (sets job.command).
         #[arg(last = true, value_name = "PROGRAM")]
         program: Vec<String>,
     },
-    /// Create the training job in the cluster.
+    /// Create the training job in the cluster, with a random token in its Secret.
     Launch {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Training>,
         /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer; every pod runs
         /// it under `trainctl run`, with torchrun's environment (sets job.command).
         #[arg(last = true, value_name = "PROGRAM")]
@@ -32,12 +33,12 @@ pub enum JobCommand {
     /// The job, its conditions and its pods: phase, node, restarts, and why a pod is stuck.
     Status {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Lookup>,
     },
     /// Wait until the job succeeds (exit 0) or fails (exit 1).
     Wait {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Lookup>,
         /// Give up after this many seconds.
         #[arg(long, default_value_t = 3600.0)]
         timeout: f64,
@@ -45,7 +46,7 @@ pub enum JobCommand {
     /// All pods' logs interleaved, each line prefixed with its pod and node index.
     Logs {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Lookup>,
         /// Keep streaming, from pods as they start, until the job has finished.
         #[arg(long, short = 'f')]
         follow: bool,
@@ -53,19 +54,28 @@ pub enum JobCommand {
     /// CPU and memory per pod and per node (the metrics API).
     Top {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Lookup>,
     },
     /// Delete the job, its pods, Service, token and helper jobs (never the storage).
     Delete {
         #[command(flatten)]
-        project: ProjectArgs,
+        project: ProjectArgs<uses::Lookup>,
     },
 }
 
 pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
+    bad_settings_are_usage(run(cmd))
+}
+
+fn run(cmd: JobCommand) -> anyhow::Result<i32> {
     match cmd {
         JobCommand::Render { project, program } => {
             let project = with_program(project, program)?.project()?;
+            let project = reviewed(project, Renders::TrainingJob)?;
+            output::kube::token_withheld(
+                &manifests::token_secret_name(&project),
+                &project.namespace,
+            );
             print_yaml(&manifests::training_job(
                 &project,
                 manifests::Token::Withheld,
@@ -74,6 +84,7 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
         }
         JobCommand::Launch { project, program } => {
             let project = with_program(project, program)?.project()?;
+            let project = reviewed(project, Renders::TrainingJob)?;
             let token = launcher::random_id(16);
             let docs = manifests::training_job(&project, manifests::Token::Value(&token));
             let name = project.job.name.clone();

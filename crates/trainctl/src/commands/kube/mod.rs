@@ -21,15 +21,41 @@ pub use tensorboard::{TensorboardArgs, tensorboard};
 
 use std::time::Duration;
 
-use deploy::config::Project;
+use deploy::config::{ConfigError, Project, Renders};
+use deploy::eksctl::ClusterConfigError;
 use deploy::kube_api::{Kube, Phase};
-use deploy::manifests::{self, Manifest};
+use deploy::manifests::{self, Manifest, NoStorage};
 
 use super::project::ProjectArgs;
 use crate::output;
 
+/// A Kubernetes command's result, where settings that cannot work (a value refused, pods no
+/// node can hold, a cluster eksctl cannot make, no storage given) are a bad command line
+/// ([`super::Usage`]: exit 2), said with what to give instead. Anything else (the cluster
+/// refused, a job failed) is left as it is.
+fn bad_settings_are_usage(result: anyhow::Result<i32>) -> anyhow::Result<i32> {
+    result.map_err(|e| {
+        let bad_settings = e
+            .chain()
+            .any(|c| c.is::<ConfigError>() || c.is::<ClusterConfigError>() || c.is::<NoStorage>());
+        if bad_settings { super::usage(e) } else { e }
+    })
+}
+
+/// `project` once [`Project::review`] has passed it for rendering `what`: its warnings are
+/// printed (stderr), a refusal is the error.
+fn reviewed(project: Project, what: Renders) -> anyhow::Result<Project> {
+    for warning in project.review(what)? {
+        output::warn(&warning);
+    }
+    Ok(project)
+}
+
 /// The project with `-- PROGRAM ARGS...` as its job.command, as if given by flag.
-fn with_program(mut project: ProjectArgs, program: Vec<String>) -> anyhow::Result<ProjectArgs> {
+fn with_program<U>(
+    mut project: ProjectArgs<U>,
+    program: Vec<String>,
+) -> anyhow::Result<ProjectArgs<U>> {
     if !program.is_empty() {
         let words = deploy::config::join_words(&program).map_err(anyhow::Error::msg)?;
         project.flags.push(("job.command", words));

@@ -3,14 +3,14 @@
 
 use deploy::manifests;
 
-use super::super::project::ProjectArgs;
-use super::{connect, print_yaml, runtime};
+use super::super::project::{ProjectArgs, uses};
+use super::{bad_settings_are_usage, connect, print_yaml, runtime};
 use crate::output;
 
 #[derive(clap::Args)]
 pub struct StorageArgs {
     #[command(flatten)]
-    project: ProjectArgs,
+    project: ProjectArgs<uses::Storage>,
     /// Print the objects instead of creating them.
     #[arg(long)]
     dry_run: bool,
@@ -21,6 +21,10 @@ pub struct StorageArgs {
 }
 
 pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
+    bad_settings_are_usage(run(args))
+}
+
+fn run(args: StorageArgs) -> anyhow::Result<i32> {
     let project = args.project.project()?;
     let docs = manifests::storage(&project)?;
     if args.dry_run {

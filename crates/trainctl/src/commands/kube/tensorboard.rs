@@ -2,14 +2,14 @@
 
 use deploy::manifests;
 
-use super::super::project::ProjectArgs;
-use super::{apply_and_report, connect, print_yaml, runtime};
+use super::super::project::{ProjectArgs, uses};
+use super::{apply_and_report, bad_settings_are_usage, connect, print_yaml, runtime};
 use crate::output;
 
 #[derive(clap::Args)]
 pub struct TensorboardArgs {
     #[command(flatten)]
-    project: ProjectArgs,
+    project: ProjectArgs<uses::Tensorboard>,
     /// Print the objects instead of creating them.
     #[arg(long)]
     dry_run: bool,
@@ -19,6 +19,10 @@ pub struct TensorboardArgs {
 }
 
 pub fn tensorboard(args: TensorboardArgs) -> anyhow::Result<i32> {
+    bad_settings_are_usage(run(args))
+}
+
+fn run(args: TensorboardArgs) -> anyhow::Result<i32> {
     let project = args.project.project()?;
     let docs = manifests::tensorboard(&project);
     if args.dry_run {
