@@ -136,10 +136,12 @@ fn python_stacks(pid: u32) -> Result<Vec<Thread>, String> {
 }
 
 /// Whether a worker's one-line place ([`Dump::innermost`]) is a wait in a collective (it waits
-/// for the others).
+/// for the others). DDP's backward is one: the autograd engine (`_engine_run_backward`, in C++
+/// below it) runs the reducer's hooks, whose gradient all-reduce waits for every rank.
 pub(crate) fn in_collective(at: &str) -> bool {
     at.split(" < ").any(|frame| {
         frame.contains("torch/distributed/")
+            || (frame.contains("torch/autograd/") && frame.contains(" in _engine_run_backward"))
             || [
                 "all_reduce",
                 "all_gather",
@@ -357,5 +359,17 @@ mod tests {
             waiting.innermost(),
             "/job/a.py:9 in all_reduce: done.wait() < /venv/lib/python3.11/site-packages/x.py:2 in f"
         );
+    }
+
+    #[test]
+    fn ddp_backward_is_a_collective_wait_and_a_sleep_is_not() {
+        let ddp = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py:1113 in _engine_run_backward: return Variable._execution_engine.run_backward( < /venv/lib/python3.11/site-packages/torch/autograd/__init__.py:347 in backward < /venv/lib/python3.11/site-packages/torch/_tensor.py:648 in backward";
+        assert!(in_collective(ddp));
+        assert!(in_collective(
+            "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2501 in all_reduce"
+        ));
+        assert!(!in_collective("/job/train.py:40 in main: time.sleep(3600)"));
+        // A user's own function named like the engine's, outside torch, is not the engine.
+        assert!(!in_collective("/job/mine.py:3 in _engine_run_backward"));
     }
 }
