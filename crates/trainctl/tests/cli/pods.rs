@@ -2,7 +2,8 @@
 //! host (a network namespace) whose `/etc/hosts` gives the names Kubernetes DNS would (pod 0's
 //! `NAME-0.NAME`, the etcd Service's `NAME-etcd`). The init container's `trainctl install`
 //! puts the binary where the container's command looks for it; the container's arguments and
-//! environment (the job token from the rendered Secret) are used as rendered. The program is
+//! environment (the job token read from the Secret it names, which `job render` shows empty and
+//! a launch fills) are used as rendered. The program is
 //! `fixtures/torchrun_contract.py`, which checks torchrun's contract and meets the other ranks
 //! at MASTER_ADDR:MASTER_PORT.
 
@@ -67,11 +68,14 @@ struct Pod {
 /// Runs the init container (`trainctl install` into a folder standing for its emptyDir) and
 /// reads the training container's command, arguments and environment.
 fn pod_of(docs: &[Value], bin_dir: &Path) -> Pod {
-    let token = docs
+    // `job render` shows the token Secret without its token; here, as `job launch` does, the
+    // token is made for the launch and the pods read it from the Secret.
+    let secret = docs
         .iter()
         .find(|d| d["kind"] == "Secret")
-        .map(|s| s["stringData"]["token"].as_str().unwrap().to_string())
         .expect("a token Secret");
+    assert!(secret.get("stringData").is_none(), "{secret}");
+    let token = format!("token-of-{}", std::process::id());
     let job = docs.iter().find(|d| d["kind"] == "Job").expect("a Job");
     let spec = &job["spec"]["template"]["spec"];
     let init = &spec["initContainers"][0];
