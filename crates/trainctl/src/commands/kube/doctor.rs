@@ -51,8 +51,8 @@ pub enum DoctorCommand {
         /// Address to listen on [default: 0.0.0.0].
         #[arg(long)]
         listen: Option<std::net::IpAddr>,
-        /// Seconds the checks may take: peers' names must resolve, peers must accept
-        /// connections, and this pod stays up for the others to check it, until then.
+        /// Seconds the checks may take: resolving and reaching every peer, and staying up
+        /// until the peers have checked this pod.
         #[arg(long, default_value_t = 120.0)]
         timeout: f64,
         /// GPUs this pod requested: fewer in /dev fails the check.
