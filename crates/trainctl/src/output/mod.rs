@@ -175,8 +175,9 @@ impl Progress {
                 tries_left,
             } => {
                 warn(&format!(
-                    "{problem}; trying again in {} from byte {from} ({tries_left} more tries unless bytes come)",
-                    duration(after.as_secs_f64())
+                    "{problem}; trying again in {} from byte {from} ({tries_left} more {} unless bytes come)",
+                    duration(after.as_secs_f64()),
+                    if tries_left == 1 { "try" } else { "tries" }
                 ));
                 return;
             }
@@ -555,6 +556,7 @@ pub fn train_event(rank: u32, event: trainer::train::Event) {
         Event::ModelSaved { path } => out(format_args!("model saved to {}", path.display())),
         Event::Evaluated(confusion) => out_raw(format_args!("{}", confusion.report())),
         Event::Finished {
+            rank,
             global_step,
             samples_seen,
             world_size,

@@ -55,7 +55,9 @@ pub enum DataProgress {
         total: u64,
     },
     /// This worker waits for its node's local rank 0 (`rank`) to get the data set.
-    Waiting { rank: u32 },
+    Waiting {
+        rank: u32,
+    },
     /// The download (or extraction) ended, well or not.
     Done,
 }

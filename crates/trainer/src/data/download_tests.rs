@@ -191,7 +191,11 @@ fn a_connection_cut_mid_way_resumes_from_where_it_stopped() {
     let (result, md5, told, _) = fetch(dir.path(), &opts);
     assert_eq!(result.unwrap(), body.len() as u64);
     assert_eq!(md5.unwrap(), md5_hex(&body));
-    assert_eq!(server.ranges(), [None, Some(cut as u64)], "resumed by range");
+    assert_eq!(
+        server.ranges(),
+        [None, Some(cut as u64)],
+        "resumed by range"
+    );
     let retried = retries(&told);
     assert_eq!(retried.len(), 1, "{told:?}");
     assert_eq!(retried[0].1, cut as u64);
@@ -287,7 +291,11 @@ fn a_part_left_by_a_killed_download_is_resumed_and_abandoned_ones_removed() {
     assert!(resumable);
     assert_eq!(result.unwrap(), body.len() as u64);
     assert_eq!(md5.unwrap(), md5_hex(&body));
-    assert_eq!(server.ranges(), [Some(kept as u64)], "only the rest asked for");
+    assert_eq!(
+        server.ranges(),
+        [Some(kept as u64)],
+        "only the rest asked for"
+    );
     assert!(!old.exists(), "the abandoned private part is removed");
 }
 

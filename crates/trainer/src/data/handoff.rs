@@ -3,6 +3,9 @@
 //! in the data folder, rather than at the group's barrier, whose collective timeout a slow
 //! download outlasts.
 //!
+//! A data set already in the folder needs none of this: local rank 0 writes nothing (the folder
+//! may be read-only), and the others go on as soon as they see it there.
+//!
 //! Local rank 0 rewrites the file every second while it works (so the others know it is alive:
 //! its download's own stall timeout bounds a download that no longer progresses), then writes
 //! how it ended: ready, or failed with its error, which the others report as theirs, naming
@@ -16,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use collective::World;
 
-use super::DataProgress;
+use super::{DataProgress, Layout};
 use crate::error::{IoContext, Result, TrainError};
 
 /// How often local rank 0 says it is still at work.
@@ -31,6 +34,7 @@ const STALE: Duration = Duration::from_secs(5);
 
 /// A node's data set, got by its local rank 0 for all its workers.
 pub struct Handoff {
+    dir: PathBuf,
     /// `None` when this worker is its node's only one: nobody waits.
     status: Option<PathBuf>,
     /// The rank of the node's local rank 0.
@@ -59,6 +63,7 @@ impl Handoff {
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect();
         Handoff {
+            dir: dir.to_path_buf(),
             status: (world.local_world_size > 1).then(|| {
                 dir.join(format!(
                     ".trainctl-data.{run}.{}.{leader}",
@@ -77,9 +82,10 @@ impl Handoff {
         let Some(status) = self.status.as_deref() else {
             return work();
         };
-        if let Some(dir) = status.parent() {
-            std::fs::create_dir_all(dir).at(dir)?;
+        if Layout::locate(&self.dir).is_some() {
+            return work();
         }
+        std::fs::create_dir_all(&self.dir).at(&self.dir)?;
         write(status, &Status::Working)?;
         let (stop, stopped) = channel::<()>();
         let result = std::thread::scope(|scope| {
@@ -130,6 +136,8 @@ impl Handoff {
                         problem: format!("failed: {problem}"),
                     }));
                 }
+                // There already, or put there by another node sharing the folder.
+                _ if Layout::locate(&self.dir).is_some() => return Ok(Ok(())),
                 _ => {}
             }
             let seen = read.map(|(_, written)| written);
@@ -149,7 +157,7 @@ impl Handoff {
                 return Err(TrainError::Stopped(format!(
                     "while waiting for rank {} (local rank 0) to get the data set into {}; this worker had trained nothing",
                     self.leader,
-                    status.parent().unwrap_or(status).display()
+                    self.dir.display()
                 )));
             }
             if !said && began.elapsed() >= SAY_AFTER {
@@ -310,6 +318,32 @@ mod tests {
         let waiter = Handoff::new(dir.path(), &world(1, 2));
         let waited = waiter.wait(&stop, &mut |_| {});
         assert!(matches!(waited, Err(TrainError::Stopped(_))), "{waited:?}");
+    }
+
+    #[test]
+    fn a_data_set_already_there_needs_no_status() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::data::synthetic::write_binary(
+            dir.path(),
+            &crate::data::synthetic::cifar(10, 1),
+            &crate::data::synthetic::cifar(10, 2),
+        )
+        .unwrap();
+        let before = std::fs::read_dir(dir.path()).unwrap().count();
+        let stop = AtomicBool::new(false);
+        let (leader, waiter) = (
+            Handoff::new(dir.path(), &world(0, 2)),
+            Handoff::new(dir.path(), &world(1, 2)),
+        );
+        // The waiting rank first: it finds the data set without a word from local rank 0.
+        let mut told = Vec::new();
+        assert!(matches!(
+            waiter.wait(&stop, &mut |p| told.push(p)),
+            Ok(Ok(()))
+        ));
+        assert!(told.is_empty(), "{told:?}");
+        leader.lead(|| Ok(())).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), before);
     }
 
     #[test]
