@@ -47,18 +47,25 @@ impl Activity {
     }
 }
 
-/// Copies `from` to `sink` line by line with `prefix`, keeping the last lines in `tail` and
+/// The rank a worker's lines are prefixed with: the worker's current one, which changes when
+/// it regroups in place.
+pub type Prefix = Arc<std::sync::atomic::AtomicU32>;
+
+/// Copies `from` to `sink` line by line with `[RANK]:` (`prefix`'s rank as each line comes), keeping the last lines in `tail` and
 /// noting each line in `activity`.
 pub fn pump(
     from: impl Read + Send + 'static,
-    prefix: String,
+    prefix: Prefix,
     sink: Sink,
     mut log: Option<std::fs::File>,
     tail: Option<Tail>,
     activity: Arc<Activity>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
-        .name(format!("output {prefix}"))
+        .name(format!(
+            "output [{}]",
+            prefix.load(std::sync::atomic::Ordering::Relaxed)
+        ))
         .spawn(move || {
             let mut reader = BufReader::new(from);
             let mut line = Vec::new();
@@ -77,7 +84,8 @@ pub fn pump(
                 }
                 {
                     let mut out = sink.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = out.write_all(prefix.as_bytes());
+                    let rank = prefix.load(std::sync::atomic::Ordering::Relaxed);
+                    let _ = write!(out, "[{rank}]:");
                     let _ = out.write_all(&line);
                     let _ = out.flush();
                 }

@@ -274,6 +274,8 @@ impl Group {
             w.assignments += 1;
             w.owes_since.get_or_insert_with(Instant::now);
             w.rank = spec.rank_offset + w.local_rank;
+            // Its next lines carry its new rank (the line that reports the regroup included).
+            w.prefix.store(w.rank, std::sync::atomic::Ordering::Relaxed);
         }
         true
     }

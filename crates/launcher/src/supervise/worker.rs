@@ -15,7 +15,7 @@ use nix::unistd::Pid;
 use collective::control::Channel;
 
 use super::Outputs;
-use crate::output::{Tail, pump};
+use crate::output::{Prefix, Tail, pump};
 use crate::report::ExitKind;
 use crate::telemetry::TelemetryPipe;
 use crate::{LaunchError, LaunchSpec, worker_env};
@@ -41,6 +41,8 @@ pub(super) struct Worker {
     pub(super) assignments: u64,
     /// Since when it owes an answer to an abort or an assignment (`Lost`, `Regrouped`).
     pub(super) owes_since: Option<Instant>,
+    /// The rank its output lines are prefixed with (its rank in the latest round).
+    pub(super) prefix: Prefix,
 }
 
 impl Worker {
@@ -179,7 +181,7 @@ pub(super) fn spawn(
     })?;
     drop(worker_end);
     let tail: Tail = Arc::new(Mutex::new(Default::default()));
-    let prefix = format!("[{rank}]:");
+    let prefix: Prefix = Arc::new(std::sync::atomic::AtomicU32::new(rank));
     let mut pumps = Vec::new();
     let pump_error = |source| LaunchError::Spawn {
         rank,
@@ -190,7 +192,7 @@ pub(super) fn spawn(
         pumps.push(
             pump(
                 out,
-                prefix.clone(),
+                Arc::clone(&prefix),
                 stdout.clone(),
                 stdout_log.map(|l| l.0),
                 None,
@@ -204,7 +206,7 @@ pub(super) fn spawn(
         pumps.push(
             pump(
                 err,
-                prefix,
+                Arc::clone(&prefix),
                 stderr.clone(),
                 stderr_log.map(|l| l.0),
                 Some(tail.clone()),
@@ -227,6 +229,7 @@ pub(super) fn spawn(
         ready: false,
         assignments: 0,
         owes_since: None,
+        prefix,
     })
 }
 

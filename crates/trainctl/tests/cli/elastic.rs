@@ -415,6 +415,14 @@ fn agent_told_to_go(store: Store, name: &str, leaver: usize) {
     );
     c.verify_finished(&outputs, 2);
     c.verify_exactly_once();
+    // A worker whose rank changed in the regroup prints under its new rank.
+    for line in all.lines().filter(|l| l.contains(" finished after ")) {
+        let said = line.split("rank ").nth(1).and_then(|r| r.split(' ').next());
+        assert!(
+            said.is_some_and(|r| line.starts_with(&format!("[{r}]:"))),
+            "the prefix is the worker's current rank: {line}"
+        );
+    }
     for pid in workers_of(&c.agents[leaving]) {
         assert!(!alive(pid), "the leaver's workers exited with it");
     }

@@ -41,6 +41,8 @@ pub enum Event {
     Evaluated(Box<Confusion>),
     /// Every rank: its step count and a fingerprint of its weights, equal on all ranks.
     Finished {
+        /// The rank the worker ends at (not the one it started at, when it regrouped).
+        rank: usize,
         global_step: u64,
         samples_seen: u64,
         world_size: usize,

@@ -551,6 +551,7 @@ impl Run<'_> {
         }
         group.barrier()?;
         report(Event::Finished {
+            rank,
             global_step: state.progress.global_step,
             samples_seen: state.progress.samples_seen,
             world_size,
