@@ -17,6 +17,7 @@ pub struct Args {
     /// CIFAR-10 (its test batch is used) or an image folder (its val/ images).
     #[arg(long, default_value = "./data")]
     data: PathBuf,
+    /// Test images evaluated per batch (memory, not the result, depends on it).
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
     /// Download --dataset if --data holds no data set.

@@ -110,7 +110,8 @@ pub struct Args {
     /// Seconds a worker gets to exit after SIGTERM before SIGKILL.
     #[arg(long, env = "TRAINCTL_GRACE_PERIOD", default_value_t = 5.0)]
     pub(crate) grace_period: f64,
-    /// Seconds after which a silent or vanished peer is an error in the workers' collective.
+    /// Seconds after which a silent or vanished peer is an error in the workers' collective
+    /// (default: 120).
     #[arg(long, env = "TRAINCTL_COLLECTIVE_TIMEOUT")]
     pub(crate) collective_timeout: Option<f64>,
     /// Serve this node's metrics (the agent's and its workers': steps, images/s, restarts,
