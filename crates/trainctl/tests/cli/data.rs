@@ -133,6 +133,8 @@ enum Answer {
     Range,
     /// Like `Range`, but the connection is closed after this many bytes.
     CutAfter(usize),
+    /// Like `Range`, but the server goes silent after this many bytes, the connection open.
+    HoldAfter(usize),
     /// Like `Range`, `chunk` bytes every `every`: a slow link that keeps going.
     Trickle { chunk: usize, every: Duration },
     /// Accepts the connection and never answers.
@@ -217,6 +219,12 @@ fn answer_one(mut stream: TcpStream, body: &[u8], answer: Answer, log: &Log) {
     let sent = stream.write_all(header.as_bytes()).is_ok()
         && match answer {
             Answer::CutAfter(n) => stream.write_all(&rest[..n.min(rest.len())]).is_ok(),
+            Answer::HoldAfter(n) => {
+                let _ = stream.write_all(&rest[..n.min(rest.len())]);
+                // Until the client hangs up.
+                let _ = stream.read(&mut [0u8; 1]);
+                false
+            }
             Answer::Trickle { chunk, every } => rest.chunks(chunk).all(|piece| {
                 let ok = stream
                     .write_all(piece)
@@ -401,10 +409,8 @@ fn a_download_cut_mid_way_resumes_by_range_and_checks_its_md5() {
 #[test]
 fn a_killed_download_is_resumed_by_the_next() {
     let (bytes, md5) = archive();
-    let slow = Server::start(bytes.clone(), |_| Answer::Trickle {
-        chunk: 4096,
-        every: Duration::from_millis(50),
-    });
+    let third = bytes.len() / 3;
+    let stuck = Server::start(bytes.clone(), move |_| Answer::HoldAfter(third));
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let fetch = |url: &str| {
@@ -413,17 +419,17 @@ fn a_killed_download_is_resumed_by_the_next() {
             .args(["--download-url", url, "--download-md5", &md5]);
         cmd
     };
-    let mut killed = Running::start(&mut fetch(&slow.url));
+    let mut killed = Running::start(&mut fetch(&stuck.url));
     let part = data.join(".cifar-10-binary.tar.gz.part");
     eventually(
         Duration::from_secs(60),
-        "part of the archive on disk",
-        || std::fs::metadata(&part).is_ok_and(|m| m.len() >= 3 * 4096),
+        "a third of the archive on disk",
+        || std::fs::metadata(&part).is_ok_and(|m| m.len() == third as u64),
     );
     killed.child.kill().unwrap();
     assert!(!killed.wait(Duration::from_secs(20)).success());
     let kept = std::fs::metadata(&part).unwrap().len();
-    assert!(kept > 0 && kept < bytes.len() as u64, "{kept}");
+    assert_eq!(kept, third as u64);
     // What trainctl before resumable downloads left: a private part, long abandoned.
     let old = data.join(".cifar-10-binary.tar.gz.part.4242.0badf00d");
     std::fs::write(&old, &bytes[..1000]).unwrap();
