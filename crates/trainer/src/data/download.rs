@@ -156,8 +156,10 @@ fn remove_abandoned(dir: &Path, archive_file: &str) {
     }
 }
 
-/// Why a try of the download failed: worth another try (and what went wrong), or not.
+/// Why a try of the download failed: worth another try (no byte for the stall timeout, or
+/// what else went wrong), or not.
 enum Failed {
+    Stalled,
     Again(String),
     Fatal(TrainError),
 }
@@ -186,16 +188,16 @@ pub(crate) fn download(
     // Failed tries in a row that brought no new byte.
     let mut barren = 0;
     loop {
-        let problem = match attempt(&client, opts, part, progress) {
+        let (problem, stalled) = match attempt(&client, opts, part, progress) {
             Ok(size) => return Ok(size),
             Err(Failed::Fatal(e)) => return Err(e),
-            Err(Failed::Again(problem)) => problem,
+            Err(Failed::Stalled) => (stalled_for(opts), true),
+            Err(Failed::Again(problem)) => (problem, false),
         };
         let have = part.len()?;
         barren = if have > furthest { 0 } else { barren + 1 };
         furthest = furthest.max(have);
         if barren >= TRIES {
-            let stalled = problem.starts_with("no data from");
             return Err(fail(format!(
                 "{problem} ({TRIES} tries in a row brought no new byte); check the network and the server{}",
                 if stalled {
@@ -217,7 +219,7 @@ pub(crate) fn download(
 }
 
 /// `no data from URL for N s`.
-fn stalled(opts: &DownloadOptions) -> String {
+fn stalled_for(opts: &DownloadOptions) -> String {
     format!(
         "no data from {} for {} s",
         opts.url,
@@ -248,11 +250,11 @@ fn attempt(
         request = request.header(RANGE, format!("bytes={have}-"));
     }
     let mut response = request.send().map_err(|e| {
-        Failed::Again(if e.is_timeout() {
-            stalled(opts)
+        if e.is_timeout() {
+            Failed::Stalled
         } else {
-            format!("{e} (no network?)")
-        })
+            Failed::Again(format!("{e} (no network?)"))
+        }
     })?;
     let status = response.status();
     let (start, total) = match status {
@@ -330,11 +332,11 @@ fn receive(
                     .is_some_and(reqwest::Error::is_timeout)
                     || e.kind() == std::io::ErrorKind::TimedOut
                     || asked.elapsed() >= opts.stall_timeout;
-                return Err(Failed::Again(if timed_out {
-                    stalled(opts)
+                return Err(if timed_out {
+                    Failed::Stalled
                 } else {
-                    format!("the connection broke after {done} bytes: {e}")
-                }));
+                    Failed::Again(format!("the connection broke after {done} bytes: {e}"))
+                });
             }
         };
         if n == 0 {
