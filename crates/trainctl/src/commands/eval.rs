@@ -88,7 +88,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     if let Some(path) = &args.confusion_matrix {
         write_confusion(path, &confusion)?;
     }
-    crate::output::train_event(0, trainer::train::Event::Evaluated(Box::new(confusion)));
+    crate::output::train_event(trainer::train::Event::Evaluated(Box::new(confusion)));
     if !unreadable.is_empty() {
         crate::output::warn(&format!(
             "{} unreadable images were left out of the evaluation",

@@ -198,7 +198,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             Event::Data(p) => progress.data(p.clone()),
             _ => {}
         }
-        crate::output::train_event(rank, event)
+        crate::output::train_event(event)
     });
     progress.finish();
     match result {

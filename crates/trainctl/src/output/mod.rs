@@ -518,7 +518,7 @@ pub fn launch_event(event: launcher::LaunchEvent) {
 }
 
 /// Prints a training event the way the seed jobs print theirs.
-pub fn train_event(rank: u32, event: trainer::train::Event) {
+pub fn train_event(event: trainer::train::Event) {
     match event {
         Event::Resumed {
             epoch,
