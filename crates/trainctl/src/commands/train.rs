@@ -126,8 +126,6 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&stop))
         .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
-    // Checked before training, not after an epoch: the run's folder takes its files.
-    check_writable(&run_dir, world.rank)?;
     let dataset = parse_dataset(&args.dataset)?;
     // Checked before training, not hours later: the URI, and that there are credentials.
     let upload = match (&args.upload, world.rank) {
@@ -143,6 +141,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         }
         (None, _) => None,
     };
+    // Checked before training, not after an epoch: the run's folder takes its files. (After
+    // the checks above, which must leave nothing behind.)
+    check_writable(&run_dir, world.rank)?;
     let cfg = TrainConfig {
         model: parse_model(&args.model)?,
         data: args.data,

@@ -181,11 +181,13 @@ impl Control {
             if self.leaving {
                 return Ok(Next::Leave);
             }
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Next::Stop);
-            }
+            // An assignment in hand is joined even when a stop came too: the stop then rides
+            // the new group's first step, and every rank stops together.
             if let Some(env) = assigned.take() {
                 return Ok(Next::Round(env));
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Next::Stop);
             }
             match self.inbox.recv_timeout(Duration::from_millis(100)) {
                 Ok(Ok(message)) => self.take(message, &mut assigned),
