@@ -3,6 +3,8 @@
 //! rendezvous' `state`). The agent's loop (`super::run_rounds`) gathers what it sees, asks
 //! here, and carries out the [`Next`] it gets.
 
+use signal_hook::consts::SIGTERM;
+
 /// What one turn of the agent's loop saw while this node's workers run in a round, the most
 /// pressing first: a stop signal, a worker's word that its group lost a peer, the workers'
 /// state, then the rendezvous round.
@@ -96,6 +98,8 @@ pub(crate) enum Next {
 /// store.
 pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
     match *seen {
+        // SIGTERM is what a deleted or evicted pod gets first (`kubectl delete pod`, a drain,
+        // a spot interruption): it asks a node to go, not the job to stop.
         Seen::Signal(signal) => {
             if signal == SIGTERM && memory.can_regroup && !memory.closing {
                 Next::Leave
@@ -140,10 +144,6 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
         Seen::Round(Round::Unreachable) => Next::StoreDown,
     }
 }
-
-/// The signal a deleted or evicted pod gets first (`kubectl delete pod`, a drain, a spot
-/// interruption): the one that asks a node to go rather than the job to stop.
-pub(crate) const SIGTERM: i32 = 15;
 
 #[cfg(test)]
 mod tests;

@@ -295,7 +295,12 @@ impl InRound<'_> {
     ) -> Acted {
         let grace = self.spec.grace;
         let Looked { why, failure, .. } = looked;
-        let signal = || self.launch.signals.received().unwrap_or(decide::SIGTERM);
+        let signal = || {
+            self.launch
+                .signals
+                .received()
+                .unwrap_or(signal_hook::consts::SIGTERM)
+        };
         Acted::Ended(match next {
             Next::Wait => return Acted::Running(group),
             Next::Closing => {
@@ -513,10 +518,6 @@ impl InRound<'_> {
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 fn signal_name(signal: i32) -> String {
-    match signal {
-        1 => "SIGHUP".into(),
-        2 => "SIGINT".into(),
-        15 => "SIGTERM".into(),
-        n => format!("signal {n}"),
-    }
+    nix::sys::signal::Signal::try_from(signal)
+        .map_or_else(|_| format!("signal {signal}"), |s| s.as_str().to_string())
 }

@@ -253,13 +253,11 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
         Augment::parse(a)
             .with_context(|| format!("--augment {a:?}: choose {}", Augment::CHOICES))?;
     }
-    let positive = [
+    for (flag, value) in [
         ("--epochs", args.epochs),
-        ("--batch-size", args.batch_size),
         ("--loader-threads", args.loader_threads),
         ("--prefetch", args.prefetch),
-    ];
-    for (flag, value) in positive {
+    ] {
         if value == 0 {
             bail!("{flag} 0: must be at least 1");
         }
@@ -270,24 +268,12 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
     if args.image_size == Some(0) {
         bail!("--image-size 0: must be at least 1 (leave it out for the data set's default)");
     }
-    if !(args.learning_rate.is_finite() && args.learning_rate > 0.0) {
-        bail!(
-            "--learning-rate {}: must be a positive number (e.g. 0.001)",
-            args.learning_rate
-        );
-    }
-    if !(args.momentum.is_finite() && (0.0..1.0).contains(&args.momentum)) {
-        bail!(
-            "--momentum {}: must be at least 0 and below 1 (0.9 is usual)",
-            args.momentum
-        );
-    }
-    if !(args.weight_decay.is_finite() && args.weight_decay >= 0.0) {
-        bail!(
-            "--weight-decay {}: must be 0 or a positive number (e.g. 0.0001)",
-            args.weight_decay
-        );
-    }
+    trainer::train::check_sgd(
+        args.batch_size,
+        args.learning_rate,
+        args.momentum,
+        args.weight_decay,
+    )?;
     Ok(())
 }
 

@@ -74,32 +74,40 @@ pub(super) fn run_config(
 }
 
 pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
-    let positive = |name: &str, v: f64| {
-        if v.is_finite() && v > 0.0 {
-            Ok(())
-        } else {
-            Err(TrainError::Config(format!(
-                "{name} must be a positive number, got {v}"
-            )))
-        }
-    };
-    if cfg.batch_size == 0 {
-        return Err(TrainError::Config(
-            "--batch-size must be at least 1, got 0".into(),
+    check_sgd(
+        cfg.batch_size,
+        cfg.learning_rate,
+        cfg.momentum,
+        cfg.weight_decay,
+    )
+}
+
+/// The step's settings every run needs in range: checked by the worker, and by `trainctl
+/// run` on a `train` command line before it starts any worker.
+pub fn check_sgd(
+    batch_size: usize,
+    learning_rate: f64,
+    momentum: f64,
+    weight_decay: f64,
+) -> Result<()> {
+    let bad = |what: String| Err(TrainError::Config(what));
+    if batch_size == 0 {
+        return bad("--batch-size 0: must be at least 1".into());
+    }
+    if !(learning_rate.is_finite() && learning_rate > 0.0) {
+        return bad(format!(
+            "--learning-rate {learning_rate}: must be a positive number (e.g. 0.001)"
         ));
     }
-    positive("--learning-rate", cfg.learning_rate)?;
-    if !(0.0..1.0).contains(&cfg.momentum) {
-        return Err(TrainError::Config(format!(
-            "--momentum must be in [0, 1), got {}",
-            cfg.momentum
-        )));
+    if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
+        return bad(format!(
+            "--momentum {momentum}: must be at least 0 and below 1 (0.9 is usual)"
+        ));
     }
-    if !(cfg.weight_decay.is_finite() && cfg.weight_decay >= 0.0) {
-        return Err(TrainError::Config(format!(
-            "--weight-decay must be zero or positive, got {}",
-            cfg.weight_decay
-        )));
+    if !(weight_decay.is_finite() && weight_decay >= 0.0) {
+        return bad(format!(
+            "--weight-decay {weight_decay}: must be 0 or a positive number (e.g. 0.0001)"
+        ));
     }
     Ok(())
 }

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use collective::{CollectiveError, ProcessGroup, World};
 
-pub use config::TrainConfig;
+pub use config::{TrainConfig, check_sgd};
 pub use event::Event;
 
 use crate::checkpoint::{ModelInfo, save_model};

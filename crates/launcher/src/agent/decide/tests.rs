@@ -1,4 +1,5 @@
 use super::*;
+use signal_hook::consts::SIGTERM;
 
 fn regrouping_workers() -> Memory {
     Memory {
