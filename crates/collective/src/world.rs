@@ -69,7 +69,8 @@ impl World {
             group_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
-            run_id: "none".into(),
+            // As `trainctl run --standalone` names a one-node run: its files go to runs/local/.
+            run_id: "local".into(),
             token: String::new(),
             restart_count: 0,
             max_restarts: 0,

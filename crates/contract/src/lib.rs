@@ -92,6 +92,15 @@ pub mod models {
 
 /// A data set the trainer downloads when the data folder holds none (`--dataset`), and its
 /// official archive.
+/// The files of a run's folder (`OUT/RUN_ID/`) that the trainer writes and the other commands
+/// (eval, predict, the Kubernetes side, uploads) look for.
+pub mod run_files {
+    /// The trained model (safetensors).
+    pub const MODEL: &str = "model.safetensors";
+    /// What a run resumes from.
+    pub const CHECKPOINT: &str = "checkpoint.ckpt";
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dataset {
     /// `--dataset` / `data.dataset`.

@@ -356,6 +356,20 @@ pub struct ModelFile {
 /// torchvision from a ResNet, and says what network it holds.
 pub fn read_model(path: &Path) -> Result<ModelFile> {
     let bytes = std::fs::read(path).at(path)?;
+    if bytes.starts_with(MAGIC) {
+        let beside = path.with_file_name(contract::run_files::MODEL);
+        return Err(TrainError::BadModel {
+            path: path.to_path_buf(),
+            problem: format!(
+                "a training checkpoint (what a run resumes from), not a model file: pass the model a run writes{}",
+                if beside.is_file() {
+                    format!(", {}", beside.display())
+                } else {
+                    format!(" ({} in its run's folder)", contract::run_files::MODEL)
+                }
+            ),
+        });
+    }
     let info = describe_model(&bytes).map_err(|problem| TrainError::BadModel {
         path: path.to_path_buf(),
         problem,

@@ -147,7 +147,7 @@ impl Job {
     }
 
     pub fn model_path(&self) -> String {
-        format!("{}/model.safetensors", self.run_dir())
+        format!("{}/{}", self.run_dir(), contract::run_files::MODEL)
     }
 }
 

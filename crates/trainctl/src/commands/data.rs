@@ -20,16 +20,8 @@ pub enum Command {
         /// cifar10 (the binary archive) or tiny-imagenet (tiny-imagenet-200.zip).
         #[arg(long, default_value = contract::CIFAR10.name)]
         dataset: String,
-        /// Download from here instead of the official address.
-        #[arg(long)]
-        download_url: Option<String>,
-        /// Expected MD5 (default: the official archive's).
-        #[arg(long)]
-        download_md5: Option<String>,
-        /// Seconds without a byte from the server before a try is given up; the download is
-        /// retried with backoff, resuming, and fails after 4 tries in a row that bring nothing.
-        #[arg(long, value_name = "SECONDS", default_value_t = data::DEFAULT_STALL_TIMEOUT.as_secs_f64())]
-        download_stall_timeout: f64,
+        #[command(flatten)]
+        mirror: super::train::Mirror,
     },
     /// Copy every object under an S3 prefix (or the one object a URI names) into DIR, several
     /// at a time; files already there with the object's size and checksum are skipped, so an
@@ -100,15 +92,10 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
         Command::Fetch {
             data,
             dataset,
-            download_url,
-            download_md5,
-            download_stall_timeout,
+            mirror,
         } => {
             let dataset = super::train::parse_dataset(&dataset)?;
-            let opts = data::DownloadOptions {
-                stall_timeout: super::train::stall_timeout(download_stall_timeout)?,
-                ..super::train::download_options(dataset, true, download_url, download_md5)
-            };
+            let opts = mirror.options(dataset, true, None)?;
             let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
             let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;
             progress.finish();
@@ -134,7 +121,11 @@ pub fn run(cmd: Command) -> anyhow::Result<i32> {
                 .find(|d| dir.join(d.archive_file()).is_file());
             if let (Some(dataset), None, false) = (archive, data::Layout::locate(&dir), no_extract)
             {
-                let opts = super::train::download_options(dataset, false, None, None);
+                // Its archive is there: nothing to download.
+                let opts = data::DownloadOptions {
+                    enabled: false,
+                    ..dataset.official()
+                };
                 let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
                 let layout = data::ensure(&dir, dataset, &opts, &mut |p| progress.data(p))
                     .context("the staged archive was not extracted (pass --no-extract to keep it as it is)")?;

@@ -26,6 +26,8 @@ pub struct Args {
     /// What --download fetches: cifar10 or tiny-imagenet.
     #[arg(long, default_value = contract::CIFAR10.name)]
     dataset: String,
+    #[command(flatten)]
+    mirror: super::train::Mirror,
     /// Threads decoding images.
     #[arg(long, default_value_t = 2)]
     loader_threads: usize,
@@ -39,11 +41,23 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     let model = super::s3::model_file(&args.model)?;
     let loaded = trainer::eval::load_model_file(&model.path)?;
     let dataset = super::train::parse_dataset(&args.dataset)?;
-    let opts = super::train::download_options(dataset, args.download, None, None);
+    let opts = args
+        .mirror
+        .options(dataset, args.download, Some("pass --download"))?;
     let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
     let layout = data::ensure(&args.data, dataset, &opts, &mut |p| progress.data(p))?;
     progress.finish();
     let info = &loaded.info;
+    if let data::Layout::Cifar(_) = layout
+        && info.image_size != 32
+    {
+        bail!(
+            "{} takes {size}×{size} images and {} holds CIFAR-10's 32×32: evaluate it on the data set it was trained on (pass its folder with --data)",
+            args.model.display(),
+            args.data.display(),
+            size = info.image_size,
+        );
+    }
     // Each image is read once: nothing to cache.
     let mut test = layout.open(Split::Eval, info.image_size, 0)?;
     if test.classes.len() != info.classes.len() {

@@ -77,7 +77,8 @@ pub struct Args {
     #[arg(long)]
     pub(crate) checkpoint_file: Option<PathBuf>,
     /// Where runs write their files: OUT/RUN_ID/ holds the checkpoint, the model, the metrics
-    /// (metrics/rank-N.jsonl) and TensorBoard's events (tensorboard/).
+    /// (metrics/rank-N.jsonl) and TensorBoard's events (tensorboard/). RUN_ID is the launcher's
+    /// --rdzv-id; a lone `trainctl train` and a one-node `trainctl run` use `local`.
     #[arg(long, default_value = "./runs")]
     pub(crate) out: PathBuf,
     /// Also checkpoint every this many steps (besides every epoch end).
@@ -92,17 +93,8 @@ pub struct Args {
     /// Fail instead of downloading when the data is missing.
     #[arg(long)]
     pub(crate) no_download: bool,
-    /// Download from here instead of the official address of --dataset.
-    #[arg(long)]
-    pub(crate) download_url: Option<String>,
-    /// Expected MD5 of the downloaded archive (default: the official archive's).
-    #[arg(long)]
-    download_md5: Option<String>,
-    /// Seconds without a byte from the download's server before a try is given up; the
-    /// download is retried with backoff, resuming, and fails after 4 tries in a row that bring
-    /// nothing.
-    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STALL_TIMEOUT.as_secs_f64())]
-    pub(crate) download_stall_timeout: f64,
+    #[command(flatten)]
+    pub(crate) mirror: Mirror,
     /// When the checkpoint holds a finished run, train again from scratch (its checkpoint and
     /// model are replaced) instead of refusing.
     #[arg(long)]
@@ -148,15 +140,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         model: parse_model(&args.model)?,
         data: args.data,
         dataset,
-        download: DownloadOptions {
-            stall_timeout: stall_timeout(args.download_stall_timeout)?,
-            ..download_options(
-                dataset,
-                !args.no_download,
-                args.download_url,
-                args.download_md5,
-            )
-        },
+        download: args
+            .mirror
+            .options(dataset, !args.no_download, Some("drop --no-download"))?,
         image_size: args.image_size,
         augment: args
             .augment
@@ -177,10 +163,10 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         print_freq: args.print_freq,
         model_file: args
             .model_file
-            .unwrap_or_else(|| run_dir.join("model.safetensors")),
+            .unwrap_or_else(|| run_dir.join(contract::run_files::MODEL)),
         checkpoint_file: args
             .checkpoint_file
-            .unwrap_or_else(|| run_dir.join("checkpoint.ckpt")),
+            .unwrap_or_else(|| run_dir.join(contract::run_files::CHECKPOINT)),
         checkpoint_every: args.checkpoint_every,
         seed: args.seed,
         threads: args
@@ -325,31 +311,49 @@ pub(crate) fn parse_dataset(name: &str) -> anyhow::Result<DatasetName> {
     }
 }
 
-/// The official archive of `dataset`, or the mirror and checksum given. A mirror's size is
-/// not known; its MD5 still is checked.
-pub(crate) fn download_options(
-    dataset: DatasetName,
-    enabled: bool,
-    url: Option<String>,
-    md5: Option<String>,
-) -> DownloadOptions {
-    let official = dataset.official();
-    DownloadOptions {
-        enabled,
-        size: official.size.filter(|_| md5.is_none() && url.is_none()),
-        url: url.unwrap_or(official.url),
-        md5: md5.unwrap_or(official.md5),
-        stall_timeout: DEFAULT_STALL_TIMEOUT,
-    }
+/// Where a missing data set is downloaded from: the flags `train`, `eval` and `data fetch`
+/// share.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct Mirror {
+    /// Download from here instead of the official address of --dataset.
+    #[arg(long)]
+    pub(crate) download_url: Option<String>,
+    /// Expected MD5 of the downloaded archive (default: the official archive's).
+    #[arg(long)]
+    download_md5: Option<String>,
+    /// Seconds without a byte from the download's server before a try is given up; the
+    /// download is retried with backoff, resuming, and fails after 4 tries in a row that bring
+    /// nothing.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STALL_TIMEOUT.as_secs_f64())]
+    pub(crate) download_stall_timeout: f64,
 }
 
-/// `--download-stall-timeout`, checked.
-pub(crate) fn stall_timeout(seconds: f64) -> anyhow::Result<std::time::Duration> {
-    if !(seconds.is_finite() && seconds > 0.0) {
-        bail!(
-            "--download-stall-timeout must be a positive number of seconds, got {seconds}; leave it out for {} s",
-            DEFAULT_STALL_TIMEOUT.as_secs()
-        );
+impl Mirror {
+    /// The official archive of `dataset`, or the mirror and checksum given (a mirror's size is
+    /// not known; its MD5 still is checked). `turn_on` says how this command enables
+    /// downloads (`DownloadOptions::turn_on`), for the hint when `enabled` is false.
+    pub(crate) fn options(
+        self,
+        dataset: DatasetName,
+        enabled: bool,
+        turn_on: Option<&'static str>,
+    ) -> anyhow::Result<DownloadOptions> {
+        let seconds = self.download_stall_timeout;
+        if !(seconds.is_finite() && seconds > 0.0) {
+            bail!(
+                "--download-stall-timeout must be a positive number of seconds, got {seconds}; leave it out for {} s",
+                DEFAULT_STALL_TIMEOUT.as_secs()
+            );
+        }
+        let official = dataset.official();
+        let (url, md5) = (self.download_url, self.download_md5);
+        Ok(DownloadOptions {
+            enabled,
+            size: official.size.filter(|_| md5.is_none() && url.is_none()),
+            url: url.unwrap_or(official.url),
+            md5: md5.unwrap_or(official.md5),
+            stall_timeout: std::time::Duration::from_secs_f64(seconds),
+            turn_on,
+        })
     }
-    Ok(std::time::Duration::from_secs_f64(seconds))
 }

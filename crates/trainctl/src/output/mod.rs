@@ -130,6 +130,8 @@ pub struct Progress {
     showing: Option<String>,
     /// Last tenth of the download reported as a plain line, and when.
     tenth: Option<(&'static str, u64, std::time::Instant)>,
+    /// What the download or extraction under way gets (CIFAR-10, tiny-imagenet-200).
+    what: &'static str,
 }
 
 /// A slow download still says how far it has come this often, between its tenths.
@@ -142,6 +144,7 @@ impl Progress {
             bar: None,
             showing: None,
             tenth: None,
+            what: "the data set",
         }
     }
 
@@ -166,8 +169,26 @@ impl Progress {
 
     pub fn data(&mut self, p: DataProgress) {
         let (phase, done, total) = match p {
-            DataProgress::Downloading { done, total } => ("downloading CIFAR-10", done, total),
-            DataProgress::Extracting { done, total } => ("extracting CIFAR-10", done, Some(total)),
+            DataProgress::Downloading { done, total } => ("downloading", done, total),
+            DataProgress::Extracting { done, total } => ("extracting", done, Some(total)),
+            DataProgress::Fetching {
+                what,
+                url,
+                dir,
+                created,
+            } => {
+                self.what = what;
+                err(format_args!(
+                    "downloading {what} from {url} into {}{}",
+                    dir.display(),
+                    if created {
+                        " (a new folder: it did not exist; check --data if that is not the folder you meant)"
+                    } else {
+                        ""
+                    }
+                ));
+                return;
+            }
             DataProgress::Retrying {
                 problem,
                 after,
@@ -193,9 +214,10 @@ impl Progress {
                 return;
             }
         };
+        let what = self.what;
         if self.terminal {
             let bar = self.show(
-                phase.into(),
+                format!("{phase} {what}"),
                 total.unwrap_or(0),
                 "{prefix} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
             );
@@ -216,12 +238,12 @@ impl Progress {
             let mb = |b: u64| b as f64 / 1e6;
             match total {
                 Some(t) if t > 0 => err(format_args!(
-                    "{phase}: {:.1} of {:.1} MB ({} %)",
+                    "{phase} {what}: {:.1} of {:.1} MB ({} %)",
                     mb(done),
                     mb(t),
                     done * 100 / t
                 )),
-                _ => err(format_args!("{phase}: {:.1} MB", mb(done))),
+                _ => err(format_args!("{phase} {what}: {:.1} MB", mb(done))),
             }
         }
     }

@@ -39,6 +39,14 @@ fn missing_data_is_downloaded_verified_and_extracted() {
     // Not a terminal: progress comes as plain lines, ending at the archive's full size.
     let err = text(&out.stderr);
     let mb = format!("{:.1}", bytes_len as f64 / 1e6);
+    // The folder did not exist: said, in case --data was mistyped.
+    assert!(
+        err.contains(&format!(
+            "downloading CIFAR-10 from {url} into {} (a new folder: it did not exist; check --data",
+            data.display()
+        )),
+        "{err}"
+    );
     assert!(
         err.contains(&format!("downloading CIFAR-10: {mb} of {mb} MB (100 %)")),
         "{err}"

@@ -7,6 +7,7 @@ mod support;
 mod cluster_e2e;
 mod data;
 mod elastic;
+mod hints;
 mod images;
 mod kubernetes;
 mod launch;

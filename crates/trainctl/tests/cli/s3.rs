@@ -176,7 +176,7 @@ fn a_failed_upload_warns_and_keeps_the_run_and_its_files() {
     let err = text(&out.stderr);
     // The first file (the model) is refused; a refusal would refuse the rest too, so they
     // are named once rather than tried.
-    let run = job.path("out/none");
+    let run = job.path("out/local");
     assert!(
         err.contains(&format!(
             "could not upload {}",

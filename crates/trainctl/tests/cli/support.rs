@@ -389,3 +389,43 @@ pub fn every_image(n: usize) -> String {
         trainer::sampler::digest(&(0..n).collect::<Vec<_>>())
     )
 }
+
+/// Each argument of a `--help` text, by section: its spec (`-f, --follow`, `--name <VALUE>`)
+/// and its description with clap's own `[default: ...]`-style notes and the line breaks left
+/// out, and the subcommands it lists.
+pub fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut commands = Vec::new();
+    let mut section = "";
+    let mut open = false;
+    for line in help.lines() {
+        if !line.starts_with(' ') && line.ends_with(':') {
+            section = line;
+            open = false;
+            continue;
+        }
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        if trimmed.is_empty() || section.is_empty() {
+            open = false;
+            continue;
+        }
+        if section == "Commands:" {
+            if indent == 2 {
+                commands.extend(trimmed.split_whitespace().next().map(String::from));
+            }
+            continue;
+        }
+        // An argument's first line: two spaces, or six for a long flag without a short one;
+        // its description follows two spaces later, or on the next lines, indented further.
+        if (indent == 2 || indent == 6) && trimmed.starts_with(['-', '<', '[']) {
+            let (spec, rest) = trimmed.split_once("  ").unwrap_or((trimmed, ""));
+            entries.push((spec.to_string(), rest.trim().to_string()));
+            open = true;
+        } else if open && let Some((_, description)) = entries.last_mut() {
+            description.push(' ');
+            description.push_str(trimmed);
+        }
+    }
+    (entries, commands)
+}

@@ -25,6 +25,19 @@ pub struct DownloadOptions {
     /// No byte from the server for this long ends a try of the download (see
     /// [`super::download`]): `--download-stall-timeout`.
     pub stall_timeout: Duration,
+    /// How the command at hand turns downloads on, for the hint when they are off and no
+    /// data set is there: `drop --no-download` (train), `pass --download` (eval); `None`
+    /// where it cannot (a worker re-reading what its node's local rank 0 fetched).
+    pub turn_on: Option<&'static str>,
+}
+
+impl DownloadOptions {
+    /// Whether `url` is a data set's official address (not a mirror the user gave).
+    pub fn official_url(&self) -> bool {
+        super::DatasetName::ALL
+            .iter()
+            .any(|d| d.contract().url == self.url)
+    }
 }
 
 impl Default for DownloadOptions {
@@ -53,6 +66,14 @@ pub enum DataProgress {
     Extracting {
         done: u64,
         total: u64,
+    },
+    /// A download starts: `what` (CIFAR-10, tiny-imagenet-200) from `url` into `dir`, which
+    /// did not exist and was made for it when `created` (a mistyped `--data`, perhaps).
+    Fetching {
+        what: &'static str,
+        url: String,
+        dir: std::path::PathBuf,
+        created: bool,
     },
     /// This worker waits for its node's local rank 0 (`rank`) to get the data set.
     Waiting {
@@ -90,7 +111,14 @@ pub(crate) fn fetch_into(
     archive: &Archive,
     progress: &mut dyn FnMut(DataProgress),
 ) -> Result<()> {
+    let created = !dir.exists();
     std::fs::create_dir_all(dir).at(dir)?;
+    progress(DataProgress::Fetching {
+        what: archive.what,
+        url: opts.url.clone(),
+        dir: dir.to_path_buf(),
+        created,
+    });
     let part = Part::take(dir, archive.file)?;
     let size = match download(opts, &part, progress) {
         Ok(size) => size,

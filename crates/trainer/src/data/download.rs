@@ -198,12 +198,17 @@ pub(crate) fn download(
         barren = if have > furthest { 0 } else { barren + 1 };
         furthest = furthest.max(have);
         if barren >= TRIES {
+            let mirror = if opts.official_url() {
+                "pass --download-url to use a mirror"
+            } else {
+                "check the mirror's address (--download-url)"
+            };
             return Err(fail(format!(
-                "{problem} ({TRIES} tries in a row brought no new byte); check the network and the server{}",
+                "{problem} ({TRIES} tries in a row brought no new byte); check the network and the server, {mirror}{}",
                 if stalled {
-                    ", pass --download-url to use a mirror, or --download-stall-timeout to wait longer"
+                    ", or pass --download-stall-timeout to wait longer"
                 } else {
-                    ", or pass --download-url to use a mirror"
+                    ""
                 }
             )));
         }

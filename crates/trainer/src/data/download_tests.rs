@@ -136,6 +136,7 @@ fn options(server: &Server, body: &[u8], stall: Duration) -> DownloadOptions {
         md5: md5_hex(body),
         size: Some(body.len() as u64),
         stall_timeout: stall,
+        turn_on: None,
     }
 }
 

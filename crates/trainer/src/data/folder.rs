@@ -181,7 +181,7 @@ impl Layout {
                 if !val.is_dir() {
                     return Err(TrainError::BadData {
                         path: val,
-                        problem: "no validation folder: put val/CLASS/... beside train/, or pass --no-eval".into(),
+                        problem: "no validation folder: put val/CLASS/... beside train/".into(),
                     });
                 }
                 for dir in subdirs(&val)? {

@@ -100,6 +100,7 @@ impl DatasetName {
             md5: archive.md5.into(),
             size: Some(archive.size),
             stall_timeout: DEFAULT_STALL_TIMEOUT,
+            turn_on: None,
         }
     }
 }
@@ -159,7 +160,7 @@ impl Layout {
             Layout::Cifar(layout) => {
                 if image_size != 32 {
                     return Err(TrainError::Config(format!(
-                        "--image-size {image_size}: CIFAR-10's images are 32×32; drop --image-size or pass 32"
+                        "CIFAR-10's images are 32×32, not {image_size}×{image_size}"
                     )));
                 }
                 let data = layout.load(match split {
@@ -205,15 +206,18 @@ pub fn ensure(
         fetch_into(dir, opts, archive, progress)?;
         opts.url.clone()
     } else {
+        let or_fetch = opts
+            .turn_on
+            .map(|how| format!(", or {how} to fetch --dataset {}", which.name()))
+            .unwrap_or_default();
         return Err(TrainError::BadData {
             path: dir.to_path_buf(),
             problem: format!(
-                "no data set here: expected CIFAR-10 (data_batch_1.bin or data_batch_1, also under {}/), {}, or {}'s archive {}; put one there, or drop --no-download to fetch --dataset {}",
+                "no data set here: expected CIFAR-10 (data_batch_1.bin or data_batch_1, also under {}/), {}, or {}'s archive {}; put one there{or_fetch}",
                 cifar::BIN_DIR,
                 folder::EXPECTED,
                 which.name(),
                 archive.file,
-                which.name()
             ),
         });
     };

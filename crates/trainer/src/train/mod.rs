@@ -224,10 +224,18 @@ impl Setup {
             cfg.dataset,
             &DownloadOptions {
                 enabled: false,
+                turn_on: None,
                 ..cfg.download.clone()
             },
             &mut |_| {},
         )?;
+        if let (Some(size), data::Layout::Cifar(_)) = (cfg.image_size, &layout)
+            && size != 32
+        {
+            return Err(TrainError::Config(format!(
+                "--image-size {size}: CIFAR-10's images are 32×32; drop --image-size or pass 32"
+            )));
+        }
         let image_size = cfg
             .image_size
             .unwrap_or_else(|| layout.default_image_size());
@@ -246,7 +254,16 @@ impl Setup {
             .evaluate
             // Evaluated once, at the end: its images are not worth keeping in memory.
             .then(|| layout.open(Split::Eval, image_size, 0))
-            .transpose()?
+            .transpose()
+            .map_err(|e| match e {
+                TrainError::BadData { path, problem } => TrainError::BadData {
+                    path,
+                    problem: format!(
+                        "{problem} (the test set; pass --no-eval to train without it)"
+                    ),
+                },
+                e => e,
+            })?
             .map(Arc::new);
         let info = ModelInfo {
             architecture: cfg.model.name().into(),
