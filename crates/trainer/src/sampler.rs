@@ -87,6 +87,18 @@ impl Shard {
     }
 }
 
+/// Of `unpadded` (a step's samples without padding: the start of the batch the loader was
+/// given), those the loader delivered: `delivered` holds the batch's samples in order, with
+/// unreadable images left out.
+pub fn delivered(unpadded: &[usize], delivered: &[usize]) -> Vec<usize> {
+    let mut next = delivered.iter().peekable();
+    unpadded
+        .iter()
+        .filter(|&&id| next.next_if(|&&d| d == id).is_some())
+        .copied()
+        .collect()
+}
+
 /// Samples as one number, whatever their order: the wrapping sum of a 64-bit mix of each sample
 /// id. Two runs that trained the same samples of an epoch, each as many times, have the same
 /// digest; a sample lost, added or trained twice changes it. Sums of digests are the digest of
@@ -116,6 +128,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashSet;
+
+    /// Unreadable images (left out of what the loader delivered) and padding (after the
+    /// unpadded part, possibly repeating its samples) are not counted as trained.
+    #[test]
+    fn delivered_leaves_out_unreadable_images_and_padding() {
+        // Batch [5, 7, 5]: the last 5 is padding.
+        assert_eq!(delivered(&[5, 7], &[5, 7, 5]), [5, 7]);
+        assert_eq!(delivered(&[5, 7], &[7]), [7], "5 unreadable, padding too");
+        assert_eq!(delivered(&[5, 7], &[5, 5]), [5], "7 unreadable");
+        assert_eq!(delivered(&[5, 7], &[]), [] as [usize; 0]);
+    }
 
     #[test]
     fn the_order_depends_on_seed_and_epoch_only() {

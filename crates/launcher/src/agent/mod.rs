@@ -243,7 +243,7 @@ impl InRound<'_> {
         if let Some(reason) = lost {
             return Some(Looked::because(
                 Seen::PeerLost,
-                format!("a peer was lost ({reason})"),
+                format!("a peer was lost: {reason}"),
             ));
         }
         match group.poll() {

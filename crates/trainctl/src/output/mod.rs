@@ -132,7 +132,13 @@ pub struct Progress {
     tenth: Option<(&'static str, u64, std::time::Instant)>,
     /// What the download or extraction under way gets (CIFAR-10, tiny-imagenet-200).
     what: &'static str,
+    /// The losses of the epoch's last [`BAR_LOSS_STEPS`] steps, for the bar's mean.
+    recent: std::collections::VecDeque<f32>,
 }
+
+/// The bar shows the loss averaged over this many steps (as the loss lines average theirs),
+/// not one step's.
+const BAR_LOSS_STEPS: usize = 10;
 
 /// A slow download still says how far it has come this often, between its tenths.
 const SLOW_LINES: std::time::Duration = std::time::Duration::from_secs(30);
@@ -145,6 +151,7 @@ impl Progress {
             showing: None,
             tenth: None,
             what: "the data set",
+            recent: Default::default(),
         }
     }
 
@@ -253,8 +260,18 @@ impl Progress {
         if !self.terminal || s.rank != 0 {
             return;
         }
+        let label = format!("epoch {}", s.epoch);
+        if self.showing.as_ref() != Some(&label) {
+            self.recent.clear();
+        }
+        if self.recent.len() == BAR_LOSS_STEPS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(s.loss);
+        let mean = self.recent.iter().sum::<f32>() / self.recent.len() as f32;
+        let steps = self.recent.len();
         let bar = self.show(
-            format!("epoch {}", s.epoch),
+            label,
             s.steps_in_epoch as u64,
             "{prefix} [{bar:25}] {pos}/{len} | {msg} | eta {eta}",
         );
@@ -264,8 +281,8 @@ impl Progress {
             bar.reset_eta();
         }
         bar.set_message(format!(
-            "loss {:.3} | {:.1} img/s",
-            s.loss, s.images_per_sec
+            "loss {mean:.3} (mean of {steps} steps) | {:.1} img/s",
+            s.images_per_sec
         ));
         bar.set_position(s.iter as u64);
     }
@@ -463,14 +480,14 @@ pub fn launch_event(event: launcher::LaunchEvent) {
             "trainctl run: {reason}; the workers keep running and regroup at the next round"
         )),
         LaunchEvent::Regrouped(r) => err(format_args!(
-            "trainctl run: regrouped in place ({}): world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted",
-            r.reason,
+            "trainctl run: regrouped in place: world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted. Cause: {}",
             r.world_size_before,
             r.world_size,
             r.step,
             r.steps_dropped,
             megabytes(r.bytes),
-            r.seconds
+            r.seconds,
+            r.reason,
         )),
         LaunchEvent::Leaving {
             reason,

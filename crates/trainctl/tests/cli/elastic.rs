@@ -287,6 +287,24 @@ impl Drop for Cluster {
 }
 
 /// Pids of the workers an agent said it started.
+/// `(epoch, step, steps in the epoch)` of each loss line: `[E,  I] loss: ... (I/N steps, ...`.
+fn step_counters(output: &str) -> Vec<(u32, u32, u32)> {
+    output
+        .lines()
+        .filter_map(|l| {
+            let (head, rest) = l.split_once("] loss: ")?;
+            let (epoch, iter) = head.rsplit_once('[')?.1.split_once(',')?;
+            let steps = rest.split_once('(')?.1.split_once(" steps")?.0;
+            let (_, total) = steps.split_once('/')?;
+            Some((
+                epoch.trim().parse().ok()?,
+                iter.trim().parse().ok()?,
+                total.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
 fn workers_of(agent: &Running) -> Vec<i32> {
     worker_pids(&agent.seen)
         .into_iter()
@@ -341,6 +359,21 @@ fn agent_lost(store: Store, name: &str, cut_link: bool, regroup: &'static str) {
             "only the first start records: {:?}",
             c.starts()
         );
+        // The epoch's step counter runs on through the regroup (its total grows with the
+        // smaller world), not jumping to where the new world size would have been.
+        assert!(outputs.iter().any(|o| step_counters(o).len() > 2), "{all}");
+        for output in &outputs {
+            let counters = step_counters(output);
+            for pair in counters.windows(2) {
+                let ((e0, i0, _), (e1, i1, n1)) = (pair[0], pair[1]);
+                // A loss line every 2 steps (`--print-freq 2`).
+                assert!(
+                    (e1 == e0 && i1 == i0 + 2) || (e1 == e0 + 1 && i1 <= 2),
+                    "{pair:?}:\n{output}"
+                );
+                assert!(i1 <= n1, "{pair:?}:\n{output}");
+            }
+        }
     } else {
         assert_eq!(
             starts,

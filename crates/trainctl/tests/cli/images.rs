@@ -294,6 +294,17 @@ fn an_unreadable_image_is_named_and_skipped() {
         text(&out.stdout).contains("finished after 12 steps"),
         "one epoch all the same"
     );
+    // What was trained is counted, the unreadable image is not: in the finish line and in
+    // the epoch's digest.
+    let images = std::fs::read_dir(data.join("train"))
+        .unwrap()
+        .map(|class| std::fs::read_dir(class.unwrap().path()).unwrap().count())
+        .sum::<usize>();
+    assert!(
+        text(&out.stdout).contains(&format!("{} samples trained in all", images - 1)),
+        "{}",
+        text(&out.stdout)
+    );
 }
 
 #[test]

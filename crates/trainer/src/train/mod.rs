@@ -34,7 +34,7 @@ use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
 use crate::model::{Model, Snapshot, load, snapshot};
-use crate::sampler::{Shard, digest};
+use crate::sampler::{self, Shard, digest};
 use record::Recorder;
 use regroup::{Control, Leave, sync};
 use state::TrainState;
@@ -116,6 +116,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         rank,
         world_size,
         live: true,
+        epoch_mark: None,
     };
     while run.state.progress.epoch < cfg.epochs {
         match (
@@ -298,6 +299,17 @@ struct Run<'a> {
     /// `state` is a step this worker completed (or took whole from a peer), not what a stream
     /// cut off half-way left.
     live: bool,
+    /// Where the epoch in progress began, kept across regroups so that its step counter and
+    /// its time run on through them.
+    epoch_mark: Option<EpochMark>,
+}
+
+/// The start of an epoch: its number, when, and the global step before its first step.
+#[derive(Debug, Clone, Copy)]
+struct EpochMark {
+    epoch: usize,
+    started: Instant,
+    global_step: u64,
 }
 
 impl Run<'_> {
@@ -314,7 +326,19 @@ impl Run<'_> {
         let (cfg, rank, world_size) = (self.cfg, self.rank, self.world_size);
         let epoch = self.state.progress.epoch;
         let _epoch_span = tracing::info_span!("epoch", epoch = epoch + 1).entered();
-        let epoch_start = Instant::now();
+        let progress = &self.state.progress;
+        let mark = match self.epoch_mark {
+            Some(mark) if mark.epoch == epoch => mark,
+            // A new epoch; or one resumed mid-way (from a checkpoint, or a peer's state when
+            // joining), whose steps so far are counted at today's world size.
+            _ => *self.epoch_mark.insert(EpochMark {
+                epoch,
+                started: Instant::now(),
+                global_step: progress
+                    .global_step
+                    .saturating_sub(progress.position.div_ceil(cfg.batch_size * world_size) as u64),
+            }),
+        };
         let shard = Shard::new(
             self.setup.train.len(),
             cfg.seed,
@@ -324,12 +348,13 @@ impl Run<'_> {
             rank,
             cfg.batch_size,
         );
-        // Steps of this epoch already taken before the shard started (for the seed's counter).
+        // Steps of this epoch already taken before the shard started (for the seed's counter),
+        // at whatever world sizes they were taken.
         let steps_before = self
             .state
             .progress
-            .position
-            .div_ceil(cfg.batch_size * world_size);
+            .global_step
+            .saturating_sub(mark.global_step) as usize;
         let (mut running_loss, mut window, mut window_start, mut window_images) =
             (0.0f64, 0usize, Instant::now(), 0usize);
         let steps_in_epoch = steps_before + shard.steps();
@@ -360,10 +385,13 @@ impl Run<'_> {
                 // As of the messages `pause_requested` just read.
                 leave: control.as_ref().is_some_and(|c| c.leaving()),
             };
+            // The proof counts what was trained: no padding, no unreadable image.
+            let trained = sampler::delivered(shard.unpadded_batch(step), &batch.indices);
             let input = StepInput {
                 pixels: batch.pixels,
                 labels: &batch.labels,
-                digest: digest(shard.unpadded_batch(step)),
+                digest: digest(&trained),
+                samples: trained.len(),
             };
             let outcome = match self.step.run(input, flags, group, &mut self.state, cfg) {
                 Ok(outcome) => outcome,
@@ -392,7 +420,7 @@ impl Run<'_> {
             let progress = &mut self.state.progress;
             progress.global_step = global_step;
             progress.position = shard.position_after(step + 1);
-            progress.samples_seen += images as u64;
+            progress.samples_seen += outcome.samples as u64;
             progress.epoch_digest = progress.epoch_digest.wrapping_add(outcome.digest);
 
             let iter = steps_before + step + 1;
@@ -468,7 +496,7 @@ impl Run<'_> {
         self.state.progress.epoch += 1;
         self.state.progress.position = 0;
         self.checkpoint(report)?;
-        let seconds = epoch_start.elapsed().as_secs_f64();
+        let seconds = mark.started.elapsed().as_secs_f64();
         self.recorder.epoch(
             epoch + 1,
             self.state.progress.global_step,

@@ -31,6 +31,9 @@ pub(super) struct StepInput<'a> {
     pub(super) labels: &'a [i64],
     /// The [`digest`](crate::sampler::digest) of the samples' ids.
     pub(super) digest: u64,
+    /// How many samples of the data set the digest counts (padding and unreadable images
+    /// left out).
+    pub(super) samples: usize,
 }
 
 /// What a rank asks of all at a step: each is raised for all when any rank raises it.
@@ -61,6 +64,8 @@ pub(super) struct StepOutcome {
     pub(super) rank0_leaving: bool,
     /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
     pub(super) digest: u64,
+    /// The samples the digest counts, over all ranks.
+    pub(super) samples: usize,
     pub(super) compute_s: f64,
     pub(super) allreduce_s: f64,
 }
@@ -107,6 +112,7 @@ impl Step {
             pixels,
             labels,
             digest,
+            samples,
         } = input;
         let n = labels.len();
         let timer = Instant::now();
@@ -128,6 +134,7 @@ impl Step {
             reduced.push(batch_accuracy(&to_vec(logits), labels));
         });
         self.reduced.extend(digest_limbs(digest));
+        self.reduced.push(samples as f32);
         self.reduced.push(if flags.stop { 1.0 } else { 0.0 });
         self.reduced
             .push(if flags.pause || flags.leave { 1.0 } else { 0.0 });
@@ -146,6 +153,7 @@ impl Step {
         let leaving = count(self.reduced.pop());
         let pausing = self.reduced.pop().is_some_and(|v| v > 0.0);
         let stopping = self.reduced.pop().is_some_and(|v| v > 0.0);
+        let samples = count(self.reduced.pop());
         let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
         let digest = digest_sum(&limbs, group.world_size());
         let accuracy = self.reduced.pop().unwrap_or(f32::NAN);
@@ -158,6 +166,7 @@ impl Step {
             leaving,
             rank0_leaving,
             digest,
+            samples,
             compute_s,
             allreduce_s,
         };

@@ -61,6 +61,7 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
+    let total: usize = batches.iter().map(Vec::len).sum();
     let threads: Vec<_> = batches
         .into_iter()
         .enumerate()
@@ -89,11 +90,13 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     pixels,
                     labels: &labels,
                     digest: digest(&indices),
+                    samples: indices.len(),
                 };
                 let outcome = step
                     .run(input, Flags::default(), &mut group, &mut state, &cfg)
                     .unwrap();
                 assert!(outcome.loss.is_finite() && !outcome.stopping);
+                assert_eq!(outcome.samples, total, "the ranks' samples, summed");
                 (state.params, state.buffers, outcome.digest)
             })
         })

@@ -45,6 +45,32 @@ pub(super) enum Backend {
     Etcd { url: String },
 }
 
+/// `--standalone` makes its own one-node rendezvous: settings for another are refused, not
+/// ignored (torchrun only warns), so a job meant to span nodes does not run alone.
+fn check_standalone(args: &Args) -> anyhow::Result<()> {
+    let ignored: Vec<String> = [
+        (args.nnodes != "1").then(|| format!("--nnodes {}", args.nnodes)),
+        args.rdzv_backend
+            .as_ref()
+            .filter(|b| !matches!(b.as_str(), "static" | "c10d"))
+            .map(|b| format!("--rdzv-backend {b}")),
+        args.rdzv_endpoint
+            .as_ref()
+            .map(|e| format!("--rdzv-endpoint {e}")),
+        (args.node_rank != 0).then(|| format!("--node-rank {}", args.node_rank)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !ignored.is_empty() {
+        bail!(
+            "--standalone runs one node with its own rendezvous on this host; it cannot take {}: drop --standalone for a job across nodes, or drop the others",
+            ignored.join(" ")
+        );
+    }
+    Ok(())
+}
+
 impl Plan {
     pub(super) fn from_args(args: &Args) -> anyhow::Result<Plan> {
         let nproc_per_node = parse_nproc(&args.nproc_per_node)?;
@@ -52,6 +78,7 @@ impl Plan {
             check_run_id(id)?;
         }
         let limits = if args.standalone {
+            check_standalone(args)?;
             Limits { min: 1, max: 1 }
         } else {
             parse_nnodes(&args.nnodes)?
@@ -357,6 +384,14 @@ mod tests {
                 "--rdzv-id \"a/../../b\" names folders",
             ),
             (&["--standalone", "--rdzv-id", ""][..], "--rdzv-id is empty"),
+            (
+                &["--standalone", "--rdzv-endpoint", "h:29400"][..],
+                "--standalone runs one node with its own rendezvous on this host; it cannot take --rdzv-endpoint h:29400: drop --standalone",
+            ),
+            (
+                &["--standalone", "--nnodes", "1:2", "--rdzv-backend", "etcd"][..],
+                "cannot take --nnodes 1:2 --rdzv-backend etcd",
+            ),
         ] {
             let err = refused(flags);
             assert!(err.contains(says), "{flags:?}: {err}");
