@@ -36,6 +36,21 @@ pub const GREEN: RGBColor = RGBColor(44, 160, 44);
 pub const RED: RGBColor = RGBColor(214, 39, 40);
 pub const PURPLE: RGBColor = RGBColor(148, 103, 189);
 
+pub const GREY: RGBColor = RGBColor(127, 127, 127);
+pub const TEAL: RGBColor = RGBColor(23, 190, 207);
+
+/// Each kind of marker: its colour and its name in the legend.
+const MARKERS: [(MarkerKind, RGBColor, &str); 4] = [
+    (MarkerKind::Restart, RED, "restart"),
+    (MarkerKind::Resumed, GREY, "resumed by hand"),
+    (MarkerKind::WorldSize, PURPLE, "world size change"),
+    (MarkerKind::Regroup, TEAL, "regrouped in place"),
+];
+
+/// A marker's label is drawn to the right of its line, or to the left when it would run past
+/// the plot's right edge (about this many pixels a character at the labels' size).
+const LABEL_CHAR_PX: i32 = 7;
+
 const WIDE: (u32, u32) = (960, 440);
 const SQUARE: (u32, u32) = (720, 640);
 const FONT: &str = "sans-serif";
@@ -166,11 +181,8 @@ fn step_chart(
             colour: Some(hex(*colour)),
         })
         .collect();
-    for (kind, name, colour) in [
-        (MarkerKind::Restart, "restart", RED),
-        (MarkerKind::WorldSize, "world size change", PURPLE),
-    ] {
-        let n = data.markers.iter().filter(|m| m.kind == kind).count();
+    for (kind, colour, name) in MARKERS {
+        let n = data.count(kind);
         if n > 0 {
             series.push(Series {
                 name: name.into(),
@@ -214,10 +226,9 @@ fn step_chart(
                 }
             }
         }
-        for (kind, colour, legend) in [
-            (MarkerKind::Restart, RED, "restart"),
-            (MarkerKind::WorldSize, PURPLE, "world size change"),
-        ] {
+        let plot_px = chart.plotting_area().dim_in_pixel().0 as f64;
+        let mut labelled: Vec<u64> = Vec::new();
+        for (kind, colour, legend) in MARKERS {
             let marks: Vec<_> = data.markers.iter().filter(|m| m.kind == kind).collect();
             if marks.is_empty() {
                 continue;
@@ -233,12 +244,29 @@ fn step_chart(
             drawn.label(legend).legend(move |(x, y)| {
                 PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
             });
+            // Labels at one step go one under the other; a label that would cross the
+            // right edge goes to the left of its line.
+            let placed: Vec<_> = marks
+                .iter()
+                .map(|m| {
+                    let row = labelled.iter().filter(|&&s| s == m.step).count() as i32;
+                    labelled.push(m.step);
+                    let width = m.label.chars().count() as i32 * LABEL_CHAR_PX;
+                    let x_px = (m.step as f64 - x_min) / (x_max - x_min) * plot_px;
+                    let dx = if x_px + 5.0 + width as f64 > plot_px {
+                        -5 - width
+                    } else {
+                        5
+                    };
+                    (m, (dx, 4 + 16 * row))
+                })
+                .collect();
             chart
-                .draw_series(marks.iter().map(|m| {
+                .draw_series(placed.into_iter().map(|(m, offset)| {
                     EmptyElement::at((m.step as f64, y_max))
                         + Text::new(
                             m.label.clone(),
-                            (5, 4),
+                            offset,
                             (FONT, 13).into_font().color(&colour),
                         )
                 }))
@@ -246,7 +274,8 @@ fn step_chart(
         }
         chart
             .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
+            // Lower left: marker labels take the top, a falling loss the lower right.
+            .position(SeriesLabelPosition::LowerLeft)
             .background_style(WHITE.mix(0.85))
             .border_style(RGBColor(200, 200, 200))
             .label_font((FONT, 13))

@@ -8,7 +8,7 @@ use base64::Engine as _;
 
 use crate::ReportError;
 use crate::charts::Chart;
-use crate::run::RunData;
+use crate::run::{MarkerKind, RunData};
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -63,13 +63,29 @@ pub fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, Repo
     row(&mut out, "restarts", &data.restarts().to_string());
     row(
         &mut out,
+        "regroups in place",
+        &data.count(MarkerKind::Regroup).to_string(),
+    );
+    let resumed = data.count(MarkerKind::Resumed);
+    if resumed > 0 {
+        row(&mut out, "resumed by hand", &resumed.to_string());
+    }
+    row(
+        &mut out,
         "checkpoints written",
         &data.checkpoints.to_string(),
     );
     row(
         &mut out,
         "wall time",
-        &format!("{:.1} s (first record to last)", data.wall_s),
+        &if data.idle_s > 0.0 {
+            format!(
+                "{:.1} s (first record to last, less {:.1} s stopped before being started again)",
+                data.wall_s, data.idle_s
+            )
+        } else {
+            format!("{:.1} s (first record to last)", data.wall_s)
+        },
     );
     let steps: Vec<_> = data.steps().collect();
     if !steps.is_empty() {

@@ -33,6 +33,8 @@ pub enum ReportError {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Written {
     pub html: PathBuf,
+    /// This, as JSON.
+    pub json: PathBuf,
     pub charts: Vec<Chart>,
     /// Metrics lines that did not parse (partial lines left by a crash).
     pub skipped_lines: usize,
@@ -51,11 +53,12 @@ pub fn write_report(run_dir: &Path, out_dir: &Path) -> Result<Written, ReportErr
     write_file(&html, html::page(&data, &charts, out_dir)?.as_bytes())?;
     let written = Written {
         html,
+        json: out_dir.join("report.json"),
         charts,
         skipped_lines: data.skipped,
     };
     write_file(
-        &out_dir.join("report.json"),
+        &written.json,
         &serde_json::to_vec_pretty(&written).unwrap_or_default(),
     )?;
     Ok(written)

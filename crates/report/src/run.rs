@@ -11,10 +11,16 @@ use crate::ReportError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MarkerKind {
-    /// The workers were started again (a failure, or a resumed run).
+    /// The launcher started the workers again (a failure, or a node lost or added with
+    /// `--regroup restart` or a user's program), from the last checkpoint.
     Restart,
-    /// The job continued at another world size.
+    /// The run was started again by hand and resumed from its checkpoint: not a failure, and
+    /// the time it stood still is not counted.
+    Resumed,
+    /// The job continued at another world size after a restart.
     WorldSize,
+    /// The workers regrouped in place (no restart): a node lost, added or gone.
+    Regroup,
 }
 
 /// Something that happened between two attempts, at a global step.
@@ -48,8 +54,11 @@ pub struct RunData {
     pub eval: Option<Eval>,
     pub checkpoints: usize,
     pub epochs_done: usize,
-    /// Seconds from the first record to the last (rank 0).
+    /// Seconds from the first record to the last (rank 0), less the time the run stood still
+    /// before being started again by hand.
     pub wall_s: f64,
+    /// Seconds left out of `wall_s`: between an attempt's last record and a start by hand.
+    pub idle_s: f64,
     pub skipped: usize,
 }
 
@@ -89,10 +98,12 @@ impl RunData {
         let mut attempts: Vec<Attempt> = Vec::new();
         let mut markers = Vec::new();
         let (mut eval, mut config, mut checkpoints, mut epochs_done) = (None, None, 0, 0);
+        let (mut idle_s, mut previous_time) = (0.0, None::<f64>);
         for r in records {
             match r {
                 Record::Start(s) => {
                     if let Some(prev) = attempts.iter().rev().find_map(|a| a.start.as_ref()) {
+                        let finished = epochs_done > 0 && epochs_done >= s.config.epochs;
                         if s.restart > prev.restart {
                             markers.push(Marker {
                                 step: s.step,
@@ -100,11 +111,18 @@ impl RunData {
                                 label: format!("restart {}", s.restart),
                             });
                         } else if s.world_size == prev.world_size {
-                            markers.push(Marker {
-                                step: s.step,
-                                kind: MarkerKind::Restart,
-                                label: "resumed".into(),
-                            });
+                            // Started again by hand (a membership change restarts at another
+                            // world size, marked below): the time in between is nobody's.
+                            idle_s += previous_time.map_or(0.0, |t| (s.time - t).max(0.0));
+                            // A finished run started again only evaluates (or is refused):
+                            // nothing to mark.
+                            if !finished {
+                                markers.push(Marker {
+                                    step: s.step,
+                                    kind: MarkerKind::Resumed,
+                                    label: "resumed".into(),
+                                });
+                            }
                         }
                         if s.world_size != prev.world_size {
                             markers.push(Marker {
@@ -134,18 +152,19 @@ impl RunData {
                 Record::Checkpoint(_) => checkpoints += 1,
                 Record::Epoch(e) => epochs_done = epochs_done.max(e.epoch),
                 Record::Eval(e) => eval = Some(e.clone()),
-                Record::Regroup(g) if g.world_size != g.world_size_before => {
+                Record::Regroup(g) => {
                     markers.push(Marker {
                         step: g.step,
-                        kind: MarkerKind::WorldSize,
-                        label: format!(
-                            "regrouped: world size {} → {}",
-                            g.world_size_before, g.world_size
-                        ),
+                        kind: MarkerKind::Regroup,
+                        label: if g.world_size != g.world_size_before {
+                            format!("regrouped {} → {}", g.world_size_before, g.world_size)
+                        } else {
+                            "regrouped".into()
+                        },
                     });
                 }
-                Record::Regroup(_) => {}
             }
+            previous_time = Some(r.time());
         }
         let times = records.iter().map(Record::time);
         let first = times.clone().fold(f64::INFINITY, f64::min);
@@ -159,7 +178,12 @@ impl RunData {
             eval,
             checkpoints,
             epochs_done,
-            wall_s: if last >= first { last - first } else { 0.0 },
+            wall_s: if last >= first {
+                (last - first - idle_s).max(0.0)
+            } else {
+                0.0
+            },
+            idle_s,
             skipped: 0,
         }
     }
@@ -172,18 +196,28 @@ impl RunData {
         self.attempts.iter().rev().find_map(|a| a.steps.last())
     }
 
+    /// Restarts by the launcher (not runs resumed by hand, not regroups).
     pub fn restarts(&self) -> usize {
-        self.markers
-            .iter()
-            .filter(|m| m.kind == MarkerKind::Restart)
-            .count()
+        self.count(MarkerKind::Restart)
     }
 
+    pub fn count(&self, kind: MarkerKind) -> usize {
+        self.markers.iter().filter(|m| m.kind == kind).count()
+    }
+
+    /// The world sizes the steps ran at, in order (restarts and regroups alike).
     pub fn world_sizes(&self) -> Vec<u32> {
         let mut sizes: Vec<u32> = Vec::new();
-        for s in self.attempts.iter().filter_map(|a| a.start.as_ref()) {
-            if sizes.last() != Some(&s.world_size) {
-                sizes.push(s.world_size);
+        // In time order: each attempt's start, then its steps.
+        let ordered = self.attempts.iter().flat_map(|a| {
+            a.start
+                .iter()
+                .map(|s| s.world_size)
+                .chain(a.steps.iter().map(|s| s.world_size))
+        });
+        for size in ordered {
+            if sizes.last() != Some(&size) {
+                sizes.push(size);
             }
         }
         sizes
@@ -219,7 +253,11 @@ mod tests {
     use super::*;
 
     fn start(restart: u32, world_size: u32, step: u64) -> Record {
-        Record::Start(Start {
+        Record::Start(start_at(restart, world_size, step))
+    }
+
+    fn start_at(restart: u32, world_size: u32, step: u64) -> Start {
+        Start {
             v: SCHEMA_VERSION,
             time: step as f64,
             rank: 0,
@@ -229,12 +267,16 @@ mod tests {
             resumed: step > 0,
             from_peer: false,
             config: RunConfig::default(),
-        })
+        }
     }
 
     fn step(n: u64, world_size: u32) -> Record {
+        step_at(n as f64, n, world_size)
+    }
+
+    fn step_at(time: f64, n: u64, world_size: u32) -> Record {
         Record::Step(Step {
-            time: n as f64,
+            time,
             rank: 0,
             world_size,
             restart: 0,
@@ -267,8 +309,26 @@ mod tests {
             // A node lost: the next round runs with one worker.
             start(1, 1, 3),
             step(4, 1),
-            // The same run started again by hand, from its checkpoint.
-            start(0, 1, 4),
+            // The same run started again by hand, from its checkpoint, 100 s later.
+            Record::Start(Start {
+                time: 104.0,
+                ..start_at(0, 1, 4)
+            }),
+            step_at(105.0, 5, 1),
+            // A node added, in place.
+            Record::Regroup(telemetry::metrics::Regroup {
+                time: 106.0,
+                rank: 0,
+                world_size_before: 1,
+                world_size: 2,
+                step: 5,
+                steps_dropped: 0,
+                bytes: 0,
+                received: false,
+                seconds: 0.1,
+                reason: "paused".into(),
+            }),
+            step_at(107.0, 6, 2),
         ];
         let data = RunData::from_records(&records, vec![]);
         assert_eq!(
@@ -276,7 +336,7 @@ mod tests {
                 .iter()
                 .map(|a| a.steps.len())
                 .collect::<Vec<_>>(),
-            [3, 1, 1, 0]
+            [3, 1, 1, 2]
         );
         let marks: Vec<(u64, MarkerKind, &str)> = data
             .markers
@@ -288,11 +348,49 @@ mod tests {
             [
                 (2, MarkerKind::Restart, "restart 1"),
                 (3, MarkerKind::WorldSize, "world size 2 → 1"),
-                (4, MarkerKind::Restart, "resumed"),
+                (4, MarkerKind::Resumed, "resumed"),
+                (5, MarkerKind::Regroup, "regrouped 1 → 2"),
             ]
         );
-        assert_eq!(data.world_sizes(), [2, 1]);
-        assert_eq!(data.restarts(), 2);
-        assert_eq!(data.last_step().map(|s| s.step), Some(4));
+        assert_eq!(data.world_sizes(), [2, 1, 2]);
+        assert_eq!(data.restarts(), 1, "resumed by hand is not a restart");
+        assert_eq!(data.last_step().map(|s| s.step), Some(6));
+        // The 100 s between the last record and the start by hand are not run time.
+        assert_eq!((data.idle_s, data.wall_s), (100.0, 7.0));
+    }
+
+    /// A finished run started again (it evaluates, or is refused) is no restart, and the
+    /// time in between is not run time.
+    #[test]
+    fn a_finished_run_started_again_is_not_marked() {
+        let config = RunConfig {
+            epochs: 1,
+            ..RunConfig::default()
+        };
+        let started = |time: f64, step: u64| {
+            Record::Start(Start {
+                time,
+                config: config.clone(),
+                ..start_at(0, 1, step)
+            })
+        };
+        let epoch = Record::Epoch(telemetry::metrics::EpochDone {
+            time: 2.0,
+            rank: 0,
+            epoch: 1,
+            step: 2,
+            seconds: 2.0,
+            samples_digest: None,
+        });
+        let records = vec![
+            started(0.0, 0),
+            step_at(1.0, 1, 1),
+            step_at(2.0, 2, 1),
+            epoch,
+            started(50.0, 2),
+        ];
+        let data = RunData::from_records(&records, vec![]);
+        assert!(data.markers.is_empty(), "{:?}", data.markers);
+        assert_eq!((data.idle_s, data.wall_s), (48.0, 2.0));
     }
 }

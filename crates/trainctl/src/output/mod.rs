@@ -269,19 +269,19 @@ impl Progress {
         }
         self.recent.push_back(s.loss);
         let mean = self.recent.iter().sum::<f32>() / self.recent.len() as f32;
-        let steps = self.recent.len();
         let bar = self.show(
             label,
             s.steps_in_epoch as u64,
-            "{prefix} [{bar:25}] {pos}/{len} | {msg} | eta {eta}",
+            "{prefix} [{bar:20}] {pos}/{len} | {msg} | eta {eta}",
         );
         if bar.length() != Some(s.steps_in_epoch as u64) {
             // The world size changed mid-epoch: so did the number of steps.
             bar.set_length(s.steps_in_epoch as u64);
             bar.reset_eta();
         }
+        // Mean over the last steps, as the loss lines' (one line on an 80-column terminal).
         bar.set_message(format!(
-            "loss {mean:.3} (mean of {steps} steps) | {:.1} img/s",
+            "mean loss {mean:.3} | {:.1} img/s",
             s.images_per_sec
         ));
         bar.set_position(s.iter as u64);
@@ -358,6 +358,7 @@ pub fn report_written(w: &report::Written, dir: &std::path::Path) {
         out(format_args!("{}", dir.join(&chart.file).display()));
     }
     out(format_args!("{}", w.html.display()));
+    out(format_args!("{}", w.json.display()));
     if w.skipped_lines > 0 {
         warn(&format!(
             "{} metrics line(s) could not be read (a crash leaves a partial last line); the rest is in the report",

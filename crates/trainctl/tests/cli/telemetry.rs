@@ -197,6 +197,18 @@ fn a_run_with_a_restart_is_recorded_for_tensorboard_and_the_report() {
     let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
     assert_eq!(html.matches("src=\"data:image/png;base64,").count(), 5);
     assert!(html.contains("<th>restarts</th><td>1</td>"), "{html}");
+    assert!(
+        html.contains("<th>regroups in place</th><td>0</td>"),
+        "{html}"
+    );
+    // Every file written is listed, the JSON index too.
+    for file in ["report.html", "report.json"] {
+        assert!(
+            text(&report.stdout).contains(dir.join(file).to_str().unwrap()),
+            "{}",
+            text(&report.stdout)
+        );
+    }
     assert!(html.contains(&format!("{:.2} % of 40 images", eval.accuracy)));
     assert!(
         !html.contains("http://") && !html.contains("https://"),
@@ -400,7 +412,8 @@ fn a_terminal_gets_a_progress_bar_with_the_lines_above_it() {
     let tty = text(&out.stdout);
     // indicatif redraws the bar in place: carriage return, erase line.
     assert!(tty.contains("epoch 1 ["), "{tty}");
-    assert!(tty.contains("2/2 | loss "), "{tty}");
+    // The bar's loss is a mean over the last steps, as the loss lines' is.
+    assert!(tty.contains("2/2 | mean loss "), "{tty}");
     assert!(tty.contains("\x1b[2K"), "{tty:?}");
     // A worker's line is never cut by the bar: it starts on a fresh row and ends its own.
     for line in tty.split(['\r', '\n']).filter(|l| l.contains("[0]:")) {
