@@ -122,6 +122,7 @@ fn connect(cfg: &Config, kind: &BackendKind, id: &str) -> Result<Connected, Rend
         }
         BackendKind::Etcd { url } => {
             let etcd = Etcd::open(url, &cfg.run_id, cfg.store_timeout)?;
+            etcd.probe()?;
             let ip = etcd
                 .host_port()
                 .and_then(|(h, p)| route_address(h.trim_matches(['[', ']']), p));

@@ -50,9 +50,10 @@ pub enum RendezvousError {
         min: u32,
         round: u64,
     },
-    /// Something answers at the endpoint but not as a trainctl store: waiting will not help.
+    /// Something answers at the endpoint but not as a trainctl store or etcd: waiting will not
+    /// help.
     #[error(
-        "something answers at {endpoint} but it is not a trainctl rendezvous store (its answer to the handshake: {problem}): another program holds that port; give --rdzv-endpoint a port that is free on that host (c10d's default is 29400)"
+        "something answers at {endpoint} but it is not a trainctl rendezvous store or etcd (its answer: {problem}): another program holds that port; check --rdzv-endpoint (c10d's store listens on 29400 by default, etcd on 2379)"
     )]
     NotAStore { endpoint: String, problem: String },
     #[error(transparent)]

@@ -59,6 +59,40 @@ impl Etcd {
         Some((url.host_str()?.to_string(), url.port_or_known_default()?))
     }
 
+    /// First contact: etcd's status. Nothing listening is an error worth waiting on (etcd may
+    /// be starting); something that accepts the connection and then does not answer, or
+    /// answers but not as etcd does, is [`RendezvousError::NotAStore`]: waiting will not help.
+    pub fn probe(&self) -> Result<(), RendezvousError> {
+        let not_etcd = |problem: String| RendezvousError::NotAStore {
+            endpoint: self.url.clone(),
+            problem,
+        };
+        let response = self
+            .http
+            .post(format!("{}/v3/maintenance/status", self.url))
+            .body("{}")
+            .send()
+            .map_err(|e| {
+                if e.is_timeout() && !e.is_connect() {
+                    not_etcd(format!(
+                        "it took the connection but sent nothing in {:.0} s",
+                        self.timeout.as_secs_f64()
+                    ))
+                } else {
+                    self.error(format!("{e} (is etcd running there?)"))
+                }
+            })?;
+        let status = response.status();
+        let text = response.text().map_err(|e| self.error(e))?;
+        match serde_json::from_str::<Value>(&text) {
+            Ok(v) if v.get("version").is_some() => Ok(()),
+            _ => Err(not_etcd(format!(
+                "/v3/maintenance/status: HTTP {status}, not etcd's status: {:?}",
+                text.chars().take(200).collect::<String>()
+            ))),
+        }
+    }
+
     fn error(&self, problem: impl std::fmt::Display) -> RendezvousError {
         RendezvousError::Store {
             endpoint: self.url.clone(),

@@ -554,3 +554,55 @@ fn a_foreign_listener_on_the_rendezvous_port_is_named_at_once() {
     );
     drop(foreign);
 }
+
+/// The same with `--rdzv-backend etcd`: a listener that takes the connection and says nothing,
+/// and an HTTP server that is not etcd, are named at once, not waited on until the join
+/// timeout.
+#[test]
+fn a_foreign_listener_at_the_etcd_endpoint_is_named_at_once() {
+    use std::io::{Read, Write};
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web_addr = web.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for mut stream in web.incoming().flatten() {
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found",
+            );
+        }
+    });
+    for (endpoint, says) in [
+        (
+            silent.local_addr().unwrap(),
+            "took the connection but sent nothing",
+        ),
+        (web_addr, "HTTP 404 Not Found, not etcd's status"),
+    ] {
+        let started = std::time::Instant::now();
+        let out = trainctl()
+            .args(["run", "--nnodes", "1:2", "--rdzv-backend", "etcd"])
+            .args([
+                "--rdzv-endpoint",
+                &endpoint.to_string(),
+                "--rdzv-id",
+                "foreign",
+            ])
+            .args(["--rdzv-conf", "timeout=1", "--job-token", "t"])
+            .args(["--", "true"])
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("is not a trainctl rendezvous store or etcd")
+                && err.contains(says)
+                && err.contains("--rdzv-endpoint"),
+            "{err}"
+        );
+        // Named, not waited on: the join timeout is 600 s.
+        assert!(started.elapsed() < Duration::from_secs(60), "{err}");
+    }
+    drop(silent);
+}
