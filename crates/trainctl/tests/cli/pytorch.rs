@@ -290,6 +290,43 @@ fn a_pytorch_hang_names_the_sleeping_rank_and_the_waiting_all_reduce() {
     assert!(out.contains("in all_reduce"), "{out}");
 }
 
+/// A real DDP job that hangs: rank 1 sleeps before its backward, rank 0 waits in DDP's
+/// gradient all-reduce inside loss.backward(). The report leads with the sleeping rank, not
+/// the one in the autograd engine waiting for it (root_cause.rs has the torch-free twin).
+#[test]
+fn a_ddp_hang_in_backward_names_the_sleeping_rank() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED a_ddp_hang_in_backward_names_the_sleeping_rank: no Python with torch (set TRAINCTL_TEST_PYTHON or run bench/run.sh)"
+        );
+        return;
+    };
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hang_ddp.py");
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "10", "--grace-period", "1", "--"])
+            .arg(python)
+            .arg(&script),
+    );
+    let line = std::fs::read_to_string(&script)
+        .unwrap()
+        .lines()
+        .position(|l| l.contains("time.sleep(3600)"))
+        .unwrap()
+        + 1;
+    let hung = out
+        .lines()
+        .find(|l| l.contains(" hung: no line of output"))
+        .unwrap_or_else(|| panic!("no hang line: {out}"));
+    assert!(
+        hung.contains("; rank 1 at ")
+            && hung.contains(&format!("hang_ddp.py:{line} in main: time.sleep(3600)")),
+        "{out}"
+    );
+    assert!(out.contains("in _engine_run_backward"), "{out}");
+}
+
 /// PyTorch's own FileTimerClient against trainctl's timer server: the protocol is torch's.
 #[test]
 fn pytorchs_file_timer_client_is_served() {

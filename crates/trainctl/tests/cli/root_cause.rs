@@ -202,6 +202,40 @@ fn hang_fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hangs.py")
 }
 
+/// The torch-free twin of a DDP hang: rank 0 waits inside loss.backward() (the autograd
+/// engine's `_engine_run_backward` in torch/autograd/graph.py, where DDP's gradient all-reduce
+/// waits), rank 1 sleeps. The report blames the sleeping rank, not the one waiting for it.
+#[test]
+fn a_hang_in_ddps_backward_blames_the_rank_that_did_not_come() {
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hang_backward.py");
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "3", "--grace-period", "1", "--"])
+            .arg("python3")
+            .arg(&script),
+    );
+    let sleep = format!(
+        "hang_backward.py:{} in main: time.sleep(3600)",
+        line_of(&script, "time.sleep(3600)")
+    );
+    let hung = out
+        .lines()
+        .find(|l| l.contains(" hung: no line of output"))
+        .unwrap_or_else(|| panic!("no hang line: {out}"));
+    assert!(
+        hung.contains("; rank 1 at ") && hung.contains(&sleep),
+        "the sleeping rank leads: {out}"
+    );
+    assert!(!hung.contains("; rank 0 at "), "{out}");
+    // Rank 0's wait is still in the stacks, as a wait.
+    assert!(
+        out.contains("torch/autograd/graph.py:") && out.contains("in _engine_run_backward"),
+        "{out}"
+    );
+}
+
 /// Rank 1 sleeps while rank 0 waits for it: with --hang-timeout 3 the hang is declared a few
 /// seconds after the last line, the report leads with the sleeping rank and its time.sleep
 /// line and names rank 0's all_reduce frame, the stacks are in the log folder, and
