@@ -161,7 +161,7 @@ fn a_resnet_learns_an_image_folder_on_two_workers_and_resumes_exactly() {
 }
 
 /// `root`'s files as a zip, named relative to `root`, as the official archive is made.
-fn zip_dir(root: &Path) -> Vec<u8> {
+pub(crate) fn zip_dir(root: &Path) -> Vec<u8> {
     use std::io::Write;
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)

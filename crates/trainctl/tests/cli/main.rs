@@ -13,6 +13,7 @@ mod kubernetes;
 mod launch;
 mod pods;
 mod pytorch;
+mod readme;
 mod root_cause;
 mod s3;
 mod telemetry;
