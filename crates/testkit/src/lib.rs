@@ -64,6 +64,32 @@ pub fn python() -> PathBuf {
     python
 }
 
+/// A Python with torch and safetensors, for the PyTorch tests: `TRAINCTL_TEST_PYTHON`, the
+/// test environment (`TRAINCTL_PYTHON` or `target/pyenv`, where scripts/test installs torch),
+/// or `bench/.venv` (made by bench/run.sh). `None` where there is none: the caller says
+/// SKIPPED loudly (a plain `cargo test` does not install a multi-GB PyTorch).
+pub fn python_with_torch() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let candidates = [
+        std::env::var_os("TRAINCTL_TEST_PYTHON").map(PathBuf::from),
+        std::env::var_os("TRAINCTL_PYTHON").map(PathBuf::from),
+        Some(root.join("target/pyenv/bin/python")),
+        Some(root.join("bench/.venv/bin/python")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        Command::new(p)
+            .args(["-c", "import torch.distributed, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// The checkout's Python package (`python/`), for `PYTHONPATH`: the tests run the code they
+/// were built with, whatever copy is installed.
+pub fn python_package() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python")
+}
+
 /// Runs `scripts/read_telemetry.py ARGS` (stdin from `input`) and returns its JSON.
 pub fn read_telemetry(args: &[&str], input: Option<&str>) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/read_telemetry.py");

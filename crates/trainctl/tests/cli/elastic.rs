@@ -24,8 +24,19 @@ enum Store {
     Etcd,
 }
 
+/// What the agents run.
+#[derive(Clone)]
+enum Program {
+    /// `trainctl train`.
+    Builtin,
+    /// examples/pytorch/elastic_cifar.py under this Python (with torch), `trainctl.torch`
+    /// from the checkout.
+    PyTorch(PathBuf),
+}
+
 struct Cluster {
     job: Job,
+    program: Program,
     store: Store,
     endpoint: String,
     run_id: String,
@@ -61,6 +72,7 @@ impl Cluster {
         };
         Some(Cluster {
             job: Job::new(TRAIN_IMAGES as usize, 64),
+            program: Program::Builtin,
             store,
             endpoint,
             run_id: name.to_string(),
@@ -99,19 +111,85 @@ impl Cluster {
             .args(["--job-token", "elastic-test"])
             .args(["--max-restarts", &max_restarts.to_string()])
             .args(["--collective-timeout", "20"])
-            .args(["--regroup", self.regroup])
-            .args(["train", "--data", "data", "--out", "runs"])
-            .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
-            .args([
-                "--threads",
-                "1",
-                "--print-freq",
-                "2",
-                "--checkpoint-every",
-                "2",
-            ])
-            .arg("--no-eval");
+            .args(["--regroup", self.regroup]);
+        match &self.program {
+            Program::Builtin => cmd
+                .args(["train", "--data", "data", "--out", "runs"])
+                .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
+                .args([
+                    "--threads",
+                    "1",
+                    "--print-freq",
+                    "2",
+                    "--checkpoint-every",
+                    "2",
+                ])
+                .arg("--no-eval"),
+            Program::PyTorch(python) => cmd
+                .env("PYTHONPATH", testkit::python_package())
+                .arg("--")
+                .arg(python)
+                .arg(
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                        .join("../../examples/pytorch/elastic_cifar.py"),
+                )
+                .args(["--data", "data", "--out", "runs"])
+                .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
+                .args(["--threads", "1", "--print-freq", "2"]),
+        };
         cmd
+    }
+
+    /// The same cluster running the PyTorch example instead (`None`, after a loud message,
+    /// where there is no Python with torch); many short epochs, so that a kill or a join
+    /// lands mid-run.
+    fn pytorch(store: Store, name: &str) -> Option<Cluster> {
+        let Some(python) = testkit::python_with_torch() else {
+            eprintln!(
+                "SKIPPED {name}: no Python with torch (scripts/test installs it; or set TRAINCTL_TEST_PYTHON)"
+            );
+            return None;
+        };
+        let mut c = Cluster::new(store, name)?;
+        c.program = Program::PyTorch(python);
+        c.epochs = 12;
+        Some(c)
+    }
+
+    /// Waits until a worker's metrics record a step at `step` or later.
+    fn wait_for_recorded_step(&self, step: u64) {
+        testkit::eventually(&format!("a step record at {step}"), JOB_TIMEOUT, || {
+            self.metrics().iter().flatten().any(|r| match r {
+                Record::Step(s) => s.step >= step,
+                _ => false,
+            })
+        });
+    }
+
+    /// The end of a PyTorch run: every rank's weights the same, every sample of every epoch
+    /// trained once (the samples count), ending at `world_size`; the test accuracy printed.
+    fn verify_pytorch_finished(&self, outputs: &[String], world_size: usize) {
+        let all = outputs.join("\n");
+        let ends = finished(&all);
+        let fingerprints: std::collections::BTreeSet<_> =
+            ends.iter().map(|(_, _, f)| f.clone()).collect();
+        assert_eq!(
+            fingerprints.len(),
+            1,
+            "every rank ends with the same weights:\n{all}"
+        );
+        assert_eq!(ends.len(), world_size, "{all}");
+        assert!(
+            all.contains(&format!(
+                "(world size {world_size}, {} samples trained in all)",
+                self.epochs * TRAIN_IMAGES
+            )),
+            "{all}"
+        );
+        assert!(
+            all.contains("Accuracy of the network on the 64 test images"),
+            "{all}"
+        );
     }
 
     fn start(&mut self, host: usize, max_restarts: u32) -> usize {
@@ -895,4 +973,124 @@ fn a_hung_rank_is_a_timeout_and_a_restart_not_a_hang() {
     let out = run_ok(trainctl().arg("checkpoint").arg(&ckpt).arg("--json"));
     let p: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(p["samples_seen"].as_u64(), Some(4 * TRAIN_IMAGES), "{p}");
+}
+
+/// A PyTorch program (examples/pytorch/elastic_cifar.py with `trainctl.torch`): one of three
+/// agents SIGKILLed mid-run. The survivors' workers are the ones they started (same PIDs),
+/// they go on from the step they hold (the next global step follows the last completed one),
+/// every epoch's digest is every image once (the Python digest checked against the Rust one),
+/// all ranks end with the same weights, and no rank read a checkpoint.
+fn pytorch_agent_lost(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_recorded_step(10);
+    c.kill(agents[2]);
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    let all = outputs.join("\n");
+    assert!(
+        outputs
+            .iter()
+            .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
+        "{all}"
+    );
+    assert!(!all.contains("restarting"), "{all}");
+    for &a in &agents[..2] {
+        assert_eq!(
+            workers_of(&c.agents[a]).len(),
+            1,
+            "no survivor's worker starts again:\n{all}"
+        );
+    }
+    c.verify_pytorch_finished(&outputs, 2);
+    c.verify_exactly_once();
+    assert!(
+        c.starts().iter().all(|&(peer, resumed)| !peer && !resumed),
+        "only the first start records: {:?}",
+        c.starts()
+    );
+}
+
+/// A node joins a running PyTorch job: the running workers are not restarted, the joiner's
+/// start record says it took the state from a peer, and no rank reads a checkpoint.
+fn pytorch_agent_added(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    let first = [c.start(1, 1), c.start(2, 1)];
+    c.wait_for_recorded_step(10);
+    let late = c.start(3, 1);
+    let mut outputs: Vec<String> = first.iter().map(|&a| c.succeeds(a)).collect();
+    outputs.push(c.succeeds(late));
+    let all = outputs.join("\n");
+    assert!(
+        outputs[..2]
+            .iter()
+            .all(|o| o.contains("regrouped in place") && o.contains("world size 2 → 3")),
+        "{all}"
+    );
+    for &a in &first {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_pytorch_finished(&outputs, 3);
+    c.verify_exactly_once();
+    let starts = c.starts();
+    assert_eq!(
+        starts.iter().filter(|(peer, _)| *peer).count(),
+        1,
+        "the joiner takes its state from a peer: {starts:?}"
+    );
+    assert!(
+        starts.iter().all(|(_, resumed)| !resumed),
+        "no rank reads a checkpoint: {starts:?}"
+    );
+}
+
+/// A PyTorch job's node told to go (SIGTERM to its agent: a deleted pod) leaves at a step
+/// boundary, exit 143; the others regroup in place without restarting.
+fn pytorch_agent_told_to_go(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_recorded_step(10);
+    let leaving = agents[2];
+    sigterm(&c.agents[leaving]);
+    let status = c.agents[leaving].wait(JOB_TIMEOUT);
+    let left = c.agents[leaving].output();
+    assert_eq!(status.code(), Some(143), "the leaver exits 143:\n{left}");
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    let all = outputs.join("\n");
+    assert!(
+        outputs.iter().all(|o| o.contains("leaves (SIGTERM)")
+            && o.contains("regrouped in place")
+            && o.contains("world size 3 → 2")),
+        "{all}"
+    );
+    for &a in &agents[..2] {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_pytorch_finished(&outputs, 2);
+    c.verify_exactly_once();
+}
+
+#[test]
+fn c10d_pytorch_agent_killed_the_others_go_on_in_place() {
+    pytorch_agent_lost(Store::C10d, "c10d-py-kill");
+}
+
+#[test]
+fn etcd_pytorch_agent_killed_the_others_go_on_in_place() {
+    pytorch_agent_lost(Store::Etcd, "etcd-py-kill");
+}
+
+#[test]
+fn c10d_pytorch_agent_added_joins_in_place_with_a_peers_state() {
+    pytorch_agent_added(Store::C10d, "c10d-py-join");
+}
+
+#[test]
+fn c10d_pytorch_agent_told_to_go_leaves_and_the_others_go_on() {
+    pytorch_agent_told_to_go(Store::C10d, "c10d-py-leave");
 }

@@ -8,18 +8,8 @@ use std::path::PathBuf;
 
 use crate::support::*;
 
-#[allow(clippy::disallowed_methods)] // a test knob, not the worker contract
 fn python_with_torch() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("TRAINCTL_TEST_PYTHON").map(PathBuf::from),
-        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/.venv/bin/python")),
-    ];
-    candidates.into_iter().flatten().find(|p| {
-        std::process::Command::new(p)
-            .args(["-c", "import torch.distributed, safetensors"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
+    testkit::python_with_torch()
 }
 
 #[test]
