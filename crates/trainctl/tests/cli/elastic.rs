@@ -43,6 +43,8 @@ struct Cluster {
     agents: Vec<Running>,
     /// `--regroup` for every agent.
     regroup: &'static str,
+    /// `--collective-timeout` for every agent, in seconds.
+    collective_timeout: u32,
     epochs: u64,
     etcd: Option<EtcdServer>,
     // Dropped last: the namespaces outlive every process started in them.
@@ -78,6 +80,7 @@ impl Cluster {
             run_id: name.to_string(),
             agents: Vec::new(),
             regroup: "in-process",
+            collective_timeout: 20,
             epochs: EPOCHS,
             etcd,
             net,
@@ -110,7 +113,7 @@ impl Cluster {
             .args(["--rdzv-conf", "last_call_timeout=0.5"])
             .args(["--job-token", "elastic-test"])
             .args(["--max-restarts", &max_restarts.to_string()])
-            .args(["--collective-timeout", "20"])
+            .args(["--collective-timeout", &self.collective_timeout.to_string()])
             .args(["--regroup", self.regroup]);
         match &self.program {
             Program::Builtin => cmd
@@ -1073,6 +1076,38 @@ fn pytorch_agent_told_to_go(store: Store, name: &str) {
     }
     c.verify_pytorch_finished(&outputs, 2);
     c.verify_exactly_once();
+}
+
+/// A PyTorch job's node cut off (its link down: no connection is reset, a collective would
+/// wait for its timeout): the agents find the node gone and abort the survivors' group, whose
+/// blocked collective then fails at once. The collective timeout is set past the test's
+/// deadline, so only the abort can make the survivors go on in time.
+fn pytorch_link_cut(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    c.collective_timeout = 900;
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_recorded_step(10);
+    c.net.cut(3);
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    let all = outputs.join("\n");
+    assert!(
+        outputs
+            .iter()
+            .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
+        "{all}"
+    );
+    for &a in &agents[..2] {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_pytorch_finished(&outputs, 2);
+    c.verify_exactly_once();
+}
+
+#[test]
+fn c10d_pytorch_link_cut_the_abort_frees_the_survivors() {
+    pytorch_link_cut(Store::C10d, "c10d-py-cut");
 }
 
 #[test]
