@@ -348,3 +348,72 @@ fn pytorchs_file_timer_client_is_served() {
         "{out}"
     );
 }
+
+/// The elastic example is ordinary DDP code under PyTorch's own `torchrun` (no control
+/// channel): it trains, records its metrics where the built-in trainer does, and a second run
+/// resumes from its checkpoint, as torchrun's restarts rely on.
+#[test]
+fn the_elastic_example_is_plain_ddp_under_torchrun() {
+    let Some(python) = python_with_torch() else {
+        eprintln!(
+            "SKIPPED the_elastic_example_is_plain_ddp_under_torchrun: no Python with torch (scripts/test installs it; or set TRAINCTL_TEST_PYTHON)"
+        );
+        return;
+    };
+    let job = Job::new(128, 32);
+    let example =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/pytorch/elastic_cifar.py");
+    let torchrun = |epochs: &str| {
+        let mut cmd = std::process::Command::new(&python);
+        cmd.current_dir(job.dir.path())
+            .env("PYTHONPATH", testkit::python_package())
+            // Not --standalone, whose run id is new every time: the run's folder is its id's.
+            .args(["-m", "torch.distributed.run", "--nnodes", "1"])
+            .args(["--nproc-per-node", "2", "--rdzv-backend", "c10d"])
+            .args([
+                "--rdzv-endpoint",
+                "127.0.0.1:0",
+                "--rdzv-id",
+                "under-torchrun",
+            ])
+            .arg(&example)
+            .args(["--data", "data", "--out", "runs", "--batch-size", "16"])
+            .args(["--threads", "1", "--epochs", epochs]);
+        run_ok(&mut cmd)
+    };
+    let first = torchrun("2");
+    let out = format!("{}{}", text(&first.stdout), text(&first.stderr));
+    assert!(
+        out.contains("Accuracy of the network on the 32 test images"),
+        "{out}"
+    );
+    assert!(
+        out.contains("(world size 2, 256 samples trained in all)"),
+        "{out}"
+    );
+    let metrics = job.path("runs/under-torchrun/metrics");
+    for rank in 0..2 {
+        let records = telemetry::metrics::read_metrics(&metrics.join(format!("rank-{rank}.jsonl")))
+            .unwrap()
+            .records;
+        let digests: Vec<_> = records
+            .iter()
+            .filter_map(|r| match r {
+                telemetry::metrics::Record::Epoch(e) => e.samples_digest.clone(),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(digests, [every_image(128), every_image(128)], "rank {rank}");
+    }
+    // Started again with a third epoch: it resumes from the checkpoint of the second.
+    let again = torchrun("3");
+    let out = format!("{}{}", text(&again.stdout), text(&again.stderr));
+    assert!(
+        out.contains("resuming from") && out.contains("epoch 3, step 8"),
+        "{out}"
+    );
+    assert!(
+        out.contains("(world size 2, 384 samples trained in all)"),
+        "{out}"
+    );
+}
