@@ -73,7 +73,9 @@ class Elastic:
     order is ``DistributedSampler``'s (``torch.randperm`` seeded by ``seed`` + epoch).
     The run's files go to ``OUT/RUN_ID/`` as the built-in trainer's do: ``metrics/rank-N.jsonl``
     and ``checkpoint.pt`` (rank 0, every epoch and every ``checkpoint_every`` steps; read at a
-    start that no rank can take from a peer).
+    start that no rank can take from a peer). SIGTERM (the whole job stopped) finishes the step
+    under way on every rank, checkpoints it and exits 143: the constructor installs that
+    handler.
     """
 
     def __init__(
@@ -562,7 +564,7 @@ class Elastic:
         text = str(e)
         return self._aborted or any(
             k in text
-            for k in ("gloo", "Gloo", "NCCL", "onnection", "imed out", "closed by peer", "Socket", "peer")
+            for k in ("gloo", "Gloo", "NCCL", "onnection", "imed out", "closed by peer", "Socket")
         )
 
     def _lost(self, e):
@@ -612,7 +614,10 @@ class Elastic:
             "received": synced["received"],
             "seconds": seconds,
         }
-        self._metrics = None
+        # The file of this worker's rank in the new group.
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self._metrics_file().write("regroup", reason=reason, **regrouped)
         try:
             self.control.send(

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""What trainctl.torch costs a step when nothing fails: the same seed-CNN training loop, plain
+DDP (DistributedSampler, DataLoader-free indexing) and with ``Elastic`` (its per-step flags
+all-reduce, records and digest), each run under ``trainctl run --standalone --nproc-per-node 2``,
+alternated round by round on the same machine. Prints each round's steps/s and the medians.
+
+Usage: bench/pytorch_elastic_cost.py [--rounds 5] [--steps 150] [--batch-size 32]
+                                    [--python target/pyenv/bin/python] [--trainctl target/release/trainctl]
+The worker side of a round: pytorch_elastic_cost.py --worker plain|elastic ...
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worker(args):
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "pytorch"))
+    from elastic_cifar import Net
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    n = args.steps * args.batch_size * 2
+    images = torch.randn(n, 3, 32, 32)
+    labels = torch.randint(0, 10, (n,))
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4)
+    if args.worker == "plain":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DistributedSampler
+
+        dist.init_process_group("gloo")
+        ddp = DistributedDataParallel(model)
+        sampler = DistributedSampler(range(n), shuffle=True, seed=0)
+        indices = list(sampler)
+        start = time.perf_counter()
+        for s in range(args.steps):
+            batch = indices[s * args.batch_size : (s + 1) * args.batch_size]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(ddp(images[batch]), labels[batch])
+            loss.backward()
+            optimizer.step()
+            loss.item()
+        seconds = time.perf_counter() - start
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+    else:
+        from trainctl.torch import Elastic
+
+        job = Elastic(model, optimizer, dataset_size=n, batch_size=args.batch_size, out=args.out)
+        start = time.perf_counter()
+        for _ in job.epochs(1):
+            for batch in job.batches():
+                with job.step() as step:
+                    loss = F.cross_entropy(job.model(images[batch]), labels[batch])
+                    loss.backward()
+                    step.loss = loss.item()
+        seconds = time.perf_counter() - start
+        rank = job.rank
+        job._teardown()
+    if rank == 0:
+        print(f"STEPS_PER_S {args.steps / seconds:.3f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", choices=["plain", "elastic"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--python", default=os.path.join(ROOT, "target", "pyenv", "bin", "python"))
+    ap.add_argument("--trainctl", default=os.path.join(ROOT, "target", "release", "trainctl"))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    results = {"plain": [], "elastic": []}
+    with tempfile.TemporaryDirectory() as out:
+        for r in range(args.rounds):
+            for kind in ("plain", "elastic"):
+                cmd = [
+                    args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--",
+                    args.python, os.path.abspath(__file__), "--worker", kind,
+                    "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                    "--out", os.path.join(out, f"{kind}-{r}"),
+                ]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+                rate = float(done.stdout.split("STEPS_PER_S ")[1].split()[0])
+                results[kind].append(rate)
+                print(f"round {r + 1} {kind:8} {rate:7.2f} steps/s", flush=True)
+    plain, elastic = statistics.median(results["plain"]), statistics.median(results["elastic"])
+    print(f"median: plain DDP {plain:.2f} steps/s, trainctl.torch {elastic:.2f} steps/s, "
+          f"ratio {elastic / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
