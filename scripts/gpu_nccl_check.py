@@ -73,7 +73,10 @@ def main():
         print(f"ok: after the abort a collective fails: {type(result['error']).__name__}: {str(result['error'])[:120]}")
     else:
         print("note: after the abort a collective of world size 1 returned (nothing to wait for)")
-    print(f"ok: counted as a collective error: {job._collective_error(result.get('error', RuntimeError('NCCL')))}")
+    counted = job._collective_error(result.get("error", RuntimeError("NCCL")))
+    print(f"{'ok' if counted else 'FAILED'}: the error counts as a lost peer (regroup): {counted}")
+    if not counted:
+        return 1
     job._teardown()
     # A new group in the same process, as a regroup starts one.
     os.environ["MASTER_PORT"] = str(free_port())

@@ -559,10 +559,14 @@ class Elastic:
         dist_error = getattr(dist, "DistError", None)
         if dist_error is not None and isinstance(e, dist_error):
             return True
+        # After an abort, PyTorch's `_abort_process_group` has also removed the default group:
+        # a collective then raises ValueError ("not initialized"), part of the same loss.
+        if self._aborted and isinstance(e, (RuntimeError, ValueError)):
+            return True
         if not isinstance(e, RuntimeError):
             return False
         text = str(e)
-        return self._aborted or any(
+        return any(
             k in text
             for k in ("gloo", "Gloo", "NCCL", "onnection", "imed out", "closed by peer", "Socket")
         )
