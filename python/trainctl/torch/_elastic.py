@@ -7,8 +7,9 @@ furthest on streams model, optimizer, scheduler, sampler position and user state
 others; when every rank holds the same step nothing travels; at a job's start rank 0's fresh
 or resumed state goes to all.
 
-Each step ends with one small all-reduce (the ``_agree`` flags: stop, pause, leave, the
-samples trained and their digest), before the optimizer steps: a step is applied on a rank
+Each step's flags (stop, pause, leave, the samples trained and their digest) ride the last
+bucket of DDP's gradient all-reduce (``_comm_hook``), or, when that cannot carry them, an
+all-reduce of their own (``_agree``); the optimizer steps after it: a step is applied on a rank
 only once every rank agreed it is whole, so after a peer is lost the survivors hold the same
 step or one step apart, and the furthest streams.
 """
@@ -141,6 +142,8 @@ class Elastic:
         self._assignments = 0
         self._leaving = False
         self._order_cache = None
+        self._flags_out = None
+        self._flags_in = None
         self._epoch_mark = None
         self._window = []
         self._metrics = None
@@ -239,13 +242,19 @@ class Elastic:
             raise RuntimeError("job.step() is for the batches of job.batches()")
         self._drain()
         step.started = time.monotonic()
+        shard, s = self._current
+        step.flags = self._flags(shard.unpadded_batch(s))
+        # For the gradient all-reduce's last bucket to carry (`_comm_hook`); unless it does
+        # (no backward, gradients that are not float32), `_agree` reduces them on their own.
+        self._flags_out = torch.tensor(step.flags, dtype=torch.float32, device=self.device)
+        self._flags_in = None
 
     def _exit_step(self, step, exc):
         shard, s = self._current
         self._pending = False
         if exc is None:
             try:
-                outcome = self._agree(shard, s)
+                outcome = self._agree(step)
             except Exception as e:  # noqa: BLE001 - sorted below
                 if self.control is not None and self._collective_error(e):
                     self._lost(e)
@@ -280,30 +289,56 @@ class Elastic:
         elif isinstance(message, ctl.Leave):
             self._leaving = True
 
-    def _agree(self, shard, s):
-        """The step's flags over all ranks: stop, pause, leave, whether rank 0 leaves, and the
-        samples trained with their digest (four 16-bit limbs, summed exactly)."""
-        trained = shard.unpadded_batch(s)
+    def _flags(self, trained):
+        """This rank's part of the step's agreement: stop, pause, leave, whether rank 0 leaves,
+        and the samples trained with their digest in eight 8-bit limbs (summed exactly in
+        float32 by up to 65,536 ranks)."""
         d = digest(trained)
-        pause = self._assigned is not None or self._leaving
-        flags = [
+        return [
             int(self.stop_requested),
-            int(pause),
+            int(self._assigned is not None or self._leaving),
             int(self._leaving),
             int(self._leaving and self.rank == 0),
             len(trained),
-        ] + [(d >> (16 * k)) & 0xFFFF for k in range(4)]
-        t = torch.tensor(flags, dtype=torch.int64, device=self.device)
-        if self.distributed:
-            dist.all_reduce(t)
-        v = [int(x) for x in t.tolist()]
+        ] + [(d >> (8 * k)) & 0xFF for k in range(8)]
+
+    def _comm_hook(self, _state, bucket):
+        """DDP's gradient all-reduce (averaged, as DDP's own), whose last bucket also carries
+        the step's flags: the agreement costs no collective of its own."""
+        t = bucket.buffer()
+        n, world = t.numel(), dist.get_world_size()
+        flags = self._flags_out
+        if bucket.is_last() and flags is not None and t.dtype == torch.float32:
+            self._flags_out = None
+            joined = torch.cat([t, flags])
+            fut = dist.all_reduce(joined, async_op=True).get_future()
+
+            def split(fut):
+                out = fut.value()[0]
+                self._flags_in = out[n:].clone()
+                return out[:n].div_(world)
+
+            return fut.then(split)
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        return fut.then(lambda fut: fut.value()[0].div_(world))
+
+    def _agree(self, step):
+        """The step's flags over all ranks: from the gradient all-reduce when it carried them,
+        else by an all-reduce of their own."""
+        t = self._flags_in
+        self._flags_in = self._flags_out = None
+        if t is None:
+            t = torch.tensor(step.flags, dtype=torch.float32, device=self.device)
+            if self.distributed:
+                dist.all_reduce(t)
+        v = [int(round(x)) for x in t.tolist()]
         return {
             "stop": v[0] > 0,
             "pause": v[1] > 0,
             "leaving": v[2],
             "rank0_leaving": v[3] > 0,
             "samples": v[4],
-            "digest": sum(v[5 + k] << (16 * k) for k in range(4)) & MASK,
+            "digest": sum(v[5 + k] << (8 * k) for k in range(8)) & MASK,
         }
 
     def _apply(self, step, shard, s, outcome):
@@ -421,6 +456,7 @@ class Elastic:
         self._ddp = DistributedDataParallel(
             self.module, device_ids=[self.device.index] if self.backend == "nccl" else None
         )
+        self._ddp.register_comm_hook(None, self._comm_hook)
         after = _sockets()
         self._links = [(fd, inode) for fd, inode in after.items() if inode not in set(before.values())]
         self._generation += 1
