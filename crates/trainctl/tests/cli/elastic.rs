@@ -1078,6 +1078,66 @@ fn pytorch_agent_told_to_go(store: Store, name: &str) {
     c.verify_exactly_once();
 }
 
+/// A PyTorch job's node lost and another joining soon after: the survivors regroup twice in
+/// place, the newcomer takes the state from a peer, every epoch trains each image once.
+fn pytorch_lost_and_added(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_recorded_step(10);
+    c.kill(agents[2]);
+    let newcomer = c.start(3, 1);
+    let outputs = vec![
+        c.succeeds(agents[0]),
+        c.succeeds(agents[1]),
+        c.succeeds(newcomer),
+    ];
+    let all = outputs.join("\n");
+    for &a in &agents[..2] {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_pytorch_finished(&outputs, 3);
+    c.verify_exactly_once();
+    assert!(
+        c.starts().iter().all(|(_, resumed)| !resumed),
+        "no rank reads a checkpoint: {:?}",
+        c.starts()
+    );
+}
+
+/// A PyTorch job's joiner killed as soon as its worker starts (the survivors wait for it in
+/// the new group, or stream it the state): the survivors' regroup fails and starts over
+/// without it, and the job finishes at world size 2 with every image once per epoch.
+fn pytorch_joiner_lost_while_joining(store: Store, name: &str) {
+    let Some(mut c) = Cluster::pytorch(store, name) else {
+        return;
+    };
+    let agents = [c.start(1, 1), c.start(2, 1)];
+    c.wait_for_recorded_step(10);
+    let joiner = c.start(3, 1);
+    c.agents[joiner].wait_for_workers(1, JOB_TIMEOUT);
+    c.kill(joiner);
+    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
+    let all = outputs.join("\n");
+    for &a in &agents {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_pytorch_finished(&outputs, 2);
+    c.verify_exactly_once();
+    assert!(!all.contains("resuming from"), "{all}");
+}
+
+#[test]
+fn c10d_pytorch_agent_lost_and_another_added_every_image_once() {
+    pytorch_lost_and_added(Store::C10d, "c10d-py-lost-added");
+}
+
+#[test]
+fn c10d_pytorch_joiner_lost_while_joining_the_survivors_go_on() {
+    pytorch_joiner_lost_while_joining(Store::C10d, "c10d-py-joiner-lost");
+}
+
 /// A PyTorch job's node cut off (its link down: no connection is reset, a collective would
 /// wait for its timeout): the agents find the node gone and abort the survivors' group, whose
 /// blocked collective then fails at once. The collective timeout is set past the test's
