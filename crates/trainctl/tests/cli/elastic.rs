@@ -1128,6 +1128,33 @@ fn pytorch_joiner_lost_while_joining(store: Store, name: &str) {
     assert!(!all.contains("resuming from"), "{all}");
 }
 
+/// A PyTorch job's c10d store host (its agent, pod 0 on Kubernetes) killed and replaced: the
+/// survivor's worker keeps running while its agent waits for a store at the same endpoint, the
+/// replacement's worker takes the state from it, and no checkpoint is read.
+#[test]
+fn c10d_pytorch_store_host_killed_and_replaced_the_job_goes_on() {
+    let Some(mut c) = Cluster::pytorch(Store::C10d, "c10d-py-store-lost") else {
+        return;
+    };
+    let host = c.start(1, 1);
+    let survivor = c.start(2, 1);
+    c.wait_for_recorded_step(10);
+    c.kill(host);
+    c.agents[survivor].wait_for_line(JOB_TIMEOUT, |l| {
+        l.contains("rendezvous store lost") && l.contains("waiting up to")
+    });
+    let replacement = c.start(1, 1);
+    let outputs = vec![c.succeeds(survivor), c.succeeds(replacement)];
+    let all = outputs.join("\n");
+    assert!(
+        outputs[0].contains("regrouped in place") && !all.contains("resuming from"),
+        "the survivor's worker goes on, the replacement's takes its state:\n{all}"
+    );
+    assert_eq!(workers_of(&c.agents[survivor]).len(), 1, "{all}");
+    c.verify_pytorch_finished(&outputs, 2);
+    c.verify_exactly_once();
+}
+
 #[test]
 fn c10d_pytorch_agent_lost_and_another_added_every_image_once() {
     pytorch_lost_and_added(Store::C10d, "c10d-py-lost-added");
