@@ -169,11 +169,11 @@ def frame(payload):
 
 
 class Channel:
-    """The worker's end: sends its messages; a thread reads the agent's into a queue, and calls
-    ``on_abort`` as soon as an ``Abort`` arrives (to break the group's links while the worker
-    may be blocked inside a collective)."""
+    """The worker's end: sends its messages; a thread reads the agent's into a queue, calling
+    ``on_message`` with each as soon as it arrives (to break the group's links on an ``Abort``
+    while the worker may be blocked inside a collective)."""
 
-    def __init__(self, fd, on_abort=None):
+    def __init__(self, fd, on_message=None):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError as e:
@@ -185,12 +185,12 @@ class Channel:
         self._sock = sock
         self._send_lock = threading.Lock()
         self.inbox = queue.Queue()
-        self._on_abort = on_abort
+        self._on_message = on_message
         self._reader = threading.Thread(target=self._read, name="trainctl-control", daemon=True)
         self._reader.start()
 
     @classmethod
-    def from_env(cls, on_abort=None):
+    def from_env(cls, on_message=None):
         """The channel the agent handed this worker, or ``None`` when there is none."""
         fd = os.environ.get("TRAINCTL_CONTROL_FD")
         if fd is None:
@@ -199,7 +199,7 @@ class Channel:
             fd = int(fd)
         except ValueError:
             raise ControlError(f"TRAINCTL_CONTROL_FD={fd!r} is not a descriptor number") from None
-        return cls(fd, on_abort)
+        return cls(fd, on_message)
 
     def send(self, payload):
         with self._send_lock:
@@ -224,8 +224,8 @@ class Channel:
                         break
                     message = decode(pending[4 : 4 + n])
                     pending = pending[4 + n :]
-                    if isinstance(message, Abort) and self._on_abort is not None:
-                        self._on_abort()
+                    if self._on_message is not None:
+                        self._on_message(message)
                     self.inbox.put(message)
                 chunk = self._sock.recv(4096)
                 if not chunk:

@@ -39,6 +39,9 @@ EXIT_PEER_LOST = 75
 
 VERSION = "0.1.0"
 
+# Interrupts a group start whose round is over (Elastic installs a handler that does nothing).
+INTERRUPT = signal.SIGUSR2
+
 _STOP = object()
 _LEAVE = object()
 
@@ -142,6 +145,8 @@ class Elastic:
         self._assignments = 0
         self._leaving = False
         self._order_cache = None
+        # The sockets that were open before the group now starting (None: no group starting).
+        self._starting = None
         self._flags_out = None
         self._flags_in = None
         self._epoch_mark = None
@@ -149,12 +154,18 @@ class Elastic:
         self._metrics = None
         self._started = False
         self._gloo_ifname_set = False
+        self._main_thread = None
         if threading_is_main():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+            # A signal of its own interrupts a group start blocked in a system call (the
+            # store's connect loop) when its round is over: see _on_message.
+            signal.signal(INTERRUPT, lambda signum, frame: None)
+            signal.siginterrupt(INTERRUPT, True)
+            self._main_thread = threading_ident()
         self.control = None
         if self.distributed:
             try:
-                self.control = ctl.Channel.from_env(on_abort=self._abort_links)
+                self.control = ctl.Channel.from_env(on_message=self._on_message)
                 if self.control is not None:
                     self.control.send(ctl.ready())
             except ctl.ControlError as e:
@@ -444,10 +455,13 @@ class Elastic:
             return self._sync()
         self._choose_interface()
         before = _sockets()
+        # While the group starts, an abort breaks what it has opened so far (see _abort_links).
+        self._starting = set(before.values())
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
+        _reset_group_names()
         dist.init_process_group(self.backend, **kwargs)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -459,6 +473,7 @@ class Elastic:
         self._ddp.register_comm_hook(None, self._comm_hook)
         after = _sockets()
         self._links = [(fd, inode) for fd, inode in after.items() if inode not in set(before.values())]
+        self._starting = None
         self._generation += 1
         return synced
 
@@ -549,12 +564,26 @@ class Elastic:
 
     def _teardown(self):
         self._links = []
+        self._starting = None
         self._ddp = None
         if self.distributed and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group is gone either way
                 pass
+
+    def _on_message(self, message):
+        """The agent's messages as they arrive (the control channel's reader thread): an Abort
+        breaks the group's links; an assignment while a group is still starting means that
+        group's round is already over (a node of it went), so its start is broken too."""
+        starting = self._starting is not None
+        if isinstance(message, ctl.Abort) or (isinstance(message, ctl.Assign) and starting):
+            self._abort_links()
+            # A start may also wait where no socket is open yet (connecting to a store that
+            # is gone, retrying): the signal makes that system call return, and the start
+            # fail.
+            if starting and self._main_thread is not None:
+                signal.pthread_kill(self._main_thread, INTERRUPT)
 
     def _abort_links(self):
         """An Abort from the agent (a node of the group is gone): break the group's links so a
@@ -571,7 +600,13 @@ class Elastic:
                     pass
             return
         store_port = int(os.environ.get("MASTER_PORT", "0") or 0)
-        for fd, inode in list(self._links):
+        links = list(self._links)
+        starting = self._starting
+        if starting is not None:
+            # A group still starting (its store's rendezvous, gloo's pairs): what it has opened
+            # so far, its store client included, which is what a start waits on.
+            links = [(fd, inode) for fd, inode in _sockets().items() if inode not in starting]
+        for fd, inode in links:
             try:
                 if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
                     continue
@@ -583,7 +618,10 @@ class Elastic:
                         continue
                     if s.family not in (socket.AF_INET, socket.AF_INET6):
                         continue
-                    if store_port in (s.getsockname()[1], s.getpeername()[1]):
+                    # The store's server side is left alone; its clients only while starting.
+                    if s.getsockname()[1] == store_port:
+                        continue
+                    if starting is None and s.getpeername()[1] == store_port:
                         continue
                     s.shutdown(socket.SHUT_RDWR)
                 finally:
@@ -803,11 +841,27 @@ class Elastic:
         return True
 
 
+def _reset_group_names():
+    """PyTorch names a group by a per-process count of the groups created (its store keys carry
+    the name), which `destroy_process_group` resets, but a start that failed half-way leaves
+    counted: ranks whose starts failed differently would then wait for each other's keys under
+    different names. Every group start begins from the same name, as a fresh process's does."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
+
+
 def _why(e):
     """A collective's error in one line, without gloo's boilerplate."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     return first.split(" This is typically caused by")[0].strip()
+
+
+def threading_ident():
+    import threading
+
+    return threading.get_ident()
 
 
 def threading_is_main():

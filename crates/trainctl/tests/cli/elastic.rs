@@ -159,6 +159,24 @@ impl Cluster {
         Some(c)
     }
 
+    /// Waits until training has reached `step`: the built-in trainer's checkpoint there, or
+    /// a PyTorch worker's step record.
+    fn wait_for_progress(&self, step: u64) {
+        match self.program {
+            Program::Builtin => self.wait_for_step(step),
+            Program::PyTorch(_) => self.wait_for_recorded_step(step),
+        }
+    }
+
+    /// The job's end, as its program shows it (see `verify_finished` and
+    /// `verify_pytorch_finished`).
+    fn verify_end(&self, outputs: &[String], world_size: usize) {
+        match self.program {
+            Program::Builtin => self.verify_finished(outputs, world_size),
+            Program::PyTorch(_) => self.verify_pytorch_finished(outputs, world_size),
+        }
+    }
+
     /// Waits until a worker's metrics record a step at `step` or later.
     fn wait_for_recorded_step(&self, step: u64) {
         testkit::eventually(&format!("a step record at {step}"), JOB_TIMEOUT, || {
@@ -399,13 +417,13 @@ fn workers_of(agent: &Running) -> Vec<i32> {
 /// (`--max-restarts 1` in these scenarios: on a loaded machine a late heartbeat can reopen a
 /// round under a regroup, which then fails once; past `--max-restarts` failed regroups the
 /// agents would fall back to a restart, which is another test's case.)
-fn agent_lost(store: Store, name: &str, cut_link: bool, regroup: &'static str) {
-    let Some(mut c) = Cluster::new(store, name) else {
+fn agent_lost(cluster: Option<Cluster>, cut_link: bool, regroup: &'static str) {
+    let Some(mut c) = cluster else {
         return;
     };
     c.regroup = regroup;
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     let lost = agents[2];
     if cut_link {
         c.net.cut(3);
@@ -420,7 +438,7 @@ fn agent_lost(store: Store, name: &str, cut_link: bool, regroup: &'static str) {
         "the survivors must go on at a new round of 2 nodes:\n{}",
         outputs.join("\n")
     );
-    c.verify_finished(&outputs, 2);
+    c.verify_end(&outputs, 2);
     c.verify_every_image_once(regroup == "in-process");
     let all = outputs.join("\n");
     let starts: Vec<usize> = agents[..2]
@@ -489,12 +507,12 @@ fn sigterm(agent: &Running) {
 /// started, nothing is read from a checkpoint, the step after the regroup follows the last one
 /// trained, and every epoch trained each image once. `leaver` is the host told to go (host 1
 /// hosts the c10d store).
-fn agent_told_to_go(store: Store, name: &str, leaver: usize) {
-    let Some(mut c) = Cluster::new(store, name) else {
+fn agent_told_to_go(cluster: Option<Cluster>, leaver: usize) {
+    let Some(mut c) = cluster else {
         return;
     };
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     let leaving = agents[leaver - 1];
     sigterm(&c.agents[leaving]);
     let status = c.agents[leaving].wait(JOB_TIMEOUT);
@@ -527,7 +545,7 @@ fn agent_told_to_go(store: Store, name: &str, leaver: usize) {
         "no start but the first ones, none from a checkpoint: {:?}",
         c.starts()
     );
-    c.verify_finished(&outputs, 2);
+    c.verify_end(&outputs, 2);
     c.verify_exactly_once();
     // A worker whose rank changed in the regroup prints under its new rank.
     for line in all.lines().filter(|l| l.contains(" finished after ")) {
@@ -603,12 +621,12 @@ fn every_agent_told_to_go(store: Store, name: &str) {
     c.verify_exactly_once();
 }
 
-fn agent_added(store: Store, name: &str) {
-    let Some(mut c) = Cluster::new(store, name) else {
+fn agent_added(cluster: Option<Cluster>) {
+    let Some(mut c) = cluster else {
         return;
     };
     let first = [c.start(1, 1), c.start(2, 1)];
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     let late = c.start(3, 1);
     let mut outputs: Vec<String> = first.iter().map(|&a| c.succeeds(a)).collect();
     outputs.push(c.succeeds(late));
@@ -617,7 +635,7 @@ fn agent_added(store: Store, name: &str) {
         "the newcomer must be admitted at a new round:\n{}",
         outputs.join("\n")
     );
-    c.verify_finished(&outputs, 3);
+    c.verify_end(&outputs, 3);
     c.verify_exactly_once();
     let all = outputs.join("\n");
     for &a in &first {
@@ -643,12 +661,12 @@ fn agent_added(store: Store, name: &str) {
 
 /// A node lost and another joining soon after: the survivors regroup twice in place, the
 /// newcomer takes the state from a peer, and every epoch still trains each image once.
-fn agent_lost_and_another_added(store: Store, name: &str) {
-    let Some(mut c) = Cluster::new(store, name) else {
+fn agent_lost_and_another_added(cluster: Option<Cluster>) {
+    let Some(mut c) = cluster else {
         return;
     };
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     c.kill(agents[2]);
     let newcomer = c.start(3, 1);
     let outputs = vec![
@@ -657,7 +675,7 @@ fn agent_lost_and_another_added(store: Store, name: &str) {
         c.succeeds(newcomer),
     ];
     let all = outputs.join("\n");
-    c.verify_finished(&outputs, 3);
+    c.verify_end(&outputs, 3);
     c.verify_exactly_once();
     for &a in &agents[..2] {
         assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
@@ -673,23 +691,23 @@ fn agent_lost_and_another_added(store: Store, name: &str) {
 /// survivors wait for it in the new group or stream it the state): the survivors' regroup
 /// fails and starts over without it, counted as one failed regroup (within --max-restarts 1,
 /// so no fallback to a restart), and the job finishes with every image once per epoch.
-fn joiner_lost_while_joining(store: Store, name: &str) {
-    let Some(mut c) = Cluster::new(store, name) else {
+fn joiner_lost_while_joining(cluster: Option<Cluster>) {
+    let Some(mut c) = cluster else {
         return;
     };
     let agents = [c.start(1, 1), c.start(2, 1)];
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     let joiner = c.start(3, 1);
     c.agents[joiner].wait_for_workers(1, JOB_TIMEOUT);
     c.kill(joiner);
     let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
     let all = outputs.join("\n");
-    c.verify_finished(&outputs, 2);
+    c.verify_end(&outputs, 2);
     c.verify_exactly_once();
     for &a in &agents {
         assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
     }
-    assert!(!all.contains("resuming from checkpoint"), "{all}");
+    assert!(!all.contains("resuming from"), "{all}");
 }
 
 /// Soak: nodes killed and new ones started at moments drawn at random (the seed is printed, and
@@ -791,17 +809,17 @@ fn worker_killed(store: Store, name: &str) {
 
 #[test]
 fn c10d_agent_told_to_go_leaves_and_the_others_go_on_in_place() {
-    agent_told_to_go(Store::C10d, "c10d-leave", 3);
+    agent_told_to_go(Cluster::new(Store::C10d, "c10d-leave"), 3);
 }
 
 #[test]
 fn c10d_store_host_told_to_go_leaves_and_the_others_go_on_in_place() {
-    agent_told_to_go(Store::C10d, "c10d-leave-host", 1);
+    agent_told_to_go(Cluster::new(Store::C10d, "c10d-leave-host"), 1);
 }
 
 #[test]
 fn etcd_agent_told_to_go_leaves_and_the_others_go_on_in_place() {
-    agent_told_to_go(Store::Etcd, "etcd-leave", 2);
+    agent_told_to_go(Cluster::new(Store::Etcd, "etcd-leave"), 2);
 }
 
 #[test]
@@ -816,27 +834,31 @@ fn etcd_every_agent_told_to_go_checkpoints_once_and_resumes_exactly() {
 
 #[test]
 fn c10d_agent_killed_mid_epoch_the_others_finish() {
-    agent_lost(Store::C10d, "c10d-kill", false, "in-process");
+    agent_lost(Cluster::new(Store::C10d, "c10d-kill"), false, "in-process");
 }
 
 #[test]
 fn c10d_link_cut_mid_epoch_the_others_finish() {
-    agent_lost(Store::C10d, "c10d-cut", true, "in-process");
+    agent_lost(Cluster::new(Store::C10d, "c10d-cut"), true, "in-process");
 }
 
 #[test]
 fn c10d_agent_killed_with_regroup_restart_every_worker_restarts() {
-    agent_lost(Store::C10d, "c10d-kill-restart", false, "restart");
+    agent_lost(
+        Cluster::new(Store::C10d, "c10d-kill-restart"),
+        false,
+        "restart",
+    );
 }
 
 #[test]
 fn c10d_agent_killed_and_another_added_every_image_once() {
-    agent_lost_and_another_added(Store::C10d, "c10d-kill-add");
+    agent_lost_and_another_added(Cluster::new(Store::C10d, "c10d-kill-add"));
 }
 
 #[test]
 fn etcd_agent_killed_and_another_added_every_image_once() {
-    agent_lost_and_another_added(Store::Etcd, "etcd-kill-add");
+    agent_lost_and_another_added(Cluster::new(Store::Etcd, "etcd-kill-add"));
 }
 
 #[test]
@@ -851,12 +873,12 @@ fn etcd_kills_and_joins_at_random_every_image_once() {
 
 #[test]
 fn c10d_joiner_lost_while_joining_the_survivors_regroup_again() {
-    joiner_lost_while_joining(Store::C10d, "c10d-joiner-lost");
+    joiner_lost_while_joining(Cluster::new(Store::C10d, "c10d-joiner-lost"));
 }
 
 #[test]
 fn c10d_agent_added_mid_run_joins_at_the_next_round() {
-    agent_added(Store::C10d, "c10d-add");
+    agent_added(Cluster::new(Store::C10d, "c10d-add"));
 }
 
 #[test]
@@ -869,42 +891,47 @@ fn c10d_worker_killed_restarts_until_max_restarts() {
 /// the job, its worker still running, the host's replacement starts a fresh one, and the
 /// replacement's worker takes the state from the survivor's (no checkpoint read); the job
 /// finishes with every sample trained exactly once.
-#[test]
-fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
-    let Some(mut c) = Cluster::new(Store::C10d, "c10d-store-lost") else {
+fn store_host_killed_and_replaced(cluster: Option<Cluster>) {
+    let Some(mut c) = cluster else {
         return;
     };
     let host = c.start(1, 1);
     let survivor = c.start(2, 1);
-    c.wait_for_step(2);
+    c.wait_for_progress(2);
     c.kill(host);
     c.agents[survivor].wait_for_line(JOB_TIMEOUT, |l| {
         l.contains("rendezvous store lost") && l.contains("waiting up to")
     });
     let replacement = c.start(1, 1);
     let outputs = vec![c.succeeds(survivor), c.succeeds(replacement)];
-    c.verify_finished(&outputs, 2);
+    c.verify_end(&outputs, 2);
+    c.verify_exactly_once();
     let all = outputs.join("\n");
     assert!(
-        outputs[0].contains("regrouped in place") && !all.contains("resuming from checkpoint"),
+        outputs[0].contains("regrouped in place") && !all.contains("resuming from"),
         "the survivor's worker goes on, the replacement's takes its state:\n{all}"
     );
     assert_eq!(workers_of(&c.agents[survivor]).len(), 1, "{all}");
 }
 
 #[test]
+fn c10d_store_host_killed_and_replaced_the_job_goes_on() {
+    store_host_killed_and_replaced(Cluster::new(Store::C10d, "c10d-store-lost"));
+}
+
+#[test]
 fn etcd_agent_killed_mid_epoch_the_others_finish() {
-    agent_lost(Store::Etcd, "etcd-kill", false, "in-process");
+    agent_lost(Cluster::new(Store::Etcd, "etcd-kill"), false, "in-process");
 }
 
 #[test]
 fn etcd_link_cut_mid_epoch_the_others_finish() {
-    agent_lost(Store::Etcd, "etcd-cut", true, "in-process");
+    agent_lost(Cluster::new(Store::Etcd, "etcd-cut"), true, "in-process");
 }
 
 #[test]
 fn etcd_agent_added_mid_run_joins_at_the_next_round() {
-    agent_added(Store::Etcd, "etcd-add");
+    agent_added(Cluster::new(Store::Etcd, "etcd-add"));
 }
 
 #[test]
@@ -978,241 +1005,64 @@ fn a_hung_rank_is_a_timeout_and_a_restart_not_a_hang() {
     assert_eq!(p["samples_seen"].as_u64(), Some(4 * TRAIN_IMAGES), "{p}");
 }
 
-/// A PyTorch program (examples/pytorch/elastic_cifar.py with `trainctl.torch`): one of three
-/// agents SIGKILLed mid-run. The survivors' workers are the ones they started (same PIDs),
-/// they go on from the step they hold (the next global step follows the last completed one),
-/// every epoch's digest is every image once (the Python digest checked against the Rust one),
-/// all ranks end with the same weights, and no rank read a checkpoint.
-fn pytorch_agent_lost(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_recorded_step(10);
-    c.kill(agents[2]);
-    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
-    let all = outputs.join("\n");
-    assert!(
-        outputs
-            .iter()
-            .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
-        "{all}"
-    );
-    assert!(!all.contains("restarting"), "{all}");
-    for &a in &agents[..2] {
-        assert_eq!(
-            workers_of(&c.agents[a]).len(),
-            1,
-            "no survivor's worker starts again:\n{all}"
-        );
-    }
-    c.verify_pytorch_finished(&outputs, 2);
-    c.verify_exactly_once();
-    assert!(
-        c.starts().iter().all(|&(peer, resumed)| !peer && !resumed),
-        "only the first start records: {:?}",
-        c.starts()
-    );
-}
+// The PyTorch example (examples/pytorch/elastic_cifar.py with `trainctl.torch`) in the same
+// scenarios as the built-in trainer: its survivors' workers are the ones they started, they go
+// on from the step they hold, every epoch's digest is every image once (the Python digest
+// checked against the Rust one), every rank ends with the same weights, no rank reads a
+// checkpoint, and a joiner's start record says it took the state from a peer.
 
-/// A node joins a running PyTorch job: the running workers are not restarted, the joiner's
-/// start record says it took the state from a peer, and no rank reads a checkpoint.
-fn pytorch_agent_added(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    let first = [c.start(1, 1), c.start(2, 1)];
-    c.wait_for_recorded_step(10);
-    let late = c.start(3, 1);
-    let mut outputs: Vec<String> = first.iter().map(|&a| c.succeeds(a)).collect();
-    outputs.push(c.succeeds(late));
-    let all = outputs.join("\n");
-    assert!(
-        outputs[..2]
-            .iter()
-            .all(|o| o.contains("regrouped in place") && o.contains("world size 2 → 3")),
-        "{all}"
-    );
-    for &a in &first {
-        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
-    }
-    c.verify_pytorch_finished(&outputs, 3);
-    c.verify_exactly_once();
-    let starts = c.starts();
-    assert_eq!(
-        starts.iter().filter(|(peer, _)| *peer).count(),
-        1,
-        "the joiner takes its state from a peer: {starts:?}"
-    );
-    assert!(
-        starts.iter().all(|(_, resumed)| !resumed),
-        "no rank reads a checkpoint: {starts:?}"
-    );
-}
-
-/// A PyTorch job's node told to go (SIGTERM to its agent: a deleted pod) leaves at a step
-/// boundary, exit 143; the others regroup in place without restarting.
-fn pytorch_agent_told_to_go(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_recorded_step(10);
-    let leaving = agents[2];
-    sigterm(&c.agents[leaving]);
-    let status = c.agents[leaving].wait(JOB_TIMEOUT);
-    let left = c.agents[leaving].output();
-    assert_eq!(status.code(), Some(143), "the leaver exits 143:\n{left}");
-    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
-    let all = outputs.join("\n");
-    assert!(
-        outputs.iter().all(|o| o.contains("leaves (SIGTERM)")
-            && o.contains("regrouped in place")
-            && o.contains("world size 3 → 2")),
-        "{all}"
-    );
-    for &a in &agents[..2] {
-        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
-    }
-    c.verify_pytorch_finished(&outputs, 2);
-    c.verify_exactly_once();
-}
-
-/// A PyTorch job's node lost and another joining soon after: the survivors regroup twice in
-/// place, the newcomer takes the state from a peer, every epoch trains each image once.
-fn pytorch_lost_and_added(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_recorded_step(10);
-    c.kill(agents[2]);
-    let newcomer = c.start(3, 1);
-    let outputs = vec![
-        c.succeeds(agents[0]),
-        c.succeeds(agents[1]),
-        c.succeeds(newcomer),
-    ];
-    let all = outputs.join("\n");
-    for &a in &agents[..2] {
-        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
-    }
-    c.verify_pytorch_finished(&outputs, 3);
-    c.verify_exactly_once();
-    assert!(
-        c.starts().iter().all(|(_, resumed)| !resumed),
-        "no rank reads a checkpoint: {:?}",
-        c.starts()
-    );
-}
-
-/// A PyTorch job's joiner killed as soon as its worker starts (the survivors wait for it in
-/// the new group, or stream it the state): the survivors' regroup fails and starts over
-/// without it, and the job finishes at world size 2 with every image once per epoch.
-fn pytorch_joiner_lost_while_joining(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    let agents = [c.start(1, 1), c.start(2, 1)];
-    c.wait_for_recorded_step(10);
-    let joiner = c.start(3, 1);
-    c.agents[joiner].wait_for_workers(1, JOB_TIMEOUT);
-    c.kill(joiner);
-    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
-    let all = outputs.join("\n");
-    for &a in &agents {
-        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
-    }
-    c.verify_pytorch_finished(&outputs, 2);
-    c.verify_exactly_once();
-    assert!(!all.contains("resuming from"), "{all}");
-}
-
-/// A PyTorch job's c10d store host (its agent, pod 0 on Kubernetes) killed and replaced: the
-/// survivor's worker keeps running while its agent waits for a store at the same endpoint, the
-/// replacement's worker takes the state from it, and no checkpoint is read.
 #[test]
-fn c10d_pytorch_store_host_killed_and_replaced_the_job_goes_on() {
-    let Some(mut c) = Cluster::pytorch(Store::C10d, "c10d-py-store-lost") else {
-        return;
-    };
-    let host = c.start(1, 1);
-    let survivor = c.start(2, 1);
-    c.wait_for_recorded_step(10);
-    c.kill(host);
-    c.agents[survivor].wait_for_line(JOB_TIMEOUT, |l| {
-        l.contains("rendezvous store lost") && l.contains("waiting up to")
-    });
-    let replacement = c.start(1, 1);
-    let outputs = vec![c.succeeds(survivor), c.succeeds(replacement)];
-    let all = outputs.join("\n");
-    assert!(
-        outputs[0].contains("regrouped in place") && !all.contains("resuming from"),
-        "the survivor's worker goes on, the replacement's takes its state:\n{all}"
+fn c10d_pytorch_agent_killed_the_others_go_on_in_place() {
+    agent_lost(
+        Cluster::pytorch(Store::C10d, "c10d-py-kill"),
+        false,
+        "in-process",
     );
-    assert_eq!(workers_of(&c.agents[survivor]).len(), 1, "{all}");
-    c.verify_pytorch_finished(&outputs, 2);
-    c.verify_exactly_once();
+}
+
+#[test]
+fn etcd_pytorch_agent_killed_the_others_go_on_in_place() {
+    agent_lost(
+        Cluster::pytorch(Store::Etcd, "etcd-py-kill"),
+        false,
+        "in-process",
+    );
+}
+
+#[test]
+fn c10d_pytorch_agent_added_joins_in_place_with_a_peers_state() {
+    agent_added(Cluster::pytorch(Store::C10d, "c10d-py-join"));
+}
+
+#[test]
+fn c10d_pytorch_agent_told_to_go_leaves_and_the_others_go_on() {
+    agent_told_to_go(Cluster::pytorch(Store::C10d, "c10d-py-leave"), 3);
 }
 
 #[test]
 fn c10d_pytorch_agent_lost_and_another_added_every_image_once() {
-    pytorch_lost_and_added(Store::C10d, "c10d-py-lost-added");
+    agent_lost_and_another_added(Cluster::pytorch(Store::C10d, "c10d-py-lost-added"));
 }
 
 #[test]
 fn c10d_pytorch_joiner_lost_while_joining_the_survivors_go_on() {
-    pytorch_joiner_lost_while_joining(Store::C10d, "c10d-py-joiner-lost");
+    joiner_lost_while_joining(Cluster::pytorch(Store::C10d, "c10d-py-joiner-lost"));
+}
+
+#[test]
+fn c10d_pytorch_store_host_killed_and_replaced_the_job_goes_on() {
+    store_host_killed_and_replaced(Cluster::pytorch(Store::C10d, "c10d-py-store-lost"));
 }
 
 /// A PyTorch job's node cut off (its link down: no connection is reset, a collective would
 /// wait for its timeout): the agents find the node gone and abort the survivors' group, whose
 /// blocked collective then fails at once. The collective timeout is set past the test's
 /// deadline, so only the abort can make the survivors go on in time.
-fn pytorch_link_cut(store: Store, name: &str) {
-    let Some(mut c) = Cluster::pytorch(store, name) else {
-        return;
-    };
-    c.collective_timeout = 900;
-    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    c.wait_for_recorded_step(10);
-    c.net.cut(3);
-    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
-    let all = outputs.join("\n");
-    assert!(
-        outputs
-            .iter()
-            .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
-        "{all}"
-    );
-    for &a in &agents[..2] {
-        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
-    }
-    c.verify_pytorch_finished(&outputs, 2);
-    c.verify_exactly_once();
-}
-
 #[test]
 fn c10d_pytorch_link_cut_the_abort_frees_the_survivors() {
-    pytorch_link_cut(Store::C10d, "c10d-py-cut");
-}
-
-#[test]
-fn c10d_pytorch_agent_killed_the_others_go_on_in_place() {
-    pytorch_agent_lost(Store::C10d, "c10d-py-kill");
-}
-
-#[test]
-fn etcd_pytorch_agent_killed_the_others_go_on_in_place() {
-    pytorch_agent_lost(Store::Etcd, "etcd-py-kill");
-}
-
-#[test]
-fn c10d_pytorch_agent_added_joins_in_place_with_a_peers_state() {
-    pytorch_agent_added(Store::C10d, "c10d-py-join");
-}
-
-#[test]
-fn c10d_pytorch_agent_told_to_go_leaves_and_the_others_go_on() {
-    pytorch_agent_told_to_go(Store::C10d, "c10d-py-leave");
+    let cluster = Cluster::pytorch(Store::C10d, "c10d-py-cut").map(|mut c| {
+        c.collective_timeout = 900;
+        c
+    });
+    agent_lost(cluster, true, "in-process");
 }
