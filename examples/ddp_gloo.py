@@ -52,4 +52,6 @@ if rank == 0 and args.out:
 # while a peer's gloo thread still talks to it can abort ("terminate called without an active
 # exception"; seen once in 3 full runs of the suite).
 dist.barrier()
+# The DDP wrapper (its reducer holds the group and threads of its own) goes first, then the group.
+del model, optimizer
 dist.destroy_process_group()

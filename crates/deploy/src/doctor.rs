@@ -211,7 +211,7 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
         }
     }
 
-    emit(claim_check(&plan.claim), &mut results);
+    emit(claim_check(&plan.claim, &plan.me), &mut results);
     for c in accelerator_checks(&plan.accelerators) {
         emit(c, &mut results);
     }
@@ -330,10 +330,22 @@ fn connect(addrs: &[SocketAddr], me: &str, deadline: Instant) -> Result<SocketAd
     }
 }
 
-/// Writes, syncs, reads back and removes a file on the claim, as the pod's user.
-fn claim_check(dir: &Path) -> Check {
+/// Writes, syncs, reads back and removes a file on the claim, as the pod's user. The file is
+/// named by the pod (`me`) as well as its process: every pod checks the same claim at once,
+/// and pods' process ids repeat (each container has its own).
+fn claim_check(dir: &Path, me: &str) -> Check {
     let started = Instant::now();
-    let probe = dir.join(format!(".trainctl-doctor-{}", std::process::id()));
+    let me: String = me
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let probe = dir.join(format!(".trainctl-doctor-{me}-{}", std::process::id()));
     let payload: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
     let result = (|| -> std::io::Result<()> {
         let mut f = std::fs::File::create(&probe)?;

@@ -15,6 +15,7 @@ step or one step apart, and the furthest streams.
 """
 
 import datetime
+import gc
 import io
 import os
 import signal
@@ -233,6 +234,13 @@ class Elastic:
             f"{self.fingerprint():08x} (world size {self.world_size}, {p['samples_seen']} samples trained in all)",
             flush=True,
         )
+        # Every rank past its last collective before any tears the group down (a group torn
+        # down under a peer's gloo thread can abort that process); the DDP wrapper goes first.
+        if self.distributed and dist.is_initialized():
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - at the end, a peer gone changes nothing
+                pass
         self._teardown()
         if self.control is not None:
             self.control.close()
@@ -565,7 +573,11 @@ class Elastic:
     def _teardown(self):
         self._links = []
         self._starting = None
-        self._ddp = None
+        if self._ddp is not None:
+            # The wrapper (its reducer holds the group and threads of its own) goes before the
+            # group; it may sit in a reference cycle, hence the collection.
+            self._ddp = None
+            gc.collect()
         if self.distributed and dist.is_initialized():
             try:
                 dist.destroy_process_group()
