@@ -321,7 +321,9 @@ impl Kube {
     }
 
     /// Deletes the jobs, Deployments (etcd, TensorBoard), Services and Secrets that `selector`
-    /// matches, jobs first.
+    /// matches, jobs first. Everything is listed before anything is deleted: the job's own
+    /// objects are owned by it, so the garbage collector may remove them before their turn,
+    /// and they are still reported (they went with their job), whatever the collector's pace.
     pub async fn delete_matching(&self, selector: &str) -> Result<Vec<Applied>, ApiError> {
         let params = delete_with_pods();
         let mut deleted = Vec::new();
@@ -333,6 +335,7 @@ impl Kube {
             ApiResource::erase::<Service>(&()),
             ApiResource::erase::<Secret>(&()),
         ];
+        let mut found = Vec::new();
         for resource in kinds {
             let api = self.api(&resource, true);
             let list = match api.list(&ListParams::default().labels(selector)).await {
@@ -345,15 +348,18 @@ impl Kube {
                     return Err(api_error(&format!("list {plural}"), &self.namespace, e));
                 }
             };
-            for object in list.items {
-                let Some(object_name) = object.metadata.name.clone() else {
-                    continue;
-                };
+            let names: Vec<String> = list
+                .items
+                .into_iter()
+                .filter_map(|object| object.metadata.name)
+                .collect();
+            found.push((resource, api, names));
+        }
+        for (resource, api, names) in found {
+            for object_name in names {
                 match api.delete(&object_name, &params).await {
-                    Ok(_) => deleted.push(Applied {
-                        kind: resource.kind.clone(),
-                        name: object_name,
-                    }),
+                    // Not found: gone already, deleted with its owner by the garbage collector.
+                    Ok(_) => {}
                     Err(e) if is_not_found(&e) => {}
                     Err(e) => {
                         return Err(api_error(
@@ -363,6 +369,10 @@ impl Kube {
                         ));
                     }
                 }
+                deleted.push(Applied {
+                    kind: resource.kind.clone(),
+                    name: object_name,
+                });
             }
         }
         Ok(deleted)
