@@ -22,6 +22,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import zlib
 
@@ -156,13 +157,13 @@ class Elastic:
         self._started = False
         self._gloo_ifname_set = False
         self._main_thread = None
-        if threading_is_main():
+        if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
             # A signal of its own interrupts a group start blocked in a system call (the
             # store's connect loop) when its round is over: see _on_message.
             signal.signal(INTERRUPT, lambda signum, frame: None)
             signal.siginterrupt(INTERRUPT, True)
-            self._main_thread = threading_ident()
+            self._main_thread = threading.get_ident()
         self.control = None
         if self.distributed:
             try:
@@ -396,7 +397,8 @@ class Elastic:
         iter_ = p["global_step"] - self._epoch_mark[2]
         steps_in_epoch = iter_ + shard.steps - (s + 1)
         loss = float(step.loss) if step.loss is not None else 0.0
-        images = len(shard.batch(s)) * self.world_size
+        batch = len(shard.batch(s))
+        images = batch * self.world_size
         correct = float(step.correct) if step.correct is not None else 0.0
         self._metrics_file().write(
             "step",
@@ -408,7 +410,7 @@ class Elastic:
             iter=iter_,
             steps_in_epoch=steps_in_epoch,
             loss=loss,
-            accuracy=correct / max(len(shard.batch(s)), 1),
+            accuracy=correct / max(batch, 1),
             lr=float(self.optimizer.param_groups[0].get("lr", 0.0)),
             images=images,
             images_per_sec=images / max(seconds, 1e-9),
@@ -868,18 +870,6 @@ def _why(e):
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     return first.split(" This is typically caused by")[0].strip()
-
-
-def threading_ident():
-    import threading
-
-    return threading.get_ident()
-
-
-def threading_is_main():
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _sockets():
