@@ -24,8 +24,13 @@ pub struct Config {
     pub heartbeat_timeout: Duration,
     /// How long one call to the store may take.
     pub store_timeout: Duration,
-    /// Time between two reads of the rendezvous record while joining or watching.
+    /// Time between two reads of the rendezvous record while joining or watching (a backend
+    /// that watches the store wakes sooner, on a change).
     pub poll: Duration,
+    /// Nodes that arrive while a round runs are gathered this long, then admitted together by
+    /// one new round (at once when they fill the job); each admission in a row doubles how
+    /// long the next round runs first, up to 30 s ([`crate::state::admission_cooldown`]).
+    pub join_window: Duration,
 }
 
 impl Config {
@@ -40,6 +45,7 @@ impl Config {
             heartbeat_timeout: Duration::from_secs(2),
             store_timeout: Duration::from_secs(3),
             poll: Duration::from_millis(50),
+            join_window: Duration::from_secs(2),
         }
     }
 }
@@ -49,7 +55,7 @@ pub enum ConfError {
     #[error("--rdzv-conf: {0:?} is not key=value")]
     NotKeyValue(String),
     #[error(
-        "--rdzv-conf: unknown key {0:?} (known: join_timeout, last_call_timeout, close_timeout, heartbeat, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, timeout, read_timeout, is_host)"
+        "--rdzv-conf: unknown key {0:?} (known: join_timeout, last_call_timeout, join_window, close_timeout, heartbeat, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, timeout, read_timeout, is_host)"
     )]
     UnknownKey(String),
     #[error("--rdzv-conf: {key}={value:?} is not {expected}")]
@@ -84,6 +90,7 @@ pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<Option<bool>, ConfErro
         match key {
             "join_timeout" => cfg.join_timeout = secs()?,
             "last_call_timeout" => cfg.last_call_timeout = secs()?,
+            "join_window" => cfg.join_window = secs()?,
             "close_timeout" => cfg.close_timeout = secs()?,
             "heartbeat" | "keep_alive_interval" => cfg.heartbeat = secs()?,
             "heartbeat_timeout" => cfg.heartbeat_timeout = secs()?,
@@ -139,13 +146,14 @@ mod tests {
         let mut c = cfg();
         let host = parse_conf(
             &mut c,
-            "join_timeout=30, last_call_timeout=0.5,heartbeat=0.25,heartbeat_timeout=1,is_host=false",
+            "join_timeout=30, last_call_timeout=0.5,heartbeat=0.25,heartbeat_timeout=1,is_host=false,join_window=5",
         )
         .unwrap();
         assert_eq!(host, Some(false));
         assert_eq!(c.join_timeout, Duration::from_secs(30));
         assert_eq!(c.last_call_timeout, Duration::from_millis(500));
         assert_eq!(c.heartbeat_timeout, Duration::from_secs(1));
+        assert_eq!(c.join_window, Duration::from_secs(5));
         let mut c = cfg();
         parse_conf(&mut c, "keep_alive_interval=1,keep_alive_max_attempt=3").unwrap();
         assert_eq!(c.heartbeat_timeout, Duration::from_secs(3));

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use collective::store::StoreServer;
 
 use crate::backend::{Backend, C10d, Etcd, Read};
-use crate::state::{self, AfterFailure, JoinStep, LeaveStep, Node, State, WatchStep};
+use crate::state::{
+    self, AfterFailure, JoinStep, LeaveStep, Node, Phase, State, WatchStep, Watching,
+};
 use crate::{Assignment, BackendKind, Closed, Config, RendezvousError};
 
 /// How joining ended.
@@ -22,6 +24,13 @@ pub enum Joined {
     Closed(Closed),
     /// `stop` said so.
     Stopped,
+}
+
+/// What one pass of [`Rendezvous::join`] did.
+enum Pass {
+    Wrote,
+    Wait,
+    Done(Joined),
 }
 
 /// What a check of the running round found.
@@ -57,6 +66,11 @@ pub struct Rendezvous {
     round: u64,
     /// The nodes of `round`.
     nodes: Vec<String>,
+    /// When this agent saw `round` start, nodes waiting to join it, a node of it gone: the
+    /// clocks of [`Watching`] (this agent's own; never compared across hosts).
+    running_since: Instant,
+    waiting_since: Option<Instant>,
+    gone_since: Option<Instant>,
     heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
     /// The c10d store, when this agent hosts it; dropped last.
     server: Option<StoreServer>,
@@ -189,6 +203,9 @@ impl Rendezvous {
             backend,
             round: 0,
             nodes: Vec::new(),
+            running_since: Instant::now(),
+            waiting_since: None,
+            gone_since: None,
             heartbeat: Some((stop, thread)),
             server,
         })
@@ -229,50 +246,20 @@ impl Rendezvous {
     pub fn join(&mut self, stop: &dyn Fn() -> bool) -> Result<Joined, RendezvousError> {
         let started = Instant::now();
         let mut last_call: Option<(u64, Instant)> = None;
-        let mut last_error = None;
+        let mut last_error: Option<RendezvousError> = None;
         let mut seen: Option<State> = None;
         loop {
             if stop() {
                 return Ok(Joined::Stopped);
             }
-            match self.read() {
-                Ok((read, alive)) => {
+            match self.join_pass(&mut last_call, &mut seen) {
+                Ok(Pass::Done(joined)) => return Ok(joined),
+                // Written or lost the race: either way, read again at once.
+                Ok(Pass::Wrote) => {
                     last_error = None;
-                    let limits = self.cfg.limits;
-                    let over = match &read.state {
-                        Some(s) if s.last_call_due(limits) => {
-                            let since = match last_call {
-                                Some((round, since)) if round == s.round => since,
-                                _ => {
-                                    let now = Instant::now();
-                                    last_call = Some((s.round, now));
-                                    now
-                                }
-                            };
-                            since.elapsed() >= self.cfg.last_call_timeout
-                        }
-                        _ => false,
-                    };
-                    let step =
-                        state::join_step(read.state.as_ref(), &self.me, &alive, limits, over);
-                    seen = read.state;
-                    match step {
-                        JoinStep::Write(next) => {
-                            match self.backend.write(read.token.as_deref(), &next) {
-                                // Written or lost the race: either way, read again at once.
-                                Ok(_) => continue,
-                                Err(e) => last_error = Some(e),
-                            }
-                        }
-                        JoinStep::Wait => {}
-                        JoinStep::Assigned(a) => {
-                            self.round = a.round;
-                            self.nodes = a.nodes.clone();
-                            return Ok(Joined::Assigned(a));
-                        }
-                        JoinStep::Closed(c) => return Ok(Joined::Closed(c)),
-                    }
+                    continue;
                 }
+                Ok(Pass::Wait) => last_error = None,
                 Err(e) => {
                     if last_error.is_none() {
                         tracing::warn!(error = %e, "rendezvous store unreachable; retrying");
@@ -292,8 +279,102 @@ impl Rendezvous {
                     round: seen.as_ref().map_or(0, |s| s.round),
                 });
             }
-            std::thread::sleep(self.cfg.poll);
+            self.backend.wait_change(self.cfg.poll);
         }
+    }
+
+    /// One read of the record and what follows from it. `last_call` is this agent's last-call
+    /// timer (the round it runs for), `seen` the record read, for the timeout's message.
+    fn join_pass(
+        &mut self,
+        last_call: &mut Option<(u64, Instant)>,
+        seen: &mut Option<State>,
+    ) -> Result<Pass, RendezvousError> {
+        let (read, alive) = self.read()?;
+        *seen = read.state.clone();
+        let limits = self.cfg.limits;
+        let announced = self.announcements(read.state.as_ref(), &alive)?;
+        // The last call runs from when this agent saw MIN nodes in the round: in the record,
+        // or, for the writer of a round with announcements, among the nodes it would merge.
+        let merged = match (&read.state, &announced) {
+            (Some(s), Some(nodes))
+                if s.phase == Phase::Joining && s.writer(&alive) == Some(self.me.id.as_str()) =>
+            {
+                Some(s.merged(&self.me, &alive, nodes, limits))
+            }
+            _ => None,
+        };
+        if let Some(m) = &merged {
+            *seen = Some(m.clone());
+        }
+        let over = match merged.as_ref().or(read.state.as_ref()) {
+            Some(s) if s.last_call_due(limits) => {
+                let since = match *last_call {
+                    Some((round, since)) if round == s.round => since,
+                    _ => {
+                        let now = Instant::now();
+                        *last_call = Some((s.round, now));
+                        now
+                    }
+                };
+                since.elapsed() >= self.cfg.last_call_timeout
+            }
+            _ => false,
+        };
+        let step = state::join_step(
+            read.state.as_ref(),
+            &self.me,
+            &alive,
+            limits,
+            over,
+            announced.as_deref(),
+        );
+        Ok(match step {
+            JoinStep::Write(next) => {
+                self.backend.write(read.token.as_deref(), &next)?;
+                Pass::Wrote
+            }
+            JoinStep::Wait => Pass::Wait,
+            JoinStep::Assigned(a) => {
+                self.round = a.round;
+                self.nodes = a.nodes.clone();
+                self.running_since = Instant::now();
+                self.waiting_since = None;
+                self.gone_since = None;
+                Pass::Done(Joined::Assigned(a))
+            }
+            JoinStep::Closed(c) => Pass::Done(Joined::Closed(c)),
+        })
+    }
+
+    /// With a backend that announces: announces this node for the round it can join (the
+    /// joining one, or the next after a running one it is not in) and, if it is the joining
+    /// round's writer, reads who announced. `None`: nodes add themselves to the record.
+    fn announcements(
+        &mut self,
+        state: Option<&State>,
+        alive: &BTreeSet<String>,
+    ) -> Result<Option<Vec<Node>>, RendezvousError> {
+        if !self.backend.announces() {
+            return Ok(None);
+        }
+        let Some(state) = state else {
+            return Ok(Some(Vec::new()));
+        };
+        match state.phase {
+            Phase::Joining if !state.is_participant(&self.me.id) => {
+                self.backend.announce(state.round, &self.me)?;
+            }
+            Phase::Running if state.assignment(&self.me.id).is_none() => {
+                self.backend
+                    .announce(state.round.saturating_add(1), &self.me)?;
+            }
+            _ => {}
+        }
+        if state.phase == Phase::Joining && state.writer(alive) == Some(self.me.id.as_str()) {
+            return Ok(Some(self.backend.announced(state.round)?));
+        }
+        Ok(Some(Vec::new()))
     }
 
     /// Checks the round this node's workers run in. An error means the store could not be
@@ -301,10 +382,42 @@ impl Rendezvous {
     pub fn watch(&mut self) -> Result<Watch, RendezvousError> {
         loop {
             let (read, alive) = self.read()?;
+            let writer =
+                read.state.as_ref().and_then(|s| s.writer(&alive)) == Some(self.me.id.as_str());
+            let announced = if writer && self.backend.announces() {
+                self.backend.announced(self.round.saturating_add(1))?
+            } else {
+                Vec::new()
+            };
+            let waiting = read
+                .state
+                .as_ref()
+                .is_some_and(|s| !s.newcomers(&alive, &announced).is_empty());
+            let gone = self.nodes.iter().any(|n| !alive.contains(n));
+            let since = |clock: &mut Option<Instant>, on: bool| {
+                if !on {
+                    *clock = None;
+                }
+                clock.map_or(Duration::ZERO, |t| t.elapsed())
+            };
+            if waiting {
+                self.waiting_since.get_or_insert_with(Instant::now);
+            }
+            if gone {
+                self.gone_since.get_or_insert_with(Instant::now);
+            }
+            let seen = Watching {
+                announced: &announced,
+                running_for: self.running_since.elapsed(),
+                waiting_for: since(&mut self.waiting_since, waiting),
+                gone_for: since(&mut self.gone_since, gone),
+                window: self.cfg.join_window,
+                take_over: self.cfg.heartbeat * 2,
+            };
             let restart = |reason| {
                 Watch::Restart(Restart {
                     reason,
-                    node_gone: self.nodes.iter().any(|n| !alive.contains(n)),
+                    node_gone: gone,
                 })
             };
             match state::watch_step(
@@ -313,6 +426,7 @@ impl Rendezvous {
                 self.round,
                 &alive,
                 self.cfg.limits,
+                &seen,
             ) {
                 WatchStep::Healthy => return Ok(Watch::Healthy),
                 WatchStep::Restart(reason) => return Ok(restart(reason)),

@@ -10,6 +10,7 @@
 //! is final for the job.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +58,11 @@ pub struct State {
     pub root_cause_at: Option<u64>,
     /// Why the current round was opened.
     pub reason: Option<String>,
+    /// Rounds in a row opened to admit waiting nodes: each makes the next admission wait
+    /// longer ([`admission_cooldown`]), so nodes arriving over minutes cost a few rounds, not
+    /// one each. Any other reason to open a round resets it.
+    #[serde(default)]
+    pub admissions: u32,
 }
 
 impl Default for State {
@@ -73,6 +79,7 @@ impl Default for State {
             root_cause: None,
             root_cause_at: None,
             reason: None,
+            admissions: 0,
         }
     }
 }
@@ -134,7 +141,7 @@ impl State {
         self
     }
 
-    fn is_participant(&self, id: &str) -> bool {
+    pub fn is_participant(&self, id: &str) -> bool {
         self.participants.iter().any(|n| n.id == id)
     }
 
@@ -164,9 +171,73 @@ impl State {
             expected,
             waiting: Vec::new(),
             reason: Some(reason),
+            admissions: 0,
             ..self.clone()
         }
         .written()
+    }
+
+    /// The participant that writes for the others: the first one alive. Only it merges the
+    /// nodes announced for a joining round, completes it, and reopens a running one, so a
+    /// change costs one write instead of one per agent racing for the same record.
+    pub fn writer<'a>(&'a self, alive: &BTreeSet<String>) -> Option<&'a str> {
+        self.participants
+            .iter()
+            .find(|n| alive.contains(&n.id))
+            .map(|n| n.id.as_str())
+    }
+
+    /// This joining round as its writer would complete it: dead nodes dropped, `me` and then
+    /// the live `announced` nodes added in order, up to MAX.
+    pub fn merged(
+        &self,
+        me: &Node,
+        alive: &BTreeSet<String>,
+        announced: &[Node],
+        limits: Limits,
+    ) -> State {
+        let mut next = self.clone();
+        next.participants
+            .retain(|n| alive.contains(&n.id) || n.id == me.id);
+        next.waiting
+            .retain(|n| alive.contains(&n.id) && n.id != me.id);
+        for n in std::iter::once(me).chain(announced) {
+            if (alive.contains(&n.id) || n.id == me.id)
+                && !next.is_participant(&n.id)
+                && (next.participants.len() as u32) < limits.max
+            {
+                next.participants.push(n.clone());
+            }
+        }
+        next
+    }
+
+    /// This round, started. The nodes it expected are no longer needed (a reopened round
+    /// expects the participants): every agent reads the record, so it stays small.
+    fn running(&self) -> State {
+        let mut next = self.clone();
+        next.phase = Phase::Running;
+        next.expected.clear();
+        next.written()
+    }
+
+    /// Live nodes that wait for the next round: the record's waiting list and the nodes
+    /// announced for the next round, not already in this one.
+    pub fn newcomers<'a>(
+        &'a self,
+        alive: &BTreeSet<String>,
+        announced: &'a [Node],
+    ) -> Vec<&'a Node> {
+        let mut out: Vec<&Node> = Vec::new();
+        for n in self.waiting.iter().chain(announced) {
+            if alive.contains(&n.id)
+                && !self.is_participant(&n.id)
+                && !out.iter().any(|o| o.id == n.id)
+            {
+                out.push(n);
+            }
+        }
+        out
     }
 
     /// `me`'s place, if the round is running with it.
@@ -214,12 +285,20 @@ impl State {
 /// One step of joining. `state` is the record read (`None`: no rendezvous yet), `alive` the
 /// nodes the backend reports alive (`me` among them), `last_call_over` whether this agent's
 /// last-call timer for `state`'s round has run out.
+///
+/// `announced` says how nodes get into a joining round. `None`: each adds itself to the record
+/// (a compare-and-set per node, racing the others). `Some(nodes)`: the backend keeps a key per
+/// node that wants to join (no race) and the round's writer ([`State::writer`]) merges them,
+/// many in one write, and completes the round; `nodes` are those announced for the round, read
+/// by the writer only (the others pass an empty list and wait). A round with no live
+/// participant yet is taken by whoever writes first.
 pub fn join_step(
     state: Option<&State>,
     me: &Node,
     alive: &BTreeSet<String>,
     limits: Limits,
     last_call_over: bool,
+    announced: Option<&[Node]>,
 ) -> JoinStep {
     let Some(state) = state else {
         return JoinStep::Write(
@@ -263,6 +342,10 @@ pub fn join_step(
             if let Some(dead) = state.participants.iter().find(|n| !live(n)) {
                 return JoinStep::Write(state.reopened(format!("node {} is gone", dead.id), alive));
             }
+            if announced.is_some() {
+                // Announced for the next round: the round's writer sees it.
+                return JoinStep::Wait;
+            }
             let mut next = state.clone();
             next.waiting.retain(|n| live(n) && n.id != me.id);
             next.waiting.push(me.clone());
@@ -273,6 +356,9 @@ pub fn join_step(
             }
         }
         Phase::Joining => {
+            if let Some(nodes) = announced {
+                return join_announced(state, me, alive, limits, last_call_over, nodes);
+            }
             let mut next = state.clone();
             next.participants.retain(|n| live(n) || n.id == me.id);
             next.waiting.retain(|n| live(n) && n.id != me.id);
@@ -289,22 +375,85 @@ pub fn join_step(
             if state.complete_without_last_call(limits, alive)
                 || (state.last_call_due(limits) && last_call_over)
             {
-                let mut next = state.clone();
-                next.phase = Phase::Running;
-                return JoinStep::Write(next.written());
+                return JoinStep::Write(state.running());
             }
             JoinStep::Wait
         }
     }
 }
 
-/// One check of a running round by a node whose workers run in `round`.
+/// [`join_step`] of a joining round with announcements. The round's writer completes it with
+/// every announced node in one write once it is complete; until then nothing is written (the
+/// others learn nothing from a half-merged list, and each write is read by every agent). A
+/// round with no live participant is taken by whoever writes first.
+fn join_announced(
+    state: &State,
+    me: &Node,
+    alive: &BTreeSet<String>,
+    limits: Limits,
+    last_call_over: bool,
+    announced: &[Node],
+) -> JoinStep {
+    match state.writer(alive) {
+        Some(writer) if writer != me.id => JoinStep::Wait,
+        Some(_) => {
+            let next = state.merged(me, alive, announced, limits);
+            if next.complete_without_last_call(limits, alive)
+                || (next.last_call_due(limits) && last_call_over)
+            {
+                JoinStep::Write(next.running())
+            } else {
+                JoinStep::Wait
+            }
+        }
+        None => {
+            let next = state.merged(me, alive, &[], limits);
+            if next.is_participant(&me.id) {
+                JoinStep::Write(next.written())
+            } else {
+                JoinStep::Wait
+            }
+        }
+    }
+}
+
+/// What a watching agent knows besides the record: the nodes announced for the next round
+/// (read by the round's writer only), and its own clock (never compared across hosts).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Watching<'a> {
+    pub announced: &'a [Node],
+    /// How long this agent has seen the round running.
+    pub running_for: Duration,
+    /// How long this agent has seen nodes waiting to join.
+    pub waiting_for: Duration,
+    /// How long this agent has seen a participant gone.
+    pub gone_for: Duration,
+    /// `join_window`: how long waiting nodes are gathered before a round reopens for them.
+    pub window: Duration,
+    /// After how long a participant that is not the writer reopens for a gone node itself
+    /// (the writer may be busy or about to be found gone too).
+    pub take_over: Duration,
+}
+
+/// How long a round must have run before it reopens to admit waiting nodes: the join window,
+/// doubled for each round in a row that was opened to admit nodes, up to 30 s (or the window,
+/// if longer). Nodes arriving spread over a minute then cost a handful of rounds.
+pub fn admission_cooldown(window: Duration, admissions: u32) -> Duration {
+    let cap = window.max(Duration::from_secs(30));
+    window.saturating_mul(1u32 << admissions.min(16)).min(cap)
+}
+
+/// One check of a running round by a node whose workers run in `round`. Only the round's
+/// writer reopens it (for a gone node at once; the others after `take_over`, in case the writer
+/// cannot), and it admits waiting nodes when the round is full with them, or when they have
+/// waited the join window and the round has run its [`admission_cooldown`].
 pub fn watch_step(
     state: Option<&State>,
     me: &str,
     round: u64,
     alive: &BTreeSet<String>,
     limits: Limits,
+    seen: &Watching<'_>,
 ) -> WatchStep {
     let Some(state) = state else {
         return WatchStep::Restart("the rendezvous record vanished".into());
@@ -320,21 +469,43 @@ pub fn watch_step(
                 .unwrap_or_else(|| format!("round {round} is over")),
         );
     }
+    let writer = state.writer(alive) == Some(me);
     if let Some(dead) = state.participants.iter().find(|n| !alive.contains(&n.id)) {
+        if !writer && seen.gone_for < seen.take_over {
+            return WatchStep::Healthy;
+        }
         let reason = format!("node {} is gone (no heartbeat)", dead.id);
         return WatchStep::Reopen(state.reopened(reason.clone(), alive), reason);
     }
-    let newcomers: Vec<&str> = state
-        .waiting
-        .iter()
-        .filter(|n| alive.contains(&n.id))
-        .map(|n| n.id.as_str())
-        .collect();
-    if !newcomers.is_empty() && (state.participants.len() as u32) < limits.max {
-        let reason = format!("node(s) {} waiting to join", newcomers.join(", "));
-        return WatchStep::Reopen(state.reopened(reason.clone(), alive), reason);
+    let newcomers = state.newcomers(alive, seen.announced);
+    let n = state.participants.len() as u32;
+    if !writer || newcomers.is_empty() || n >= limits.max {
+        return WatchStep::Healthy;
     }
-    WatchStep::Healthy
+    let fills = n.saturating_add(newcomers.len() as u32) >= limits.max;
+    let gathered = seen.waiting_for >= seen.window
+        && seen.running_for >= admission_cooldown(seen.window, state.admissions);
+    if !fills && !gathered {
+        return WatchStep::Healthy;
+    }
+    let ids: Vec<&str> = newcomers.iter().map(|n| n.id.as_str()).collect();
+    let reason = if ids.len() > 4 {
+        format!(
+            "{} nodes waiting to join ({}, ...)",
+            ids.len(),
+            ids[..3].join(", ")
+        )
+    } else {
+        format!("node(s) {} waiting to join", ids.join(", "))
+    };
+    let mut next = state.reopened(reason.clone(), alive);
+    for n in newcomers {
+        if !next.expected.contains(&n.id) {
+            next.expected.push(n.id.clone());
+        }
+    }
+    next.admissions = state.admissions.saturating_add(1);
+    WatchStep::Reopen(next, reason)
 }
 
 /// What an agent whose node is asked to go (SIGTERM) does.

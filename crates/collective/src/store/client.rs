@@ -150,6 +150,37 @@ impl StoreClient {
         }
     }
 
+    /// The keys under `prefix` and their values, sorted by key.
+    pub fn scan(&mut self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, CollectiveError> {
+        match self.call(&Request::Scan {
+            prefix: prefix.into(),
+        })? {
+            Response::Pairs(p) => Ok(p),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The value of `key` (`Some(None)`: absent) once it is not the one whose
+    /// [`super::fingerprint`] is `known`, waiting up to `wait`; `None`: still that one.
+    #[allow(clippy::option_option)]
+    pub fn get_changed(
+        &mut self,
+        key: &str,
+        known: u64,
+        wait: Duration,
+    ) -> Result<Option<Option<Vec<u8>>>, CollectiveError> {
+        let timeout_ms = (wait.as_millis() as u64).min(self.server_wait_ms());
+        match self.call(&Request::GetChanged {
+            key: key.into(),
+            known,
+            timeout_ms,
+        })? {
+            Response::Maybe(v) => Ok(Some(v)),
+            Response::TimedOut => Ok(None),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Drops liveness key `key` now.
     pub fn forget(&mut self, key: &str) -> Result<(), CollectiveError> {
         self.call(&Request::Forget { key: key.into() })?;

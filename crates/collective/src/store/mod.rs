@@ -11,7 +11,7 @@ mod server;
 mod tests;
 
 pub use client::{StoreClient, connect_with_retry};
-pub use protocol::{Request, Response};
+pub use protocol::{Request, Response, fingerprint};
 pub use server::StoreServer;
 
 pub(crate) fn is_timeout(e: &std::io::Error) -> bool {

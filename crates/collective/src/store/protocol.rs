@@ -44,6 +44,26 @@ pub enum Request {
     Forget {
         key: String,
     },
+    /// The keys under `prefix` and their values, sorted by key.
+    Scan {
+        prefix: String,
+    },
+    /// The value of `key` once its [`fingerprint`] is not `known` (`TimedOut` if it still is
+    /// after `timeout_ms`): a poll that costs a few bytes while nothing changes, and wakes at
+    /// once when something does.
+    GetChanged {
+        key: String,
+        known: u64,
+        timeout_ms: u64,
+    },
+}
+
+/// What a value is told apart by in [`Request::GetChanged`]; `None` (no value) has its own.
+pub fn fingerprint(value: Option<&[u8]>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
 }
 
 /// The store's answer.
@@ -60,6 +80,7 @@ pub enum Response {
     },
     Maybe(Option<Vec<u8>>),
     Keys(Vec<String>),
+    Pairs(Vec<(String, Vec<u8>)>),
 }
 
 pub(super) fn encode_option(e: Encoder, v: &Option<Vec<u8>>) -> Encoder {
@@ -123,6 +144,17 @@ impl Request {
             }
             Request::Alive { prefix } => Encoder::new().u8(8).str(prefix).finish(),
             Request::Forget { key } => Encoder::new().u8(9).str(key).finish(),
+            Request::Scan { prefix } => Encoder::new().u8(10).str(prefix).finish(),
+            Request::GetChanged {
+                key,
+                known,
+                timeout_ms,
+            } => Encoder::new()
+                .u8(11)
+                .str(key)
+                .u64(*known)
+                .u64(*timeout_ms)
+                .finish(),
         }
     }
 
@@ -163,6 +195,14 @@ impl Request {
             9 => Request::Forget {
                 key: d.string("key")?,
             },
+            10 => Request::Scan {
+                prefix: d.string("prefix")?,
+            },
+            11 => Request::GetChanged {
+                key: d.string("key")?,
+                known: d.u64("known fingerprint")?,
+                timeout_ms: d.u64("timeout")?,
+            },
             other => return Err(WireError::Malformed(format!("unknown request tag {other}"))),
         };
         d.end("store request")?;
@@ -188,6 +228,13 @@ impl Response {
                 }
                 e.finish()
             }
+            Response::Pairs(pairs) => {
+                let mut e = Encoder::new().u8(8).u32(pairs.len() as u32);
+                for (k, v) in pairs {
+                    e = e.str(k).bytes(v);
+                }
+                e.finish()
+            }
         }
     }
 
@@ -210,6 +257,20 @@ impl Response {
             },
             6 => Response::Maybe(decode_option(&mut d, "value")?),
             7 => Response::Keys(decode_strings(&mut d, buf, "keys")?),
+            8 => {
+                let n = d.u32("pairs")? as usize;
+                if n > buf.len() / 8 {
+                    return Err(WireError::Malformed(format!(
+                        "pairs: {n} pairs cannot fit in {} bytes",
+                        buf.len()
+                    )));
+                }
+                let mut pairs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    pairs.push((d.string("key")?, d.bytes("value")?.to_vec()));
+                }
+                Response::Pairs(pairs)
+            }
             other => {
                 return Err(WireError::Malformed(format!(
                     "unknown response tag {other}"

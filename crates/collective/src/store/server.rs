@@ -128,6 +128,27 @@ impl Table {
                 self.lock().alive.remove(&key);
                 Response::Done
             }
+            Request::Scan { prefix } => {
+                let t = self.lock();
+                let mut pairs: Vec<(String, Vec<u8>)> = t
+                    .map
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&prefix))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                drop(t);
+                pairs.sort();
+                Response::Pairs(pairs)
+            }
+            Request::GetChanged {
+                key,
+                known,
+                timeout_ms,
+            } => self.wait_for(timeout_ms, |t| {
+                let value = t.map.get(&key);
+                (super::fingerprint(value.map(Vec::as_slice)) != known)
+                    .then(|| Response::Maybe(value.cloned()))
+            }),
         }
     }
 

@@ -38,6 +38,14 @@ fn request() -> impl Strategy<Value = Request> {
         (".{0,20}", any::<u64>()).prop_map(|(key, ttl_ms)| Request::Heartbeat { key, ttl_ms }),
         ".{0,20}".prop_map(|prefix| Request::Alive { prefix }),
         ".{0,20}".prop_map(|key| Request::Forget { key }),
+        ".{0,20}".prop_map(|prefix| Request::Scan { prefix }),
+        (".{0,20}", any::<u64>(), any::<u64>()).prop_map(|(key, known, timeout_ms)| {
+            Request::GetChanged {
+                key,
+                known,
+                timeout_ms,
+            }
+        }),
     ]
 }
 
@@ -55,6 +63,11 @@ fn response() -> impl Strategy<Value = Response> {
         proptest::option::of(proptest::collection::vec(any::<u8>(), 0..32))
             .prop_map(Response::Maybe),
         proptest::collection::vec(".{0,10}", 0..5).prop_map(Response::Keys),
+        proptest::collection::vec(
+            (".{0,10}", proptest::collection::vec(any::<u8>(), 0..16)),
+            0..5
+        )
+        .prop_map(Response::Pairs),
     ]
 }
 

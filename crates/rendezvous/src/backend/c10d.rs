@@ -11,10 +11,12 @@ use collective::wire::{Hello, Role};
 
 use super::{Backend, Read, decode, encode};
 use crate::RendezvousError;
-use crate::state::State;
+use crate::state::{Node, State};
 
 const STATE_KEY: &str = "rdzv/state";
 const ALIVE_PREFIX: &str = "rdzv/alive/";
+/// `rdzv/wants/<round>/<node>`: a node that wants to join a round (see [`Backend::announce`]).
+const WANTS_PREFIX: &str = "rdzv/wants/";
 
 pub struct C10d {
     host: String,
@@ -22,6 +24,11 @@ pub struct C10d {
     hello: Hello,
     timeout: Duration,
     client: Option<StoreClient>,
+    /// The record as last read: a read asks the store for it only if it changed since, so
+    /// polling costs a few bytes, not the whole record (which grows with the job).
+    cached: Option<Vec<u8>>,
+    /// This node's last announcement.
+    announced: Option<String>,
 }
 
 impl C10d {
@@ -47,6 +54,8 @@ impl C10d {
             hello,
             timeout,
             client: None,
+            cached: None,
+            announced: None,
         };
         backend.client()?;
         Ok((backend, server))
@@ -157,7 +166,8 @@ impl Backend for C10d {
     }
 
     fn read(&mut self) -> Result<Read, RendezvousError> {
-        let bytes = self.call(|c| c.try_get(STATE_KEY))?;
+        self.refresh(Duration::ZERO)?;
+        let bytes = self.cached.clone();
         let state = bytes.as_deref().map(|b| decode(STATE_KEY, b)).transpose()?;
         Ok(Read {
             state,
@@ -167,7 +177,10 @@ impl Backend for C10d {
 
     fn write(&mut self, token: Option<&[u8]>, next: &State) -> Result<bool, RendezvousError> {
         let value = encode(next);
-        Ok(self.call(|c| c.compare_set(STATE_KEY, token, &value))?.0)
+        let (swapped, current) = self.call(|c| c.compare_set(STATE_KEY, token, &value))?;
+        // Written or not, the store said what the record is now.
+        self.cached = current;
+        Ok(swapped)
     }
 
     fn heartbeat(&mut self, node: &str, ttl: Duration) -> Result<(), RendezvousError> {
@@ -195,8 +208,53 @@ impl Backend for C10d {
             hello: self.hello.clone(),
             timeout: self.timeout,
             client: None,
+            cached: None,
+            announced: None,
         };
         other.client()?;
         Ok(Box::new(other))
+    }
+
+    fn announces(&self) -> bool {
+        true
+    }
+
+    fn announce(&mut self, round: u64, node: &Node) -> Result<(), RendezvousError> {
+        let key = format!("{WANTS_PREFIX}{round:020}/{}", node.id);
+        if self.announced.as_deref() == Some(key.as_str()) {
+            return Ok(());
+        }
+        let value = serde_json::to_vec(node).unwrap_or_default();
+        self.call(|c| c.set(&key, &value))?;
+        self.announced = Some(key);
+        Ok(())
+    }
+
+    fn announced(&mut self, round: u64) -> Result<Vec<Node>, RendezvousError> {
+        let prefix = format!("{WANTS_PREFIX}{round:020}/");
+        let pairs = self.call(|c| c.scan(&prefix))?;
+        // The store keeps no order of arrival: by node id. Dead nodes' keys stay (the store
+        // has no leases on plain keys); the writer merges live nodes only.
+        Ok(pairs
+            .into_iter()
+            .filter_map(|(_, v)| serde_json::from_slice::<Node>(&v).ok())
+            .collect())
+    }
+
+    fn wait_change(&mut self, timeout: Duration) {
+        if self.refresh(timeout).is_err() {
+            std::thread::sleep(timeout);
+        }
+    }
+}
+
+impl C10d {
+    /// Brings the cached record up to date, waiting up to `wait` for it to change.
+    fn refresh(&mut self, wait: Duration) -> Result<(), RendezvousError> {
+        let known = collective::store::fingerprint(self.cached.as_deref());
+        if let Some(now) = self.call(|c| c.get_changed(STATE_KEY, known, wait))? {
+            self.cached = now;
+        }
+        Ok(())
     }
 }

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::RendezvousError;
-use crate::state::State;
+use crate::state::{Node, State};
 
 /// What was read: the record and the token that a compare-and-set must present.
 pub struct Read {
@@ -34,6 +34,26 @@ pub trait Backend: Send {
     /// `node` leaves: no longer alive.
     fn forget(&mut self, node: &str) -> Result<(), RendezvousError>;
     fn reconnect(&self) -> Result<Box<dyn Backend>, RendezvousError>;
+
+    /// Whether nodes join by announcing themselves ([`Backend::announce`]) for the round's
+    /// writer to merge, instead of each adding itself to the record.
+    fn announces(&self) -> bool {
+        false
+    }
+    /// Says `node` wants to join `round`: a key of its own (no race with the others), gone
+    /// with the node. Idempotent; replaces its announcement for an earlier round.
+    fn announce(&mut self, _round: u64, _node: &Node) -> Result<(), RendezvousError> {
+        Ok(())
+    }
+    /// The live announcements for `round`, first announced first.
+    fn announced(&mut self, _round: u64) -> Result<Vec<Node>, RendezvousError> {
+        Ok(Vec::new())
+    }
+    /// Waits up to `timeout` for the record or the live nodes to change since the last read
+    /// (a backend that cannot tell just waits).
+    fn wait_change(&mut self, timeout: Duration) {
+        std::thread::sleep(timeout);
+    }
 }
 
 /// Decodes a record, refusing anything that is not one of ours.

@@ -16,10 +16,20 @@ fn alive(ids: &[&str]) -> BTreeSet<String> {
 
 const LIMITS: Limits = Limits { min: 2, max: 3 };
 
+/// A watch with no clock running and no window: what the state alone decides.
+const NOW: Watching<'static> = Watching {
+    announced: &[],
+    running_for: Duration::ZERO,
+    waiting_for: Duration::ZERO,
+    gone_for: Duration::ZERO,
+    window: Duration::ZERO,
+    take_over: Duration::ZERO,
+};
+
 /// Plays `join_step` for `id` against `state` until it waits or is assigned.
 fn join(state: &mut Option<State>, id: &str, live: &BTreeSet<String>, last_call: bool) -> JoinStep {
     for _ in 0..10 {
-        match join_step(state.as_ref(), &node(id), live, LIMITS, last_call) {
+        match join_step(state.as_ref(), &node(id), live, LIMITS, last_call, None) {
             JoinStep::Write(next) => *state = Some(next),
             other => return other,
         }
@@ -64,7 +74,7 @@ fn a_full_round_completes_at_once_and_late_nodes_wait() {
     let s = state.as_ref().unwrap();
     assert_eq!(s.waiting.len(), 1, "d waits for the next round");
     assert_eq!(
-        watch_step(Some(s), "a", s.round, &live, LIMITS),
+        watch_step(Some(s), "a", s.round, &live, LIMITS, &NOW),
         WatchStep::Healthy,
         "a full job does not restart for a spare node"
     );
@@ -87,14 +97,15 @@ fn a_new_node_reopens_the_round_and_the_next_one_completes_without_a_last_call()
     let live = alive(&["a", "b", "c"]);
     assert_eq!(join(&mut state, "c", &live, false), JoinStep::Wait);
     let round = state.as_ref().unwrap().round;
-    let WatchStep::Reopen(next, reason) = watch_step(state.as_ref(), "a", round, &live, LIMITS)
+    let WatchStep::Reopen(next, reason) =
+        watch_step(state.as_ref(), "a", round, &live, LIMITS, &NOW)
     else {
         panic!("a waiting node must reopen the round");
     };
     assert!(reason.contains("c waiting"), "{reason}");
     state = Some(next);
     assert!(matches!(
-        watch_step(state.as_ref(), "b", round, &live, LIMITS),
+        watch_step(state.as_ref(), "b", round, &live, LIMITS, &NOW),
         WatchStep::Restart(_)
     ));
     join(&mut state, "c", &live, false);
@@ -109,7 +120,8 @@ fn a_lost_node_reopens_the_round_and_the_survivors_go_on_at_once() {
     let mut state = running(&["a", "b", "c"]);
     let round = state.as_ref().unwrap().round;
     let live = alive(&["a", "c"]);
-    let WatchStep::Reopen(next, reason) = watch_step(state.as_ref(), "c", round, &live, LIMITS)
+    let WatchStep::Reopen(next, reason) =
+        watch_step(state.as_ref(), "c", round, &live, LIMITS, &NOW)
     else {
         panic!("a lost node must reopen the round");
     };
@@ -125,7 +137,8 @@ fn below_min_the_survivor_waits() {
     let mut state = running(&["a", "b"]);
     let live = alive(&["a"]);
     let round = state.as_ref().unwrap().round;
-    let WatchStep::Reopen(next, _) = watch_step(state.as_ref(), "a", round, &live, LIMITS) else {
+    let WatchStep::Reopen(next, _) = watch_step(state.as_ref(), "a", round, &live, LIMITS, &NOW)
+    else {
         panic!("reopen expected");
     };
     state = Some(next);
@@ -168,7 +181,7 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
     assert_eq!(closed.root_cause.as_deref(), Some("rank 1 died"));
     assert!(!closed.succeeded);
     assert!(matches!(
-        watch_step(Some(&s4), "b", round + 2, &live, LIMITS),
+        watch_step(Some(&s4), "b", round + 2, &live, LIMITS, &NOW),
         WatchStep::Closed(_)
     ));
 }
@@ -228,6 +241,7 @@ fn a_closed_job_is_final_while_its_nodes_live_and_forgotten_once_they_are_gone()
         &alive(&["b", "c"]),
         LIMITS,
         false,
+        None,
     );
     assert!(matches!(
         late,
@@ -237,9 +251,14 @@ fn a_closed_job_is_final_while_its_nodes_live_and_forgotten_once_they_are_gone()
         })
     ));
     // Everyone of that job is gone: the run id starts a new job, not an error.
-    let JoinStep::Write(fresh) =
-        join_step(Some(&closed), &node("c"), &alive(&["c"]), LIMITS, false)
-    else {
+    let JoinStep::Write(fresh) = join_step(
+        Some(&closed),
+        &node("c"),
+        &alive(&["c"]),
+        LIMITS,
+        false,
+        None,
+    ) else {
         panic!("a stale closed record must not block a new job");
     };
     assert_eq!(fresh.phase, Phase::Joining);
@@ -251,7 +270,14 @@ fn a_closed_job_is_final_while_its_nodes_live_and_forgotten_once_they_are_gone()
 fn a_node_that_was_in_the_closed_job_is_told_it_is_over_even_when_the_others_left() {
     let state = running(&["a", "b"]);
     let closed = close_step(state.as_ref(), true, None).unwrap();
-    let step = join_step(Some(&closed), &node("a"), &alive(&["a"]), LIMITS, false);
+    let step = join_step(
+        Some(&closed),
+        &node("a"),
+        &alive(&["a"]),
+        LIMITS,
+        false,
+        None,
+    );
     assert!(
         matches!(
             step,
@@ -268,7 +294,8 @@ fn a_node_that_was_in_the_closed_job_is_told_it_is_over_even_when_the_others_lef
 fn a_stale_running_record_of_a_crashed_job_is_reopened_by_a_newcomer() {
     let state = running(&["a", "b"]);
     let live = alive(&["c"]);
-    let JoinStep::Write(next) = join_step(state.as_ref(), &node("c"), &live, LIMITS, false) else {
+    let JoinStep::Write(next) = join_step(state.as_ref(), &node("c"), &live, LIMITS, false, None)
+    else {
         panic!("must reopen");
     };
     assert_eq!(next.phase, Phase::Joining);
@@ -307,11 +334,11 @@ proptest! {
         for op in ops {
             let round = state.as_ref().map_or(0, |s| s.round);
             let write = match op {
-                Op::Join(n, l) => match join_step(state.as_ref(), &node(ids[n]), &live, LIMITS, l) {
+                Op::Join(n, l) => match join_step(state.as_ref(), &node(ids[n]), &live, LIMITS, l, None) {
                     JoinStep::Write(s) => Some(s),
                     _ => None,
                 },
-                Op::Watch(n) => match watch_step(state.as_ref(), ids[n], round, &live, LIMITS) {
+                Op::Watch(n) => match watch_step(state.as_ref(), ids[n], round, &live, LIMITS, &NOW) {
                     WatchStep::Reopen(s, _) => Some(s),
                     _ => None,
                 },
@@ -383,7 +410,7 @@ fn a_node_told_to_go_leaves_and_the_next_round_expects_only_the_others() {
     // The others see the round reopened (not a node gone: b still beats while it leaves) and
     // complete the next one as soon as both have joined, while b is still alive.
     assert_eq!(
-        watch_step(Some(&next), "a", state.round, &live, LIMITS),
+        watch_step(Some(&next), "a", state.round, &live, LIMITS, &NOW),
         WatchStep::Restart("node b leaves (SIGTERM)".into())
     );
     let mut rejoin = Some(next);
@@ -442,4 +469,194 @@ fn a_leave_below_the_minimum_or_after_the_end_is_refused() {
         leave_step(Some(&state), "d", state.round, &all, LIMITS, "d leaves"),
         LeaveStep::Refused(_)
     ));
+}
+
+/// Plays one agent of a backend with announcements: `announced` are the nodes with a key for
+/// the round; only the round's writer is given them.
+fn join_announced(
+    state: &mut Option<State>,
+    id: &str,
+    live: &BTreeSet<String>,
+    limits: Limits,
+    announced: &[Node],
+) -> JoinStep {
+    for _ in 0..10 {
+        let writer = state.as_ref().and_then(|s| s.writer(live)) == Some(id);
+        let given: &[Node] = if writer { announced } else { &[] };
+        match join_step(state.as_ref(), &node(id), live, limits, false, Some(given)) {
+            JoinStep::Write(next) => *state = Some(next),
+            other => return other,
+        }
+    }
+    panic!("join_step for {id} kept writing");
+}
+
+#[test]
+fn with_announcements_the_writer_admits_every_announced_node_in_one_write() {
+    let ids: Vec<String> = (0..64).map(|i| format!("n{i:02}")).collect();
+    let live: BTreeSet<String> = ids.iter().cloned().collect();
+    let limits = Limits { min: 32, max: 64 };
+    let announced: Vec<Node> = ids.iter().map(|id| node(id)).collect();
+    let mut state = None;
+    // The first agent takes the empty round; the others only wait, whatever their order.
+    assert_eq!(
+        join_announced(&mut state, "n05", &live, limits, &[]),
+        JoinStep::Wait
+    );
+    let before = state.clone();
+    for id in ["n17", "n63", "n00"] {
+        assert_eq!(
+            join_announced(&mut state, id, &live, limits, &announced),
+            JoinStep::Wait
+        );
+    }
+    assert_eq!(
+        state, before,
+        "agents that are not the writer write nothing"
+    );
+    // The writer merges all 63 others and, the round full, completes it in the same write.
+    let version = state.as_ref().unwrap().version;
+    let a = assigned(join_announced(&mut state, "n05", &live, limits, &announced));
+    let s = state.as_ref().unwrap();
+    assert_eq!(s.version, version + 1, "one write for 63 nodes");
+    assert_eq!((a.nnodes, a.node_rank), (64, 0));
+    assert_eq!(
+        s.participants[1].id, "n00",
+        "announcement order after the writer"
+    );
+    let b = assigned(join_announced(&mut state, "n63", &live, limits, &announced));
+    assert_eq!(b.node_rank, 63);
+}
+
+#[test]
+fn with_announcements_a_dead_writer_is_replaced_by_the_next_live_participant() {
+    let live = alive(&["a", "b", "c"]);
+    let announced = [node("a"), node("b"), node("c")];
+    let mut state = None;
+    join_announced(&mut state, "a", &live, LIMITS, &[]);
+    // a dies before merging anyone: b (not yet a participant) cannot write for it...
+    let live = alive(&["b", "c"]);
+    assert_eq!(
+        state.as_ref().unwrap().writer(&live),
+        None,
+        "a dead participant is no writer"
+    );
+    // ...so whoever writes first takes the round, drops a, and becomes the writer.
+    assert_eq!(
+        join_announced(&mut state, "b", &live, LIMITS, &announced[1..]),
+        JoinStep::Wait,
+        "at MIN the writer waits for the last call"
+    );
+    let s = state.as_ref().unwrap();
+    assert_eq!(s.writer(&live), Some("b"));
+    assert!(!s.is_participant("a"));
+    let JoinStep::Write(next) = join_step(
+        Some(s),
+        &node("b"),
+        &live,
+        LIMITS,
+        true,
+        Some(&announced[1..]),
+    ) else {
+        panic!("the last call over, the writer completes the round");
+    };
+    let nodes: Vec<&str> = next.participants.iter().map(|n| n.id.as_str()).collect();
+    assert_eq!((nodes, next.phase), (vec!["b", "c"], Phase::Running));
+    assert!(
+        next.expected.is_empty(),
+        "a running record carries no expected list"
+    );
+}
+
+#[test]
+fn only_the_writer_reopens_for_a_gone_node_until_the_others_take_over() {
+    let state = running(&["a", "b", "c"]).unwrap();
+    let live = alive(&["a", "c"]);
+    let seen = Watching {
+        take_over: Duration::from_secs(1),
+        gone_for: Duration::from_millis(100),
+        ..NOW
+    };
+    assert_eq!(
+        watch_step(Some(&state), "c", state.round, &live, LIMITS, &seen),
+        WatchStep::Healthy,
+        "c leaves the reopening to a, the writer"
+    );
+    assert!(matches!(
+        watch_step(Some(&state), "a", state.round, &live, LIMITS, &seen),
+        WatchStep::Reopen(..)
+    ));
+    let late = Watching {
+        gone_for: Duration::from_secs(1),
+        ..seen
+    };
+    assert!(
+        matches!(
+            watch_step(Some(&state), "c", state.round, &live, LIMITS, &late),
+            WatchStep::Reopen(..)
+        ),
+        "after take_over anyone reopens"
+    );
+}
+
+#[test]
+fn waiting_nodes_are_admitted_together_after_the_window_and_a_growing_cooldown() {
+    let limits = Limits { min: 2, max: 8 };
+    let live = alive(&["a", "b", "c", "d"]);
+    let s = State {
+        phase: Phase::Running,
+        participants: vec![node("a"), node("b")],
+        ..State::default()
+    };
+    let newcomers = [node("c"), node("d")];
+    let window = Duration::from_secs(2);
+    let seen = |waiting: u64, running: u64| Watching {
+        announced: &newcomers,
+        waiting_for: Duration::from_secs(waiting),
+        running_for: Duration::from_secs(running),
+        window,
+        ..NOW
+    };
+    // Not full with them: they wait for the window, and the round for its cooldown.
+    assert_eq!(
+        watch_step(Some(&s), "a", s.round, &live, limits, &seen(1, 60)),
+        WatchStep::Healthy
+    );
+    assert_eq!(
+        watch_step(Some(&s), "a", s.round, &live, limits, &seen(2, 1)),
+        WatchStep::Healthy
+    );
+    assert_eq!(
+        watch_step(Some(&s), "b", s.round, &live, limits, &seen(9, 60)),
+        WatchStep::Healthy,
+        "only the writer admits"
+    );
+    let WatchStep::Reopen(next, reason) =
+        watch_step(Some(&s), "a", s.round, &live, limits, &seen(2, 2))
+    else {
+        panic!("both admitted after the window");
+    };
+    assert!(reason.contains("c, d waiting"), "{reason}");
+    assert_eq!(next.expected, ["a", "b", "c", "d"]);
+    assert_eq!(next.admissions, 1);
+    // Each admission in a row doubles the next cooldown, up to 30 s.
+    assert_eq!(admission_cooldown(window, 0), Duration::from_secs(2));
+    assert_eq!(admission_cooldown(window, 3), Duration::from_secs(16));
+    assert_eq!(admission_cooldown(window, 9), Duration::from_secs(30));
+    let grown = State {
+        admissions: 3,
+        ..s.clone()
+    };
+    assert_eq!(
+        watch_step(Some(&grown), "a", s.round, &live, limits, &seen(5, 15)),
+        WatchStep::Healthy
+    );
+    // Nodes that fill the job are admitted at once: nobody else can come.
+    let full = Limits { min: 2, max: 4 };
+    assert!(matches!(
+        watch_step(Some(&grown), "a", s.round, &live, full, &seen(0, 0)),
+        WatchStep::Reopen(..)
+    ));
+    // A round opened for anything else starts the count again.
+    assert_eq!(grown.reopened("node x is gone".into(), &live).admissions, 0);
 }

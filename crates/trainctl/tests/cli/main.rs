@@ -16,5 +16,6 @@ mod pytorch;
 mod readme;
 mod root_cause;
 mod s3;
+mod scale;
 mod telemetry;
 mod training;
