@@ -22,6 +22,7 @@ release build (cargo build --release -p trainctl).
 import argparse
 import os
 import random
+import selectors
 import re
 import shutil
 import signal
@@ -54,10 +55,10 @@ def cpu_seconds(pid):
 
 
 class Agent:
-    def __init__(self, cmd, env):
+    def __init__(self, cmd, env, reader):
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stderr=subprocess.PIPE, start_new_session=True,
         )
         self.started = time.monotonic()
         self.world = 0  # world size of the latest round it printed
@@ -67,19 +68,24 @@ class Agent:
         self.ready = None  # when it printed that its agent started
         self.rounds = []  # (time, round, world size) of each round it printed
         self.lines = []
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.partial = b""
+        reader.add(self)
 
-    def _pump(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
+    def feed(self, data, now):
+        """Takes bytes read from the agent's stderr at `now`."""
+        self.partial += data
+        *complete, self.partial = self.partial.split(b"\n")
+        for raw in complete:
+            line = raw.decode(errors="replace")
+            self.lines.append(line)
             m = ROUND.search(line)
             if m:
                 self.round, self.world = int(m.group(1)), int(m.group(2))
-                self.rounds.append((time.monotonic(), self.round, self.world))
+                self.rounds.append((now, self.round, self.world))
             elif REOPENED in line:
                 self.reopened += 1
             if "elastic agent" in line and self.ready is None:
-                self.ready = time.monotonic()
+                self.ready = now
                 self.hosts = "(hosted by this agent)" in line
 
     def stop(self):
@@ -88,6 +94,41 @@ class Agent:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class Reader:
+    """One thread reading every agent's stderr (one thread per agent would time the lines by
+    when Python got around to them, not when they were written)."""
+
+    def __init__(self):
+        self.sel = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        self.done = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def add(self, agent):
+        os.set_blocking(agent.proc.stderr.fileno(), False)
+        with self.lock:
+            self.sel.register(agent.proc.stderr, selectors.EVENT_READ, agent)
+
+    def _run(self):
+        while not self.done:
+            with self.lock:
+                ready = self.sel.select(timeout=0) if self.sel.get_map() else []
+            if not ready:
+                time.sleep(0.002)
+                continue
+            now = time.monotonic()
+            for key, _ in ready:
+                try:
+                    data = os.read(key.fileobj.fileno(), 65536)
+                except BlockingIOError:
+                    continue
+                if data:
+                    key.data.feed(data, now)
+                else:
+                    with self.lock:
+                        self.sel.unregister(key.fileobj)
 
 
 class Etcd:
@@ -157,11 +198,12 @@ def run_case(args, backend, n):
     cmd += ["--", "sleep", "600"]
     env = dict(os.environ, RUST_LOG="warn")
     agents = []
+    reader = Reader()
     row = {"backend": backend, "n": n}
     try:
         before = etcd.counters() if etcd else (0, 0)
         for i in range(n):
-            agents.append(Agent(cmd, env))
+            agents.append(Agent(cmd, env, reader))
             if args.spread and i + 1 < n:
                 time.sleep(args.spread / (n - 1))
         last_start = time.monotonic()
@@ -237,6 +279,7 @@ def run_case(args, backend, n):
             a.stop()
         for a in agents:
             a.proc.wait()
+        reader.done = True
         if etcd:
             etcd.close()
     return row

@@ -62,6 +62,65 @@ pub fn all_reduce(
     })
 }
 
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BroadcastTimes {
+    pub ranks: usize,
+    pub bytes: usize,
+    pub repeats: usize,
+    /// From the start (all ranks past a barrier) until the last rank holds every byte.
+    pub median_s: f64,
+    pub gbytes_per_s: f64,
+}
+
+/// Times the broadcast of `bytes` from rank 0 (a joiner's state stream) across `ranks` threads
+/// on 127.0.0.1: the time until the last rank has it all.
+pub fn broadcast(
+    ranks: usize,
+    bytes: usize,
+    repeats: usize,
+) -> Result<BroadcastTimes, CollectiveError> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let handles: Vec<_> = (0..ranks)
+        .map(|rank| {
+            std::thread::spawn(move || -> Result<Vec<f64>, CollectiveError> {
+                let world = World::loopback(rank as u32, ranks as u32, port, "bench");
+                let mut group = ProcessGroup::join(&world)?;
+                let mut buf = vec![rank as u8; bytes];
+                let mut times = Vec::new();
+                for _ in 0..repeats + 1 {
+                    group.barrier()?;
+                    let t = Instant::now();
+                    group.broadcast_bytes(&mut buf, 0)?;
+                    let mine = t.elapsed().as_secs_f64();
+                    // The slowest rank's time, known to all.
+                    let all = group.all_gather_u64((mine * 1e9) as u64)?;
+                    times.push(all.into_iter().max().unwrap_or(0) as f64 / 1e9);
+                }
+                Ok(times[1..].to_vec())
+            })
+        })
+        .collect();
+    let mut rank0 = Vec::new();
+    for (i, h) in handles.into_iter().enumerate() {
+        let times = h
+            .join()
+            .map_err(|_| CollectiveError::PeerLost("a bench rank panicked".into()))??;
+        if i == 0 {
+            rank0 = times;
+        }
+    }
+    let median_s = median(rank0);
+    Ok(BroadcastTimes {
+        ranks,
+        bytes,
+        repeats,
+        median_s,
+        gbytes_per_s: bytes as f64 / median_s / 1e9,
+    })
+}
+
 /// GB/s of a plain copy of `bytes` through one loopback TCP connection: the ceiling the ring
 /// works under on this machine.
 pub fn loopback_copy(bytes: usize, repeats: usize) -> std::io::Result<f64> {

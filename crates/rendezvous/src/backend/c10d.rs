@@ -105,7 +105,11 @@ impl C10d {
     ) -> Result<T, RendezvousError> {
         let result = f(self.client()?);
         result.map_err(|e| {
+            // The next connection may reach another store (a replacement host's): nothing
+            // known of this one holds there.
             self.client = None;
+            self.cached = None;
+            self.announced = None;
             self.error(e)
         })
     }

@@ -27,6 +27,10 @@ pub struct Args {
     /// World sizes for the all-reduce.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
     ranks: Vec<usize>,
+    /// Megabytes a joiner's state stream broadcasts (timed at each --ranks world size after
+    /// the all-reduce); 0 skips it. resnet18's weights and momentum are about 90.
+    #[arg(long, default_value_t = 0)]
+    state_mb: usize,
     /// Timed all-reduces (and loopback copies) per world size; the figure is their median.
     #[arg(long, default_value_t = 20)]
     repeats: usize,
@@ -176,6 +180,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     for ranks in &args.ranks {
         let t = collective::bench::all_reduce(*ranks, floats, args.repeats)?;
         println!("{}", serde_json::to_string(&t)?);
+    }
+    if args.state_mb > 0 {
+        for ranks in &args.ranks {
+            let t = collective::bench::broadcast(*ranks, args.state_mb << 20, args.repeats)?;
+            println!("{}", serde_json::to_string(&t)?);
+        }
     }
     let copy = collective::bench::loopback_copy(floats * 4, args.repeats)?;
     println!(
