@@ -20,6 +20,7 @@ use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
 pub use launch::launch;
 pub(crate) use launch::{Launch, Outputs, with_timer};
+pub use worker::agent_without_huge_pages;
 use worker::{Files, Worker, spawn, stop_all};
 
 /// What a group of workers is doing.

@@ -5,6 +5,7 @@
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -80,6 +81,24 @@ pub(super) struct Files<'a> {
     pub(super) errors: &'a Path,
 }
 
+/// Whether transparent huge pages were off for this process before
+/// [`crate::agent_without_huge_pages`]: what its workers get back.
+static THP_DISABLED_BEFORE: AtomicBool = AtomicBool::new(false);
+
+/// Turns transparent huge pages off for the launcher's own process. The agent allocates little,
+/// from many threads (the rendezvous' heartbeat and watch, HTTP clients, one output pump per
+/// worker), and mimalloc asks for huge pages: each thread's first heap page was a 2 MiB page the
+/// kernel zeroed, the largest cost of 256 agents starting together on this 2-core machine
+/// (bench/rdzv_scale.py, perf). Workers inherit the setting across exec, so each gets back what
+/// this process had (training's large activations like huge pages).
+pub fn agent_without_huge_pages() {
+    let before = nix::sys::prctl::get_thp_disable().unwrap_or(false);
+    THP_DISABLED_BEFORE.store(before, Ordering::Relaxed);
+    if let Err(e) = nix::sys::prctl::set_thp_disable(true) {
+        tracing::debug!(error = %e, "cannot turn transparent huge pages off for the agent");
+    }
+}
+
 fn rank_dir(dir: &Path, rank: u32) -> Result<PathBuf, LaunchError> {
     let dir = dir.join(rank.to_string());
     std::fs::create_dir_all(&dir).map_err(|source| LaunchError::LogDir {
@@ -144,10 +163,13 @@ pub(super) fn spawn(
     if let Some(fd) = control_fd {
         cmd.env(contract::env::CONTROL_FD, fd.to_string());
     }
+    let thp_disabled = THP_DISABLED_BEFORE.load(Ordering::Relaxed);
     // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            // Best effort: a worker without huge pages still works.
+            let _ = nix::sys::prctl::set_thp_disable(thp_disabled);
             // The pipe and the socket are close-on-exec for everyone else; this worker keeps
             // them.
             for fd in [telemetry_fd, control_fd].into_iter().flatten() {

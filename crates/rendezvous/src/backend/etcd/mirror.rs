@@ -118,11 +118,7 @@ pub(super) struct Range {
 pub(super) fn follow(mirror: Arc<Mirror>, range: Range, timeout: Duration) {
     // Each read of the stream waits at most this long, so a stop or resync is seen in time;
     // the stream itself lives as long as etcd keeps it.
-    let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .connect_timeout(timeout)
-        .build();
-    let Ok(client) = client else {
+    let Ok(client) = super::http_client(&range.url, Duration::from_millis(500)) else {
         return;
     };
     let mut failing = false;

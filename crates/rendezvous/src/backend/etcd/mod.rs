@@ -49,6 +49,9 @@ pub struct Etcd {
     seen: u64,
     /// The key and lease of this node's last announcement.
     announced: Option<(String, String)>,
+    /// The record last decoded from the mirror, by its revision: an agent reads at every wake
+    /// and the record rarely changes.
+    decoded: Option<(i64, State)>,
 }
 
 impl Etcd {
@@ -60,14 +63,10 @@ impl Etcd {
                 problem: "not a URL: give --rdzv-endpoint HOST[:PORT] or http://HOST:PORT".into(),
             });
         }
-        let http = reqwest::blocking::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(timeout)
-            .build()
-            .map_err(|e| RendezvousError::Store {
-                endpoint: url.clone(),
-                problem: e.to_string(),
-            })?;
+        let http = http_client(&url, timeout).map_err(|e| RendezvousError::Store {
+            endpoint: url.clone(),
+            problem: e.to_string(),
+        })?;
         Ok(Etcd {
             prefix: format!("/trainctl/{run_id}/"),
             run_id: run_id.to_string(),
@@ -79,6 +78,7 @@ impl Etcd {
             watching: false,
             seen: 0,
             announced: None,
+            decoded: None,
         })
     }
 
@@ -304,6 +304,18 @@ fn unpack(key: &str, bytes: &[u8]) -> Result<State, RendezvousError> {
     decode(key, &json)
 }
 
+/// An HTTP client for etcd at `url`, each call (or each read of a stream) limited to
+/// `timeout`. For plain `http://` it loads no TLS roots: reading the system's certificates
+/// costs each agent tens of milliseconds of CPU, which 256 agents starting at once on two cores
+/// could not afford.
+fn http_client(url: &str, timeout: Duration) -> reqwest::Result<reqwest::blocking::Client> {
+    reqwest::blocking::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .tls_built_in_root_certs(!url.starts_with("http://"))
+        .build()
+}
+
 /// etcd's gateway writes 64-bit numbers as strings, and leaves out zero values.
 fn string_field(v: &Value, name: &str) -> Option<String> {
     match v.get(name)? {
@@ -347,8 +359,16 @@ impl Backend for Etcd {
                 token: None,
             });
         };
+        let state = match &self.decoded {
+            Some((revision, state)) if *revision == entry.mod_revision => state.clone(),
+            _ => {
+                let state = unpack(&key, &entry.value)?;
+                self.decoded = Some((entry.mod_revision, state.clone()));
+                state
+            }
+        };
         Ok(Read {
-            state: Some(unpack(&key, &entry.value)?),
+            state: Some(state),
             token: Some(entry.mod_revision.to_string().into_bytes()),
         })
     }
@@ -442,10 +462,21 @@ impl Backend for Etcd {
     }
 
     fn reconnect(&self) -> Result<Box<dyn Backend>, RendezvousError> {
-        let mut other = Etcd::open(&self.url, &self.run_id, self.timeout)?;
-        other.shared = self.shared.clone();
-        other.primary = false;
-        Ok(Box::new(other))
+        // A clone of the client is another connection (its pool opens one per caller at a
+        // time) on the same I/O thread.
+        Ok(Box::new(Etcd {
+            url: self.url.clone(),
+            run_id: self.run_id.clone(),
+            prefix: self.prefix.clone(),
+            timeout: self.timeout,
+            http: self.http.clone(),
+            shared: self.shared.clone(),
+            primary: false,
+            watching: false,
+            seen: 0,
+            announced: None,
+            decoded: None,
+        }))
     }
 
     fn announces(&self) -> bool {

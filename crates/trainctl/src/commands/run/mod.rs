@@ -209,6 +209,7 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
+    launcher::agent_without_huge_pages();
     check_program(&args.command).map_err(super::usage)?;
     let plan = Plan::from_args(&args).map_err(super::usage)?;
     fetch(&args.fetch, &args.fetch_dir)?;
