@@ -144,8 +144,25 @@ impl StoreClient {
     pub fn alive(&mut self, prefix: &str) -> Result<Vec<String>, CollectiveError> {
         match self.call(&Request::Alive {
             prefix: prefix.into(),
+            known: None,
         })? {
             Response::Keys(k) => Ok(k),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The live liveness keys under `prefix`, sorted, unless they are `known` (`None`).
+    pub fn alive_changed(
+        &mut self,
+        prefix: &str,
+        known: &[String],
+    ) -> Result<Option<Vec<String>>, CollectiveError> {
+        match self.call(&Request::Alive {
+            prefix: prefix.into(),
+            known: Some(super::protocol::keys_fingerprint(known)),
+        })? {
+            Response::Keys(k) => Ok(Some(k)),
+            Response::TimedOut => Ok(None),
             other => Err(unexpected(other)),
         }
     }

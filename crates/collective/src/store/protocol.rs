@@ -36,9 +36,12 @@ pub enum Request {
         key: String,
         ttl_ms: u64,
     },
-    /// The liveness keys under `prefix` that are alive.
+    /// The liveness keys under `prefix` that are alive (`TimedOut` instead if their
+    /// [`fingerprint`], of the sorted keys joined by newlines, is `known`: a poll of a set that
+    /// rarely changes then costs a few bytes, not one key per node).
     Alive {
         prefix: String,
+        known: Option<u64>,
     },
     /// Removes liveness key `key` (an orderly exit).
     Forget {
@@ -56,6 +59,11 @@ pub enum Request {
         known: u64,
         timeout_ms: u64,
     },
+}
+
+/// What a set of liveness keys (sorted) is told apart by in [`Request::Alive`].
+pub fn keys_fingerprint(keys: &[String]) -> u64 {
+    fingerprint(Some(keys.join("\n").as_bytes()))
 }
 
 /// What a value is told apart by in [`Request::GetChanged`]; `None` (no value) has its own.
@@ -142,7 +150,14 @@ impl Request {
             Request::Heartbeat { key, ttl_ms } => {
                 Encoder::new().u8(7).str(key).u64(*ttl_ms).finish()
             }
-            Request::Alive { prefix } => Encoder::new().u8(8).str(prefix).finish(),
+            Request::Alive {
+                prefix,
+                known: None,
+            } => Encoder::new().u8(8).str(prefix).finish(),
+            Request::Alive {
+                prefix,
+                known: Some(known),
+            } => Encoder::new().u8(12).str(prefix).u64(*known).finish(),
             Request::Forget { key } => Encoder::new().u8(9).str(key).finish(),
             Request::Scan { prefix } => Encoder::new().u8(10).str(prefix).finish(),
             Request::GetChanged {
@@ -191,6 +206,11 @@ impl Request {
             },
             8 => Request::Alive {
                 prefix: d.string("prefix")?,
+                known: None,
+            },
+            12 => Request::Alive {
+                prefix: d.string("prefix")?,
+                known: Some(d.u64("known fingerprint")?),
             },
             9 => Request::Forget {
                 key: d.string("key")?,

@@ -111,7 +111,7 @@ impl Table {
                 self.lock().alive.insert(key, (Instant::now() + ttl, conn));
                 Response::Done
             }
-            Request::Alive { prefix } => {
+            Request::Alive { prefix, known } => {
                 let now = Instant::now();
                 let mut t = self.lock();
                 t.alive.retain(|_, (expires, _)| *expires > now);
@@ -121,8 +121,13 @@ impl Table {
                     .filter(|k| k.starts_with(&prefix))
                     .cloned()
                     .collect();
+                drop(t);
                 keys.sort();
-                Response::Keys(keys)
+                if known.is_some_and(|k| k == super::protocol::keys_fingerprint(&keys)) {
+                    Response::TimedOut
+                } else {
+                    Response::Keys(keys)
+                }
             }
             Request::Forget { key } => {
                 self.lock().alive.remove(&key);

@@ -36,7 +36,8 @@ fn request() -> impl Strategy<Value = Request> {
             }),
         ".{0,20}".prop_map(|key| Request::TryGet { key }),
         (".{0,20}", any::<u64>()).prop_map(|(key, ttl_ms)| Request::Heartbeat { key, ttl_ms }),
-        ".{0,20}".prop_map(|prefix| Request::Alive { prefix }),
+        (".{0,20}", proptest::option::of(any::<u64>()))
+            .prop_map(|(prefix, known)| Request::Alive { prefix, known }),
         ".{0,20}".prop_map(|key| Request::Forget { key }),
         ".{0,20}".prop_map(|prefix| Request::Scan { prefix }),
         (".{0,20}", any::<u64>(), any::<u64>()).prop_map(|(key, known, timeout_ms)| {
@@ -190,4 +191,68 @@ fn wrong_token_is_refused() {
     .err()
     .expect("a wrong token must be refused");
     assert!(err.to_string().contains("job token mismatch"), "{err}");
+}
+
+#[test]
+fn polls_of_an_unchanged_value_or_key_set_answer_without_it_and_a_change_wakes_them() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let port = server.local_addr().port();
+    let connect =
+        || StoreClient::connect("127.0.0.1", port, &hello("t"), Duration::from_secs(5)).unwrap();
+    let (mut a, mut b) = (connect(), connect());
+    // Absent and unchanged: nothing new.
+    let absent = super::fingerprint(None);
+    assert_eq!(a.get_changed("k", absent, Duration::ZERO).unwrap(), None);
+    // Another fingerprint: the value now, absent included.
+    assert_eq!(a.get_changed("k", 7, Duration::ZERO).unwrap(), Some(None));
+    // A waiting poll returns as soon as the value changes, with it.
+    let waiter = std::thread::spawn(move || {
+        let started = Instant::now();
+        let got = b.get_changed("k", absent, Duration::from_secs(4)).unwrap();
+        (got, started.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    a.set("k", b"v1").unwrap();
+    let (got, waited) = waiter.join().unwrap();
+    assert_eq!(got, Some(Some(b"v1".to_vec())));
+    assert!(waited < Duration::from_secs(3), "woke after {waited:?}");
+    let v1 = super::fingerprint(Some(b"v1"));
+    assert_eq!(
+        a.get_changed("k", v1, Duration::from_millis(50)).unwrap(),
+        None
+    );
+    // Liveness keys: the set, then nothing while it stays the same, then the new set.
+    a.heartbeat("alive/a", Duration::from_secs(60)).unwrap();
+    let keys = a.alive_changed("alive/", &[]).unwrap().unwrap();
+    assert_eq!(keys, ["alive/a"]);
+    assert_eq!(a.alive_changed("alive/", &keys).unwrap(), None);
+    let mut c = connect();
+    c.heartbeat("alive/c", Duration::from_secs(60)).unwrap();
+    assert_eq!(
+        a.alive_changed("alive/", &keys).unwrap().unwrap(),
+        ["alive/a", "alive/c"]
+    );
+}
+
+#[test]
+fn scan_lists_the_keys_under_a_prefix_with_their_values() {
+    let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), "r", "t").unwrap();
+    let mut c = StoreClient::connect(
+        "127.0.0.1",
+        server.local_addr().port(),
+        &hello("t"),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    c.set("w/2/b", b"B").unwrap();
+    c.set("w/2/a", b"A").unwrap();
+    c.set("w/3/c", b"C").unwrap();
+    assert_eq!(
+        c.scan("w/2/").unwrap(),
+        [
+            ("w/2/a".to_string(), b"A".to_vec()),
+            ("w/2/b".to_string(), b"B".to_vec())
+        ]
+    );
+    assert!(c.scan("none/").unwrap().is_empty());
 }

@@ -29,6 +29,8 @@ pub struct C10d {
     cached: Option<Vec<u8>>,
     /// This node's last announcement.
     announced: Option<String>,
+    /// The liveness keys as last read (asked for again only if they changed).
+    alive: Vec<String>,
 }
 
 impl C10d {
@@ -56,6 +58,7 @@ impl C10d {
             client: None,
             cached: None,
             announced: None,
+            alive: Vec::new(),
         };
         backend.client()?;
         Ok((backend, server))
@@ -110,6 +113,7 @@ impl C10d {
             self.client = None;
             self.cached = None;
             self.announced = None;
+            self.alive.clear();
             self.error(e)
         })
     }
@@ -193,9 +197,12 @@ impl Backend for C10d {
     }
 
     fn alive(&mut self) -> Result<BTreeSet<String>, RendezvousError> {
-        let keys = self.call(|c| c.alive(ALIVE_PREFIX))?;
-        Ok(keys
-            .into_iter()
+        let known = std::mem::take(&mut self.alive);
+        let changed = self.call(|c| c.alive_changed(ALIVE_PREFIX, &known))?;
+        self.alive = changed.unwrap_or(known);
+        Ok(self
+            .alive
+            .iter()
             .filter_map(|k| k.strip_prefix(ALIVE_PREFIX).map(str::to_string))
             .collect())
     }
@@ -214,6 +221,7 @@ impl Backend for C10d {
             client: None,
             cached: None,
             announced: None,
+            alive: Vec::new(),
         };
         other.client()?;
         Ok(Box::new(other))
