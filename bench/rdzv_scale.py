@@ -67,6 +67,7 @@ class Agent:
         self.reopened = 0
         self.ready = None  # when it printed that its agent started
         self.rounds = []  # (time, round, world size) of each round it printed
+        self.reopens = []  # when it printed that a new round opened
         self.lines = []
         self.partial = b""
         reader.add(self)
@@ -84,6 +85,7 @@ class Agent:
                 self.rounds.append((now, self.round, self.world))
             elif REOPENED in line:
                 self.reopened += 1
+                self.reopens.append(now)
             if "elastic agent" in line and self.ready is None:
                 self.ready = now
                 self.hosts = "(hosted by this agent)" in line
@@ -266,6 +268,10 @@ def run_case(args, backend, n):
                 killed + args.deadline,
             )
             row["regroup_s"] = None if regrouped is None else regrouped - killed
+            seen = [t for a in survivors for t in a.reopens if t > killed]
+            if args.timeline and seen:
+                print(f"  after the kill: first agent told of a new round at +{min(seen) - killed:.2f} s,"
+                      f" the last at +{max(seen) - killed:.2f} s", file=sys.stderr)
             if store_pid:
                 row["store_cpu_regroup"] = cpu_seconds(store_pid) - cpu1
         if formed is None or row.get("regroup_s") is None:
