@@ -271,12 +271,23 @@ impl Rendezvous {
                 if let Some(e) = last_error {
                     return Err(e);
                 }
+                let round = seen.as_ref().map_or(0, |s| s.round);
+                // With announcements the record lists only the round's writer until it
+                // completes: who joined is who announced.
+                let announced = if self.backend.announces() {
+                    self.backend.announced(round).map_or(0, |a| a.len())
+                } else {
+                    0
+                };
                 return Err(RendezvousError::JoinTimeout {
                     run_id: self.cfg.run_id.clone(),
                     waited: self.cfg.join_timeout,
-                    joined: seen.as_ref().map_or(0, |s| s.participants.len()),
+                    joined: seen
+                        .as_ref()
+                        .map_or(0, |s| s.participants.len())
+                        .max(announced),
                     min: self.cfg.limits.min,
-                    round: seen.as_ref().map_or(0, |s| s.round),
+                    round,
                 });
             }
             self.backend.wait_change(self.cfg.poll);
