@@ -10,8 +10,7 @@ pub enum RunFlag {
     /// `N`, or `MIN:MAX` for an elastic job.
     Nnodes(String),
     NprocPerNode(u32),
-    /// `c10d` or `etcd`.
-    RdzvBackend(String),
+    RdzvBackend(crate::rdzv::Backend),
     /// `HOST:PORT`.
     RdzvEndpoint(String),
     RdzvId(String),
@@ -49,8 +48,8 @@ impl RunFlag {
 
     pub fn value(&self) -> String {
         match self {
+            RunFlag::RdzvBackend(b) => b.to_string(),
             RunFlag::Nnodes(s)
-            | RunFlag::RdzvBackend(s)
             | RunFlag::RdzvEndpoint(s)
             | RunFlag::RdzvId(s)
             | RunFlag::Fetch(s)

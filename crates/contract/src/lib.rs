@@ -68,6 +68,95 @@ pub mod env {
     pub const CONTROL_FD: &str = "TRAINCTL_CONTROL_FD";
 }
 
+/// The rendezvous backends, named once: `trainctl run --rdzv-backend`, a project's
+/// `job.rdzv_backend`, a pod's command line and a PyTorchJob's `rdzvBackend` all parse and
+/// print them through this enum.
+pub mod rdzv {
+    /// A rendezvous backend.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Backend {
+        /// Fixed nodes (`--node-rank`, `--master-addr`): no rendezvous.
+        Static,
+        /// trainctl's store, hosted by the agent whose host is the endpoint.
+        C10d,
+        /// etcd's v3 API.
+        Etcd,
+        /// torchrun's name for etcd's v2 API, which trainctl refuses with what to use instead.
+        EtcdV2,
+    }
+
+    impl Backend {
+        pub const ALL: [Backend; 4] = [
+            Backend::Static,
+            Backend::C10d,
+            Backend::Etcd,
+            Backend::EtcdV2,
+        ];
+        /// Every name, in [`Backend::ALL`]'s order.
+        pub const NAMES: [&'static str; 4] = ["static", "c10d", "etcd", "etcd-v2"];
+
+        pub fn name(self) -> &'static str {
+            match self {
+                Backend::Static => Self::NAMES[0],
+                Backend::C10d => Self::NAMES[1],
+                Backend::Etcd => Self::NAMES[2],
+                Backend::EtcdV2 => Self::NAMES[3],
+            }
+        }
+    }
+
+    impl std::fmt::Display for Backend {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.name())
+        }
+    }
+
+    /// A name that is no backend.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Unknown(pub String);
+
+    impl std::fmt::Display for Unknown {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "{:?} is not a rendezvous backend (known: {})",
+                self.0,
+                Backend::NAMES.join(", ")
+            )
+        }
+    }
+
+    impl std::error::Error for Unknown {}
+
+    impl std::str::FromStr for Backend {
+        type Err = Unknown;
+        fn from_str(s: &str) -> Result<Self, Unknown> {
+            Backend::ALL
+                .into_iter()
+                .find(|b| b.name() == s)
+                .ok_or_else(|| Unknown(s.to_string()))
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn every_backend_parses_back_from_its_name() {
+            for b in Backend::ALL {
+                assert_eq!(b.name().parse::<Backend>(), Ok(b));
+                assert_eq!(b.to_string(), b.name());
+            }
+            let err = "etc".parse::<Backend>().unwrap_err().to_string();
+            assert!(
+                err.contains("\"etc\"") && err.contains("c10d, etcd"),
+                "{err}"
+            );
+        }
+    }
+}
+
 /// Default ports.
 pub mod ports {
     /// The workers' store on rank 0 (torchrun's `--master-port`).

@@ -103,7 +103,11 @@ impl Resolved {
             Source::Default,
         );
         default("image", DEFAULT_IMAGE.into(), Source::Default);
-        default("job.rdzv_backend", "c10d".into(), Source::Default);
+        default(
+            "job.rdzv_backend",
+            contract::rdzv::Backend::C10d.name().into(),
+            Source::Default,
+        );
         default("job.etcd_image", ETCD_IMAGE.into(), Source::Default);
         default("job.etcd_storage", "emptydir".into(), Source::Default);
         default(

@@ -5,13 +5,24 @@ use crate::catalog::{InstanceType, Preset};
 use super::values::{Values, is_region};
 use super::{ConfigError, Layers, Resolved, Source, is_dns_label, is_quantity};
 
-/// Where the job's rendezvous state lives.
+/// Where the job's rendezvous state lives: the backends of [`contract::rdzv::Backend`] a job
+/// across pods can use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RdzvBackend {
     /// trainctl's store, hosted by pod 0's agent.
     C10d,
     /// An etcd Deployment and Service next to the job.
     Etcd,
+}
+
+impl RdzvBackend {
+    /// The backend as `trainctl run --rdzv-backend` names it.
+    pub fn backend(self) -> contract::rdzv::Backend {
+        match self {
+            RdzvBackend::C10d => contract::rdzv::Backend::C10d,
+            RdzvBackend::Etcd => contract::rdzv::Backend::Etcd,
+        }
+    }
 }
 
 /// Where the job's etcd keeps its data.
@@ -357,9 +368,9 @@ impl Project {
                 |s| contract::models::ALL.contains(&s),
                 contract::models::CHOICES,
             )?,
-            rdzv_backend: match v.str("job.rdzv_backend")?.as_str() {
-                "c10d" => RdzvBackend::C10d,
-                "etcd" => RdzvBackend::Etcd,
+            rdzv_backend: match v.str("job.rdzv_backend")?.parse() {
+                Ok(contract::rdzv::Backend::C10d) => RdzvBackend::C10d,
+                Ok(contract::rdzv::Backend::Etcd) => RdzvBackend::Etcd,
                 _ => {
                     return Err(v.invalid(
                         "job.rdzv_backend",

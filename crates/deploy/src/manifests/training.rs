@@ -93,22 +93,18 @@ pub fn rdzv_host(project: &Project) -> String {
     }
 }
 
-/// The rendezvous backend's name and endpoint: the store on pod 0 (c10d), or the job's etcd.
-pub(super) fn rdzv_endpoint(project: &Project) -> (&'static str, String) {
+/// The rendezvous backend's endpoint: the store on pod 0 (c10d), or the job's etcd.
+pub(super) fn rdzv_endpoint(project: &Project) -> String {
     match project.job.rdzv_backend {
-        RdzvBackend::C10d => (
-            "c10d",
-            format!("{}:{}", rdzv_host(project), project.job.rdzv_port),
-        ),
-        RdzvBackend::Etcd => ("etcd", format!("{}:{ETCD_PORT}", etcd_name(project))),
+        RdzvBackend::C10d => format!("{}:{}", rdzv_host(project), project.job.rdzv_port),
+        RdzvBackend::Etcd => format!("{}:{ETCD_PORT}", etcd_name(project)),
     }
 }
 
 pub(super) fn rdzv_flags(project: &Project) -> [RunFlag; 2] {
-    let (backend, endpoint) = rdzv_endpoint(project);
     [
-        RunFlag::RdzvBackend(backend.into()),
-        RunFlag::RdzvEndpoint(endpoint),
+        RunFlag::RdzvBackend(project.job.rdzv_backend.backend()),
+        RunFlag::RdzvEndpoint(rdzv_endpoint(project)),
     ]
 }
 
@@ -256,12 +252,11 @@ pub(super) fn pytorch_job(project: &Project) -> Manifest {
         spec["elasticPolicy"] = serde_json::json!({
             "minReplicas": j.min_nodes,
             "maxReplicas": j.max_nodes,
-            "rdzvBackend": "c10d",
+            "rdzvBackend": j.rdzv_backend.backend().name(),
             "rdzvPort": j.rdzv_port,
             "maxRestarts": j.max_restarts,
         });
         if j.rdzv_backend == RdzvBackend::Etcd {
-            spec["elasticPolicy"]["rdzvBackend"] = "etcd".into();
             spec["elasticPolicy"]["rdzvHost"] = etcd_name(project).into();
             spec["elasticPolicy"]["rdzvPort"] = ETCD_PORT.into();
         }

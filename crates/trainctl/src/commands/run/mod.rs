@@ -4,6 +4,7 @@
 
 mod plan;
 
+use contract::rdzv::Backend as RdzvBackend;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -39,8 +40,12 @@ pub struct Args {
     /// Rendezvous: `static` (fixed nodes, --node-rank and --master-addr), `c10d` (a store
     /// hosted by the agent at the endpoint) or `etcd` (etcd's v3 API). Default: c10d when
     /// --rdzv-endpoint or a MIN:MAX range is given, else static.
-    #[arg(long, env = "PET_RDZV_BACKEND", value_parser = ["static", "c10d", "etcd", "etcd-v2"])]
-    pub(crate) rdzv_backend: Option<String>,
+    #[arg(
+        long,
+        env = "PET_RDZV_BACKEND",
+        value_parser = rdzv_backend_parser()
+    )]
+    pub(crate) rdzv_backend: Option<RdzvBackend>,
     /// HOST[:PORT] of the rendezvous store (c10d: default port 29400; etcd: 2379, or a URL).
     #[arg(long, env = "PET_RDZV_ENDPOINT")]
     pub(crate) rdzv_endpoint: Option<String>,
@@ -206,6 +211,13 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
         bail!("{name} must be a non-negative number of seconds, got {v}");
     }
     Ok(Duration::from_secs_f64(v))
+}
+
+/// `--rdzv-backend`: one of [`RdzvBackend::NAMES`] (listed in `--help`), parsed by the enum.
+fn rdzv_backend_parser() -> impl clap::builder::TypedValueParser<Value = RdzvBackend> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(RdzvBackend::NAMES)
+        .try_map(|name| name.parse::<RdzvBackend>())
 }
 
 pub fn run(args: Args) -> anyhow::Result<i32> {

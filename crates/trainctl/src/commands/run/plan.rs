@@ -3,6 +3,7 @@
 //! run id. Every refusal of a flag combination is here, tested without starting anything.
 
 use anyhow::{Context, bail};
+use contract::rdzv::Backend as RdzvBackend;
 use launcher::rendezvous::Limits;
 
 use super::Args;
@@ -51,8 +52,7 @@ fn check_standalone(args: &Args) -> anyhow::Result<()> {
     let ignored: Vec<String> = [
         (args.nnodes != "1").then(|| format!("--nnodes {}", args.nnodes)),
         args.rdzv_backend
-            .as_ref()
-            .filter(|b| !matches!(b.as_str(), "static" | "c10d"))
+            .filter(|b| !matches!(b, RdzvBackend::Static | RdzvBackend::C10d))
             .map(|b| format!("--rdzv-backend {b}")),
         args.rdzv_endpoint
             .as_ref()
@@ -83,16 +83,16 @@ impl Plan {
         } else {
             parse_nnodes(&args.nnodes)?
         };
-        let backend = match args.rdzv_backend.as_deref() {
-            Some("etcd-v2") => bail!(
+        let backend = match args.rdzv_backend {
+            Some(RdzvBackend::EtcdV2) => bail!(
                 "--rdzv-backend etcd-v2: trainctl speaks etcd's v3 API only (no --enable-v2 needed); use --rdzv-backend etcd"
             ),
             Some(b) => b,
-            None if args.standalone => "static",
-            None if args.rdzv_endpoint.is_some() || limits.min != limits.max => "c10d",
-            None => "static",
+            None if args.standalone => RdzvBackend::Static,
+            None if args.rdzv_endpoint.is_some() || limits.min != limits.max => RdzvBackend::C10d,
+            None => RdzvBackend::Static,
         };
-        if backend != "static" {
+        if backend != RdzvBackend::Static {
             return Ok(Plan {
                 nproc_per_node,
                 run_id: args.run_id.clone().unwrap_or_else(|| "none".into()),
@@ -157,7 +157,7 @@ impl Plan {
 
 /// The rendezvous endpoint of `backend` (`c10d` or `etcd`): given, or this host for a job of
 /// one node.
-fn endpoint(args: &Args, limits: Limits, backend: &str) -> anyhow::Result<Endpoint> {
+fn endpoint(args: &Args, limits: Limits, backend: RdzvBackend) -> anyhow::Result<Endpoint> {
     let given = match (&args.rdzv_endpoint, limits.max) {
         (Some(e), _) => e.clone(),
         (None, 1) => "127.0.0.1".into(),
@@ -166,7 +166,7 @@ fn endpoint(args: &Args, limits: Limits, backend: &str) -> anyhow::Result<Endpoi
         ),
     };
     let backend = match backend {
-        "etcd" => {
+        RdzvBackend::Etcd => {
             let url = if given.contains("://") {
                 given.clone()
             } else {
