@@ -55,9 +55,9 @@ def cpu_seconds(pid):
 
 
 class Agent:
-    def __init__(self, cmd, env, reader):
+    def __init__(self, cmd, env, reader, cwd=None):
         self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True,
         )
         self.started = time.monotonic()
@@ -68,6 +68,7 @@ class Agent:
         self.ready = None  # when it printed that its agent started
         self.rounds = []  # (time, round, world size) of each round it printed
         self.reopens = []  # when it printed that a new round opened
+        self.regroups = []  # when it printed that its workers regrouped in place
         self.lines = []
         self.partial = b""
         reader.add(self)
@@ -86,6 +87,8 @@ class Agent:
             elif REOPENED in line:
                 self.reopened += 1
                 self.reopens.append(now)
+            elif "regrouped in place" in line:
+                self.regroups.append(now)
             if "elastic agent" in line and self.ready is None:
                 self.ready = now
                 self.hosts = "(hosted by this agent)" in line
@@ -197,7 +200,12 @@ def run_case(args, backend, n):
     ]
     if args.rdzv_conf:
         cmd += ["--rdzv-conf", args.rdzv_conf]
-    cmd += ["--", "sleep", "600"]
+    if args.program == "train":
+        cmd += ["train", "--model", "seed-cnn", "--data", "data", "--out", "runs",
+                "--epochs", "100", "--batch-size", "8", "--threads", "1", "--no-eval",
+                "--print-freq", "1000"]
+    else:
+        cmd += ["--", "sleep", "600"]
     env = dict(os.environ, RUST_LOG="warn")
     agents = []
     reader = Reader()
@@ -205,7 +213,7 @@ def run_case(args, backend, n):
     try:
         before = etcd.counters() if etcd else (0, 0)
         for i in range(n):
-            agents.append(Agent(cmd, env, reader))
+            agents.append(Agent(cmd, env, reader, cwd=args.work))
             if args.spread and i + 1 < n:
                 time.sleep(args.spread / (n - 1))
         last_start = time.monotonic()
@@ -268,6 +276,14 @@ def run_case(args, backend, n):
                 killed + args.deadline,
             )
             row["regroup_s"] = None if regrouped is None else regrouped - killed
+            if args.program == "train" and regrouped is not None:
+                # The built-in trainer's workers regroup in place: until each survivor's
+                # workers run again at the new world size.
+                done = wait_until(
+                    "the regroups", lambda: all(any(t > killed for t in a.regroups) for a in survivors),
+                    killed + args.deadline,
+                )
+                row["in_place_s"] = None if done is None else done - killed
             seen = [t for a in survivors for t in a.reopens if t > killed]
             if args.timeline and seen:
                 print(f"  after the kill: first agent told of a new round at +{min(seen) - killed:.2f} s,"
@@ -305,6 +321,9 @@ def main():
     p.add_argument("--idle", type=float, default=3.0,
                    help="seconds of a formed job measured for the store's steady load")
     p.add_argument("--rdzv-conf", default="")
+    p.add_argument("--program", choices=["sleep", "train"], default="sleep",
+                   help="what each agent runs: `sleep 600`, or the built-in trainer (seed CNN on "
+                        "a generated 960-image set, batch 8, 1 thread: for small N)")
     p.add_argument("--timeline", action="store_true",
                    help="print when the agents came up and each round formed")
     p.add_argument("--trainctl", default=os.path.join(
@@ -312,6 +331,12 @@ def main():
     args = p.parse_args()
     if "etcd" in args.backends and not shutil.which("etcd"):
         sys.exit("etcd not found on PATH (Debian: apt-get install etcd-server)")
+    args.work = tempfile.mkdtemp(prefix="rdzv-scale-")
+    if args.program == "train":
+        subprocess.run([os.path.abspath(args.trainctl), "data", "synth", "--out",
+                        f"{args.work}/data", "--train", "960", "--test", "16"],
+                       check=True, capture_output=True)
+        args.trainctl = os.path.abspath(args.trainctl)
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         for backend in args.backends.split(","):
@@ -319,13 +344,15 @@ def main():
             print(row, flush=True)
             rows.append(row)
     print()
+    shutil.rmtree(args.work, ignore_errors=True)
     print("| backend | agents | spread | form | rounds | kill → new round | store CPU form / regroup | store CPU idle | etcd req/s per agent (forming / idle) |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for r in rows:
         fail = lambda k: fmt(r.get(k), "{:.2f} s") if r.get(k) is not None else "**none**"
         print(
             f"| {r['backend']} | {r['n']} | {args.spread:.0f} s | {fail('form_s')} | {r['rounds']} "
-            f"| {fail('regroup_s') if 'form_s' in r and r['form_s'] else '-'} "
+            f"| {fail('regroup_s') if 'form_s' in r and r['form_s'] else '-'}"
+            f"{' (in place: ' + fail('in_place_s') + ')' if 'in_place_s' in r else ''} "
             f"| {fmt(r.get('store_cpu_form'))} / {fmt(r.get('store_cpu_regroup'))} s "
             f"| {fmt(r.get('store_cpu_idle_frac'), '{:.0%}')} "
             f"| {fmt(r.get('req_per_agent_s'), '{:.1f}')} / {fmt(r.get('idle_req_per_agent_s'), '{:.1f}')} |"
