@@ -22,35 +22,17 @@ pub fn all_reduce(
     floats: usize,
     repeats: usize,
 ) -> Result<AllReduceTimes, CollectiveError> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let handles: Vec<_> = (0..ranks)
-        .map(|rank| {
-            std::thread::spawn(move || -> Result<Vec<f64>, CollectiveError> {
-                let world = World::loopback(rank as u32, ranks as u32, port, "bench");
-                let mut group = ProcessGroup::join(&world)?;
-                let mut buf = vec![1.0f32; floats];
-                let mut times = Vec::new();
-                for _ in 0..repeats + 1 {
-                    group.barrier()?;
-                    let t = Instant::now();
-                    group.all_reduce_sum(&mut buf)?;
-                    times.push(t.elapsed().as_secs_f64());
-                }
-                Ok(times[1..].to_vec())
-            })
-        })
-        .collect();
-    let mut rank0 = Vec::new();
-    for (i, h) in handles.into_iter().enumerate() {
-        let times = h
-            .join()
-            .map_err(|_| CollectiveError::PeerLost("a bench rank panicked".into()))??;
-        if i == 0 {
-            rank0 = times;
+    let rank0 = on_threads(ranks, move |group| {
+        let mut buf = vec![1.0f32; floats];
+        let mut times = Vec::new();
+        for _ in 0..repeats + 1 {
+            group.barrier()?;
+            let t = Instant::now();
+            group.all_reduce_sum(&mut buf)?;
+            times.push(t.elapsed().as_secs_f64());
         }
-    }
+        Ok(times[1..].to_vec())
+    })?;
     let median_s = median(rank0);
     let bytes = (floats * 4) as f64;
     Ok(AllReduceTimes {
@@ -79,26 +61,45 @@ pub fn broadcast(
     bytes: usize,
     repeats: usize,
 ) -> Result<BroadcastTimes, CollectiveError> {
+    let rank0 = on_threads(ranks, move |group| {
+        let mut buf = vec![group.rank() as u8; bytes];
+        let mut times = Vec::new();
+        for _ in 0..repeats + 1 {
+            group.barrier()?;
+            let t = Instant::now();
+            group.broadcast_bytes(&mut buf, 0)?;
+            let mine = t.elapsed().as_secs_f64();
+            // The slowest rank's time, known to all.
+            let all = group.all_gather_u64((mine * 1e9) as u64)?;
+            times.push(all.into_iter().max().unwrap_or(0) as f64 / 1e9);
+        }
+        Ok(times[1..].to_vec())
+    })?;
+    let median_s = median(rank0);
+    Ok(BroadcastTimes {
+        ranks,
+        bytes,
+        repeats,
+        median_s,
+        gbytes_per_s: bytes as f64 / median_s / 1e9,
+    })
+}
+
+/// Runs `timed` on `ranks` threads, each a rank of one group on 127.0.0.1; returns rank 0's
+/// times.
+fn on_threads(
+    ranks: usize,
+    timed: impl Fn(&mut ProcessGroup) -> Result<Vec<f64>, CollectiveError> + Clone + Send + 'static,
+) -> Result<Vec<f64>, CollectiveError> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
     let handles: Vec<_> = (0..ranks)
         .map(|rank| {
+            let timed = timed.clone();
             std::thread::spawn(move || -> Result<Vec<f64>, CollectiveError> {
                 let world = World::loopback(rank as u32, ranks as u32, port, "bench");
-                let mut group = ProcessGroup::join(&world)?;
-                let mut buf = vec![rank as u8; bytes];
-                let mut times = Vec::new();
-                for _ in 0..repeats + 1 {
-                    group.barrier()?;
-                    let t = Instant::now();
-                    group.broadcast_bytes(&mut buf, 0)?;
-                    let mine = t.elapsed().as_secs_f64();
-                    // The slowest rank's time, known to all.
-                    let all = group.all_gather_u64((mine * 1e9) as u64)?;
-                    times.push(all.into_iter().max().unwrap_or(0) as f64 / 1e9);
-                }
-                Ok(times[1..].to_vec())
+                timed(&mut ProcessGroup::join(&world)?)
             })
         })
         .collect();
@@ -111,14 +112,7 @@ pub fn broadcast(
             rank0 = times;
         }
     }
-    let median_s = median(rank0);
-    Ok(BroadcastTimes {
-        ranks,
-        bytes,
-        repeats,
-        median_s,
-        gbytes_per_s: bytes as f64 / median_s / 1e9,
-    })
+    Ok(rank0)
 }
 
 /// GB/s of a plain copy of `bytes` through one loopback TCP connection: the ceiling the ring

@@ -59,11 +59,11 @@ impl Mirror {
         self.changed.notify_all();
     }
 
-    /// Waits up to `timeout` for a generation other than `seen`; returns the view then.
-    pub fn wait_past(&self, seen: u64, timeout: Duration) -> MutexGuard<'_, View> {
+    /// Waits up to `timeout` (or until the mirror stops) while `waiting` holds for the view.
+    fn wait_while(&self, timeout: Duration, waiting: impl Fn(&View) -> bool) {
         let deadline = Instant::now() + timeout;
         let mut view = self.view();
-        while view.generation == seen {
+        while waiting(&view) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() || self.stop.load(Ordering::Relaxed) {
                 break;
@@ -74,24 +74,16 @@ impl Mirror {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        view
+    }
+
+    /// Waits up to `timeout` for a generation other than `seen`.
+    pub fn wait_past(&self, seen: u64, timeout: Duration) {
+        self.wait_while(timeout, |v| v.generation == seen);
     }
 
     /// Waits up to `timeout` until `done` holds for the view (or it is not live).
     pub fn wait_until(&self, timeout: Duration, done: impl Fn(&View) -> bool) {
-        let deadline = Instant::now() + timeout;
-        let mut view = self.view();
-        while view.live && !done(&view) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            view = self
-                .changed
-                .wait_timeout(view, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.wait_while(timeout, |v| v.live && !done(v));
     }
 
     pub fn stop(&self) {

@@ -530,7 +530,7 @@ impl Backend for Etcd {
     fn wait_change(&mut self, timeout: Duration) {
         // Not live, nothing bumps the generation: a plain wait, as without a mirror.
         let seen = self.seen;
-        drop(self.mirror().wait_past(seen, timeout));
+        self.mirror().wait_past(seen, timeout);
     }
 }
 
