@@ -27,8 +27,8 @@ pub struct C10d {
     /// The record as last read: a read asks the store for it only if it changed since, so
     /// polling costs a few bytes, not the whole record (which grows with the job).
     cached: Option<Vec<u8>>,
-    /// This node's last announcement.
-    announced: Option<String>,
+    /// This node's last announcement (key and value).
+    announced: Option<(String, Vec<u8>)>,
     /// The liveness keys as last read (asked for again only if they changed).
     alive: Vec<String>,
 }
@@ -233,12 +233,12 @@ impl Backend for C10d {
 
     fn announce(&mut self, round: u64, node: &Node) -> Result<(), RendezvousError> {
         let key = format!("{WANTS_PREFIX}{round:020}/{}", node.id);
-        if self.announced.as_deref() == Some(key.as_str()) {
+        let value = serde_json::to_vec(node).unwrap_or_default();
+        if self.announced.as_ref() == Some(&(key.clone(), value.clone())) {
             return Ok(());
         }
-        let value = serde_json::to_vec(node).unwrap_or_default();
         self.call(|c| c.set(&key, &value))?;
-        self.announced = Some(key);
+        self.announced = Some((key, value));
         Ok(())
     }
 

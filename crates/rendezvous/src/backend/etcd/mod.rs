@@ -47,8 +47,8 @@ pub struct Etcd {
     watching: bool,
     /// The mirror's generation at the last read.
     seen: u64,
-    /// The key and lease of this node's last announcement.
-    announced: Option<(String, String)>,
+    /// The key, lease and value of this node's last announcement.
+    announced: Option<(String, String, Vec<u8>)>,
     /// The record last decoded from the mirror, by its revision: an agent reads at every wake
     /// and the record rarely changes.
     decoded: Option<(i64, State)>,
@@ -488,20 +488,20 @@ impl Backend for Etcd {
             return Err(self.error("no lease to announce this node with yet"));
         };
         let key = format!("{}{}", self.wants(round), node.id);
+        let value = serde_json::to_vec(node).unwrap_or_default();
         let mut ops = Vec::new();
         match &self.announced {
-            Some((k, l)) if *k == key && *l == lease => return Ok(()),
-            Some((old, _)) if *old != key => ops.push(json!({
+            Some((k, l, v)) if *k == key && *l == lease && *v == value => return Ok(()),
+            Some((old, _, _)) if *old != key => ops.push(json!({
                 "request_delete_range": { "key": B64.encode(old) }
             })),
             _ => {}
         }
-        let value = serde_json::to_vec(node).unwrap_or_default();
         ops.push(json!({ "request_put": {
-            "key": B64.encode(&key), "value": B64.encode(value), "lease": lease,
+            "key": B64.encode(&key), "value": B64.encode(&value), "lease": lease,
         }}));
         self.post("/v3/kv/txn", json!({ "success": ops }))?;
-        self.announced = Some((key, lease));
+        self.announced = Some((key, lease, value));
         Ok(())
     }
 
