@@ -153,3 +153,82 @@ fn a_garbage_record_is_refused_not_trusted() {
         "{err}"
     );
 }
+
+/// Waits up to 10 s for `done`, failing with `what`.
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The etcd backend reads from a copy its watch keeps current: another agent's write and
+/// liveness reach it, a wait for a change wakes on one, and after etcd restarts (the stream
+/// ends) the copy is read afresh and follows the writes made since.
+#[test]
+fn the_etcd_mirror_follows_writes_wakes_waits_and_recovers_after_a_restart() {
+    use rendezvous::backend::{Backend, Etcd};
+    use rendezvous::state::State;
+    let mut etcd = testkit::EtcdServer::start();
+    let run = format!("mirror{}", rand_suffix());
+    let timeout = Duration::from_secs(2);
+    let mut writer = Etcd::open(&etcd.url(), &run, timeout).unwrap();
+    let mut reader = Etcd::open(&etcd.url(), &run, timeout).unwrap();
+    assert!(reader.read().unwrap().state.is_none());
+    let record = |round| State {
+        round,
+        ..State::default()
+    };
+    // Let the watch start and read its first copy, then read from it: a wait now returns on
+    // a change only.
+    std::thread::sleep(Duration::from_millis(500));
+    reader.read().unwrap();
+    // A write by another agent wakes the reader's wait at once (without the watch it would
+    // wait its whole 5 s).
+    let woke = std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            let started = std::time::Instant::now();
+            reader.wait_change(Duration::from_secs(5));
+            started.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(writer.write(None, &record(1)).unwrap());
+        waiting.join().unwrap()
+    });
+    assert!(
+        woke >= Duration::from_millis(250) && woke < Duration::from_secs(4),
+        "the wait woke after {woke:?}, not when the record was written (0.3 s)"
+    );
+    eventually("the reader to see round 1", || {
+        reader.read().unwrap().state.map(|s| s.round) == Some(1)
+    });
+    // Liveness: the writer's lease key reaches the reader's copy, and goes when revoked.
+    writer.heartbeat("node-w", Duration::from_secs(5)).unwrap();
+    eventually("node-w alive", || {
+        reader.alive().unwrap().contains("node-w")
+    });
+    // etcd restarts (its data kept): the watch ends, the copy is read afresh, and a write made
+    // after the restart reaches the reader.
+    etcd.restart(Duration::from_millis(300));
+    eventually("a write after the restart", || {
+        let read = writer.read();
+        matches!(read, Ok(r) if r.state.as_ref().is_some_and(|s| s.round == 1)
+            && writer.write(r.token.as_deref(), &record(2)).unwrap_or(false))
+            || writer
+                .read()
+                .is_ok_and(|r| r.state.is_some_and(|s| s.round == 2))
+    });
+    eventually("the reader to see round 2", || {
+        reader
+            .read()
+            .is_ok_and(|r| r.state.is_some_and(|s| s.round == 2))
+    });
+    writer.forget("node-w").unwrap();
+    eventually("node-w gone", || {
+        reader.alive().is_ok_and(|a| !a.contains("node-w"))
+    });
+}
