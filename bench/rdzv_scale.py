@@ -93,10 +93,10 @@ class Agent:
                 self.ready = now
                 self.hosts = "(hosted by this agent)" in line
 
-    def stop(self):
+    def stop(self, sig=signal.SIGKILL):
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -297,10 +297,17 @@ def run_case(args, backend, n):
             for line in sample.lines[-8:]:
                 print(f"    {line}", file=sys.stderr)
     finally:
+        # SIGTERM first: each agent stops its workers and removes its scratch folder (a
+        # SIGKILL leaves one per agent in the temporary folder).
         for a in agents:
-            a.stop()
+            a.stop(signal.SIGTERM)
+        deadline = time.monotonic() + 15
         for a in agents:
-            a.proc.wait()
+            try:
+                a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                a.stop()
+                a.proc.wait()
         reader.done = True
         if etcd:
             etcd.close()

@@ -111,11 +111,21 @@ impl Agents {
 }
 
 impl Drop for Agents {
+    /// SIGTERM first, so that each agent stops its workers and removes its scratch folder (a
+    /// SIGKILL leaves one per agent in the temporary folder); SIGKILL what is left after 10 s.
     fn drop(&mut self) {
-        for child in &mut self.children {
-            let _ = child.kill();
+        for child in &self.children {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
         }
+        let deadline = Instant::now() + Duration::from_secs(10);
         for child in &mut self.children {
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
             let _ = child.wait();
         }
     }
