@@ -88,6 +88,8 @@ pub enum LaunchEvent {
     Joining {
         node: String,
     },
+    /// Joining has waited [`rendezvous::still_joining_every`] more without a round.
+    StillJoining(rendezvous::StillJoining),
     /// A round completed with this node in it.
     Joined(rendezvous::Assignment),
     /// The round was reopened by another node (a node lost, one arriving, a failure there).

@@ -26,6 +26,27 @@ pub enum Joined {
     Stopped,
 }
 
+/// A join that has waited a while without a round: said every [`still_joining_every`], so
+/// nothing waits silently for its join timeout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StillJoining {
+    pub round: u64,
+    /// Nodes in the round so far (with announcements, those announced).
+    pub joined: usize,
+    pub min: u32,
+    pub waited: Duration,
+    /// Until the join gives up (`join_timeout` in --rdzv-conf).
+    pub left: Duration,
+    /// The store's last error, when it cannot be reached.
+    pub store_error: Option<String>,
+}
+
+/// How often a join that waits says so: every 30 s, or four times within a shorter join
+/// timeout.
+pub fn still_joining_every(join_timeout: Duration) -> Duration {
+    (join_timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(30))
+}
+
 /// What one pass of [`Rendezvous::join`] did.
 enum Pass {
     Wrote,
@@ -242,9 +263,16 @@ impl Rendezvous {
     }
 
     /// Joins the next round and waits for it to complete, for the job to be over, or for
-    /// `stop`. Store errors are retried until the join timeout.
-    pub fn join(&mut self, stop: &dyn Fn() -> bool) -> Result<Joined, RendezvousError> {
+    /// `stop`. Store errors are retried until the join timeout. Every [`still_joining_every`]
+    /// it waits, `waiting` hears how far the round has come.
+    pub fn join(
+        &mut self,
+        stop: &dyn Fn() -> bool,
+        waiting: &mut dyn FnMut(StillJoining),
+    ) -> Result<Joined, RendezvousError> {
         let started = Instant::now();
+        let every = still_joining_every(self.cfg.join_timeout);
+        let mut next_report = started + every;
         let mut last_call: Option<(u64, Instant)> = None;
         let mut last_error: Option<RendezvousError> = None;
         let mut seen: Option<State> = None;
@@ -267,31 +295,49 @@ impl Rendezvous {
                     last_error = Some(e);
                 }
             }
-            if started.elapsed() >= self.cfg.join_timeout {
+            let waited = started.elapsed();
+            if waited >= self.cfg.join_timeout {
                 if let Some(e) = last_error {
                     return Err(e);
                 }
-                let round = seen.as_ref().map_or(0, |s| s.round);
-                // With announcements the record lists only the round's writer until it
-                // completes: who joined is who announced.
-                let announced = if self.backend.announces() {
-                    self.backend.announced(round).map_or(0, |a| a.len())
-                } else {
-                    0
-                };
+                let (round, joined) = self.joined_so_far(seen.as_ref());
                 return Err(RendezvousError::JoinTimeout {
                     run_id: self.cfg.run_id.clone(),
                     waited: self.cfg.join_timeout,
-                    joined: seen
-                        .as_ref()
-                        .map_or(0, |s| s.participants.len())
-                        .max(announced),
+                    joined,
                     min: self.cfg.limits.min,
                     round,
                 });
             }
+            if Instant::now() >= next_report {
+                next_report += every;
+                let (round, joined) = self.joined_so_far(seen.as_ref());
+                waiting(StillJoining {
+                    round,
+                    joined,
+                    min: self.cfg.limits.min,
+                    waited,
+                    left: self.cfg.join_timeout.saturating_sub(waited),
+                    store_error: last_error.as_ref().map(ToString::to_string),
+                });
+            }
             self.backend.wait_change(self.cfg.poll);
         }
+    }
+
+    /// The round last seen and how many nodes are in it. With announcements the record lists
+    /// only the round's writer until it completes: who joined is who announced.
+    fn joined_so_far(&mut self, seen: Option<&State>) -> (u64, usize) {
+        let round = seen.map_or(0, |s| s.round);
+        let announced = if self.backend.announces() {
+            self.backend.announced(round).map_or(0, |a| a.len())
+        } else {
+            0
+        };
+        (
+            round,
+            seen.map_or(0, |s| s.participants.len()).max(announced),
+        )
     }
 
     /// One read of the record and what follows from it. `last_call` is this agent's last-call

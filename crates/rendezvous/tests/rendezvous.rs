@@ -22,10 +22,12 @@ fn join_all(agents: Vec<Rendezvous>) -> Vec<(Rendezvous, rendezvous::Assignment)
     let handles: Vec<_> = agents
         .into_iter()
         .map(|mut a| {
-            std::thread::spawn(move || match a.join(&|| false).expect("join") {
-                Joined::Assigned(x) => (a, x),
-                other => panic!("expected an assignment, got {other:?}"),
-            })
+            std::thread::spawn(
+                move || match a.join(&|| false, &mut |_| {}).expect("join") {
+                    Joined::Assigned(x) => (a, x),
+                    other => panic!("expected an assignment, got {other:?}"),
+                },
+            )
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
@@ -64,7 +66,7 @@ fn scenario(kind: BackendKind) {
     let mut agents: Vec<Rendezvous> = joined.into_iter().map(|(r, _)| r).collect();
     agents[1].close(true, None).unwrap();
     let mut late = open(&kind, &run);
-    match late.join(&|| false).unwrap() {
+    match late.join(&|| false, &mut |_| {}).unwrap() {
         Joined::Closed(c) => assert!(c.succeeded),
         other => panic!("a finished job must say so, got {other:?}"),
     }
@@ -119,7 +121,7 @@ fn a_join_that_cannot_complete_times_out_with_what_to_do() {
     let mut cfg = config("lonely");
     cfg.join_timeout = Duration::from_millis(500);
     let mut r = Rendezvous::open(cfg, &kind, 1, None).unwrap();
-    let err = r.join(&|| false).unwrap_err().to_string();
+    let err = r.join(&|| false, &mut |_| {}).unwrap_err().to_string();
     assert!(err.contains("1 of at least 2 node(s) joined"), "{err}");
     assert!(err.contains("--rdzv-endpoint"), "{err}");
 }

@@ -70,7 +70,9 @@ fn run_rounds(
         events(LaunchEvent::Joining {
             node: rdzv.node_id().to_string(),
         });
-        let joined = rdzv.join(&|| launch.signals.received().is_some());
+        let joined = rdzv.join(&|| launch.signals.received().is_some(), &mut |w| {
+            events(LaunchEvent::StillJoining(w))
+        });
         let assignment = match joined {
             Ok(Joined::Assigned(a)) => a,
             ended => {

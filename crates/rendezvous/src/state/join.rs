@@ -38,9 +38,9 @@ pub fn join_step(
             // A closed record whose nodes are all gone is a finished job's: a new job with the
             // same run id starts over instead of being told it is over. Unless this node was in
             // it: then it is this node's job that ended (the others finished before it looked).
-            if state.is_participant(&me.id)
-                || state.participants.iter().any(|n| n.id != me.id && live(n))
-            {
+            // Its members are those a reopened round expects too: a node that lost a peer
+            // reopens the round, and the peer's node may close it before anyone rejoins.
+            if state.members().any(|id| id == me.id || alive.contains(id)) {
                 JoinStep::Closed(state.closed().unwrap_or(Closed {
                     succeeded: false,
                     root_cause: None,

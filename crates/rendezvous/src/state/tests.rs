@@ -290,6 +290,62 @@ fn a_node_that_was_in_the_closed_job_is_told_it_is_over_even_when_the_others_lef
     );
 }
 
+/// The race CI met: b's worker lost its peer and b reopened the round; then a's worker failure
+/// exceeded --max-restarts and a closed the reopened round, which lists no participants yet.
+/// b, joining the next round, is told the job is over, even once a has left; it must not start
+/// a new job alone and wait for a second node that never comes.
+#[test]
+fn a_node_expected_by_a_reopened_round_that_closed_is_told_the_job_is_over() {
+    let state = running(&["a", "b"]).unwrap();
+    let both = alive(&["a", "b"]);
+    let AfterFailure::Restart(Some(reopened)) = fail_step(
+        Some(&state),
+        state.round,
+        false,
+        "on b: peer lost",
+        0,
+        1,
+        &both,
+    ) else {
+        panic!("a lost peer reopens the round");
+    };
+    assert!(reopened.participants.is_empty());
+    let AfterFailure::GiveUp(Some(closed), _) = fail_step(
+        Some(&reopened),
+        state.round,
+        true,
+        "rank 0 died",
+        1_000,
+        0,
+        &both,
+    ) else {
+        panic!("a failure past --max-restarts closes the job");
+    };
+    for live in [both, alive(&["b"])] {
+        let step = join_step(Some(&closed), &node("b"), &live, LIMITS, false, Some(&[]));
+        assert!(
+            matches!(
+                step,
+                JoinStep::Closed(Closed {
+                    succeeded: false,
+                    ..
+                })
+            ),
+            "alive {live:?}: {step:?}"
+        );
+    }
+    // A node of another job (same run id, later) is not held by it once its nodes are gone.
+    let step = join_step(
+        Some(&closed),
+        &node("c"),
+        &alive(&["c"]),
+        LIMITS,
+        false,
+        None,
+    );
+    assert!(matches!(step, JoinStep::Write(_)), "{step:?}");
+}
+
 #[test]
 fn a_stale_running_record_of_a_crashed_job_is_reopened_by_a_newcomer() {
     let state = running(&["a", "b"]);

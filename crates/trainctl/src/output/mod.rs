@@ -463,6 +463,19 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Joining { node } => {
             tracing::info!(node, "joining the rendezvous");
         }
+        LaunchEvent::StillJoining(w) => err(format_args!(
+            "trainctl run: still joining round {} after {}: {}; giving up in {} (join_timeout in --rdzv-conf)",
+            w.round,
+            duration(w.waited.as_secs_f64()),
+            match &w.store_error {
+                Some(e) => format!("the rendezvous store does not answer ({e})"),
+                None => format!(
+                    "{} of at least {} node(s) here; the others must run with the same --rdzv-endpoint and --rdzv-id",
+                    w.joined, w.min
+                ),
+            },
+            duration(w.left.as_secs_f64())
+        )),
         LaunchEvent::Joined(a) => err(format_args!(
             "trainctl run: round {}: node rank {} of {}, first rank {}, world size {}, restart count {}, store at {}:{}",
             a.round,

@@ -468,6 +468,34 @@ fn diagnostics_are_plain_lines_like_the_rest_of_the_output() {
     );
 }
 
+/// A node waiting for the others says so while it waits, with how many joined and how long it
+/// still waits, instead of being silent until its join timeout.
+#[test]
+fn a_join_that_waits_says_what_for_until_it_gives_up() {
+    let port = testkit::free_port();
+    let out = trainctl()
+        .args(["run", "--nnodes", "2", "--rdzv-backend", "c10d"])
+        .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+        .args(["--rdzv-id", "alone", "--rdzv-conf", "join_timeout=2"])
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let still: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("trainctl run: still joining round 0 after"))
+        .collect();
+    assert!(still.len() >= 2, "{err}");
+    assert!(
+        still[0].contains("1 of at least 2 node(s) here")
+            && still[0].contains("--rdzv-id")
+            && still[0].contains("join_timeout in --rdzv-conf"),
+        "{err}"
+    );
+    assert!(err.contains("did not complete within"), "{err}");
+}
+
 /// A command line that cannot work exits 2 (as clap's own refusals do), says which flag and
 /// value, and starts nothing: `trainctl run`'s training arguments are checked once, in the
 /// launcher, before any worker starts.
