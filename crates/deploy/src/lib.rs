@@ -4,6 +4,8 @@
 //! - [`catalog`]: EC2 instance types and the cluster presets;
 //! - [`eksctl`]: eksctl's ClusterConfig and command lines;
 //! - [`manifests`]: the Kubernetes objects (storage, data, training, test and doctor jobs);
+//! - [`launchers`]: the kinds of training job (Indexed Job, PyTorchJob, TrainJob, MPIJob), one
+//!   module each behind one trait, chosen from one table;
 //! - [`kube_api`]: applying them and watching jobs through the Kubernetes API (kube-rs);
 //! - [`doctor`]: the in-cluster checks of `trainctl doctor check`.
 //!
@@ -14,4 +16,5 @@ pub mod config;
 pub mod doctor;
 pub mod eksctl;
 pub mod kube_api;
+pub mod launchers;
 pub mod manifests;

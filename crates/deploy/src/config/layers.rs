@@ -130,7 +130,12 @@ impl Resolved {
             Source::Default,
         );
         default("job.name", "cifar10".into(), Source::Default);
-        default("job.launcher", "indexed".into(), Source::Default);
+        default(
+            "job.launcher",
+            crate::launchers::KINDS[0].name().into(),
+            Source::Default,
+        );
+        default("job.mpi_implementation", "openmpi".into(), Source::Default);
         default("job.nproc_per_node", "1".into(), Source::Default);
         default("job.epochs", "10".into(), Source::Default);
         default("job.batch_size", "128".into(), Source::Default);

@@ -142,7 +142,8 @@ settings! {
     "data.md5", "--download-md5", [DataJob], "MD5 the download must have";
     "data.from", "--from", [DataJob], "s3://BUCKET/PREFIX the data job copies onto the claim (into data.dir) instead of downloading data.url";
     "job.name", "--name", [DataJob, TestJob, Doctor, Training, Lookup, Tensorboard], "job name (DNS-1123 label); its helper jobs, etcd and TensorBoard are named after it";
-    "job.launcher", "--launcher", [Addons, Training], "indexed (a Job, no operator) or pytorchjob (Kubeflow)";
+    "job.launcher", "--launcher", [Addons, Training], "how the pods are started: indexed (a Job, no operator), pytorchjob (Kubeflow Training Operator v1), trainjob (Kubeflow Trainer v2, elastic through trainctl) or mpijob (MPI Operator, for an MPI program, not elastic)";
+    "job.mpi_implementation", "--mpi-implementation", [Training], "--launcher mpijob: the MPI of the image's mpirun: openmpi, intel or mpich";
     "job.command", "--command", [Training, Doctor], "your training program and its arguments (shell words; a list in trainctl.toml), run by trainctl run in every pod; or -- PROGRAM ARGS... after job render|launch; none: the built-in trainer (CPU only: its pods take no GPUs)";
     "job.nnodes", "--nnodes", [Training, Doctor], "nodes (pods) of the job: N, or MIN:MAX for an elastic job";
     "job.nproc_per_node", "--nproc-per-node", [Training], "workers per node";
@@ -211,7 +212,7 @@ pub const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
 pub use fit::{INSTANCE_TYPE_LABEL, Renders};
 pub use layers::{Layers, Resolved, join_words, split_words};
 pub use project::{
-    Cluster, Data, EtcdStorage, Job, Launcher, MAX_JOB_NAME, Project, RdzvBackend, Storage,
-    StorageBackend,
+    Cluster, Data, EtcdStorage, Job, Launcher, MAX_JOB_NAME, MpiImplementation, Project,
+    RdzvBackend, Storage, StorageBackend,
 };
 pub use values::{bytes, is_aws_id, is_dns_label, is_quantity, millicores};

@@ -34,13 +34,39 @@ pub enum EtcdStorage {
     Claim,
 }
 
-/// How the workers of a job are started.
+/// How the workers of a job are started: one of [`crate::launchers::KINDS`].
+pub use crate::launchers::Launcher;
+
+/// The MPI an MPIJob's image runs (`--launcher mpijob`), as the MPI Operator names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Launcher {
-    /// An Indexed Job and a headless Service: needs no operator.
-    Indexed,
-    /// A Kubeflow `PyTorchJob` (kubeflow.org/v1): needs the training operator.
-    PyTorchJob,
+pub enum MpiImplementation {
+    OpenMpi,
+    Intel,
+    Mpich,
+}
+
+impl MpiImplementation {
+    /// Its `job.mpi_implementation` value and the MPIJob's `mpiImplementation`.
+    const ALL: [(MpiImplementation, &'static str, &'static str); 3] = [
+        (MpiImplementation::OpenMpi, "openmpi", "OpenMPI"),
+        (MpiImplementation::Intel, "intel", "Intel"),
+        (MpiImplementation::Mpich, "mpich", "MPICH"),
+    ];
+
+    /// The MPIJob's `mpiImplementation`.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(m, ..)| *m == self)
+            .map_or("OpenMPI", |(_, _, name)| name)
+    }
+
+    fn parse(value: &str) -> Option<MpiImplementation> {
+        Self::ALL
+            .iter()
+            .find(|(_, key, _)| *key == value)
+            .map(|(m, ..)| *m)
+    }
 }
 
 /// Shared storage behind the claim.
@@ -130,6 +156,8 @@ pub struct Job {
     pub rdzv_backend: RdzvBackend,
     pub etcd_image: String,
     pub etcd_storage: EtcdStorage,
+    /// `--launcher mpijob`: the image's MPI.
+    pub mpi_implementation: MpiImplementation,
     pub runs_dir: String,
     pub ttl_seconds: i32,
     /// Where rank 0 uploads the results (`trainctl train --upload`).
@@ -295,13 +323,12 @@ impl Project {
                 ),
             ));
         }
-        let launcher = match v.str("job.launcher")?.as_str() {
-            "indexed" => Launcher::Indexed,
-            "pytorchjob" => Launcher::PyTorchJob,
-            _ => {
+        let launcher = match crate::launchers::find(&v.str("job.launcher")?) {
+            Some(kind) => Launcher::of(kind),
+            None => {
                 return Err(v.invalid(
                     "job.launcher",
-                    "choose indexed (no operator needed) or pytorchjob (Kubeflow)".into(),
+                    format!("choose {}", crate::launchers::choices()),
                 ));
             }
         };
@@ -391,6 +418,15 @@ impl Project {
                     ));
                 }
             },
+            mpi_implementation: match MpiImplementation::parse(&v.str("job.mpi_implementation")?) {
+                Some(m) => m,
+                None => {
+                    return Err(v.invalid(
+                        "job.mpi_implementation",
+                        "choose openmpi, intel or mpich (what the image's mpirun is)".into(),
+                    ));
+                }
+            },
             runs_dir: v.matching(
                 "job.runs_dir",
                 |s| s.starts_with('/'),
@@ -406,6 +442,9 @@ impl Project {
                 None => Vec::new(),
             },
         };
+        if let Some(why) = job.launcher.refuses(&job) {
+            return Err(v.invalid("job.launcher", why));
+        }
         if !job.fetch.is_empty() && job.command.is_none() {
             return Err(v.invalid(
                 "job.fetch",

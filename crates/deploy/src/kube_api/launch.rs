@@ -3,10 +3,11 @@
 
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::Value;
 
 use crate::config::{bytes, millicores};
+use crate::launchers::is_custom;
 use crate::manifests::Manifest;
 
 use super::error::{CLUSTER, api_error, is_not_found};
@@ -25,18 +26,24 @@ fn minor_version(major: &str, minor: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-fn operator_missing(what: &str) -> ApiError {
+/// The cluster does not serve `resource`, which `what` needs: say which operator to install,
+/// or which launcher needs none.
+fn operator_missing(what: &str, resource: &ApiResource) -> ApiError {
+    let kind = crate::launchers::serving(resource);
+    let operator = kind.and_then(|k| k.operator());
     ApiError::NotServed {
         what: what.into(),
-        api: "kubeflow.org/v1 PyTorchJob".into(),
-        hint: "install the Kubeflow training operator (`trainctl cluster addons --launcher \
-               pytorchjob` says how), or use --launcher indexed"
-            .into(),
+        api: format!("{} {}", resource.api_version, resource.kind),
+        hint: match (kind, operator) {
+            (Some(kind), Some(operator)) => format!(
+                "install {} (`trainctl cluster addons --launcher {}` says how), or use \
+                 --launcher indexed",
+                operator.name,
+                kind.name()
+            ),
+            _ => "install the operator that serves it, or use --launcher indexed".into(),
+        },
     }
-}
-
-fn is_job_kind(doc: &Manifest) -> bool {
-    matches!(doc.kind(), "Job" | "PyTorchJob")
 }
 
 /// An owner reference to the applied job `object` (rendered as `doc`), when it has a uid.
@@ -171,8 +178,8 @@ impl Kube {
             .await
         {
             Ok(object) => Ok(object),
-            Err(e) if is_not_found(&e) && resource.group == "kubeflow.org" => {
-                Err(operator_missing(&what))
+            Err(e) if is_not_found(&e) && is_custom(resource) => {
+                Err(operator_missing(&what, resource))
             }
             Err(e) => Err(api_error(&what, self.scope(namespaced), e)),
         }
@@ -199,7 +206,9 @@ impl Kube {
             match self.apply_one(doc).await {
                 Ok(object) => {
                     applied.push(doc);
-                    if is_job_kind(doc) && object.metadata.name.as_deref() == Some(name) {
+                    if crate::launchers::is_job(doc)
+                        && object.metadata.name.as_deref() == Some(name)
+                    {
                         owner = owner_reference(doc, &object);
                     }
                 }
@@ -207,7 +216,7 @@ impl Kube {
             }
         }
         if let Some(owner) = owner {
-            for doc in applied.iter().filter(|d| !is_job_kind(d)) {
+            for doc in applied.iter().filter(|d| !crate::launchers::is_job(d)) {
                 let mut owned = (*doc).clone();
                 owned["metadata"]["ownerReferences"] = serde_json::json!([owner]);
                 if let Err(e) = self.apply_one(&owned).await {
@@ -219,10 +228,14 @@ impl Kube {
     }
 
     /// What a training job needs from the cluster, asked before anything is written: a server
-    /// recent enough for the Job's fields, the namespace, and the PyTorchJob CRD when the job
-    /// is one.
+    /// recent enough for the Job's fields, the namespace, and the CRDs of the operator's
+    /// objects it renders (a PyTorchJob, a TrainJob and its runtime, an MPIJob).
     async fn preflight(&self, docs: &[Manifest]) -> Result<(), ApiError> {
-        if docs.iter().any(|d| d.kind() == "Job") {
+        let job_fields = docs
+            .iter()
+            .filter_map(|d| crate::launchers::serving(d.resource()))
+            .any(|k| k.runs_a_job());
+        if job_fields {
             let info = self
                 .client
                 .apiserver_version()
@@ -248,8 +261,9 @@ impl Kube {
             Err(kube::Error::Api(status)) if status.code == 403 => {}
             Err(e) => return Err(api_error("get the namespace", &self.namespace, e)),
         }
-        if let Some(doc) = docs.iter().find(|d| d.kind() == "PyTorchJob") {
-            let what = format!("launch PyTorchJob {}", doc.name());
+        // Every custom resource the job renders must be served: its operator's CRDs.
+        for doc in docs.iter().filter(|d| is_custom(d.resource())) {
+            let what = format!("launch {} {}", doc.kind(), doc.name());
             let resource = doc.resource();
             match self
                 .client
@@ -257,8 +271,8 @@ impl Kube {
                 .await
             {
                 Ok(list) if list.resources.iter().any(|r| r.name == resource.plural) => {}
-                Ok(_) => return Err(operator_missing(&what)),
-                Err(e) if is_not_found(&e) => return Err(operator_missing(&what)),
+                Ok(_) => return Err(operator_missing(&what, resource)),
+                Err(e) if is_not_found(&e) => return Err(operator_missing(&what, resource)),
                 Err(e) => return Err(api_error(&what, &self.namespace, e)),
             }
         }

@@ -34,10 +34,10 @@ use kube::api::{
 use error::{CLUSTER, api_error, is_not_found};
 use status::node_problem;
 
+use crate::launchers::is_custom;
 use crate::manifests::{self, Manifest};
 
-/// The training operator release whose CRD the PyTorchJobs are validated against.
-pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
+pub use crate::launchers::TRAINING_OPERATOR_VERSION;
 
 /// A client that cannot be built from a kubeconfig: its TLS material (client certificate and
 /// key, CA) is what fails there.
@@ -173,26 +173,22 @@ impl Kube {
         }
     }
 
-    /// The job `name` (a Job or a PyTorchJob), or None.
+    /// The job `name`, of whichever launcher ([`crate::launchers::KINDS`]), or None.
     async fn find_job(&self, name: &str) -> Result<Option<JobStatus>, ApiError> {
-        let jobs: Api<Job> = Api::namespaced(self.client.clone(), &self.namespace);
-        match jobs.get_opt(name).await {
-            Ok(Some(job)) => return Ok(Some(JobStatus::from_job(&job))),
-            Ok(None) => {}
-            Err(e) => return Err(api_error(&format!("get Job {name}"), &self.namespace, e)),
+        for kind in crate::launchers::KINDS {
+            let resource = &kind.resources()[0];
+            match self.api(resource, true).get_opt(name).await {
+                Ok(Some(job)) => return Ok(Some(kind.status(&job))),
+                Ok(None) => {}
+                // Not served (no CRD): then there is no such job either.
+                Err(e) if is_not_found(&e) && is_custom(resource) => {}
+                Err(e) => {
+                    let what = format!("get {} {name}", resource.kind);
+                    return Err(api_error(&what, &self.namespace, e));
+                }
+            }
         }
-        let api = self.api(&manifests::pytorchjob_resource(), true);
-        match api.get_opt(name).await {
-            Ok(Some(job)) => Ok(Some(JobStatus::from_pytorchjob(&job))),
-            Ok(None) => Ok(None),
-            // No PyTorchJob CRD: then there is no such PyTorchJob either.
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(api_error(
-                &format!("get PyTorchJob {name}"),
-                &self.namespace,
-                e,
-            )),
-        }
+        Ok(None)
     }
 
     /// The job, its conditions, its pods and the pods beside it (its etcd, TensorBoard).
@@ -328,21 +324,29 @@ impl Kube {
         let params = delete_with_pods();
         let mut deleted = Vec::new();
         // The jobs first, so that their workers stop before their etcd, Service and token go.
-        let kinds = [
-            manifests::pytorchjob_resource(),
-            ApiResource::erase::<Job>(&()),
+        // Every launcher's objects (the custom resources first, as the table lists them),
+        // then the helper Jobs and what jobs own.
+        let mut kinds: Vec<ApiResource> = Vec::new();
+        for kind in crate::launchers::KINDS.iter().rev() {
+            for resource in kind.resources() {
+                if !kinds.contains(&resource) {
+                    kinds.push(resource);
+                }
+            }
+        }
+        kinds.sort_by_key(|r| !is_custom(r));
+        kinds.extend([
             ApiResource::erase::<Deployment>(&()),
             ApiResource::erase::<Service>(&()),
             ApiResource::erase::<Secret>(&()),
-        ];
+        ]);
         let mut found = Vec::new();
         for resource in kinds {
             let api = self.api(&resource, true);
             let list = match api.list(&ListParams::default().labels(selector)).await {
                 Ok(list) => list,
-                Err(e) if is_not_found(&e) && resource == manifests::pytorchjob_resource() => {
-                    continue;
-                }
+                // A custom resource this cluster does not serve: none to delete.
+                Err(e) if is_not_found(&e) && is_custom(&resource) => continue,
                 Err(e) => {
                     let plural = &resource.plural;
                     return Err(api_error(&format!("list {plural}"), &self.namespace, e));
@@ -475,14 +479,15 @@ fn delete_with_pods() -> DeleteParams {
     }
 }
 
-/// Whether pod `p` belongs to job `name` itself (not its data, test or doctor job).
+/// Whether pod `p` belongs to job `name` itself (not its data, test or doctor job): it carries
+/// the job's name under its launcher's label (a Job's pods also under the older `job-name`).
 fn owned_by(p: &Pod, name: &str) -> bool {
     let labels = p.metadata.labels.as_ref();
     let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
-    // Pods of a Job carry job-name; the operator's carry training.kubeflow.org/job-name.
     label("job-name") == Some(name)
-        || label("batch.kubernetes.io/job-name") == Some(name)
-        || label("training.kubeflow.org/job-name") == Some(name)
+        || crate::launchers::KINDS
+            .iter()
+            .any(|k| label(k.pod_job_label()) == Some(name))
 }
 
 /// Whether pod `p` runs beside job `name`: its etcd or its TensorBoard.

@@ -7,6 +7,8 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::DynamicObject;
 
+use crate::launchers::Operator;
+
 /// Where a job stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -46,7 +48,7 @@ pub struct Condition {
 #[derive(Debug, Clone)]
 pub struct JobStatus {
     pub name: String,
-    /// `Job` or `PyTorchJob`.
+    /// `Job`, `PyTorchJob`, `TrainJob` or `MPIJob`.
     pub kind: String,
     pub phase: Phase,
     pub conditions: Vec<Condition>,
@@ -55,10 +57,12 @@ pub struct JobStatus {
     pub pods: Vec<PodStatus>,
     /// The pods beside the job: its etcd (`--rdzv-backend etcd`), its TensorBoard.
     pub companions: Vec<PodStatus>,
+    /// The operator that reconciles the job, when it is an operator's.
+    pub operator: Option<Operator>,
 }
 
 impl JobStatus {
-    pub(super) fn from_job(job: &Job) -> JobStatus {
+    pub(crate) fn from_job(job: &Job) -> JobStatus {
         let status = job.status.clone().unwrap_or_default();
         let conditions: Vec<Condition> = status
             .conditions
@@ -86,10 +90,19 @@ impl JobStatus {
             failed_pods: status.failed.unwrap_or(0),
             pods: Vec::new(),
             companions: Vec::new(),
+            operator: None,
         }
     }
 
-    pub(super) fn from_pytorchjob(job: &DynamicObject) -> JobStatus {
+    /// A job of an operator's (`kind`), whose conditions say how it is: `succeeded` (the
+    /// condition type that says it succeeded), `Failed`, `Running`. `operator` is who
+    /// reconciles it, for a job that nothing has picked up.
+    pub(crate) fn from_conditions(
+        job: &DynamicObject,
+        kind: &str,
+        succeeded: &str,
+        operator: Option<Operator>,
+    ) -> JobStatus {
         let conditions: Vec<Condition> = job.data["status"]["conditions"]
             .as_array()
             .map(|cs| {
@@ -106,7 +119,7 @@ impl JobStatus {
                     .collect()
             })
             .unwrap_or_default();
-        let phase = phase_from_conditions(&conditions, &["Succeeded"], &["Failed"]).unwrap_or(
+        let phase = phase_from_conditions(&conditions, &[succeeded], &["Failed"]).unwrap_or(
             if conditions
                 .iter()
                 .any(|c| c.type_ == "Running" && c.status == "True")
@@ -118,12 +131,13 @@ impl JobStatus {
         );
         JobStatus {
             name: job.metadata.name.clone().unwrap_or_default(),
-            kind: "PyTorchJob".into(),
+            kind: kind.into(),
             phase,
             conditions,
             failed_pods: 0,
             pods: Vec::new(),
             companions: Vec::new(),
+            operator,
         }
     }
 
@@ -164,12 +178,17 @@ impl JobStatus {
             }
             s.push('\n');
         }
-        if self.kind == "PyTorchJob" && self.conditions.is_empty() && self.pods.is_empty() {
-            // The training operator sets a Created condition at once: none means nothing
-            // reconciles PyTorchJobs here.
-            s.push_str(
-                "  no conditions and no pods: nothing has picked this PyTorchJob up; is the \
-                 Kubeflow training operator running? (`kubectl get pods -A | grep training-operator`)\n",
+        if let Some(operator) = self.operator
+            && self.conditions.is_empty()
+            && self.pods.is_empty()
+        {
+            // Operators set a Created condition at once: none means nothing reconciles these
+            // jobs here.
+            let _ = writeln!(
+                s,
+                "  no conditions and no pods: nothing has picked this {} up; is {} running? \
+                 (`{}`)",
+                self.kind, operator.name, operator.check
             );
         }
         if self.pods.is_empty() {
@@ -343,7 +362,8 @@ pub struct PodStatus {
     /// The container whose logs are the pod's: its first (`pytorch` in a training pod, `data`,
     /// `test` or `doctor` in a helper's).
     pub container: String,
-    /// The node index: the Indexed Job's completion index or the PyTorchJob's replica index.
+    /// The node index: the Indexed Job's completion index (a TrainJob's too) or the replica
+    /// index of a Kubeflow job's worker; none for an MPIJob's launcher.
     /// (The rendezvous assigns node ranks in join order; the logs say which each got.)
     pub index: Option<u32>,
     pub phase: String,
@@ -373,11 +393,17 @@ pub(super) fn main_container(p: &Pod) -> &str {
 impl PodStatus {
     pub(super) fn from_pod(p: &Pod) -> PodStatus {
         let labels = p.metadata.labels.clone().unwrap_or_default();
+        // An MPIJob's launcher has no node index: it sorts (and its logs come) first.
+        let launcher = labels
+            .get("training.kubeflow.org/job-role")
+            .map(String::as_str)
+            == Some("launcher");
         let index = [
             "batch.kubernetes.io/job-completion-index",
             "training.kubeflow.org/replica-index",
         ]
         .iter()
+        .filter(|_| !launcher)
         .find_map(|k| labels.get(*k).and_then(|v| v.parse().ok()));
         let status = p.status.clone().unwrap_or_default();
         let containers = status.container_statuses.clone().unwrap_or_default();

@@ -59,6 +59,7 @@ fn helper_job(
     let template = pod_template(
         project,
         PodOptions {
+            runs_trainctl: true,
             component,
             container: component,
             image: project.trainctl_image.clone(),
@@ -127,6 +128,7 @@ pub fn doctor_job(project: &Project) -> Vec<Manifest> {
     let template = pod_template(
         project,
         PodOptions {
+            runs_trainctl: true,
             component: "doctor",
             container: "doctor",
             image: project.trainctl_image.clone(),

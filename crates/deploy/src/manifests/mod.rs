@@ -1,7 +1,7 @@
-//! The Kubernetes objects trainctl renders: storage, the data job, the training job (Indexed
-//! Job or Kubeflow PyTorchJob, running the built-in trainer or the user's program, with an etcd
-//! beside it for `--rdzv-backend etcd`), the test job, the doctor job, TensorBoard and the
-//! NVIDIA device plugin.
+//! The Kubernetes objects trainctl renders: storage, the data job, the training job (as its
+//! launcher in [`crate::launchers`] renders it, running the built-in trainer or the user's
+//! program, with an etcd beside it for `--rdzv-backend etcd`), the test job, the doctor job,
+//! TensorBoard and the NVIDIA device plugin.
 //!
 //! Core objects are built from `k8s-openapi` types, so their shape is the API's. Every object
 //! carries the labels in [`labels`], which is how `job status|logs|top|delete` find them again.
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::{ClusterResourceScope, NamespaceResourceScope};
-use kube::api::{ApiResource, GroupVersionKind};
+use kube::api::ApiResource;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -28,6 +28,12 @@ pub use services::{etcd, etcd_name, nvidia_device_plugin, tensorboard, tensorboa
 pub use storage::{NoStorage, storage};
 pub use training::{
     Token, rdzv_host, token_secret, token_secret_name, training_job, worker_run_args,
+};
+// What the launchers (crate::launchers) build their jobs from.
+pub(crate) use pod::{headless_service, job};
+pub(crate) use training::{
+    launch_flags, mpi_template, node_flags, queue_label, rdzv_flags, rendezvous_objects,
+    worker_template,
 };
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
@@ -40,9 +46,10 @@ pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
 pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
-/// The container that runs `trainctl run` in every training pod: the name the PyTorchJob
-/// operator looks for, which the podFailurePolicy names too. The helper jobs' containers are
-/// named after what they do (`data`, `test`, `doctor`).
+/// The container that runs `trainctl run` in the training pods of an Indexed Job or a
+/// PyTorchJob: the name the PyTorchJob operator looks for, which the podFailurePolicy names
+/// too (a TrainJob's is `node`, Trainer's name). The helper jobs' containers are named after
+/// what they do (`data`, `test`, `doctor`).
 pub const CONTAINER: &str = "pytorch";
 /// Name of the rendezvous port; the training operator finds the port by this name.
 pub const RDZV_PORT_NAME: &str = "pytorchjob-port";
@@ -90,6 +97,11 @@ pub fn job_selector(job: &str) -> String {
 /// The selector of one component of job `job`.
 pub fn component_selector(job: &str, component: &str) -> String {
     format!("{},{COMPONENT_LABEL}={component}", job_selector(job))
+}
+
+/// The metadata of object `name` of the project's job: its namespace and labels.
+pub(crate) fn object_meta(project: &Project, name: &str, component: &str) -> ObjectMeta {
+    meta(project, name, component)
 }
 
 fn meta(project: &Project, name: &str, component: &str) -> ObjectMeta {
@@ -147,15 +159,6 @@ impl Manifest {
         }
     }
 
-    /// A Kubeflow PyTorchJob, rendered as JSON (k8s-openapi has no type for it).
-    fn pytorch_job(doc: Value) -> Manifest {
-        Manifest {
-            resource: pytorchjob_resource(),
-            namespaced: true,
-            doc,
-        }
-    }
-
     pub fn resource(&self) -> &ApiResource {
         &self.resource
     }
@@ -203,14 +206,6 @@ impl Serialize for Manifest {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.doc.serialize(s)
     }
-}
-
-/// Where Kubeflow's training operator serves PyTorchJobs.
-pub fn pytorchjob_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("kubeflow.org", "v1", "PyTorchJob"),
-        "pytorchjobs",
-    )
 }
 
 fn quantity(s: &str) -> Quantity {

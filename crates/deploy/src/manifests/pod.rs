@@ -29,7 +29,11 @@ pub(super) struct PodOptions {
     /// The container's name: [`CONTAINER`] for the training pods (the PyTorchJob operator and
     /// the podFailurePolicy look for it), what the container does for the others.
     pub(super) container: &'static str,
+    /// trainctl's arguments, or with `runs_trainctl` false the command line itself.
     pub(super) args: Vec<String>,
+    /// The container runs trainctl (copied in by an init container when the image lacks it),
+    /// or `args` as they are (an MPIJob's mpirun and sshd).
+    pub(super) runs_trainctl: bool,
     /// The image the container runs.
     pub(super) image: String,
     /// CPU and memory of a training pod, or a small request for helper jobs.
@@ -140,7 +144,7 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
         });
     }
     // An image without trainctl gets it from an init container, through an emptyDir.
-    let copy_binary = o.image != project.trainctl_image;
+    let copy_binary = o.runs_trainctl && o.image != project.trainctl_image;
     let mut init_containers = None;
     let binary = if copy_binary {
         volumes.push(empty_dir("trainctl"));
@@ -175,12 +179,23 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
     } else {
         BINARY.into()
     };
+    let (command, args) = if o.runs_trainctl {
+        (vec![binary], o.args)
+    } else {
+        let mut args = o.args;
+        let command = if args.is_empty() {
+            Vec::new()
+        } else {
+            vec![args.remove(0)]
+        };
+        (command, args)
+    };
     let container = Container {
         name: o.container.into(),
         image: Some(o.image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
-        command: Some(vec![binary]),
-        args: Some(o.args),
+        command: Some(command),
+        args: Some(args),
         env: Some(env),
         ports: o.port.map(|p| {
             let mut ports = vec![ContainerPort {
@@ -315,7 +330,7 @@ pub(super) fn gpu_toleration() -> Toleration {
 
 /// A Job of `completions` pods; `indexed` gives each pod a stable name `NAME-INDEX` (the
 /// training job's, even of one pod: the rendezvous endpoint names pod 0).
-pub(super) fn job(
+pub(crate) fn job(
     project: &Project,
     name: &str,
     template: PodTemplateSpec,
@@ -392,7 +407,7 @@ pub(super) fn failure_policy(container: &str) -> PodFailurePolicy {
     }
 }
 
-pub(super) fn headless_service(
+pub(crate) fn headless_service(
     project: &Project,
     name: &str,
     component: &str,

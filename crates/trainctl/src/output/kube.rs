@@ -122,14 +122,9 @@ pub fn zones_picked(zones: &[String], region: &str, instance_type: &str) {
     ));
 }
 
-/// How to install the Kubeflow training operator, which trainctl does not vendor.
-pub fn install_training_operator(version: &str) {
-    out(format_args!(
-        "The Kubeflow training operator is installed from its release manifests \
-         (kustomize), which trainctl does not vendor:\n  kubectl apply \
-         --server-side -k \"github.com/kubeflow/training-operator.git/manifests/\
-         overlays/standalone?ref={version}\""
-    ));
+/// How to install the operator a launcher needs, which trainctl does not vendor.
+pub fn install_operator(operator: &deploy::launchers::Operator) {
+    out(format_args!("{}", operator.install));
 }
 
 /// One row of `config show`: a setting, its value (or none) and where the value came from.

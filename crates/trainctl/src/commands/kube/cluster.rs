@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use deploy::config::{Launcher, Project};
+use deploy::config::Project;
 use deploy::{eksctl, manifests};
 
 use super::super::project::{ProjectArgs, uses};
@@ -41,7 +41,7 @@ pub enum ClusterCommand {
         dry_run: bool,
     },
     /// Install metrics-server and the EFS CSI driver (EKS add-ons), the NVIDIA device plugin
-    /// on GPU presets, and say how to install the training operator for --launcher pytorchjob.
+    /// on GPU presets, and say how to install the operator --launcher needs (pytorchjob, trainjob, mpijob).
     Addons {
         #[command(flatten)]
         project: ProjectArgs<uses::Addons>,
@@ -168,10 +168,8 @@ fn run(cmd: ClusterCommand) -> anyhow::Result<i32> {
                     })?;
                 }
             }
-            if project.job.launcher == Launcher::PyTorchJob {
-                output::kube::install_training_operator(
-                    deploy::kube_api::TRAINING_OPERATOR_VERSION,
-                );
+            if let Some(operator) = project.job.launcher.operator() {
+                output::kube::install_operator(&operator);
             }
             Ok(0)
         }

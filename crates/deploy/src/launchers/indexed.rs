@@ -1,0 +1,78 @@
+//! `--launcher indexed`: an Indexed Job and its headless Service. Needs no operator: each pod
+//! gets a stable name (NAME-INDEX) and DNS name, a lost pod is replaced under its index, and
+//! the podFailurePolicy tells evictions and trainctl's own exits apart from failures.
+
+use k8s_openapi::api::batch::v1::Job;
+use kube::api::{ApiResource, DynamicObject};
+
+use crate::config::Project;
+use crate::kube_api::JobStatus;
+use crate::manifests::{
+    Manifest, Token, headless_service, job, queue_label, rendezvous_objects, worker_template,
+};
+
+use super::Kind;
+
+pub struct Indexed;
+
+impl Kind for Indexed {
+    fn name(&self) -> &'static str {
+        "indexed"
+    }
+
+    fn summary(&self) -> &'static str {
+        "a Job, no operator"
+    }
+
+    fn resources(&self) -> Vec<ApiResource> {
+        vec![ApiResource::erase::<Job>(&())]
+    }
+
+    fn render(&self, project: &Project, token: Token) -> Vec<Manifest> {
+        let j = &project.job;
+        let template = worker_template(project, crate::manifests::CONTAINER, Some(j.name.clone()));
+        let service = headless_service(project, &j.name, "worker", j.rdzv_port);
+        let pods = j.max_nodes as i32;
+        // A lost pod is replaced under the same index and rejoins; each node may fail
+        // max_restarts times (failures the podFailurePolicy ignores do not count) before
+        // Kubernetes gives up on the job.
+        let backoff = (j.max_restarts as i32).saturating_mul(pods).max(1);
+        let mut job = job(project, &j.name, template, (pods, true), backoff);
+        if let Some(spec) = job.spec.as_mut() {
+            // Per index, the Job controller also delays a replacement by the failures of that
+            // index alone (10 s doubling, counting the ignored ones), not of the whole job: a
+            // node lost after others were waits 10 s, not 10 s × 2^(losses so far). One index
+            // past its limit fails the job at once, as the job's limit did. Servers before 1.29
+            // drop both fields and keep backoffLimit, the whole job's limit.
+            spec.backoff_limit_per_index = Some(j.max_restarts as i32);
+            spec.max_failed_indexes = Some(0);
+        }
+        queue_label(project, &mut job.metadata);
+        let mut out = rendezvous_objects(project, token);
+        out.push(Manifest::of(&service));
+        out.push(Manifest::of(&job));
+        out
+    }
+
+    fn rdzv_host(&self, project: &Project) -> String {
+        // Indexed Job pods are NAME-INDEX, in the headless Service's subdomain NAME.
+        let name = &project.job.name;
+        format!("{name}-0.{name}")
+    }
+
+    fn runs_a_job(&self) -> bool {
+        true
+    }
+
+    fn status(&self, object: &DynamicObject) -> JobStatus {
+        // The server's Job read back into its type; a Job always reads (every field optional).
+        let job: Job = serde_json::to_value(object)
+            .and_then(serde_json::from_value)
+            .unwrap_or_default();
+        JobStatus::from_job(&job)
+    }
+
+    fn pod_job_label(&self) -> &'static str {
+        "batch.kubernetes.io/job-name"
+    }
+}

@@ -1,0 +1,185 @@
+//! How a training job's pods are started on Kubernetes: one module per kind of launcher, each
+//! behind [`Kind`], and [`KINDS`], the table `--launcher` (`job.launcher`) picks from.
+//!
+//! Adding a launcher is one file here implementing [`Kind`] (its objects, the API resource the
+//! job is served at, its status, what the cluster must serve for it) and its line in
+//! [`KINDS`]. Nothing else names a kind: rendering, launching, `job status|logs|wait|delete`
+//! and `cluster addons` go through the table. Custom resources are typed structs
+//! ([`custom_resource!`]), so no code compares kind strings.
+
+#[macro_use]
+mod crd;
+mod indexed;
+mod mpijob;
+mod pytorchjob;
+mod trainjob;
+
+use kube::api::{ApiResource, DynamicObject};
+
+use contract::argv::RunFlag;
+
+use crate::config::{Job, Project};
+use crate::kube_api::JobStatus;
+use crate::manifests::{Manifest, Token};
+
+pub use indexed::Indexed;
+pub use mpijob::MpiJob;
+pub use pytorchjob::{PyTorchJob, TRAINING_OPERATOR_VERSION};
+pub use trainjob::TrainJob;
+
+/// Every launcher, in the order `--help` lists them; the first is the default.
+pub static KINDS: &[&dyn Kind] = &[&Indexed, &PyTorchJob, &TrainJob, &MpiJob];
+
+/// One way of starting a training job's pods.
+pub trait Kind: Sync {
+    /// Its name for `--launcher` and `job.launcher`.
+    fn name(&self) -> &'static str;
+
+    /// What it is and what it needs, for the setting's help and errors.
+    fn summary(&self) -> &'static str;
+
+    /// The API resources of what it renders, the job's own first: `job delete` removes them,
+    /// and finds the job by the first.
+    fn resources(&self) -> Vec<ApiResource>;
+
+    /// Why it cannot run this job, if it cannot (checked when the project is read, so that
+    /// the error names the setting).
+    fn refuses(&self, _job: &Job) -> Option<String> {
+        None
+    }
+
+    /// The job's objects in the order they are applied: what the pods need first, the job
+    /// last.
+    fn render(&self, project: &Project, token: Token) -> Vec<Manifest>;
+
+    /// The stable DNS name of the job's first pod, where the c10d store lives.
+    fn rdzv_host(&self, project: &Project) -> String;
+
+    /// What tells the pods' `trainctl run` its nodes, rendezvous and restarts: the flags by
+    /// default; an operator that injects torchrun's `PET_*` variables may leave some out.
+    fn node_flags(&self, project: &Project) -> Vec<RunFlag> {
+        crate::manifests::node_flags(project)
+    }
+
+    /// Its pods run in a Job of trainctl's (podFailurePolicy, per-index backoff), which needs a
+    /// server of 1.[`crate::kube_api::MIN_KUBERNETES_MINOR`] or later.
+    fn runs_a_job(&self) -> bool {
+        false
+    }
+
+    /// The job's state, read from the object the API server returned.
+    fn status(&self, object: &DynamicObject) -> JobStatus;
+
+    /// The label each of the job's pods carries with the job's name.
+    fn pod_job_label(&self) -> &'static str;
+
+    /// The operator that serves its custom resources, if it needs one: what is missing when
+    /// the cluster does not serve them, and how to install it (`cluster addons`).
+    fn operator(&self) -> Option<Operator> {
+        None
+    }
+}
+
+/// An operator a launcher needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Operator {
+    /// Who it is: "the Kubeflow training operator".
+    pub name: &'static str,
+    /// How to install it.
+    pub install: &'static str,
+    /// How to see whether its controller runs.
+    pub check: &'static str,
+}
+
+/// The launcher called `name`.
+pub fn find(name: &str) -> Option<&'static dyn Kind> {
+    KINDS.iter().copied().find(|k| k.name() == name)
+}
+
+/// The launcher whose objects include one served at `resource`.
+pub fn serving(resource: &ApiResource) -> Option<&'static dyn Kind> {
+    KINDS
+        .iter()
+        .copied()
+        .find(|k| k.resources().iter().any(|r| r == resource))
+}
+
+/// Whether `resource` is a custom resource (an operator's, served only where its CRD is
+/// installed), not one of Kubernetes' own.
+pub fn is_custom(resource: &ApiResource) -> bool {
+    resource.group.contains('.')
+}
+
+/// Whether `doc` is a training job itself (not what it owns).
+pub fn is_job(doc: &Manifest) -> bool {
+    KINDS.iter().any(|k| k.resources()[0] == *doc.resource())
+}
+
+/// `indexed (...), pytorchjob (...), ...`: the choices, for help and errors.
+pub fn choices() -> String {
+    KINDS
+        .iter()
+        .map(|k| format!("{} ({})", k.name(), k.summary()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A launcher, as a project holds it: compared and printed by name.
+#[derive(Clone, Copy)]
+pub struct Launcher(&'static dyn Kind);
+
+impl Launcher {
+    pub fn of(kind: &'static dyn Kind) -> Launcher {
+        Launcher(kind)
+    }
+}
+
+impl Default for Launcher {
+    fn default() -> Launcher {
+        Launcher(KINDS[0])
+    }
+}
+
+impl std::ops::Deref for Launcher {
+    type Target = dyn Kind;
+    fn deref(&self) -> &(dyn Kind + 'static) {
+        self.0
+    }
+}
+
+impl PartialEq for Launcher {
+    fn eq(&self, other: &Launcher) -> bool {
+        self.0.name() == other.0.name()
+    }
+}
+
+impl Eq for Launcher {}
+
+impl std::fmt::Debug for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name())
+    }
+}
+
+impl std::fmt::Display for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_resources_are_unique() {
+        let mut names: Vec<&str> = KINDS.iter().map(|k| k.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), KINDS.len());
+        for k in KINDS {
+            assert_eq!(find(k.name()).map(|f| f.name()), Some(k.name()));
+            assert_eq!(serving(&k.resources()[0]).map(|f| f.name()), Some(k.name()));
+        }
+    }
+}

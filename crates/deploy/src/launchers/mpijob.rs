@@ -1,0 +1,154 @@
+//! `--launcher mpijob`: MPI Operator's `MPIJob` (`kubeflow.org/v2beta1`) for `-- PROGRAM` run by
+//! mpirun: a launcher pod runs `mpirun -np NODES×SLOTS PROGRAM...` once every worker is ready
+//! (`launcherCreationPolicy: WaitForWorkersReady`, so mpirun never starts before the workers
+//! resolve), the workers run sshd. The pods run as uid 1000, as the MPI Operator's own images'
+//! `mpiuser`, whose home the SSH keys are mounted in.
+//!
+//! Not elastic: mpirun starts a fixed set of ranks, and a lost one ends the run (the operator
+//! restarts the launcher up to the backoff limit). Neither `trainctl run` nor its rendezvous is
+//! in these pods, so the built-in trainer cannot run here.
+
+use std::collections::BTreeMap;
+
+use kube::api::{ApiResource, DynamicObject};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Job, Project};
+use crate::kube_api::JobStatus;
+use crate::manifests::{Manifest, Token, mpi_template, object_meta, queue_label};
+
+use super::pytorchjob::{ReplicaSpec, RunPolicy};
+use super::{Kind, Operator};
+
+/// Where the operator mounts the SSH keys: the MPI Operator images' non-root user's home.
+pub const SSH_AUTH_MOUNT_PATH: &str = "/home/mpiuser/.ssh";
+/// The workers' command: sshd in the foreground, with the non-root configuration the MPI
+/// Operator's images carry (a port and host keys a non-root user can use).
+pub const WORKER_COMMAND: &[&str] = &["/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config"];
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpiJobSpec {
+    pub slots_per_worker: u32,
+    pub run_policy: RunPolicy,
+    pub mpi_implementation: String,
+    pub launcher_creation_policy: String,
+    pub ssh_auth_mount_path: String,
+    pub mpi_replica_specs: BTreeMap<String, ReplicaSpec>,
+}
+
+custom_resource!(
+    MpiJobObject,
+    MpiJobSpec,
+    "kubeflow.org",
+    "v2beta1",
+    "MPIJob",
+    "mpijobs"
+);
+
+pub struct MpiJob;
+
+impl Kind for MpiJob {
+    fn name(&self) -> &'static str {
+        "mpijob"
+    }
+
+    fn summary(&self) -> &'static str {
+        "MPI Operator's MPIJob for an MPI program, not elastic"
+    }
+
+    fn resources(&self) -> Vec<ApiResource> {
+        vec![ApiResource::erase::<MpiJobObject>(&())]
+    }
+
+    fn refuses(&self, job: &Job) -> Option<String> {
+        if job.command.is_none() {
+            return Some(
+                "an MPIJob runs an MPI program with mpirun, and the built-in trainer is not one \
+                 (it forms its own group with trainctl run): pass your program with -- PROGRAM \
+                 (or --command), or use --launcher indexed, pytorchjob or trainjob"
+                    .into(),
+            );
+        }
+        if job.is_elastic() {
+            return Some(format!(
+                "an MPIJob is not elastic (mpirun starts a fixed set of ranks) and --nnodes is \
+                 {}: pass --nnodes {} for a fixed size, or use --launcher indexed or trainjob, \
+                 which regroup in place",
+                job.nnodes(),
+                job.max_nodes
+            ));
+        }
+        None
+    }
+
+    fn render(&self, project: &Project, _token: Token) -> Vec<Manifest> {
+        let j = &project.job;
+        let program = j.command.clone().unwrap_or_default();
+        let ranks = j.max_nodes.saturating_mul(j.nproc_per_node);
+        let mut mpirun: Vec<String> = vec!["mpirun".into(), "-np".into(), ranks.to_string()];
+        mpirun.extend(program);
+        let workers: Vec<String> = WORKER_COMMAND.iter().map(|s| s.to_string()).collect();
+        let mut metadata = object_meta(project, &j.name, "worker");
+        queue_label(project, &mut metadata);
+        let job = MpiJobObject {
+            metadata,
+            spec: MpiJobSpec {
+                slots_per_worker: j.nproc_per_node,
+                run_policy: RunPolicy {
+                    clean_pod_policy: "Running".into(),
+                    ttl_seconds_after_finished: j.ttl_seconds,
+                    backoff_limit: j.max_restarts as i32,
+                },
+                mpi_implementation: j.mpi_implementation.name().into(),
+                launcher_creation_policy: "WaitForWorkersReady".into(),
+                ssh_auth_mount_path: SSH_AUTH_MOUNT_PATH.into(),
+                mpi_replica_specs: BTreeMap::from([
+                    (
+                        "Launcher".into(),
+                        ReplicaSpec {
+                            replicas: 1,
+                            // A failed mpirun is retried by the operator (backoffLimit).
+                            restart_policy: "OnFailure".into(),
+                            template: mpi_template(project, "launcher", mpirun, false),
+                        },
+                    ),
+                    (
+                        "Worker".into(),
+                        ReplicaSpec {
+                            replicas: j.max_nodes,
+                            restart_policy: "Never".into(),
+                            template: mpi_template(project, "worker", workers, true),
+                        },
+                    ),
+                ]),
+            },
+        };
+        vec![Manifest::of(&job)]
+    }
+
+    fn rdzv_host(&self, project: &Project) -> String {
+        // No rendezvous: the launcher reaches the workers by the operator's hostfile.
+        format!("{}-worker-0", project.job.name)
+    }
+
+    fn status(&self, object: &DynamicObject) -> JobStatus {
+        JobStatus::from_conditions(object, "MPIJob", "Succeeded", self.operator())
+    }
+
+    fn pod_job_label(&self) -> &'static str {
+        "training.kubeflow.org/job-name"
+    }
+
+    fn operator(&self) -> Option<Operator> {
+        Some(Operator {
+            name: "the MPI Operator",
+            install: concat!(
+                "The MPI Operator is installed from its release manifest, which trainctl does not ",
+                "vendor:\n  kubectl apply --server-side -f ",
+                "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.6.0/deploy/v2beta1/mpi-operator.yaml"
+            ),
+            check: "kubectl get pods -A | grep mpi-operator",
+        })
+    }
+}
