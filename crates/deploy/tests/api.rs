@@ -1016,6 +1016,145 @@ async fn a_pytorchjob_nobody_reconciles_says_so() {
     );
 }
 
+const TRAINJOB: &str = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs/cifar10";
+const MPIJOB: &str = "/apis/kubeflow.org/v2beta1/namespaces/default/mpijobs/cifar10";
+
+/// A pod of an operator's job: `labels` say whose and which.
+fn operator_pod(name: &str, labels: Value, container: &str) -> Value {
+    let mut labels = labels;
+    labels["trainctl.dev/job"] = json!("cifar10");
+    labels["app.kubernetes.io/managed-by"] = json!("trainctl");
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default", "uid": name, "labels": labels },
+        "spec": { "containers": [{ "name": container }], "nodeName": "n1" },
+        "status": { "phase": "Running", "containerStatuses": [{
+            "name": container, "ready": true, "restartCount": 0, "image": "trainctl",
+            "imageID": "", "state": { "running": { "startedAt": "2026-11-21T10:00:00Z" } },
+        }] },
+    })
+}
+
+/// A TrainJob is found where no Job or PyTorchJob is (each answers 404 as a server without
+/// them does), with Trainer's conditions, and its JobSet's pods are its own, by node index.
+#[tokio::test]
+async fn a_trainjob_is_found_with_its_jobset_pods() {
+    let api = MockApi::default();
+    api.get(
+        TRAINJOB,
+        json!({
+            "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": { "name": "cifar10", "namespace": "default" },
+            "spec": {},
+            "status": { "conditions": [
+                { "type": "Created", "status": "True", "reason": "JobsCreationSucceeded" },
+                { "type": "Complete", "status": "True", "reason": "JobsCompleted", "message": "jobset completed" },
+            ] },
+        }),
+    );
+    let node = |i: u32| {
+        operator_pod(
+            &format!("cifar10-node-0-{i}-x"),
+            json!({
+                "jobset.sigs.k8s.io/jobset-name": "cifar10",
+                "batch.kubernetes.io/job-name": "cifar10-node-0",
+                "batch.kubernetes.io/job-completion-index": i.to_string(),
+            }),
+            "node",
+        )
+    };
+    api.get(PODS, list("PodList", vec![node(1), node(0)]));
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(status.kind, "TrainJob");
+    assert_eq!(status.phase, Phase::Succeeded);
+    let pods: Vec<(&str, Option<u32>)> = status
+        .pods
+        .iter()
+        .map(|p| (p.name.as_str(), p.index))
+        .collect();
+    assert_eq!(
+        pods,
+        [
+            ("cifar10-node-0-0-x", Some(0)),
+            ("cifar10-node-0-1-x", Some(1))
+        ]
+    );
+    assert_eq!(status.pods[0].container, "node");
+}
+
+#[tokio::test]
+async fn a_trainjob_nobody_reconciles_names_trainer() {
+    let api = MockApi::default();
+    api.get(
+        TRAINJOB,
+        json!({
+            "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": { "name": "cifar10", "namespace": "default" }, "spec": {},
+        }),
+    );
+    api.get(PODS, list("PodList", vec![]));
+    let text = api.kube().status("cifar10").await.unwrap().render();
+    assert!(
+        text.contains("nothing has picked this TrainJob up; is Kubeflow Trainer v2 running?")
+            && text.contains("trainer-controller-manager"),
+        "{text}"
+    );
+}
+
+/// An MPIJob's launcher pod comes before its workers (it has no node index): its lines and
+/// its root cause are the run's.
+#[tokio::test]
+async fn an_mpijob_shows_its_launcher_first() {
+    let api = MockApi::default();
+    api.get(
+        MPIJOB,
+        json!({
+            "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob",
+            "metadata": { "name": "cifar10", "namespace": "default" }, "spec": {},
+            "status": { "conditions": [
+                { "type": "Created", "status": "True" },
+                { "type": "Running", "status": "True" },
+            ] },
+        }),
+    );
+    let pod = |name: &str, role: &str, index: u32| {
+        operator_pod(
+            name,
+            json!({
+                "training.kubeflow.org/job-name": "cifar10",
+                "training.kubeflow.org/job-role": role,
+                "training.kubeflow.org/replica-index": index.to_string(),
+            }),
+            role,
+        )
+    };
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![
+                pod("cifar10-worker-1", "worker", 1),
+                pod("cifar10-worker-0", "worker", 0),
+                pod("cifar10-launcher-abcde", "launcher", 0),
+            ],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    assert_eq!(
+        (status.kind.as_str(), status.phase),
+        ("MPIJob", Phase::Running)
+    );
+    let names: Vec<&str> = status.pods.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "cifar10-launcher-abcde",
+            "cifar10-worker-0",
+            "cifar10-worker-1"
+        ]
+    );
+}
+
 #[tokio::test]
 async fn no_such_job() {
     let api = MockApi::default();
@@ -1328,6 +1467,66 @@ async fn launching_a_pytorchjob_without_the_operator_says_install_it() {
         "{text}"
     );
     assert!(text.contains("--launcher indexed"), "{text}");
+}
+
+/// A TrainJob's launch checks Trainer's CRDs (its runtime's and its own) before writing
+/// anything, and says which operator to install.
+#[tokio::test]
+async fn launching_a_trainjob_without_trainer_says_install_it() {
+    let api = MockApi::default();
+    let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "trainjob")]);
+    let docs = manifests::training_job(&p, manifests::Token::Value("T"));
+    let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
+    assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
+    let text = e.to_string();
+    assert!(
+        text.starts_with(
+            "the cluster does not serve trainer.kubeflow.org/v1alpha1 TrainingRuntime"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "install Kubeflow Trainer v2 (`trainctl cluster addons --launcher trainjob` says how)"
+        ),
+        "{text}"
+    );
+    // Served: the runtime is applied first, then the TrainJob, which owns it and the Secret.
+    api.get(
+        "/apis/trainer.kubeflow.org/v1alpha1",
+        json!({
+            "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "trainer.kubeflow.org/v1alpha1",
+            "resources": [
+                { "name": "trainjobs", "singularName": "trainjob", "namespaced": true, "kind": "TrainJob", "verbs": ["get", "patch"] },
+                { "name": "trainingruntimes", "singularName": "trainingruntime", "namespaced": true, "kind": "TrainingRuntime", "verbs": ["get", "patch"] },
+            ],
+        }),
+    );
+    for doc in &docs {
+        let mut stored = doc.clone();
+        stored["metadata"]["uid"] = json!(format!("uid-{}", doc.kind()));
+        let path = match doc.kind() {
+            "Secret" => "/api/v1/namespaces/default/secrets/cifar10-token".to_string(),
+            "TrainingRuntime" => {
+                "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainingruntimes/cifar10"
+                    .into()
+            }
+            _ => TRAINJOB.into(),
+        };
+        api.on(Method::PATCH, &path, vec![ok(stored.to_string())]);
+    }
+    let applied = api.kube().launch("cifar10", &docs).await.unwrap();
+    let kinds: Vec<&str> = applied.iter().map(|a| a.kind.as_str()).collect();
+    assert_eq!(kinds, ["Secret", "TrainingRuntime", "TrainJob"]);
+    let bodies = api.bodies.lock().unwrap().clone();
+    let owned = bodies
+        .iter()
+        .filter(|b| b["metadata"]["ownerReferences"][0]["kind"] == "TrainJob")
+        .count();
+    assert_eq!(
+        owned, 2,
+        "the Secret and the runtime go with the TrainJob: {bodies:?}"
+    );
 }
 
 #[tokio::test]

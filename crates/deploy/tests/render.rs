@@ -1,5 +1,6 @@
 //! Every rendered object: snapshot-tested (insta), and validated against the real schemas
-//! (eksctl's JSON Schema; the PyTorchJob CRD's openAPIV3Schema) copied into `schemas/`.
+//! (eksctl's JSON Schema; the PyTorchJob, TrainJob, TrainingRuntime and MPIJob CRDs'
+//! openAPIV3Schema) copied into `schemas/`.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -64,23 +65,46 @@ fn close_objects(schema: &mut Value) {
     }
 }
 
+/// The schema of version `version` of the CRD in `file`, closed (see [`close_objects`]).
+fn crd_validator(file: &str, version: &str) -> jsonschema::Validator {
+    let text = std::fs::read_to_string(schema_dir().join(file)).unwrap();
+    let crd: Value = serde_saphyr::from_str(&text).unwrap();
+    let served = crd["spec"]["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == version)
+        .unwrap_or_else(|| panic!("{file} serves {version}"));
+    let mut schema = served["schema"]["openAPIV3Schema"].clone();
+    close_objects(&mut schema);
+    // metadata is `type: object` in the CRD; the API server checks it as ObjectMeta.
+    jsonschema::validator_for(&schema).unwrap()
+}
+
 fn pytorchjob_validator() -> &'static jsonschema::Validator {
     static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| crd_validator("kubeflow.org_pytorchjobs.yaml", "v1"))
+}
+
+fn trainjob_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| crd_validator("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"))
+}
+
+/// A `TrainingRuntime`'s schema: the `ClusterTrainingRuntime` CRD's, the same Go type.
+fn runtime_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
     V.get_or_init(|| {
-        let text =
-            std::fs::read_to_string(schema_dir().join("kubeflow.org_pytorchjobs.yaml")).unwrap();
-        let crd: Value = serde_saphyr::from_str(&text).unwrap();
-        let version = crd["spec"]["versions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["name"] == "v1")
-            .expect("the CRD serves v1");
-        let mut schema = version["schema"]["openAPIV3Schema"].clone();
-        close_objects(&mut schema);
-        // metadata is `type: object` in the CRD; the API server checks it as ObjectMeta.
-        jsonschema::validator_for(&schema).unwrap()
+        crd_validator(
+            "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+            "v1alpha1",
+        )
     })
+}
+
+fn mpijob_validator() -> &'static jsonschema::Validator {
+    static V: OnceLock<jsonschema::Validator> = OnceLock::new();
+    V.get_or_init(|| crd_validator("kubeflow.org_mpijobs-v2beta1.yaml", "v2beta1"))
 }
 
 fn assert_valid(validator: &jsonschema::Validator, doc: &Value, what: &str) {
@@ -635,7 +659,7 @@ fn gpu_pods_on_efa_nodes_take_every_adapter_and_tell_nccl() {
 
 #[test]
 fn a_queue_labels_the_training_job_for_kueue() {
-    for launcher in ["indexed", "pytorchjob"] {
+    for launcher in ["indexed", "pytorchjob", "trainjob"] {
         let docs = manifests::training_job(
             &project(&[
                 ("storage.efs", "fs-1"),
@@ -652,6 +676,9 @@ fn a_queue_labels_the_training_job_for_kueue() {
         );
         if launcher == "pytorchjob" {
             assert_valid(pytorchjob_validator(), job, "queued PyTorchJob");
+        }
+        if launcher == "trainjob" {
+            assert_valid(trainjob_validator(), job, "queued TrainJob");
         }
         let unqueued = manifests::training_job(
             &project(&[("storage.efs", "fs-1"), ("job.launcher", launcher)]),
@@ -694,6 +721,139 @@ fn pytorchjobs_validate_against_the_crd() {
         } else {
             assert!(spec.get("elasticPolicy").is_none());
         }
+    }
+}
+
+/// `--launcher trainjob`: a TrainingRuntime of the job's own (the Indexed Job's pods, as a
+/// JobSet's replicated job "node") and a TrainJob referencing it, both valid against Trainer
+/// v2's CRDs; pod 0's DNS name is JobSet's.
+#[test]
+fn trainjobs_validate_against_trainers_crds() {
+    for (name, flags) in [
+        ("job_trainjob_elastic", &[("job.nnodes", "1:3")][..]),
+        (
+            "job_trainjob_user_program_etcd",
+            &[
+                ("job.nnodes", "2"),
+                ("job.command", "python train.py --epochs 3"),
+                ("job.rdzv_backend", "etcd"),
+                ("job.queue", "team-a"),
+                ("image", "python:3.12-slim"),
+                ("trainctl_image", "registry.example/trainctl:1"),
+            ][..],
+        ),
+    ] {
+        let mut settings = vec![("storage.efs", "fs-1"), ("job.launcher", "trainjob")];
+        settings.extend_from_slice(flags);
+        let p = project(&settings);
+        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let kinds: Vec<&str> = docs.iter().map(|d| d.kind()).collect();
+        let runtime = &docs[docs.len() - 2];
+        let job = &docs[docs.len() - 1];
+        assert_eq!(
+            kinds[kinds.len() - 2..],
+            ["TrainingRuntime", "TrainJob"],
+            "{name}"
+        );
+        assert_valid(runtime_validator(), runtime, name);
+        assert_valid(trainjob_validator(), job, name);
+        insta::assert_snapshot!(name, manifests::to_yaml(&docs));
+        assert_eq!(
+            job["spec"]["runtimeRef"]["name"],
+            runtime["metadata"]["name"]
+        );
+        assert_eq!(job["spec"]["runtimeRef"]["kind"], "TrainingRuntime");
+        let node = &runtime["spec"]["template"]["spec"]["replicatedJobs"][0];
+        assert_eq!(node["name"], "node");
+        let pod = &node["template"]["spec"]["template"]["spec"];
+        assert_eq!(pod["containers"][0]["name"], "node");
+        let args = pod["containers"][0]["args"].as_array().unwrap();
+        let endpoint = args
+            .iter()
+            .position(|a| a == "--rdzv-endpoint")
+            .map(|i| args[i + 1].as_str().unwrap());
+        if name.contains("etcd") {
+            assert_eq!(endpoint, Some("cifar10-etcd:2379"));
+            assert_eq!(job["metadata"]["labels"][manifests::QUEUE_LABEL], "team-a");
+            // The program's image lacks trainctl: an init container brings it.
+            assert_eq!(pod["initContainers"][0]["name"], "install-trainctl");
+        } else {
+            assert_eq!(endpoint, Some("cifar10-node-0-0.cifar10:29400"));
+            assert_eq!(manifests::rdzv_host(&p), "cifar10-node-0-0.cifar10");
+            assert!(args.iter().any(|a| a == "1:3"), "{args:?}");
+        }
+    }
+}
+
+/// `--launcher mpijob`: mpirun on a launcher created once the workers are ready, sshd on the
+/// workers, as MPI Operator's v2beta1 CRD takes it; no token, no rendezvous.
+#[test]
+fn mpijobs_validate_against_the_mpi_operators_crd() {
+    let p = project(&[
+        ("storage.efs", "fs-1"),
+        ("job.launcher", "mpijob"),
+        ("job.nnodes", "2"),
+        ("job.nproc_per_node", "4"),
+        ("job.command", "python train.py"),
+        ("job.mpi_implementation", "intel"),
+        ("image", "mpioperator/openmpi:v0.6.0"),
+    ]);
+    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    assert_eq!(docs.len(), 1, "no Secret, no etcd: {docs:?}");
+    let job = &docs[0];
+    assert_eq!(job.kind(), "MPIJob");
+    assert_valid(mpijob_validator(), job, "job_mpijob");
+    insta::assert_snapshot!("job_mpijob", manifests::to_yaml(&docs));
+    let spec = &job["spec"];
+    assert_eq!(spec["launcherCreationPolicy"], "WaitForWorkersReady");
+    assert_eq!(spec["mpiImplementation"], "Intel");
+    assert_eq!(spec["slotsPerWorker"], 4);
+    let launcher = &spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0];
+    assert_eq!(launcher["command"][0], "mpirun");
+    assert_eq!(
+        launcher["args"],
+        serde_json::json!(["-np", "8", "python", "train.py"])
+    );
+    let workers = &spec["mpiReplicaSpecs"]["Worker"];
+    assert_eq!(workers["replicas"], 2);
+    let worker = &workers["template"]["spec"]["containers"][0];
+    assert_eq!(worker["command"][0], "/usr/sbin/sshd");
+    // ssh finds its keys in the image user's home: HOME is not moved to /tmp here.
+    assert!(!worker["env"].to_string().contains("HOME"), "{worker}");
+    assert!(workers["template"]["spec"]["initContainers"].is_null());
+    // Invalid values are caught by the schema too.
+    let mut bad = job.clone();
+    bad["spec"]["mpiImplementation"] = "OpenMPI5".into();
+    assert!(!mpijob_validator().is_valid(&bad));
+}
+
+/// The MPIJob launcher refuses what it cannot run, naming the setting and the way out.
+#[test]
+fn an_mpijob_refuses_the_built_in_trainer_and_an_elastic_size() {
+    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.launcher", "mpijob")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("job.launcher") && err.contains("-- PROGRAM") && err.contains("trainjob"),
+        "{err}"
+    );
+    let err = Project::from_settings(&[
+        ("storage.efs", "fs-1"),
+        ("job.launcher", "mpijob"),
+        ("job.command", "python train.py"),
+        ("job.nnodes", "1:3"),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("not elastic") && err.contains("--nnodes 3"),
+        "{err}"
+    );
+    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.launcher", "slurm")])
+        .unwrap_err()
+        .to_string();
+    for kind in deploy::launchers::KINDS {
+        assert!(err.contains(kind.name()), "{err}");
     }
 }
 

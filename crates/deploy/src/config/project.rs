@@ -456,6 +456,7 @@ impl Project {
         let image = v.image("image")?;
         let trainctl_image = v.image("trainctl_image")?;
         if job.command.is_some()
+            && job.launcher.runs_trainctl()
             && trainctl_image == image
             && matches!(v.raw("trainctl_image"), Some((_, Source::Derived(_))))
             && v.raw("image")

@@ -61,6 +61,11 @@ pub trait Kind: Sync {
         crate::manifests::node_flags(project)
     }
 
+    /// Its training pods run `trainctl run` (an MPIJob's run mpirun and sshd).
+    fn runs_trainctl(&self) -> bool {
+        true
+    }
+
     /// Its pods run in a Job of trainctl's (podFailurePolicy, per-index backoff), which needs a
     /// server of 1.[`crate::kube_api::MIN_KUBERNETES_MINOR`] or later.
     fn runs_a_job(&self) -> bool {

@@ -82,6 +82,10 @@ impl Kind for MpiJob {
         None
     }
 
+    fn runs_trainctl(&self) -> bool {
+        false
+    }
+
     fn render(&self, project: &Project, _token: Token) -> Vec<Manifest> {
         let j = &project.job;
         let program = j.command.clone().unwrap_or_default();
@@ -108,8 +112,9 @@ impl Kind for MpiJob {
                         "Launcher".into(),
                         ReplicaSpec {
                             replicas: 1,
-                            // A failed mpirun is retried by the operator (backoffLimit).
-                            restart_policy: "OnFailure".into(),
+                            // A failed mpirun is retried in a new pod, up to backoffLimit; the
+                            // failed one stays, with its termination message and logs.
+                            restart_policy: "Never".into(),
                             template: mpi_template(project, "launcher", mpirun, false),
                         },
                     ),

@@ -86,8 +86,9 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
         ..EnvVar::default()
     };
     let mut env = vec![plain("RUST_LOG", "warn")];
-    if o.user_program {
-        // The pods run as uid 1000, which the user's image may not know: its home is /.
+    if o.user_program && o.runs_trainctl {
+        // The pods run as uid 1000, which the user's image may not know: its home is /. (An
+        // MPIJob's image knows it: ssh finds its keys in that user's home.)
         env.push(plain("HOME", "/tmp"));
     }
     // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,

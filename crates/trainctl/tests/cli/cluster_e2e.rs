@@ -398,3 +398,141 @@ fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
         "the deleted pod {pod1} says it leaves:\n{deleted}\n\nafter the deletion:\n{after}"
     );
 }
+
+/// Object `name` of `resource` (group/version/plural) as the API server stored it, or None
+/// when the cluster does not serve that resource.
+fn stored(
+    group: &str,
+    version: &str,
+    kind: &str,
+    plural: &str,
+    name: &str,
+) -> Option<serde_json::Value> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = kube::Client::try_default().await.unwrap();
+        let resource = kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(group, version, kind),
+            plural,
+        );
+        let api: kube::Api<kube::api::DynamicObject> =
+            kube::Api::namespaced_with(client, "default", &resource);
+        let object = api.get_opt(name).await.ok()??;
+        serde_json::to_value(object).ok()
+    })
+}
+
+/// A launch of `launcher` on a cluster that serves its CRDs (scripts/lab-crds.sh installs
+/// them, without controllers): the API server takes every object and prunes none of their
+/// fields (`check` reads the stored job), `job status` says that nothing reconciles the job,
+/// and `job delete` removes it with what it owns. Skipped where the CRDs are absent.
+fn launch_served_crd(name: &str, launcher: &str, args: &[&str], kind: &str, check: impl Fn()) {
+    let t = e2e(name, &image());
+    let _clean = CleanUp(t.clone());
+    let launch = t(&["job", "launch"])
+        .args(["--launcher", launcher])
+        .args(args)
+        .output()
+        .unwrap();
+    let err = text(&launch.stderr);
+    if err.contains("the cluster does not serve") {
+        eprintln!(
+            "SKIPPED the {kind} launch: this cluster does not serve its CRDs (scripts/lab-crds.sh installs them)"
+        );
+        return;
+    }
+    assert!(launch.status.success(), "{err}\n{}", text(&launch.stdout));
+    let out = text(&launch.stdout);
+    assert!(out.contains(&format!("{kind} {name}")), "{out}");
+    let status = text(&run_ok(&mut t(&["job", "status"])).stdout);
+    assert!(
+        status.contains(&format!("{kind} {name}: pending")),
+        "{status}"
+    );
+    assert!(
+        status.contains(&format!("nothing has picked this {kind} up")),
+        "{status}"
+    );
+    check();
+    let deleted = text(&run_ok(&mut t(&["job", "delete"])).stdout);
+    assert!(
+        deleted.contains(&format!("deleted {kind} {name}")),
+        "{deleted}"
+    );
+}
+
+/// `--launcher trainjob`: the TrainingRuntime (its JobSet's Indexed Job, podFailurePolicy and
+/// all) and the TrainJob pass the real API server's validation against Trainer v2's CRDs.
+#[test]
+#[ignore = "needs cluster"]
+fn cluster_e2e_a_trainjob_is_taken_whole_by_trainers_crds() {
+    let name = format!("e2e-tj-{}", std::process::id());
+    let group = "trainer.kubeflow.org";
+    launch_served_crd(&name, "trainjob", &["--nnodes", "1:2"], "TrainJob", || {
+        let job = stored(group, "v1alpha1", "TrainJob", "trainjobs", &name).expect("stored");
+        assert_eq!(
+            job["spec"]["runtimeRef"]["kind"], "TrainingRuntime",
+            "{job}"
+        );
+        assert_eq!(job["spec"]["trainer"]["numNodes"], 2, "{job}");
+        let runtime = stored(
+            group,
+            "v1alpha1",
+            "TrainingRuntime",
+            "trainingruntimes",
+            &name,
+        )
+        .expect("stored");
+        // Owned by the TrainJob (it goes with it), and nothing pruned from the JobSet's Job.
+        assert_eq!(
+            runtime["metadata"]["ownerReferences"][0]["kind"], "TrainJob",
+            "{runtime}"
+        );
+        let node = &runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"];
+        assert_eq!(
+            node["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"], "trainer",
+            "{runtime}"
+        );
+        assert_eq!(
+            node["spec"]["podFailurePolicy"]["rules"][2]["action"],
+            "FailJob"
+        );
+        assert_eq!(node["spec"]["backoffLimitPerIndex"], 3, "{runtime}");
+        let container = &node["spec"]["template"]["spec"]["containers"][0];
+        assert!(
+            container["args"]
+                .to_string()
+                .contains(&format!("{name}-node-0-0.{name}"))
+        );
+    });
+}
+
+/// `--launcher mpijob`: the MPIJob passes the real API server's validation against MPI
+/// Operator's v2beta1 CRD.
+#[test]
+#[ignore = "needs cluster"]
+fn cluster_e2e_an_mpijob_is_taken_whole_by_the_mpi_operators_crd() {
+    let name = format!("e2e-mpi-{}", std::process::id());
+    launch_served_crd(
+        &name,
+        "mpijob",
+        &["--nnodes", "2", "--", "python", "-c", "print('hello')"],
+        "MPIJob",
+        || {
+            let job =
+                stored("kubeflow.org", "v2beta1", "MPIJob", "mpijobs", &name).expect("stored");
+            let spec = &job["spec"];
+            assert_eq!(
+                spec["launcherCreationPolicy"], "WaitForWorkersReady",
+                "{job}"
+            );
+            assert_eq!(spec["sshAuthMountPath"], "/home/mpiuser/.ssh", "{job}");
+            assert_eq!(spec["runPolicy"]["ttlSecondsAfterFinished"], 86400, "{job}");
+            let launcher = &spec["mpiReplicaSpecs"]["Launcher"]["template"]["spec"];
+            assert_eq!(launcher["containers"][0]["command"][0], "mpirun", "{job}");
+        },
+    );
+}

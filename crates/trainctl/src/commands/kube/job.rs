@@ -72,14 +72,13 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
         JobCommand::Render { project, program } => {
             let project = with_program(project, program)?.project()?;
             let project = reviewed(project, Renders::TrainingJob)?;
-            output::kube::token_withheld(
-                &manifests::token_secret_name(&project),
-                &project.namespace,
-            );
-            print_yaml(&manifests::training_job(
-                &project,
-                manifests::Token::Withheld,
-            ));
+            let docs = manifests::training_job(&project, manifests::Token::Withheld);
+            let secret = manifests::token_secret_name(&project);
+            // An MPIJob's pods do not run trainctl: no token.
+            if docs.iter().any(|d| d.name() == secret) {
+                output::kube::token_withheld(&secret, &project.namespace);
+            }
+            print_yaml(&docs);
             Ok(0)
         }
         JobCommand::Launch { project, program } => {
