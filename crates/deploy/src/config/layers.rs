@@ -7,10 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::catalog::{self, InstanceType, Preset};
 
 use super::fit::INSTANCE_TYPE_LABEL;
-use super::{
-    ConfigError, DEFAULT_IMAGE, ETCD_IMAGE, S3_SERVICE_ACCOUNT, SETTINGS, Source,
-    TENSORBOARD_IMAGE, setting,
-};
+use super::{ConfigError, DEFAULT_IMAGE, S3_SERVICE_ACCOUNT, SETTINGS, Source, setting};
 
 /// The values as given, layer by layer.
 pub struct Layers<'a> {
@@ -87,71 +84,17 @@ impl Resolved {
         let mut default = |key: &'static str, value: String, source: Source| {
             self.values.entry(key).or_insert((value, source));
         };
-        default("cluster.name", "trainctl".into(), Source::Default);
-        default("cluster.region", "us-west-2".into(), Source::Default);
-        default("cluster.version", "1.33".into(), Source::Default);
-        default("cluster.preset", "cpu".into(), Source::Default);
+        for s in SETTINGS {
+            if let Some(value) = s.default {
+                default(s.key, value.into(), Source::Default);
+            }
+        }
         default(
             "cluster.instance_type",
             preset.instance_type().into(),
             Source::Preset(preset.name()),
         );
         default("cluster.nodes", "2".into(), Source::Preset(preset.name()));
-        default(
-            "cluster.system_instance_type",
-            "c5.2xlarge".into(),
-            Source::Default,
-        );
-        default("image", DEFAULT_IMAGE.into(), Source::Default);
-        default(
-            "job.rdzv_backend",
-            contract::rdzv::Backend::C10d.name().into(),
-            Source::Default,
-        );
-        default("job.etcd_image", ETCD_IMAGE.into(), Source::Default);
-        default("job.etcd_storage", "emptydir".into(), Source::Default);
-        default(
-            "tensorboard.image",
-            TENSORBOARD_IMAGE.into(),
-            Source::Default,
-        );
-        default("namespace", "default".into(), Source::Default);
-        default("storage.claim", "trainctl-data".into(), Source::Default);
-        default("storage.size", "100Gi".into(), Source::Default);
-        default("storage.mount_path", "/data".into(), Source::Default);
-        default(
-            "data.dataset",
-            contract::CIFAR10.name.into(),
-            Source::Default,
-        );
-        default(
-            "job.model",
-            contract::models::SEED_CNN.into(),
-            Source::Default,
-        );
-        default("job.name", "cifar10".into(), Source::Default);
-        default(
-            "job.launcher",
-            crate::launchers::KINDS[0].name().into(),
-            Source::Default,
-        );
-        default("job.mpi_implementation", "openmpi".into(), Source::Default);
-        default("job.nproc_per_node", "1".into(), Source::Default);
-        default("job.epochs", "10".into(), Source::Default);
-        default("job.batch_size", "128".into(), Source::Default);
-        default("job.learning_rate", "0.001".into(), Source::Default);
-        default("job.max_restarts", "3".into(), Source::Default);
-        default(
-            "job.rdzv_port",
-            contract::ports::C10D.to_string(),
-            Source::Default,
-        );
-        default(
-            "job.metrics_port",
-            contract::ports::METRICS.to_string(),
-            Source::Default,
-        );
-        default("job.ttl_seconds", "86400".into(), Source::Default);
 
         // Settings computed from others.
         let mount = self

@@ -2,8 +2,8 @@
 
 use crate::catalog::{InstanceType, Preset};
 
-use super::values::{Values, is_region};
-use super::{ConfigError, Layers, Resolved, Source, is_dns_label, is_quantity};
+use super::values::Values;
+use super::{ConfigError, Layers, Resolved, SETTINGS, Source, is_dns_label};
 
 /// Where the job's rendezvous state lives: the backends of [`contract::rdzv::Backend`] a job
 /// across pods can use.
@@ -219,6 +219,12 @@ impl Project {
     /// Checks and types every value; the first bad one is the error.
     pub fn from_resolved(r: &Resolved) -> Result<Project, ConfigError> {
         let v = Values(r);
+        // Each value as its row says (`SETTINGS`); the reads below rely on it.
+        for s in SETTINGS {
+            if v.raw(s.key).is_some() {
+                s.parse.check(&v, s.key)?;
+            }
+        }
         let preset_name = v.str("cluster.preset")?;
         let preset = Preset::parse(&preset_name).ok_or_else(|| {
             v.invalid(
@@ -231,7 +237,7 @@ impl Project {
         })?;
         let instance_type = v.instance("cluster.instance_type")?;
         let system_instance_type = v.instance("cluster.system_instance_type")?;
-        let nodes = v.positive("cluster.nodes")?;
+        let nodes = v.number("cluster.nodes")?;
         let name = v.str("cluster.name")?;
         if !is_dns_label(&name, 100) || !name.starts_with(|c: char| c.is_ascii_lowercase()) {
             return Err(v.invalid(
@@ -243,20 +249,8 @@ impl Project {
         }
         let cluster = Cluster {
             name,
-            region: v.matching(
-                "cluster.region",
-                is_region,
-                "an AWS region such as us-west-2",
-            )?,
-            version: v.matching(
-                "cluster.version",
-                |s| {
-                    s.split_once('.').is_some_and(|(a, b)| {
-                        a == "1" && !b.is_empty() && b.chars().all(|c| c.is_ascii_digit())
-                    })
-                },
-                "a Kubernetes version such as 1.33",
-            )?,
+            region: v.str("cluster.region")?,
+            version: v.str("cluster.version")?,
             preset,
             instance_type,
             nodes,
@@ -279,35 +273,15 @@ impl Project {
         };
         let storage = Storage {
             backend: v.storage_backend()?,
-            claim: v.dns_subdomain("storage.claim")?,
-            size: v.matching("storage.size", is_quantity, "a quantity such as 100Gi")?,
-            mount_path: v.matching(
-                "storage.mount_path",
-                |s| s.starts_with('/') && s.len() > 1,
-                "an absolute path such as /data",
-            )?,
+            claim: v.str("storage.claim")?,
+            size: v.str("storage.size")?,
+            mount_path: v.str("storage.mount_path")?,
         };
         let data = Data {
-            dataset: v.matching(
-                "data.dataset",
-                |s| contract::DATASETS.iter().any(|d| d.name == s),
-                contract::DATASET_CHOICES,
-            )?,
-            dir: v.matching(
-                "data.dir",
-                |s| s.starts_with('/'),
-                "an absolute path in the pod",
-            )?,
-            url: v.matching(
-                "data.url",
-                |s| s.starts_with("http://") || s.starts_with("https://"),
-                "an http(s) URL",
-            )?,
-            md5: v.matching(
-                "data.md5",
-                |s| s.len() == 32 && s.chars().all(|c| c.is_ascii_hexdigit()),
-                "32 hexadecimal digits",
-            )?,
+            dataset: v.str("data.dataset")?,
+            dir: v.str("data.dir")?,
+            url: v.str("data.url")?,
+            md5: v.str("data.md5")?,
             from: v.optional_s3("data.from")?,
         };
         let job_name = v.str("job.name")?;
@@ -348,33 +322,21 @@ impl Project {
             launcher,
             min_nodes,
             max_nodes,
-            nproc_per_node: v.positive("job.nproc_per_node")?,
+            nproc_per_node: v.number("job.nproc_per_node")?,
             gpus_per_node,
             node_selector: v.node_selector()?,
-            cpu: v.matching("job.cpu", is_quantity, "a CPU quantity such as 14 or 500m")?,
-            memory: v.matching("job.memory", is_quantity, "a quantity such as 24Gi")?,
-            shm_size: v.matching("job.shm_size", is_quantity, "a quantity such as 2Gi")?,
-            epochs: v.positive("job.epochs")?,
-            batch_size: v.positive("job.batch_size")?,
-            learning_rate: v.number::<f64>("job.learning_rate").and_then(|lr| {
-                if lr.is_finite() && lr > 0.0 {
-                    Ok(lr)
-                } else {
-                    Err(v.invalid("job.learning_rate", "must be a positive number".into()))
-                }
-            })?,
+            cpu: v.str("job.cpu")?,
+            memory: v.str("job.memory")?,
+            shm_size: v.str("job.shm_size")?,
+            epochs: v.number("job.epochs")?,
+            batch_size: v.number("job.batch_size")?,
+            learning_rate: v.number::<f64>("job.learning_rate")?,
             max_restarts: v.number("job.max_restarts")?,
             hang_timeout: match v.optional("job.hang_timeout").as_deref() {
                 None | Some("none") => None,
-                Some(_) => Some(v.positive("job.hang_timeout")?),
+                Some(_) => Some(v.number("job.hang_timeout")?),
             },
-            rdzv_port: v.number::<u16>("job.rdzv_port").and_then(|p| {
-                if p == 0 {
-                    Err(v.invalid("job.rdzv_port", "must be a port from 1 to 65535".into()))
-                } else {
-                    Ok(p)
-                }
-            })?,
+            rdzv_port: v.number::<u16>("job.rdzv_port")?,
             metrics_port: match v.number::<u16>("job.metrics_port")? {
                 0 => None,
                 p if v.number::<u16>("job.rdzv_port").ok() == Some(p) => {
@@ -387,14 +349,10 @@ impl Project {
             },
             queue: match v.optional("job.queue").as_deref() {
                 None | Some("none") => None,
-                Some(_) => Some(v.dns_subdomain("job.queue")?),
+                Some(_) => Some(v.str("job.queue")?),
             },
             command: v.command()?,
-            model: v.matching(
-                "job.model",
-                |s| contract::models::ALL.contains(&s),
-                contract::models::CHOICES,
-            )?,
+            model: v.str("job.model")?,
             rdzv_backend: match v.str("job.rdzv_backend")?.parse() {
                 Ok(contract::rdzv::Backend::C10d) => RdzvBackend::C10d,
                 Ok(contract::rdzv::Backend::Etcd) => RdzvBackend::Etcd,
@@ -405,7 +363,7 @@ impl Project {
                     ));
                 }
             },
-            etcd_image: v.image("job.etcd_image")?,
+            etcd_image: v.str("job.etcd_image")?,
             etcd_storage: match v.str("job.etcd_storage")?.as_str() {
                 "emptydir" => EtcdStorage::EmptyDir,
                 "claim" => EtcdStorage::Claim,
@@ -427,11 +385,7 @@ impl Project {
                     ));
                 }
             },
-            runs_dir: v.matching(
-                "job.runs_dir",
-                |s| s.starts_with('/'),
-                "an absolute path in the pod",
-            )?,
+            runs_dir: v.str("job.runs_dir")?,
             ttl_seconds: v.number("job.ttl_seconds")?,
             upload: v.optional_s3("job.upload")?,
             fetch: match v.optional("job.fetch") {
@@ -453,8 +407,8 @@ impl Project {
                     .into(),
             ));
         }
-        let image = v.image("image")?;
-        let trainctl_image = v.image("trainctl_image")?;
+        let image = v.str("image")?;
+        let trainctl_image = v.str("trainctl_image")?;
         if job.command.is_some()
             && job.launcher.runs_trainctl()
             && trainctl_image == image
@@ -477,11 +431,11 @@ impl Project {
             cluster,
             image,
             trainctl_image,
-            tensorboard_image: v.image("tensorboard.image")?,
-            namespace: v.dns_label("namespace")?,
+            tensorboard_image: v.str("tensorboard.image")?,
+            namespace: v.str("namespace")?,
             service_account: match v.optional("service_account").as_deref() {
                 None | Some("none") => None,
-                Some(_) => Some(v.dns_subdomain("service_account")?),
+                Some(_) => Some(v.str("service_account")?),
             },
             storage,
             data,

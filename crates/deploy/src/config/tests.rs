@@ -282,3 +282,48 @@ fn every_setting_is_listed_by_the_commands_that_read_it() {
         .collect();
     assert_eq!(lookup, ["namespace", "job.name"]);
 }
+
+/// The defaults written as text in the settings table are the values the rest of trainctl
+/// means: the ports, the rendezvous backend and the launcher named in one place each.
+#[test]
+fn the_tables_defaults_are_the_constants_they_stand_for() {
+    let default = |key: &str| setting(key).and_then(|s| s.default).unwrap();
+    assert_eq!(default("job.rdzv_port"), contract::ports::C10D.to_string());
+    assert_eq!(
+        default("job.metrics_port"),
+        contract::ports::METRICS.to_string()
+    );
+    assert_eq!(
+        default("job.rdzv_backend"),
+        contract::rdzv::Backend::C10d.name()
+    );
+    assert_eq!(default("job.launcher"), crate::launchers::KINDS[0].name());
+    // Every default is a value its own setting accepts: the project of defaults reads.
+    Project::from_settings(&[("storage.efs", "fs-1")]).unwrap();
+}
+
+/// Every row's parser refuses a value it cannot read, naming the setting, the value and where
+/// it came from, before anything is built from it.
+#[test]
+fn every_rows_parser_refuses_a_bad_value_naming_the_setting() {
+    for s in SETTINGS {
+        if matches!(s.parse, Parse::Typed | Parse::Text) {
+            continue;
+        }
+        let err = Project::from_settings(&[("storage.efs", "fs-1"), (s.key, "not valid")])
+            .err()
+            .unwrap_or_else(|| panic!("{} took \"not valid\"", s.key))
+            .to_string();
+        assert!(
+            err.starts_with(&format!("{} = \"not valid\" (from flag {})", s.key, s.flag)),
+            "{err}"
+        );
+    }
+    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.rdzv_port", "0")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.ends_with("must be a port from 1 to 65535"), "{err}");
+    for ok in ["none", "30"] {
+        Project::from_settings(&[("storage.efs", "fs-1"), ("job.hang_timeout", ok)]).unwrap();
+    }
+}

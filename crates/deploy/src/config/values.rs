@@ -5,6 +5,84 @@ use crate::catalog::{self, InstanceType};
 
 use super::{ConfigError, Resolved, Source, StorageBackend, setting, split_words};
 
+/// What a setting's value must be: its row's parser in [`super::SETTINGS`]. Every value given
+/// is checked by its row's parser before the project is built, so that a setting's accepted
+/// form lives with its key, flag and default; [`super::Project::from_resolved`] then reads the
+/// values into their types and checks what depends on several settings.
+#[derive(Clone, Copy)]
+pub enum Parse {
+    /// A value read into a type of its own where the project is built, with the settings it
+    /// depends on (a choice naming its options, MIN:MAX, the storage backend, a name whose
+    /// limit depends on what is named after it).
+    Typed,
+    Text,
+    /// A whole number from 0.
+    Number,
+    /// A whole number from 1.
+    Count,
+    /// A TCP port, 1 to 65535.
+    Port,
+    /// A TCP port, or 0 for none.
+    PortOrOff,
+    /// Text that `accepts`; otherwise "expected {what}".
+    Matches(fn(&str) -> bool, &'static str),
+    /// An image reference.
+    Image,
+    DnsLabel,
+    DnsSubdomain,
+    /// An s3:// URI, or none.
+    S3,
+    /// An EC2 instance type of the catalog.
+    Instance,
+    /// `none`, or a value of the inner parser.
+    OrNone(&'static Parse),
+}
+
+impl Parse {
+    /// Checks the value of `key` (given, as every checked value is).
+    pub(super) fn check(&self, v: &Values, key: &'static str) -> Result<(), ConfigError> {
+        match self {
+            Parse::Typed | Parse::Text => Ok(()),
+            Parse::Number => v.number::<u32>(key).map(drop),
+            Parse::Count => v.positive(key).map(drop),
+            Parse::Port => match v.number::<u16>(key)? {
+                0 => Err(v.invalid(key, "must be a port from 1 to 65535".into())),
+                _ => Ok(()),
+            },
+            Parse::PortOrOff => v.number::<u16>(key).map(drop),
+            Parse::Matches(accepts, what) => v.matching(key, accepts, what).map(drop),
+            Parse::Image => v
+                .matching(
+                    key,
+                    |s| !s.is_empty() && !s.contains(char::is_whitespace),
+                    "an image reference such as 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1",
+                )
+                .map(drop),
+            Parse::DnsLabel => v
+                .matching(
+                    key,
+                    |s| is_dns_label(s, 63),
+                    "a DNS-1123 label: at most 63 lowercase letters, digits and '-', starting \
+                     and ending with a letter or digit",
+                )
+                .map(drop),
+            Parse::DnsSubdomain => v
+                .matching(
+                    key,
+                    |s| s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, 63)),
+                    "a DNS-1123 subdomain: lowercase letters, digits, '-' and '.'",
+                )
+                .map(drop),
+            Parse::S3 => v.optional_s3(key).map(drop),
+            Parse::Instance => v.instance(key).map(drop),
+            Parse::OrNone(inner) => match v.optional(key).as_deref() {
+                None | Some("none") => Ok(()),
+                Some(_) => inner.check(v, key),
+            },
+        }
+    }
+}
+
 /// Reads typed values out of a [`Resolved`], naming the setting and its source on error.
 pub(super) struct Values<'a>(pub(super) &'a Resolved);
 
@@ -77,14 +155,6 @@ impl Values<'_> {
         }
     }
 
-    pub(super) fn image(&self, key: &'static str) -> Result<String, ConfigError> {
-        self.matching(
-            key,
-            |s| !s.is_empty() && !s.contains(char::is_whitespace),
-            "an image reference such as 123456789012.dkr.ecr.us-west-2.amazonaws.com/trainctl:0.1",
-        )
-    }
-
     pub(super) fn command(&self) -> Result<Option<Vec<String>>, ConfigError> {
         let Some(v) = self.optional("job.command") else {
             return Ok(None);
@@ -119,23 +189,6 @@ impl Values<'_> {
             None | Some("none") => Ok(None),
             Some(text) => self.s3_uri(key, text).map(Some),
         }
-    }
-
-    pub(super) fn dns_label(&self, key: &'static str) -> Result<String, ConfigError> {
-        self.matching(
-            key,
-            |s| is_dns_label(s, 63),
-            "a DNS-1123 label: at most 63 lowercase letters, digits and '-', starting and \
-             ending with a letter or digit",
-        )
-    }
-
-    pub(super) fn dns_subdomain(&self, key: &'static str) -> Result<String, ConfigError> {
-        self.matching(
-            key,
-            |s| s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, 63)),
-            "a DNS-1123 subdomain: lowercase letters, digits, '-' and '.'",
-        )
     }
 
     pub(super) fn instance(&self, key: &'static str) -> Result<&'static InstanceType, ConfigError> {
@@ -265,6 +318,12 @@ pub fn is_dns_label(s: &str, max: usize) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         && !s.starts_with('-')
         && !s.ends_with('-')
+}
+
+/// `1.MINOR`.
+pub(super) fn is_kubernetes_version(s: &str) -> bool {
+    s.split_once('.')
+        .is_some_and(|(a, b)| a == "1" && !b.is_empty() && b.chars().all(|c| c.is_ascii_digit()))
 }
 
 pub(super) fn is_region(s: &str) -> bool {
