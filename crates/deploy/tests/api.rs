@@ -1099,6 +1099,14 @@ async fn a_trainjob_nobody_reconciles_names_trainer() {
             && text.contains("trainer-controller-manager"),
         "{text}"
     );
+    // `job wait` gives up saying the same, not only "pending".
+    let e = api
+        .kube()
+        .wait("cifar10", Duration::from_millis(50))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nothing has picked this TrainJob up"), "{e}");
 }
 
 /// An MPIJob's launcher pod comes before its workers (it has no node index): its lines and

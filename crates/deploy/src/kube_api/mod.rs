@@ -294,6 +294,9 @@ impl Kube {
                 for p in status.pods.iter().filter(|p| !p.why.is_empty()) {
                     let _ = write!(state, "; {}: {}", p.name, p.why);
                 }
+                if let Some(unreconciled) = status.unreconciled() {
+                    let _ = write!(state, "; {unreconciled}");
+                }
                 return Err(ApiError::WaitTimeout {
                     name: name.into(),
                     namespace: self.namespace.clone(),

@@ -151,6 +151,18 @@ impl JobStatus {
         }
     }
 
+    /// An operator's job with no condition and no pod: nothing reconciles it (operators set a
+    /// Created condition at once), which says its controller is not running.
+    pub fn unreconciled(&self) -> Option<String> {
+        let operator = self.operator?;
+        (self.conditions.is_empty() && self.pods.is_empty()).then(|| {
+            format!(
+                "no conditions and no pods: nothing has picked this {} up; is {} running? (`{}`)",
+                self.kind, operator.name, operator.check
+            )
+        })
+    }
+
     /// The failure condition's reason and message, when the job failed.
     pub fn failure(&self) -> Option<&Condition> {
         self.conditions
@@ -178,18 +190,8 @@ impl JobStatus {
             }
             s.push('\n');
         }
-        if let Some(operator) = self.operator
-            && self.conditions.is_empty()
-            && self.pods.is_empty()
-        {
-            // Operators set a Created condition at once: none means nothing reconciles these
-            // jobs here.
-            let _ = writeln!(
-                s,
-                "  no conditions and no pods: nothing has picked this {} up; is {} running? \
-                 (`{}`)",
-                self.kind, operator.name, operator.check
-            );
+        if let Some(unreconciled) = self.unreconciled() {
+            let _ = writeln!(s, "  {unreconciled}");
         }
         if self.pods.is_empty() {
             s.push_str("  no pods yet\n");
