@@ -827,28 +827,35 @@ fn mpijobs_validate_against_the_mpi_operators_crd() {
     assert!(!mpijob_validator().is_valid(&bad));
 }
 
-/// The MPIJob launcher refuses what it cannot run, naming the setting and the way out.
+/// The MPIJob launcher refuses to render what it cannot run, naming the setting and the way
+/// out (other commands, `cluster addons` among them, take the setting as it is).
 #[test]
 fn an_mpijob_refuses_the_built_in_trainer_and_an_elastic_size() {
-    let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.launcher", "mpijob")])
-        .unwrap_err()
-        .to_string();
+    let refused = |settings: &[(&'static str, &str)]| {
+        Project::from_settings(settings)
+            .and_then(|p| p.review(Renders::TrainingJob))
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refused(&[("storage.efs", "fs-1"), ("job.launcher", "mpijob")]);
     assert!(
-        err.contains("job.launcher") && err.contains("-- PROGRAM") && err.contains("trainjob"),
+        err.starts_with("job.launcher = \"mpijob\" (from flag --launcher)")
+            && err.contains("-- PROGRAM")
+            && err.contains("trainjob"),
         "{err}"
     );
-    let err = Project::from_settings(&[
+    let err = refused(&[
         ("storage.efs", "fs-1"),
         ("job.launcher", "mpijob"),
         ("job.command", "python train.py"),
         ("job.nnodes", "1:3"),
-    ])
-    .unwrap_err()
-    .to_string();
+    ]);
     assert!(
         err.contains("not elastic") && err.contains("--nnodes 3"),
         "{err}"
     );
+    let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "mpijob")]);
+    assert!(p.review(Renders::Doctor).is_ok());
     let err = Project::from_settings(&[("storage.efs", "fs-1"), ("job.launcher", "slurm")])
         .unwrap_err()
         .to_string();

@@ -53,6 +53,17 @@ impl Project {
             warnings.extend(self.idle_accelerators());
         }
         if what == Renders::TrainingJob {
+            if let Some(why) = self.job.launcher.refuses(&self.job) {
+                return Err(ConfigError::Invalid {
+                    key: "job.launcher",
+                    value: self.job.launcher.to_string(),
+                    from: self
+                        .source("job.launcher")
+                        .cloned()
+                        .unwrap_or(Source::Default),
+                    problem: why,
+                });
+            }
             warnings.extend(self.training_pods_fit()?);
         }
         Ok(warnings)

@@ -396,9 +396,6 @@ impl Project {
                 None => Vec::new(),
             },
         };
-        if let Some(why) = job.launcher.refuses(&job) {
-            return Err(v.invalid("job.launcher", why));
-        }
         if !job.fetch.is_empty() && job.command.is_none() {
             return Err(v.invalid(
                 "job.fetch",

@@ -154,6 +154,30 @@ fn cluster_create_runs_eksctl_or_prints_the_command() {
     );
 }
 
+/// `cluster addons --launcher KIND --dry-run` says how to install the operator that launcher
+/// needs, from the launchers' table (none for `indexed`).
+#[test]
+fn cluster_addons_says_how_to_install_each_launchers_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    for (launcher, says) in [
+        ("indexed", None),
+        ("pytorchjob", Some("kubeflow/training-operator.git")),
+        ("trainjob", Some("kubeflow/trainer.git")),
+        ("mpijob", Some("mpi-operator")),
+    ] {
+        let out = run_ok(
+            kube_cmd(dir.path())
+                .args(["cluster", "addons", "--dry-run", "--launcher", launcher])
+                .env("PATH", dir.path().join("empty")),
+        );
+        let stdout = text(&out.stdout);
+        match says {
+            Some(s) => assert!(stdout.contains(s), "{launcher}: {stdout}"),
+            None => assert!(!stdout.contains("kubectl apply"), "{launcher}: {stdout}"),
+        }
+    }
+}
+
 #[test]
 fn an_odcr_preset_without_a_reservation_says_what_to_give() {
     let dir = tempfile::tempdir().unwrap();
