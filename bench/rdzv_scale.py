@@ -197,6 +197,8 @@ def run_case(args, backend, n):
         args.trainctl, "run", "--nnodes", f"{max(1, n // 2)}:{n}", "--nproc-per-node", "1",
         "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", run_id, "--job-token", "bench",
+        # The rendezvous is what is measured, not N health checks on the same cores.
+        "--health-check", "off",
     ]
     if args.rdzv_conf:
         cmd += ["--rdzv-conf", args.rdzv_conf]

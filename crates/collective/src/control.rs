@@ -41,6 +41,10 @@ pub enum ToAgent {
     Paused { assignments: u64, step: u64 },
     /// The worker trains in its new group.
     Regrouped(Regrouped),
+    /// The ranks found this worker's node a straggler (`slow`: it became one; otherwise it
+    /// stopped being one), `report` saying by how much and why. The agent may evict the node
+    /// (`trainctl run --stragglers evict`).
+    Straggler { slow: bool, report: String },
 }
 
 /// What one regroup cost, as the worker saw it.
@@ -109,6 +113,7 @@ impl Message for ToAgent {
                 .u64(r.bytes)
                 .u64(r.seconds.to_bits())
                 .u8(r.received as u8),
+            ToAgent::Straggler { slow, report } => Encoder::new().u8(4).u8(*slow as u8).str(report),
         }
         .finish()
     }
@@ -136,6 +141,10 @@ impl Message for ToAgent {
                 seconds: f64::from_bits(d.u64("seconds")?),
                 received: d.u8("received")? != 0,
             }),
+            4 => ToAgent::Straggler {
+                slow: d.u8("slow")? != 0,
+                report: d.string("report")?,
+            },
             kind => return Err(WireError::Malformed(format!("unknown message kind {kind}"))),
         };
         d.end("worker message")?;
@@ -334,6 +343,14 @@ mod tests {
                 step: 9,
             },
             ToAgent::Regrouped(regrouped()),
+            ToAgent::Straggler {
+                slow: true,
+                report: "node 2 (ranks 4-5) is 2.8× slower than the others: compute".into(),
+            },
+            ToAgent::Straggler {
+                slow: false,
+                report: String::new(),
+            },
         ];
         for m in &to_agent {
             worker.send(m).unwrap();

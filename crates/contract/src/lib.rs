@@ -27,6 +27,10 @@ pub mod exit {
     /// not executable; 127: not found, or the binary's loader lacks a library). A Kubernetes
     /// job fails at once on them instead of retrying to its backoff limit.
     pub const PERMANENT: [i32; 4] = [1, 2, 126, 127];
+    /// What a node evicted as a straggler (`trainctl run --stragglers evict`, which then exits
+    /// with [`PREEMPTED`]) writes in its termination message, by which `job status` tells it
+    /// from a node that left on a SIGTERM (whose message is its last log lines).
+    pub const EVICTED: &str = "evicted as a straggler";
 }
 
 /// Names of the environment variables a worker receives: torchrun's, and trainctl's own.

@@ -393,10 +393,32 @@ async fn a_pod_that_left_after_a_sigterm_is_not_a_failure() {
                 ),
                 ended(2, 137, "OOMKilled", "epoch 3 step 40"),
                 pod(2, "Pending", None, json!({})),
+                ended(
+                    3,
+                    143,
+                    "Error",
+                    "node n4 is evicted as a straggler: node 3 (ranks 3) is a straggler: 2.5× \
+                     the other nodes' time per step",
+                ),
             ],
         ),
     );
     let status = api.kube().status("cifar10").await.unwrap();
+    let evicted = status
+        .pods
+        .iter()
+        .find(|p| p.name == "cifar10-3-old")
+        .unwrap();
+    assert!(
+        evicted
+            .why
+            .starts_with("node n4 is evicted as a straggler: node 3 (ranks 3)")
+            && evicted.why.ends_with(
+                "(exit 143: not a failure; the Job replaces the pod without counting it)"
+            ),
+        "{}",
+        evicted.why
+    );
     let left = status
         .pods
         .iter()

@@ -7,6 +7,7 @@
 
 mod agent;
 pub mod error_file;
+pub mod health;
 pub mod output;
 mod report;
 pub mod stacks;
@@ -65,6 +66,25 @@ pub struct LaunchSpec {
     /// answer before it counts as hung: it must finish its step, or wait for the joiners, up to
     /// its collective timeout.
     pub regroup_timeout: Duration,
+    /// Elastic jobs whose workers regroup in place: a node the ranks find a straggler leaves
+    /// the job (`--stragglers evict`) when the others can go on without it; otherwise it is
+    /// only said.
+    pub evict_stragglers: bool,
+    /// Elastic jobs: what a node whose health check is far below the others' does before it
+    /// joins (`--health-check`).
+    pub health_check: HealthCheck,
+}
+
+/// What a node far below the others in its health check does (`trainctl run --health-check`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HealthCheck {
+    /// It does not join: the launch ends, saying the figures.
+    Refuse,
+    /// It joins, with a warning saying the figures.
+    #[default]
+    Warn,
+    /// No check.
+    Off,
 }
 
 /// A worker the launcher started.
@@ -87,6 +107,23 @@ pub enum LaunchEvent {
     /// The agent joins the next rendezvous round.
     Joining {
         node: String,
+    },
+    /// The node's health check, before it joins: its figures against the others' (`None`
+    /// when no other node had measured yet); `far_below` when it is.
+    HealthChecked {
+        health: rendezvous::Health,
+        against: Option<String>,
+        far_below: bool,
+    },
+    /// This node's ranks found it a straggler (`slow`), or no longer one.
+    Straggler {
+        slow: bool,
+        report: String,
+    },
+    /// This node is a straggler, but it stays: the others cannot go on without it.
+    EvictRefused {
+        report: String,
+        why: String,
     },
     /// Joining has waited [`rendezvous::still_joining_every`] more without a round.
     StillJoining(rendezvous::StillJoining),
@@ -271,6 +308,8 @@ mod tests {
             file_timer: None,
             regroup: false,
             regroup_timeout: Duration::from_secs(240),
+            evict_stragglers: false,
+            health_check: HealthCheck::Off,
         }
     }
 

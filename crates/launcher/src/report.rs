@@ -148,6 +148,16 @@ pub enum Outcome {
     Left {
         signal: i32,
     },
+    /// This node was a straggler and left the job (`--stragglers evict`) at a step boundary;
+    /// the others train on without it. `report` says how slow it was and why.
+    Evicted {
+        report: String,
+    },
+    /// This node's health check was far below the other nodes' (`report`, with the figures):
+    /// it did not join (`--health-check refuse`).
+    Refused {
+        report: String,
+    },
 }
 
 impl fmt::Display for Failure {

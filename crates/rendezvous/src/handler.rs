@@ -205,6 +205,7 @@ impl Rendezvous {
             // Picked before each join (`set_port`).
             port: 0,
             nproc,
+            health: None,
         };
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
@@ -252,6 +253,23 @@ impl Rendezvous {
     /// The port this node's rank-0 worker hosts the workers' store on, if it is rank 0.
     pub fn set_port(&mut self, port: u16) {
         self.me.port = port;
+    }
+
+    /// What this node's health check measured, carried in its entry of the record.
+    pub fn set_health(&mut self, health: state::Health) {
+        self.me.health = Some(health);
+    }
+
+    /// The health figures of the other live nodes in the record (those that measured any).
+    pub fn peers_health(&mut self) -> Result<Vec<state::Health>, RendezvousError> {
+        let (read, alive) = self.read()?;
+        Ok(read
+            .state
+            .iter()
+            .flat_map(|s| s.participants.iter())
+            .filter(|n| n.id != self.me.id && alive.contains(&n.id))
+            .filter_map(|n| n.health)
+            .collect())
     }
 
     fn read(&mut self) -> Result<(Read, BTreeSet<String>), RendezvousError> {

@@ -24,6 +24,19 @@ pub struct Node {
     pub port: u16,
     /// Workers this agent runs.
     pub nproc: u32,
+    /// What the node's health check measured before it joined (absent from older agents).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<Health>,
+}
+
+/// A node's health check: a CPU matrix multiply and a loopback TCP stream, measured by its
+/// agent before it joins, compared with the other nodes'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// Millions of floating-point operations a second, one thread.
+    pub gemm_mflops: u64,
+    /// Megabytes a second through a loopback TCP connection.
+    pub loopback_mbps: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

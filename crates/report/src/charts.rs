@@ -40,12 +40,16 @@ pub const GREY: RGBColor = RGBColor(127, 127, 127);
 pub const TEAL: RGBColor = RGBColor(23, 190, 207);
 
 /// Each kind of marker: its colour and its name in the legend.
-const MARKERS: [(MarkerKind, RGBColor, &str); 4] = [
+const MARKERS: [(MarkerKind, RGBColor, &str); 5] = [
     (MarkerKind::Restart, RED, "restart"),
     (MarkerKind::Resumed, GREY, "resumed by hand"),
     (MarkerKind::WorldSize, PURPLE, "world size change"),
     (MarkerKind::Regroup, TEAL, "regrouped in place"),
+    (MarkerKind::Straggler, ORANGE, "straggler found or gone"),
 ];
+
+/// The colours of the ranks' lines, in turn.
+const PALETTE: [RGBColor; 7] = [BLUE, ORANGE, GREEN, RED, PURPLE, GREY, TEAL];
 
 /// A marker's label is drawn to the right of its line, or to the left when it would run past
 /// the plot's right edge (about this many pixels a character at the labels' size).
@@ -129,6 +133,9 @@ pub fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
                 ("data", GREEN, |s: &Step| s.data_s),
             ],
         )?);
+    }
+    if data.rank_busy.len() > 1 {
+        charts.push(rank_chart(data, dir)?);
     }
     if let Some(eval) = &data.eval {
         charts.push(class_accuracy(eval, dir)?);
@@ -286,6 +293,112 @@ fn step_chart(
     Ok(Chart {
         file: file.into(),
         title: title.into(),
+        series,
+    })
+}
+
+/// Each rank's time before the all-reduce (waiting for data and computing) at each step: a
+/// straggler's line stands above the others, where the straggler markers are.
+fn rank_chart(data: &RunData, dir: &Path) -> Result<Chart, ReportError> {
+    let file = "rank_step_time.png";
+    let points = || data.rank_busy.iter().flat_map(|(_, s)| s.iter());
+    let x_max = points().map(|p| p.0).max().unwrap_or(1).max(1) as f64;
+    let x_min = points().map(|p| p.0).min().unwrap_or(0).saturating_sub(1) as f64;
+    let y_max = points()
+        .map(|p| p.1)
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max);
+    let y_max = if y_max > 0.0 { y_max * 1.1 } else { 1.0 };
+    let colour = |i: usize| PALETTE[i % PALETTE.len()];
+    let mut series: Vec<Series> = data
+        .rank_busy
+        .iter()
+        .enumerate()
+        .map(|(i, (rank, steps))| Series {
+            name: format!("rank {rank}"),
+            points: steps.len(),
+            colour: Some(hex(colour(i))),
+        })
+        .collect();
+    let stragglers: Vec<_> = data
+        .markers
+        .iter()
+        .filter(|m| m.kind == MarkerKind::Straggler)
+        .collect();
+    if !stragglers.is_empty() {
+        series.push(Series {
+            name: "straggler found or gone".into(),
+            points: stragglers.len(),
+            colour: Some(hex(ORANGE)),
+        });
+    }
+    png(&dir.join(file), WIDE, |root| {
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let mut chart = ChartBuilder::on(root)
+            .caption("Time before the all-reduce, per rank", (FONT, 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(x_min..x_max, 0.0..y_max)
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_desc("seconds (data + compute)")
+            .label_style((FONT, 13))
+            .light_line_style(RGBColor(235, 235, 235))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        // Many ranks: thin lines, and only the first few in the legend.
+        let width = if data.rank_busy.len() > 16 { 1 } else { 2 };
+        for (i, (rank, steps)) in data.rank_busy.iter().enumerate() {
+            let c = colour(i);
+            let drawn = chart
+                .draw_series(LineSeries::new(
+                    steps
+                        .iter()
+                        .map(|(step, busy)| (*step as f64, busy.min(y_max))),
+                    c.stroke_width(width),
+                ))
+                .map_err(|e| e.to_string())?;
+            if i < PALETTE.len() {
+                drawn.label(format!("rank {rank}")).legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 18, y)], c.stroke_width(2))
+                });
+            }
+        }
+        chart
+            .draw_series(stragglers.iter().map(|m| {
+                PathElement::new(
+                    [(m.step as f64, 0.0), (m.step as f64, y_max)],
+                    ORANGE.stroke_width(2),
+                )
+            }))
+            .map_err(|e| e.to_string())?;
+        chart
+            .draw_series(stragglers.iter().map(|m| {
+                EmptyElement::at((m.step as f64, y_max))
+                    + Text::new(
+                        m.label.clone(),
+                        (5, 4),
+                        (FONT, 13).into_font().color(&ORANGE),
+                    )
+            }))
+            .map_err(|e| e.to_string())?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(200, 200, 200))
+            .label_font((FONT, 13))
+            .draw()
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    })?;
+    Ok(Chart {
+        file: file.into(),
+        title: "Time before the all-reduce, per rank".into(),
         series,
     })
 }

@@ -21,6 +21,8 @@ pub enum MarkerKind {
     WorldSize,
     /// The workers regrouped in place (no restart): a node lost, added or gone.
     Regroup,
+    /// A node was found slower than the others, or no longer.
+    Straggler,
 }
 
 /// Something that happened between two attempts, at a global step.
@@ -51,6 +53,9 @@ pub struct RunData {
     pub attempts: Vec<Attempt>,
     pub markers: Vec<Marker>,
     pub timings: Vec<Timing>,
+    /// Each rank's time before the all-reduce (data and compute) at each of its steps: where
+    /// a straggler shows.
+    pub rank_busy: Vec<(u32, Vec<(u64, f64)>)>,
     pub eval: Option<Eval>,
     pub checkpoints: usize,
     pub epochs_done: usize,
@@ -81,6 +86,20 @@ impl RunData {
             .iter()
             .filter_map(|(rank, m)| timing(*rank, &m.records))
             .collect();
+        let rank_busy = ranks
+            .iter()
+            .map(|(rank, m)| {
+                let steps = m
+                    .records
+                    .iter()
+                    .filter_map(|r| match r {
+                        Record::Step(s) => Some((s.step, s.data_s + s.compute_s)),
+                        _ => None,
+                    })
+                    .collect();
+                (*rank, steps)
+            })
+            .collect();
         let Some((_, rank0)) = ranks.into_iter().find(|(rank, _)| *rank == 0) else {
             return Err(ReportError::NoRecords(run_dir.to_path_buf()));
         };
@@ -88,6 +107,7 @@ impl RunData {
             return Err(ReportError::NoRecords(run_dir.to_path_buf()));
         }
         let mut data = RunData::from_records(&rank0.records, timings);
+        data.rank_busy = rank_busy;
         data.run_dir = run_dir.display().to_string();
         data.skipped = skipped;
         Ok(data)
@@ -152,6 +172,15 @@ impl RunData {
                 Record::Checkpoint(_) => checkpoints += 1,
                 Record::Epoch(e) => epochs_done = epochs_done.max(e.epoch),
                 Record::Eval(e) => eval = Some(e.clone()),
+                Record::Straggler(g) => markers.push(Marker {
+                    step: g.step,
+                    kind: MarkerKind::Straggler,
+                    label: if g.slow {
+                        format!("node {} {:.1}× slower ({})", g.node, g.slowdown, g.cause)
+                    } else {
+                        format!("node {} no longer slow", g.node)
+                    },
+                }),
                 Record::Regroup(g) => {
                     markers.push(Marker {
                         step: g.step,
@@ -175,6 +204,7 @@ impl RunData {
             attempts,
             markers,
             timings,
+            rank_busy: Vec::new(),
             eval,
             checkpoints,
             epochs_done,
@@ -293,6 +323,7 @@ mod tests {
             data_s: 0.01,
             compute_s: 0.5,
             allreduce_s: 0.13,
+            slowdown: None,
         })
     }
 

@@ -31,6 +31,8 @@ pub enum Record {
     Eval(Eval),
     /// The worker went on in a new group without restarting (a node lost or joined).
     Regroup(Regroup),
+    /// Rank 0 found a node slower than the others, or found it no longer slow.
+    Straggler(Straggler),
 }
 
 impl Record {
@@ -42,6 +44,7 @@ impl Record {
             Record::Epoch(r) => r.time,
             Record::Eval(r) => r.time,
             Record::Regroup(r) => r.time,
+            Record::Straggler(r) => r.time,
         }
     }
 
@@ -163,6 +166,38 @@ pub struct Step {
     pub data_s: f64,
     pub compute_s: f64,
     pub allreduce_s: f64,
+    /// This rank's time before the all-reduce (data and compute) over the median rank's at
+    /// this step: 1 for a rank as fast as most, 2 for one that takes twice as long. Absent in
+    /// older files and from programs that do not measure it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowdown: Option<f64>,
+}
+
+/// A node found slower than the others for a window of steps (`slow`), or no longer so.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Straggler {
+    pub time: f64,
+    pub rank: u32,
+    /// Global step at which it was seen.
+    pub step: u64,
+    pub slow: bool,
+    /// The node (its group rank) and its ranks.
+    pub node: u32,
+    pub ranks: Vec<u32>,
+    /// Its time before the all-reduce over the other nodes' median (the window's medians).
+    pub slowdown: f64,
+    /// `compute` or `data loading`; empty when it ended.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cause: String,
+    /// Its median data and compute seconds per step, and the other nodes'.
+    #[serde(default)]
+    pub data_s: f64,
+    #[serde(default)]
+    pub compute_s: f64,
+    #[serde(default)]
+    pub others_data_s: f64,
+    #[serde(default)]
+    pub others_compute_s: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

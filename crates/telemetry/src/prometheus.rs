@@ -112,6 +112,9 @@ pub struct JobGauges {
     workers: std::collections::BTreeMap<u32, WorkerGauges>,
     last_checkpoint: Option<(std::time::Instant, u64)>,
     test_accuracy: Option<f64>,
+    /// Nodes found slow (their slowdown) or found slow once and no longer (None), as rank 0
+    /// recorded them (on rank 0's node).
+    stragglers: std::collections::BTreeMap<u32, Option<f64>>,
 }
 
 #[derive(Debug)]
@@ -138,6 +141,9 @@ impl JobGauges {
                 self.last_checkpoint = Some((std::time::Instant::now(), c.step));
             }
             Record::Eval(e) => self.test_accuracy = Some(e.accuracy),
+            Record::Straggler(s) => {
+                self.stragglers.insert(s.node, s.slow.then_some(s.slowdown));
+            }
             Record::Start(_) | Record::Epoch(_) | Record::Regroup(_) => {}
         }
     }
@@ -230,6 +236,28 @@ impl JobGauges {
             ),
             step_seconds,
         ];
+        let slowdown = self.workers.iter().fold(
+            Family::new(
+                "trainctl_rank_slowdown",
+                Kind::Gauge,
+                "The worker's time before the all-reduce (data and compute) at its last step over the median rank's: 1 as fast as most, 2 twice as slow.",
+            ),
+            |fam, (r, w)| match w.last.slowdown {
+                Some(x) => fam.sample(rank(r), x),
+                None => fam,
+            },
+        );
+        out.push(slowdown);
+        out.push(self.stragglers.iter().fold(
+            Family::new(
+                "trainctl_straggler_slowdown",
+                Kind::Gauge,
+                "A node rank 0 found slow: its slowdown over the other nodes' median; 0 once it is no longer slow.",
+            ),
+            |fam, (node, slowdown)| {
+                fam.sample(vec![("node", node.to_string())], slowdown.unwrap_or(0.0))
+            },
+        ));
         if let Some((at, step)) = self.last_checkpoint {
             out.push(
                 Family::new(

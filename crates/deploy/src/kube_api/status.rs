@@ -352,6 +352,8 @@ pub(super) fn node_problem(node: &Node) -> Option<String> {
 /// without counting it, so neither its exit nor its last lines are shown as one.
 const LEFT: &str = "left the job (exit 143 after a SIGTERM: not a failure; the Job replaces \
                     the pod without counting it)";
+/// A node that left the job on its own (evicted as a straggler), after what it said.
+const LEFT_SHORT: &str = "exit 143: not a failure; the Job replaces the pod without counting it";
 
 /// One pod of a job.
 #[derive(Debug, Clone)]
@@ -434,7 +436,13 @@ impl PodStatus {
             }
             if let Some(t) = state.terminated.filter(|t| t.exit_code != 0) {
                 if t.exit_code == contract::exit::PREEMPTED {
-                    why.push(LEFT.into());
+                    // A node evicted as a straggler says why in its termination message.
+                    why.push(match t.message.as_deref().map(str::trim) {
+                        Some(m) if m.contains(contract::exit::EVICTED) => {
+                            format!("{m} ({LEFT_SHORT})")
+                        }
+                        _ => LEFT.into(),
+                    });
                 } else {
                     why.push(format!(
                         "exited {} ({})",

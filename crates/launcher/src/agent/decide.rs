@@ -19,6 +19,8 @@ pub(crate) enum Seen {
     /// A worker failed, hung or did not answer; `counted` unless it was a consequence of
     /// another node (a lost peer, exit 75) or a save on request (exit 143).
     WorkerFailed { counted: bool },
+    /// The ranks found this node a straggler and `--stragglers evict` asks to drop it.
+    Straggler,
     /// The round, as the rendezvous saw it; not asked once another node closed the job.
     Round(Round),
 }
@@ -63,6 +65,9 @@ pub(crate) enum Next {
     Leave,
     /// Stop the workers (a worker at a step boundary checkpoints for all) and end, interrupted.
     Stop,
+    /// This node is a straggler: leave the job as [`Next::Leave`] does, unless the others
+    /// cannot go on without it (then train on).
+    Evict,
     /// The job succeeded: stop what still runs and end; `close` when this node's workers
     /// finished it (the rendezvous is closed for the others).
     Succeed { close: bool },
@@ -124,6 +129,12 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
                 }
             }
         }
+        // Only a regroup in place drops a node without restarting the others; a change
+        // under way, or the job ending, comes first.
+        Seen::Straggler if memory.can_regroup && !memory.regrouping && !memory.closing => {
+            Next::Evict
+        }
+        Seen::Straggler => Next::Wait,
         Seen::WorkersDone => Next::Succeed { close: true },
         Seen::WorkerFailed { .. } if memory.closing => Next::FailAlone,
         Seen::WorkerFailed { counted } => Next::RecordFailure { counted },

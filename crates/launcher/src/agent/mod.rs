@@ -12,7 +12,7 @@ mod decide;
 use std::time::{Duration, Instant};
 
 use collective::control::ToAgent;
-use rendezvous::{Joined, Leaving, Rendezvous, Restart, Watch};
+use rendezvous::{Joined, Rendezvous, Restart, Watch};
 
 use crate::output::Sink;
 use crate::report::{ExitKind, Failure, Outcome};
@@ -30,12 +30,62 @@ pub fn run_elastic(
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
     let outcome = run_rounds(spec, rdzv, stdout, stderr, events)?;
-    if !matches!(outcome, Outcome::Interrupted { .. } | Outcome::Left { .. }) {
+    if !matches!(
+        outcome,
+        Outcome::Interrupted { .. }
+            | Outcome::Left { .. }
+            | Outcome::Evicted { .. }
+            | Outcome::Refused { .. }
+    ) {
         // The job is over: if this agent hosts the store, the others still need it to learn so.
         // (A node that left handed its store over already: the others train on.)
         rdzv.linger();
     }
     Ok(outcome)
+}
+
+/// The health check before the first join (`spec.health_check`): measures this node, puts
+/// the figures in its entry of the record, compares them with the nodes already in the job,
+/// and says so. `Some` (the launch's end) when it is far below them and `--health-check
+/// refuse`. A record that cannot be read yet compares with nobody: joining says why.
+fn health_gate(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Option<Outcome> {
+    if spec.health_check == crate::HealthCheck::Off {
+        return None;
+    }
+    let mine = crate::health::probe();
+    rdzv.set_health(mine);
+    let others = rdzv.peers_health().unwrap_or_default();
+    let (against, far_below) = match crate::health::judge(mine, &others) {
+        crate::health::Verdict::Alone => (None, false),
+        crate::health::Verdict::Passed(figures) => (Some(figures), false),
+        crate::health::Verdict::FarBelow(figures) => (Some(figures), true),
+    };
+    events(LaunchEvent::HealthChecked {
+        health: mine,
+        against: against.clone(),
+        far_below,
+    });
+    (far_below && spec.health_check == crate::HealthCheck::Refuse).then(|| Outcome::Refused {
+        report: format!(
+            "node {} failed its health check, far below the {} node(s) in the job ({}): it does \
+             not join (--health-check warn lets it join anyway)",
+            rdzv.node_id(),
+            others.len(),
+            against.unwrap_or_default()
+        ),
+    })
+}
+
+/// How a node's attempt to leave the job ended.
+enum Leaving {
+    /// It left: the launch ends so.
+    Went(Outcome),
+    /// The others cannot go on without it (why): its workers, still running, come back.
+    Stayed(Box<Group>, String),
 }
 
 /// This node's workers, left running between rounds to regroup in place.
@@ -60,6 +110,9 @@ fn run_rounds(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
+    if let Some(refused) = health_gate(spec, rdzv, events) {
+        return Ok(refused);
+    }
     let launch = Launch::open(spec)?;
     let mut kept: Option<Kept> = None;
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
@@ -223,9 +276,17 @@ impl InRound<'_> {
             return Some(Looked::just(Seen::Signal(signal)));
         }
         let mut lost = None;
+        let mut straggler = None;
         for (local_rank, message) in group.messages() {
             match message {
                 ToAgent::Lost { reason, .. } => lost = Some(reason),
+                ToAgent::Straggler { slow, report } if local_rank == 0 => {
+                    events(LaunchEvent::Straggler {
+                        slow,
+                        report: report.clone(),
+                    });
+                    straggler = slow.then_some(report);
+                }
                 ToAgent::Regrouped(r) if local_rank == 0 => {
                     self.failed_regroups = 0;
                     events(LaunchEvent::Regrouped(crate::Regrouped {
@@ -239,7 +300,10 @@ impl InRound<'_> {
                         seconds: r.seconds,
                     }));
                 }
-                ToAgent::Ready | ToAgent::Paused { .. } | ToAgent::Regrouped(_) => {}
+                ToAgent::Ready
+                | ToAgent::Paused { .. }
+                | ToAgent::Regrouped(_)
+                | ToAgent::Straggler { .. } => {}
             }
         }
         if let Some(reason) = lost {
@@ -247,6 +311,9 @@ impl InRound<'_> {
                 Seen::PeerLost,
                 format!("a peer was lost: {reason}"),
             ));
+        }
+        if let Some(report) = straggler.filter(|_| self.spec.evict_stragglers) {
+            return Some(Looked::because(Seen::Straggler, report));
         }
         match group.poll() {
             Status::Running => {}
@@ -320,6 +387,10 @@ impl InRound<'_> {
                 return Acted::Running(group);
             }
             Next::Leave => RoundEnd::Over(self.leave(group, signal(), events)),
+            Next::Evict => match self.evict(group, &why, events) {
+                Leaving::Went(outcome) => RoundEnd::Over(outcome),
+                Leaving::Stayed(group, _) => return Acted::Running(*group),
+            },
             Next::Stop => {
                 let signal = signal();
                 RoundEnd::Over(Outcome::Interrupted {
@@ -469,16 +540,61 @@ impl InRound<'_> {
     /// without it, it leaves the rendezvous, its workers leave after the step under way (the
     /// pause they raise makes it the same step for every rank) and exit, and the launch ends
     /// with [`Outcome::Left`]; otherwise the job stops as a whole, checkpointing once.
-    fn leave(
-        &mut self,
-        mut group: Group,
-        signal: i32,
-        events: &mut dyn FnMut(LaunchEvent),
-    ) -> Outcome {
+    fn leave(&mut self, group: Group, signal: i32, events: &mut dyn FnMut(LaunchEvent)) -> Outcome {
         let node = self.rdzv.node_id().to_string();
         let reason = format!("node {node} leaves ({})", signal_name(signal));
-        let refused = match self.rdzv.leave(&reason) {
-            Ok(Leaving::Left { nodes, world_size }) => {
+        match self.leave_job(group, reason, Outcome::Left { signal }, events) {
+            Leaving::Went(outcome) => outcome,
+            Leaving::Stayed(group, why) => {
+                events(LaunchEvent::LeaveRefused { node, signal, why });
+                Outcome::Interrupted {
+                    signal,
+                    checkpointed: group.stop_interrupted(self.spec.grace),
+                }
+            }
+        }
+    }
+
+    /// This node is a straggler (`report`, `--stragglers evict`): it leaves the job as a node
+    /// asked to go does, the others going on in place without it. When they cannot (they
+    /// would be fewer than --nnodes MIN, or the job is changing already), it stays and trains
+    /// on, and the group comes back.
+    fn evict(
+        &mut self,
+        group: Group,
+        report: &str,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> Leaving {
+        let node = self.rdzv.node_id().to_string();
+        let reason = format!("node {node} is {}: {report}", contract::exit::EVICTED);
+        let evicted = Outcome::Evicted {
+            report: reason.clone(),
+        };
+        match self.leave_job(group, reason, evicted, events) {
+            Leaving::Stayed(group, why) => {
+                events(LaunchEvent::EvictRefused {
+                    report: report.to_string(),
+                    why: why.clone(),
+                });
+                Leaving::Stayed(group, why)
+            }
+            went => went,
+        }
+    }
+
+    /// Leaves the job for `reason` when the rendezvous lets this node go alone: its workers
+    /// leave after the step under way and exit, and the launch ends with `left` (or
+    /// succeeded, when the job ended at that very step: nothing was left to leave); the group
+    /// back, with why, when the rendezvous refused.
+    fn leave_job(
+        &mut self,
+        mut group: Group,
+        reason: String,
+        left: Outcome,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> Leaving {
+        match self.rdzv.leave(&reason) {
+            Ok(rendezvous::Leaving::Left { nodes, world_size }) => {
                 events(LaunchEvent::Leaving {
                     reason,
                     nodes,
@@ -493,23 +609,17 @@ impl InRound<'_> {
                 // Its store, if it hosts it, stays until the others have formed their round.
                 self.rdzv
                     .hand_over(deadline.saturating_duration_since(Instant::now()));
-                return match finished {
-                    // The job ended at that very step: nothing was left to leave.
-                    Some(true) => Outcome::Succeeded,
-                    _ => Outcome::Left { signal },
-                };
+                Leaving::Went(if finished == Some(true) {
+                    Outcome::Succeeded
+                } else {
+                    left
+                })
             }
-            Ok(Leaving::Refused(why)) => why,
-            Err(e) => format!("the rendezvous could not record it ({e})"),
-        };
-        events(LaunchEvent::LeaveRefused {
-            node,
-            signal,
-            why: refused,
-        });
-        Outcome::Interrupted {
-            signal,
-            checkpointed: group.stop_interrupted(self.spec.grace),
+            Ok(rendezvous::Leaving::Refused(why)) => Leaving::Stayed(Box::new(group), why),
+            Err(e) => Leaving::Stayed(
+                Box::new(group),
+                format!("the rendezvous could not record it ({e})"),
+            ),
         }
     }
 }

@@ -7,6 +7,7 @@ fn node(id: &str) -> Node {
         addr: format!("{id}.example"),
         port: 1000,
         nproc: 2,
+        health: None,
     }
 }
 

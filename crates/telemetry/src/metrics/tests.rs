@@ -21,6 +21,7 @@ fn step(n: u64) -> Record {
         data_s: 0.01,
         compute_s: 2.0,
         allreduce_s: 0.15,
+        slowdown: Some(1.0),
     })
 }
 
@@ -79,6 +80,7 @@ fn step_records_have_the_documented_fields() {
             "lr",
             "rank",
             "restart",
+            "slowdown",
             "step",
             "step_s",
             "steps_in_epoch",

@@ -84,6 +84,14 @@ pub struct Args {
     /// Also checkpoint every this many steps (besides every epoch end).
     #[arg(long)]
     pub(crate) checkpoint_every: Option<u64>,
+    /// A node is a straggler when its ranks take more than this many times the other nodes'
+    /// median time per step (waiting for data and computing, before the all-reduce).
+    #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
+    pub(crate) straggler_factor: f64,
+    /// ...for this many steps in a row (0: do not look for stragglers). `trainctl run
+    /// --stragglers evict` drops such a node.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) straggler_window: usize,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -176,6 +184,12 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         run_dir,
         train_again: args.train_again,
         stop,
+        stragglers: (args.straggler_window > 0).then_some(
+            trainer::train::stragglers::StragglerConfig {
+                factor: args.straggler_factor,
+                window: args.straggler_window,
+            },
+        ),
     };
     let rank = world.rank;
     let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
@@ -260,6 +274,7 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
         args.momentum,
         args.weight_decay,
     )?;
+    trainer::train::check_stragglers(args.straggler_factor, args.straggler_window)?;
     Ok(())
 }
 

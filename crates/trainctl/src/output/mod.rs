@@ -463,6 +463,40 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Joining { node } => {
             tracing::info!(node, "joining the rendezvous");
         }
+        LaunchEvent::Straggler { slow: true, report } => {
+            warn(&format!("the ranks found this node slow: {report}"))
+        }
+        LaunchEvent::HealthChecked {
+            health,
+            against,
+            far_below,
+        } => {
+            let mine = format!(
+                "matrix multiply {:.1} GFLOP/s, loopback {} MB/s",
+                health.gemm_mflops as f64 / 1e3,
+                health.loopback_mbps
+            );
+            match (against, far_below) {
+                (Some(figures), true) => warn(&format!(
+                    "this node's health check is far below the other nodes': {figures}"
+                )),
+                (Some(figures), false) => {
+                    err(format_args!("trainctl run: health check passed: {figures}"))
+                }
+                (None, _) => err(format_args!(
+                    "trainctl run: health check: {mine} (no other node has measured yet)"
+                )),
+            }
+        }
+        LaunchEvent::Straggler {
+            slow: false,
+            report,
+        } => err(format_args!(
+            "trainctl run: this node is no longer a straggler: {report}"
+        )),
+        LaunchEvent::EvictRefused { report, why } => {
+            warn(&format!("this node is slow ({report}) but stays: {why}"))
+        }
         LaunchEvent::StillJoining(w) => err(format_args!(
             "trainctl run: still joining round {} after {}: {}; giving up in {} (join_timeout in --rdzv-conf)",
             w.round,
@@ -618,6 +652,7 @@ pub fn train_event(event: trainer::train::Event) {
             "rank {rank} finished after {global_step} steps; weights fingerprint {fingerprint:08x} (world size {world_size}, {samples_seen} samples trained in all)"
         )),
         Event::Warning(msg) => warn(&msg),
+        Event::Straggler { report, .. } => out(format_args!("{report}")),
     }
 }
 

@@ -13,6 +13,8 @@ use testkit::{EtcdServer, Network};
 
 use crate::support::*;
 
+mod stragglers;
+
 const TRAIN_IMAGES: u64 = 320;
 const EPOCHS: u64 = 2;
 /// Long enough for a slow CI machine running several scenarios at once.
@@ -46,6 +48,9 @@ struct Cluster {
     /// `--collective-timeout` for every agent, in seconds.
     collective_timeout: u32,
     epochs: u64,
+    /// More flags of `trainctl run`, and of `train`.
+    run_args: Vec<&'static str>,
+    train_args: Vec<&'static str>,
     etcd: Option<EtcdServer>,
     // Dropped last: the namespaces outlive every process started in them.
     net: Network,
@@ -82,6 +87,8 @@ impl Cluster {
             regroup: "in-process",
             collective_timeout: 20,
             epochs: EPOCHS,
+            run_args: Vec::new(),
+            train_args: Vec::new(),
             etcd,
             net,
         })
@@ -114,7 +121,8 @@ impl Cluster {
             .args(["--job-token", "elastic-test"])
             .args(["--max-restarts", &max_restarts.to_string()])
             .args(["--collective-timeout", &self.collective_timeout.to_string()])
-            .args(["--regroup", self.regroup]);
+            .args(["--regroup", self.regroup])
+            .args(&self.run_args);
         match &self.program {
             Program::Builtin => cmd
                 .args(["train", "--data", "data", "--out", "runs"])
@@ -127,6 +135,7 @@ impl Cluster {
                     "--checkpoint-every",
                     "2",
                 ])
+                .args(&self.train_args)
                 .arg("--no-eval"),
             Program::PyTorch(python) => cmd
                 .env("PYTHONPATH", testkit::python_package())

@@ -539,8 +539,8 @@ fn bad_command_lines_exit_2_naming_the_flag_and_start_nothing() {
             "did you mean --max-restarts?",
         ),
         (
-            &["run", "--stragglers", "evict", "train"],
-            "unknown flag --stragglers",
+            &["run", "--evict-stragglers", "train"],
+            "unknown flag --evict-stragglers",
         ),
         (&["train", "--threads", "0"], "--threads 0"),
         (&["train", "--momentum", "1.5"], "--momentum 1.5"),

@@ -1,5 +1,6 @@
 //! What a run is asked to do, checked before anything starts.
 
+use super::stragglers::StragglerConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -48,6 +49,8 @@ pub struct TrainConfig {
     /// Set (by a SIGTERM handler) to stop after the step in progress: every rank learns it in
     /// that step's all-reduce, rank 0 checkpoints, and all return [`TrainError::Preempted`].
     pub stop: Arc<AtomicBool>,
+    /// How a slow node is found (`None`: not looked for).
+    pub stragglers: Option<StragglerConfig>,
 }
 
 pub(super) fn run_config(
@@ -79,7 +82,26 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         cfg.learning_rate,
         cfg.momentum,
         cfg.weight_decay,
-    )
+    )?;
+    if let Some(s) = cfg.stragglers {
+        check_stragglers(s.factor, s.window)?;
+    }
+    Ok(())
+}
+
+/// The straggler watch's settings in range (`--straggler-factor`, `--straggler-window`).
+pub fn check_stragglers(factor: f64, window: usize) -> Result<()> {
+    if !(factor.is_finite() && factor > 1.0) {
+        return Err(TrainError::Config(format!(
+            "--straggler-factor {factor}: must be above 1 (1.5: a node 50 % slower than the others)"
+        )));
+    }
+    if window > 10_000 {
+        return Err(TrainError::Config(format!(
+            "--straggler-window {window}: at most 10000 steps (0: do not look for stragglers)"
+        )));
+    }
+    Ok(())
 }
 
 /// The step's settings every run needs in range: checked by the worker, and by `trainctl

@@ -49,6 +49,11 @@ pub enum Event {
         fingerprint: u32,
     },
     Warning(String),
+    /// Rank 0 found a node slower than the others (`slow`), or found it no longer slow.
+    Straggler {
+        slow: bool,
+        report: String,
+    },
     /// Downloading or extracting the data set (the node's local rank 0 only).
     Data(DataProgress),
 }

@@ -15,6 +15,7 @@ pub mod record;
 mod regroup;
 mod state;
 mod step;
+pub mod stragglers;
 #[cfg(test)]
 mod tests;
 
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 use collective::{CollectiveError, ProcessGroup, World};
 
-pub use config::{TrainConfig, check_sgd};
+pub use config::{TrainConfig, check_sgd, check_stragglers};
 pub use event::Event;
 
 use crate::checkpoint::{ModelInfo, save_model};
@@ -39,6 +40,7 @@ use record::Recorder;
 use regroup::{Control, Leave, sync};
 use state::TrainState;
 use step::{Flags, Step, StepInput};
+use stragglers::{Change, Watch};
 
 /// Trains on the world described by `world`, calling `report` on the way.
 pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
@@ -117,6 +119,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         world_size,
         live: true,
         epoch_mark: None,
+        watch: Watch::new(cfg.stragglers.unwrap_or_default()),
     };
     while run.state.progress.epoch < cfg.epochs {
         match (
@@ -302,6 +305,8 @@ struct Run<'a> {
     /// Where the epoch in progress began, kept across regroups so that its step counter and
     /// its time run on through them.
     epoch_mark: Option<EpochMark>,
+    /// The nodes' step times, compared for a straggler.
+    watch: Watch,
 }
 
 /// The start of an epoch: its number, when, and the global step before its first step.
@@ -392,6 +397,8 @@ impl Run<'_> {
                 labels: &batch.labels,
                 digest: digest(&trained),
                 samples: trained.len(),
+                data_s,
+                node: self.world.group_rank,
             };
             let outcome = match self.step.run(input, flags, group, &mut self.state, cfg) {
                 Ok(outcome) => outcome,
@@ -443,9 +450,17 @@ impl Run<'_> {
                 data_s,
                 compute_s: outcome.compute_s,
                 allreduce_s: outcome.allreduce_s,
+                slowdown: stragglers::relative_speeds(&outcome.times)
+                    .get(rank)
+                    .copied(),
             };
             self.recorder.step(&record, report);
             report(Event::Step(Box::new(record)));
+            if cfg.stragglers.is_some_and(|s| s.window > 0)
+                && let Some(change) = self.watch.step(outcome.times)
+            {
+                self.straggler(change, global_step, control.as_deref_mut(), report);
+            }
 
             running_loss += outcome.loss as f64;
             window += 1;
@@ -511,6 +526,88 @@ impl Run<'_> {
             });
         }
         Ok(None)
+    }
+
+    /// A straggler found or gone at `step`: rank 0 says so and records it; the straggler's own
+    /// node (its local rank 0) tells its agent, which may evict it.
+    fn straggler(
+        &mut self,
+        change: Change,
+        step: u64,
+        control: Option<&mut Control>,
+        report: &mut dyn FnMut(Event),
+    ) {
+        let window = self.cfg.stragglers.unwrap_or_default().window;
+        let (record, text) = match &change {
+            Change::Started(s) => (
+                telemetry::metrics::Straggler {
+                    time: telemetry::unix_time(),
+                    rank: self.rank as u32,
+                    step,
+                    slow: true,
+                    node: s.node,
+                    ranks: s.ranks.clone(),
+                    slowdown: s.slowdown,
+                    cause: s.cause.to_string(),
+                    data_s: s.data_s,
+                    compute_s: s.compute_s,
+                    others_data_s: s.others_data_s,
+                    others_compute_s: s.others_compute_s,
+                },
+                format!(
+                    "node {} (ranks {}) is a straggler: {:.1}× the other nodes' time per step \
+                     over the last {window} steps, from {} ({:.3} s of compute and {:.3} s \
+                     waiting for data a step, against {:.3} s and {:.3} s)",
+                    s.node,
+                    ranks_text(&s.ranks),
+                    s.slowdown,
+                    s.cause,
+                    s.compute_s,
+                    s.data_s,
+                    s.others_compute_s,
+                    s.others_data_s,
+                ),
+            ),
+            Change::Ended { node, slowdown } => (
+                telemetry::metrics::Straggler {
+                    time: telemetry::unix_time(),
+                    rank: self.rank as u32,
+                    step,
+                    slow: false,
+                    node: *node,
+                    ranks: Vec::new(),
+                    slowdown: slowdown.unwrap_or(0.0),
+                    cause: String::new(),
+                    data_s: 0.0,
+                    compute_s: 0.0,
+                    others_data_s: 0.0,
+                    others_compute_s: 0.0,
+                },
+                match slowdown {
+                    Some(x) => format!(
+                        "node {node} is no longer a straggler ({x:.1}× the other nodes' time per step)"
+                    ),
+                    None => format!(
+                        "node {node} is no longer a straggler: the group changed (it may have left)"
+                    ),
+                },
+            ),
+        };
+        let node = record.node;
+        let slow = record.slow;
+        if self.rank == 0 {
+            self.recorder.straggler(record, report);
+            report(Event::Straggler {
+                slow,
+                report: text.clone(),
+            });
+        }
+        if node == self.world.group_rank
+            && self.world.local_rank == 0
+            && let Some(control) = control
+        {
+            control.straggler(slow, text);
+        }
     }
 
     /// A peer was lost mid-step: every rank holds the state of the last step it completed
@@ -638,4 +735,20 @@ fn next_batch(
         });
     }
     Ok(batch)
+}
+
+/// `4-5`, `3`, or `0, 2, 7`: a node's ranks.
+fn ranks_text(ranks: &[u32]) -> String {
+    match ranks {
+        [] => "none".into(),
+        [one] => one.to_string(),
+        [first, .., last] if (*last - *first) as usize + 1 == ranks.len() => {
+            format!("{first}-{last}")
+        }
+        _ => ranks
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
 }

@@ -10,7 +10,9 @@ use std::io::Write;
 use std::path::Path;
 
 use collective::World;
-use telemetry::metrics::{Checkpoint, EpochDone, Eval, Record, Regroup, Start, rank_file};
+use telemetry::metrics::{
+    Checkpoint, EpochDone, Eval, Record, Regroup, Start, Straggler, rank_file,
+};
 use telemetry::tfevents::EventWriter;
 use telemetry::{MetricsWriter, RunConfig, Step};
 
@@ -67,6 +69,11 @@ impl Recorder {
             warn(report, "the launcher's telemetry pipe", &e);
             self.pipe = None;
         }
+    }
+
+    /// A straggler found or gone (rank 0).
+    pub fn straggler(&mut self, straggler: Straggler, report: &mut dyn FnMut(Event)) {
+        self.record(&Record::Straggler(straggler), report);
     }
 
     fn tensorboard(

@@ -123,6 +123,12 @@ impl Control {
         let _ = self.channel.send(&ToAgent::Regrouped(regrouped));
     }
 
+    /// Tells the agent the ranks found this worker's node a straggler (`slow`), or no longer.
+    pub(super) fn straggler(&mut self, slow: bool, report: String) {
+        // The agent's to act on (or not); training goes on either way.
+        let _ = self.channel.send(&ToAgent::Straggler { slow, report });
+    }
+
     /// `group`'s links are the ones an abort breaks from now on.
     pub(super) fn watch(&mut self, group: &ProcessGroup) {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = group.interrupter();

@@ -8,6 +8,7 @@ use collective::ProcessGroup;
 
 use super::TrainConfig;
 use super::state::TrainState;
+use super::stragglers::{self, RankTimes};
 use crate::device::on_compute_threads;
 use crate::error::Result;
 use crate::model::{Model, Net, buffers, gradients, load, to_vec};
@@ -19,8 +20,8 @@ pub(super) struct Step {
     loss_fn: CrossEntropyLoss,
     device: Device,
     image_size: usize,
-    /// The gradients, then the loss, the accuracy, the samples' digest and the flags,
-    /// all-reduced together.
+    /// The gradients, then the loss, the accuracy, every rank's times, the samples' digest and
+    /// the flags, all-reduced together.
     reduced: Vec<f32>,
 }
 
@@ -34,6 +35,10 @@ pub(super) struct StepInput<'a> {
     /// How many samples of the data set the digest counts (padding and unreadable images
     /// left out).
     pub(super) samples: usize,
+    /// How long this rank waited for the batch.
+    pub(super) data_s: f64,
+    /// This rank's node (its group rank), for the straggler watch.
+    pub(super) node: u32,
 }
 
 /// What a rank asks of all at a step: each is raised for all when any rank raises it.
@@ -49,7 +54,7 @@ pub(super) struct Flags {
 }
 
 /// What one step did, as every rank agrees.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct StepOutcome {
     /// Mean over the ranks of each rank's mean loss. Not finite: nothing was applied.
     pub(super) loss: f32,
@@ -68,6 +73,8 @@ pub(super) struct StepOutcome {
     pub(super) samples: usize,
     pub(super) compute_s: f64,
     pub(super) allreduce_s: f64,
+    /// Every rank's data and compute time at this step, as the all-reduce brought them.
+    pub(super) times: Vec<RankTimes>,
 }
 
 impl Step {
@@ -113,6 +120,8 @@ impl Step {
             labels,
             digest,
             samples,
+            data_s,
+            node,
         } = input;
         let n = labels.len();
         let timer = Instant::now();
@@ -133,6 +142,16 @@ impl Step {
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
         });
+        let mut compute_s = timer.elapsed().as_secs_f64();
+        // Every rank's times ride the all-reduce in slots of their own (see `stragglers`).
+        let world_size = group.world_size();
+        self.reduced.extend(stragglers::slots(
+            group.rank(),
+            world_size,
+            data_s,
+            compute_s,
+            node,
+        ));
         self.reduced.extend(digest_limbs(digest));
         self.reduced.push(samples as f32);
         self.reduced.push(if flags.stop { 1.0 } else { 0.0 });
@@ -141,7 +160,6 @@ impl Step {
         self.reduced.push(if flags.leave { 1.0 } else { 0.0 });
         let rank0_leaves = flags.leave && group.rank() == 0;
         self.reduced.push(if rank0_leaves { 1.0 } else { 0.0 });
-        let mut compute_s = timer.elapsed().as_secs_f64();
 
         let timer = Instant::now();
         group.all_reduce_mean(&mut self.reduced)?;
@@ -156,9 +174,13 @@ impl Step {
         let samples = count(self.reduced.pop());
         let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
         let digest = digest_sum(&limbs, group.world_size());
+        let slots = self
+            .reduced
+            .split_off(self.reduced.len() - stragglers::SLOTS * world_size);
+        let times = stragglers::unpack(&slots, world_size);
         let accuracy = self.reduced.pop().unwrap_or(f32::NAN);
         let loss = self.reduced.pop().unwrap_or(f32::NAN);
-        let outcome = |compute_s, allreduce_s| StepOutcome {
+        let outcome = |compute_s, allreduce_s, times| StepOutcome {
             loss,
             accuracy,
             stopping,
@@ -169,9 +191,10 @@ impl Step {
             samples,
             compute_s,
             allreduce_s,
+            times,
         };
         if !loss.is_finite() {
-            return Ok(outcome(compute_s, allreduce_s));
+            return Ok(outcome(compute_s, allreduce_s, times));
         }
 
         // Both collectives before anything in `state` changes: when one fails (a peer lost),
@@ -187,7 +210,7 @@ impl Step {
         state.buffers = synced;
         self.load(state);
         compute_s += timer.elapsed().as_secs_f64();
-        Ok(outcome(compute_s, allreduce_s))
+        Ok(outcome(compute_s, allreduce_s, times))
     }
 }
 

@@ -41,6 +41,7 @@ fn config() -> TrainConfig {
         run_dir: PathBuf::new(),
         train_again: false,
         stop: Arc::new(AtomicBool::new(false)),
+        stragglers: None,
     }
 }
 
@@ -91,12 +92,21 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     labels: &labels,
                     digest: digest(&indices),
                     samples: indices.len(),
+                    data_s: 0.25 * (rank + 1) as f64,
+                    node: 10 + rank as u32,
                 };
                 let outcome = step
                     .run(input, Flags::default(), &mut group, &mut state, &cfg)
                     .unwrap();
                 assert!(outcome.loss.is_finite() && !outcome.stopping);
                 assert_eq!(outcome.samples, total, "the ranks' samples, summed");
+                // Every rank's times and node ride the all-reduce back to every rank.
+                assert_eq!(outcome.times.len(), ranks);
+                for (r, t) in outcome.times.iter().enumerate() {
+                    assert_eq!(t.node, 10 + r as u32, "{:?}", outcome.times);
+                    assert!((t.data_s - 0.25 * (r + 1) as f64).abs() < 1e-6, "{t:?}");
+                    assert!(t.compute_s > 0.0, "{t:?}");
+                }
                 (state.params, state.buffers, outcome.digest)
             })
         })

@@ -150,3 +150,29 @@ fn the_store_going_and_coming_back_is_said_once_each_and_the_workers_go_on() {
         Next::JobFailed
     );
 }
+
+#[test]
+fn a_straggler_is_evicted_only_by_a_regroup_in_place_with_nothing_else_under_way() {
+    let ready = Memory {
+        can_regroup: true,
+        ..Memory::default()
+    };
+    assert_eq!(next(&Seen::Straggler, &ready, false), Next::Evict);
+    for memory in [
+        Memory::default(),
+        Memory {
+            regrouping: true,
+            ..ready
+        },
+        Memory {
+            closing: true,
+            ..ready
+        },
+    ] {
+        assert_eq!(
+            next(&Seen::Straggler, &memory, false),
+            Next::Wait,
+            "{memory:?}"
+        );
+    }
+}

@@ -553,6 +553,7 @@ mod tests {
             addr: format!("198.18.{}.{}", i / 250, i % 250 + 1),
             port: 29500,
             nproc: 8,
+            health: None,
         };
         let state = State {
             participants: (0..256).map(node).collect(),

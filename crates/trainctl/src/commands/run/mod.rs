@@ -19,6 +19,21 @@ use launcher::{LaunchSpec, Outcome};
 use plan::{Backend, Endpoint, Plan, Topology};
 use telemetry::prometheus::JobGauges;
 
+/// What an elastic job does about a node its ranks find a straggler (`--stragglers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Stragglers {
+    Warn,
+    Evict,
+}
+
+/// What a node far below the others in its health check does (`--health-check`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum HealthCheck {
+    Refuse,
+    Warn,
+    Off,
+}
+
 /// What an elastic job's workers do when the group changes (`--regroup`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Regroup {
@@ -82,6 +97,20 @@ pub struct Args {
     /// does. Other programs always restart.
     #[arg(long, env = "TRAINCTL_REGROUP", value_enum, default_value_t = Regroup::InProcess)]
     pub(crate) regroup: Regroup,
+    /// A node whose ranks take longer than the others' for a window of steps is a straggler
+    /// (the built-in trainer compares them at every step: `train --straggler-factor` and
+    /// `--straggler-window`): `warn` (the default) says so when it starts and when it ends;
+    /// `evict` also drops the node, which leaves the job at a step boundary while the others
+    /// regroup in place, never below --nnodes MIN.
+    #[arg(long, env = "TRAINCTL_STRAGGLERS", value_enum, default_value_t = Stragglers::Warn)]
+    pub(crate) stragglers: Stragglers,
+    /// Elastic jobs: before it joins, a node measures a CPU matrix multiply and a loopback TCP
+    /// stream (about 0.15 s) and compares them with the nodes already in the job; one under
+    /// half their median on either is far below them: `warn` (the default) lets it join,
+    /// saying the figures; `refuse` keeps it out (exit 75: try again later); `off` does not
+    /// measure. (Nodes sharing a machine with the job measure low while it trains.)
+    #[arg(long, env = "TRAINCTL_HEALTH_CHECK", value_enum, default_value_t = HealthCheck::Warn)]
+    pub(crate) health_check: HealthCheck,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
     pub(crate) log_dir: Option<PathBuf>,
@@ -433,6 +462,12 @@ fn worker_spec(
         telemetry: None,
         file_timer,
         regroup: args.regroup == Regroup::InProcess,
+        evict_stragglers: args.stragglers == Stragglers::Evict,
+        health_check: match args.health_check {
+            HealthCheck::Refuse => launcher::HealthCheck::Refuse,
+            HealthCheck::Warn => launcher::HealthCheck::Warn,
+            HealthCheck::Off => launcher::HealthCheck::Off,
+        },
         // A worker answers after the step under way, then after its new group's ranks have
         // all joined, each bounded by the collective timeout.
         regroup_timeout: 2 * collective_timeout
@@ -496,6 +531,23 @@ fn report_outcome(outcome: Outcome, err: &mut dyn Write, termination_log: Option
         // The leave was said when it happened; the exit code is the signal's, which a Job's
         // podFailurePolicy ignores, so the pod is replaced without counting a failure.
         Outcome::Left { signal } => return 128 + signal,
+        // "Try again later" (EX_TEMPFAIL): a Job retries it, counted, so a node that stays
+        // unhealthy ends up failing the pod's index rather than looping unseen.
+        Outcome::Refused { report } => {
+            let report = format!("trainctl run: {report}\n");
+            let _ = write!(err, "{report}");
+            if let Some(path) = termination_log {
+                let _ = std::fs::write(path, head_of(&report, TERMINATION_MESSAGE_BYTES));
+            }
+            return contract::exit::PEER_LOST;
+        }
+        // As a leave (the Job replaces the pod uncounted); why, where `job status` reads it.
+        Outcome::Evicted { report } => {
+            if let Some(path) = termination_log {
+                let _ = std::fs::write(path, head_of(&report, TERMINATION_MESSAGE_BYTES));
+            }
+            return contract::exit::PREEMPTED;
+        }
     };
     let _ = write!(err, "{report}");
     if let Some(path) = termination_log

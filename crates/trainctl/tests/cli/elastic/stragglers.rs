@@ -1,0 +1,337 @@
+//! A slow node, for real: a worker slowed on purpose by stopping and continuing it (SIGSTOP /
+//! SIGCONT, a duty cycle from the test) is named by the ranks within a few steps, and with
+//! `--stragglers evict` drops out through a regroup in place; a job slowed as a whole, or one
+//! at its minimum size, evicts nobody.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use telemetry::metrics::Record;
+
+use super::*;
+
+/// Stops `pids` for `stopped` of every `stopped + running`, until dropped (then continues
+/// them): their steps take several times longer, as on a throttled or shared CPU.
+struct DutyCycle {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DutyCycle {
+    fn start(pids: Vec<i32>, stopped: Duration, running: Duration) -> DutyCycle {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let signal = |s: Signal| {
+                for &p in &pids {
+                    let _ = kill(Pid::from_raw(p), s);
+                }
+            };
+            while !flag.load(Ordering::Relaxed) {
+                signal(Signal::SIGSTOP);
+                std::thread::sleep(stopped);
+                signal(Signal::SIGCONT);
+                std::thread::sleep(running);
+            }
+            signal(Signal::SIGCONT);
+        });
+        DutyCycle {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for DutyCycle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+const STOPPED: Duration = Duration::from_millis(120);
+const RUNNING: Duration = Duration::from_millis(30);
+
+impl Cluster {
+    /// Every step record of every rank.
+    fn steps(&self) -> Vec<telemetry::Step> {
+        self.metrics()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| match r {
+                Record::Step(s) => Some(s),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The straggler records (rank 0's).
+    fn stragglers(&self) -> Vec<telemetry::metrics::Straggler> {
+        self.metrics()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| match r {
+                Record::Straggler(s) => Some(s),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The highest global step any rank recorded.
+    fn last_step(&self) -> u64 {
+        self.steps().iter().map(|s| s.step).max().unwrap_or(0)
+    }
+
+    /// Waits until a rank records a step at world size `world_size` past global step `after`.
+    fn wait_for_step_at(&self, world_size: u32, after: u64) -> u64 {
+        let mut seen = 0;
+        testkit::eventually(
+            &format!("a step at world size {world_size} after step {after}"),
+            JOB_TIMEOUT,
+            || {
+                seen = self
+                    .steps()
+                    .iter()
+                    .filter(|s| s.world_size == world_size && s.step > after)
+                    .map(|s| s.step)
+                    .max()
+                    .unwrap_or(0);
+                seen > 0
+            },
+        );
+        seen
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    assert!(!v.is_empty(), "no steps to take the median of");
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Three nodes; host 3's worker slowed about 5×. The ranks name its node within a window of
+/// steps (4 here) of the slowdown, its agent leaves the job at a step boundary (exit 143, as a
+/// node asked to go) while the other two regroup in place, their steps are fast again, and
+/// the job ends at world size 2 with every sample trained exactly once.
+#[test]
+fn c10d_a_slow_node_is_named_and_evicted_and_the_others_go_on_at_full_speed() {
+    let Some(mut c) = Cluster::new(Store::C10d, "c10d-straggler") else {
+        return;
+    };
+    c.epochs = 6;
+    c.run_args = vec!["--stragglers", "evict"];
+    c.train_args = vec!["--straggler-window", "4"];
+    let agents = [c.start(1, 1), c.start(2, 1), c.start(3, 1)];
+    let at_three = c.wait_for_step_at(3, 2);
+    c.agents[agents[2]].wait_for_workers(1, JOB_TIMEOUT);
+    let victim = workers_of(&c.agents[agents[2]])[0];
+    let slowed_at = c.last_step().max(at_three);
+    let slow = DutyCycle::start(vec![victim], STOPPED, RUNNING);
+    let started = std::time::Instant::now();
+    c.agents[agents[2]].wait_for_line(JOB_TIMEOUT, |l| l.contains("is evicted as a straggler"));
+    let evicted_after = started.elapsed();
+    let status = c.agents[agents[2]].wait(JOB_TIMEOUT);
+    drop(slow);
+    let evicted = c.agents[agents[2]].output();
+    assert_eq!(status.code(), Some(143), "{evicted}");
+    assert!(
+        evicted.contains("the ranks found this node slow: node")
+            && evicted.contains("from compute"),
+        "{evicted}"
+    );
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    c.verify_finished(&outputs, 2);
+    c.verify_exactly_once();
+    let all = format!("{}\n{evicted}", outputs.join("\n"));
+    assert!(all.contains("is a straggler: ") && all.contains("× the other nodes' time per step"));
+    assert!(!all.contains("restarting all workers"), "{all}");
+    // Named within the window (and a step or two in flight) of the slowdown.
+    let found = c.stragglers();
+    let first = found.iter().find(|s| s.slow).expect("a straggler record");
+    assert!(
+        first.step <= slowed_at + 4 + 3,
+        "slowed after step {slowed_at}, named at step {}: {found:?}",
+        first.step
+    );
+    assert!(
+        first.slowdown > 1.5 && first.cause == "compute",
+        "{first:?}"
+    );
+    eprintln!(
+        "named at step {} ({} steps after the slowdown), evicted {:.1} s after it",
+        first.step,
+        first.step - slowed_at,
+        evicted_after.as_secs_f64()
+    );
+    // The others' steps: slow while they waited for the straggler, fast again without it.
+    let steps = c.steps();
+    let during = median(
+        steps
+            .iter()
+            .filter(|s| s.world_size == 3 && s.step > slowed_at + 1)
+            .map(|s| s.step_s)
+            .collect(),
+    );
+    let after = median(
+        steps
+            .iter()
+            .filter(|s| s.world_size == 2)
+            .map(|s| s.step_s)
+            .collect(),
+    );
+    assert!(
+        after * 2.0 < during,
+        "step time with the straggler {during:.3} s, after its eviction {after:.3} s"
+    );
+}
+
+/// Two nodes at --nnodes 2:3: slowed together, neither is a straggler; one slowed alone is
+/// named but not evicted (the other would be alone, below the minimum of 2), and the job ends
+/// at world size 2 with every sample trained once.
+#[test]
+fn c10d_a_job_slowed_as_a_whole_or_at_its_minimum_evicts_nobody() {
+    let Some(mut c) = Cluster::new(Store::C10d, "c10d-no-evict") else {
+        return;
+    };
+    c.epochs = 8;
+    c.run_args = vec!["--stragglers", "evict"];
+    c.train_args = vec!["--straggler-window", "4"];
+    let agents = [c.start(1, 1), c.start(2, 1)];
+    let at_two = c.wait_for_step_at(2, 2);
+    let pids: Vec<i32> = agents
+        .iter()
+        .map(|&a| {
+            c.agents[a].wait_for_workers(1, JOB_TIMEOUT);
+            workers_of(&c.agents[a])[0]
+        })
+        .collect();
+    {
+        let _both = DutyCycle::start(pids.clone(), STOPPED, RUNNING);
+        // Three windows of steps, both slow.
+        c.wait_for_step_at(2, at_two.max(c.last_step()) + 12);
+    }
+    assert!(
+        c.stragglers().is_empty(),
+        "a job slowed as a whole has no straggler: {:?}",
+        c.stragglers()
+    );
+    let one = DutyCycle::start(vec![pids[1]], STOPPED, RUNNING);
+    let stays = c.agents[agents[1]].wait_for_line(JOB_TIMEOUT, |l| l.contains("but stays"));
+    drop(one);
+    assert!(
+        stays.contains("fewer than its minimum of 2 (--nnodes MIN:MAX)"),
+        "{stays}"
+    );
+    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
+    c.verify_finished(&outputs, 2);
+    c.verify_exactly_once();
+    assert!(
+        !outputs.join("\n").contains("is evicted as a straggler"),
+        "{outputs:?}"
+    );
+}
+
+/// A CPU cgroup limited to `percent` of one core, removed when dropped: cgroup v2's `cpu.max`,
+/// or v1's CFS quota. `None` where neither can be made (not root, no cpu controller).
+struct CpuLimit {
+    dir: PathBuf,
+}
+
+impl CpuLimit {
+    fn new(name: &str, percent: u32) -> Option<CpuLimit> {
+        let period = 100_000u32;
+        let quota = period * percent / 100;
+        let v2 = PathBuf::from("/sys/fs/cgroup/cgroup.controllers");
+        let (dir, files): (PathBuf, Vec<(&str, String)>) = if v2.is_file() {
+            let _ = std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+cpu");
+            (
+                PathBuf::from("/sys/fs/cgroup").join(name),
+                vec![("cpu.max", format!("{quota} {period}"))],
+            )
+        } else {
+            (
+                PathBuf::from("/sys/fs/cgroup/cpu").join(name),
+                vec![
+                    ("cpu.cfs_period_us", period.to_string()),
+                    ("cpu.cfs_quota_us", quota.to_string()),
+                ],
+            )
+        };
+        std::fs::create_dir_all(&dir).ok()?;
+        let limit = CpuLimit { dir };
+        for (file, value) in files {
+            std::fs::write(limit.dir.join(file), value).ok()?;
+        }
+        Some(limit)
+    }
+
+    /// Runs `cmd`'s process (and what it execs) in the cgroup from its start.
+    fn apply(&self, cmd: &mut Command) {
+        use std::os::unix::process::CommandExt;
+        let procs = self.dir.join("cgroup.procs");
+        // SAFETY: between fork and exec the child only writes its own pid to a file.
+        unsafe {
+            cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
+        }
+    }
+}
+
+impl Drop for CpuLimit {
+    fn drop(&mut self) {
+        // Empty once its processes are gone.
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// `--health-check refuse`: two nodes train; a third, its CPU limited to 5 % of a core before
+/// it starts, measures its matrix multiply far below theirs and is refused with the figures
+/// (exit 75, try again later) without joining: the others train on at world size 2.
+#[test]
+fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
+    let Some(mut c) = Cluster::new(Store::C10d, "c10d-health") else {
+        return;
+    };
+    let name = format!("trainctl-health-test-{}", std::process::id());
+    let Some(limit) = CpuLimit::new(&name, 5) else {
+        eprintln!(
+            "SKIPPED c10d-health: no CPU cgroup can be made here (root and a cpu controller are needed)"
+        );
+        return;
+    };
+    c.epochs = 4;
+    c.run_args = vec!["--health-check", "refuse"];
+    let agents = [c.start(1, 1), c.start(2, 1)];
+    c.wait_for_step_at(2, 1);
+    let mut cmd = c.command(3, 1);
+    limit.apply(&mut cmd);
+    let mut limited = Running::start(&mut cmd);
+    let status = limited.wait(JOB_TIMEOUT);
+    let refused = limited.output();
+    assert_eq!(status.code(), Some(75), "{refused}");
+    assert!(
+        refused.contains("failed its health check, far below the 2 node(s) in the job")
+            && refused.contains("GFLOP/s against the others' median")
+            && refused.contains("--health-check warn"),
+        "{refused}"
+    );
+    assert!(
+        !refused.contains("round 0:") && !refused.contains("started rank"),
+        "{refused}"
+    );
+    let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
+    assert!(
+        outputs
+            .iter()
+            .any(|o| o.contains("health check passed: matrix multiply")),
+        "the second node compared itself with the first: {outputs:?}"
+    );
+    c.verify_finished(&outputs, 2);
+}

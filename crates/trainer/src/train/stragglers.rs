@@ -1,0 +1,451 @@
+//! Finding a slow node across the ranks: every step, each rank's time before the all-reduce
+//! (waiting for its batch, then computing) rides the step's all-reduce in slots of its own, so
+//! every rank holds every rank's times at no extra collective (as the samples' digest does).
+//! [`Watch`] compares the nodes over a window of steps: a node whose ranks take `factor` times
+//! the other nodes' median, and at least `MIN_EXCESS` longer, for a whole window, is a
+//! straggler; it stops being one when a window passes below the factor. Every rank sees the
+//! same times, so every rank reaches the same verdict at the same step.
+//!
+//! A whole job that slows down has no straggler: each node is compared with the others.
+
+use std::collections::VecDeque;
+
+/// Slots each rank fills in the all-reduced vector: data, compute, its node.
+pub(super) const SLOTS: usize = 3;
+
+/// A straggler must be at least this much slower per step, whatever the factor: steps of a
+/// few milliseconds vary by more than their ratio means.
+const MIN_EXCESS_S: f64 = 0.005;
+
+/// The settings of the watch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StragglerConfig {
+    /// A node slower than the others' median by more than this factor...
+    pub factor: f64,
+    /// ...over this many steps in a row is a straggler.
+    pub window: usize,
+}
+
+impl Default for StragglerConfig {
+    fn default() -> Self {
+        StragglerConfig {
+            factor: 1.5,
+            window: 5,
+        }
+    }
+}
+
+/// This rank's contribution: zeros but for its own slots, which the mean all-reduce times the
+/// world size gives back exactly enough (each slot has one non-zero term).
+pub(super) fn slots(
+    rank: usize,
+    world_size: usize,
+    data_s: f64,
+    compute_s: f64,
+    node: u32,
+) -> Vec<f32> {
+    let mut v = vec![0.0f32; SLOTS * world_size];
+    if let Some(s) = v.get_mut(SLOTS * rank..SLOTS * rank + SLOTS) {
+        s.copy_from_slice(&[data_s as f32, compute_s as f32, node as f32]);
+    }
+    v
+}
+
+/// One rank's times at one step, from the all-reduced slots.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankTimes {
+    pub node: u32,
+    pub data_s: f64,
+    pub compute_s: f64,
+}
+
+impl RankTimes {
+    pub fn busy_s(&self) -> f64 {
+        self.data_s + self.compute_s
+    }
+}
+
+/// Every rank's times from the mean of the slots.
+pub(super) fn unpack(mean: &[f32], world_size: usize) -> Vec<RankTimes> {
+    let w = world_size as f64;
+    mean.chunks_exact(SLOTS)
+        .map(|s| RankTimes {
+            data_s: (s[0] as f64 * w).max(0.0),
+            compute_s: (s[1] as f64 * w).max(0.0),
+            node: (s[2] as f64 * w).round().max(0.0) as u32,
+        })
+        .collect()
+}
+
+/// What slows a straggler down most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// Its ranks wait longer for their batches (disk, decoding, a starved loader).
+    Data,
+    /// Its ranks compute longer (a throttled or shared CPU, a slower GPU).
+    Compute,
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Cause::Data => "data loading",
+            Cause::Compute => "compute",
+        })
+    }
+}
+
+/// A node found slow, with the window's figures (medians per step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Straggler {
+    pub node: u32,
+    pub ranks: Vec<u32>,
+    /// Its time before the all-reduce over the others' median.
+    pub slowdown: f64,
+    pub cause: Cause,
+    pub data_s: f64,
+    pub compute_s: f64,
+    /// The other nodes' medians.
+    pub others_data_s: f64,
+    pub others_compute_s: f64,
+}
+
+/// A change the watch saw at a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    Started(Straggler),
+    /// The node is no slower than the factor any more (`slowdown`), or the group changed
+    /// (`None`: it may have left).
+    Ended {
+        node: u32,
+        slowdown: Option<f64>,
+    },
+}
+
+/// The window of steps and who is a straggler now.
+#[derive(Debug, Default)]
+pub struct Watch {
+    cfg: StragglerConfig,
+    steps: VecDeque<Vec<RankTimes>>,
+    current: Option<Straggler>,
+}
+
+impl Watch {
+    pub fn new(cfg: StragglerConfig) -> Watch {
+        Watch {
+            cfg,
+            steps: VecDeque::new(),
+            current: None,
+        }
+    }
+
+    /// The straggler now, if any.
+    pub fn current(&self) -> Option<&Straggler> {
+        self.current.as_ref()
+    }
+
+    /// Takes one step's times; says when a straggler starts or ends.
+    pub fn step(&mut self, times: Vec<RankTimes>) -> Option<Change> {
+        // Another group (a node left or joined): its ranks and nodes are others.
+        if self.steps.front().is_some_and(|s| s.len() != times.len()) {
+            self.steps.clear();
+            if let Some(gone) = self.current.take() {
+                self.steps.push_back(times);
+                return Some(Change::Ended {
+                    node: gone.node,
+                    slowdown: None,
+                });
+            }
+        }
+        self.steps.push_back(times);
+        while self.steps.len() > self.cfg.window.max(1) {
+            self.steps.pop_front();
+        }
+        if self.steps.len() < self.cfg.window.max(1) {
+            return None;
+        }
+        let found = self.slowest();
+        match (&self.current, found) {
+            (None, Some(s)) if self.slow_all_window(s.node) => {
+                self.current = Some(s.clone());
+                Some(Change::Started(s))
+            }
+            (Some(c), found) => {
+                let node = c.node;
+                let now = self.node_slowdown(node);
+                let still = found.is_some_and(|s| s.node == node) || self.slow_any_step(node);
+                if still {
+                    None
+                } else {
+                    self.current = None;
+                    Some(Change::Ended {
+                        node,
+                        slowdown: now,
+                    })
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// The node slowest over the window by the medians, if it is slower than the factor.
+    fn slowest(&self) -> Option<Straggler> {
+        let medians = self.node_medians();
+        if medians.len() < 2 {
+            return None;
+        }
+        let mut best: Option<Straggler> = None;
+        for (node, ranks, data, compute) in &medians {
+            let others: Vec<&(u32, Vec<u32>, f64, f64)> =
+                medians.iter().filter(|m| m.0 != *node).collect();
+            let others_data = median(others.iter().map(|m| m.2).collect());
+            let others_compute = median(others.iter().map(|m| m.3).collect());
+            let (busy, others_busy) = (data + compute, others_data + others_compute);
+            if busy < others_busy * self.cfg.factor || busy - others_busy < MIN_EXCESS_S {
+                continue;
+            }
+            let slowdown = busy / others_busy.max(1e-9);
+            if best.as_ref().is_some_and(|b| b.slowdown >= slowdown) {
+                continue;
+            }
+            best = Some(Straggler {
+                node: *node,
+                ranks: ranks.clone(),
+                slowdown,
+                cause: if data - others_data > compute - others_compute {
+                    Cause::Data
+                } else {
+                    Cause::Compute
+                },
+                data_s: *data,
+                compute_s: *compute,
+                others_data_s: others_data,
+                others_compute_s: others_compute,
+            });
+        }
+        best
+    }
+
+    /// Each node's ranks and its median data and compute time per step over the window (a
+    /// node's time at a step is its slowest rank's: the all-reduce waits for that one).
+    fn node_medians(&self) -> Vec<(u32, Vec<u32>, f64, f64)> {
+        let Some(last) = self.steps.back() else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<u32> = last.iter().map(|t| t.node).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        nodes
+            .into_iter()
+            .map(|node| {
+                let ranks: Vec<u32> = (0..last.len() as u32)
+                    .filter(|&r| last[r as usize].node == node)
+                    .collect();
+                let (mut data, mut compute) = (Vec::new(), Vec::new());
+                for step in &self.steps {
+                    let slowest = step
+                        .iter()
+                        .filter(|t| t.node == node)
+                        .max_by(|a, b| a.busy_s().total_cmp(&b.busy_s()));
+                    if let Some(t) = slowest {
+                        data.push(t.data_s);
+                        compute.push(t.compute_s);
+                    }
+                }
+                (node, ranks, median(data), median(compute))
+            })
+            .collect()
+    }
+
+    /// `node`'s time over the others' median, by the window's medians.
+    fn node_slowdown(&self, node: u32) -> Option<f64> {
+        let medians = self.node_medians();
+        let mine = medians.iter().find(|m| m.0 == node)?;
+        let others: Vec<f64> = medians
+            .iter()
+            .filter(|m| m.0 != node)
+            .map(|m| m.2 + m.3)
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        Some((mine.2 + mine.3) / median(others).max(1e-9))
+    }
+
+    /// Whether `node` was slower than the factor at `step` (its slowest rank against the
+    /// median of the other nodes' slowest ranks).
+    fn slow_at(&self, step: &[RankTimes], node: u32) -> bool {
+        let slowest = |n: u32| {
+            step.iter()
+                .filter(|t| t.node == n)
+                .map(RankTimes::busy_s)
+                .fold(0.0f64, f64::max)
+        };
+        let mut nodes: Vec<u32> = step.iter().map(|t| t.node).filter(|&n| n != node).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        if nodes.is_empty() {
+            return false;
+        }
+        let others = median(nodes.into_iter().map(slowest).collect());
+        let mine = slowest(node);
+        mine >= others * self.cfg.factor && mine - others >= MIN_EXCESS_S
+    }
+
+    fn slow_all_window(&self, node: u32) -> bool {
+        self.steps.iter().all(|s| self.slow_at(s, node))
+    }
+
+    fn slow_any_step(&self, node: u32) -> bool {
+        self.steps.iter().any(|s| self.slow_at(s, node))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+/// Each rank's time before the all-reduce over the median rank's, for the metrics.
+pub fn relative_speeds(times: &[RankTimes]) -> Vec<f64> {
+    let m = median(times.iter().map(RankTimes::busy_s).collect()).max(1e-9);
+    times.iter().map(|t| t.busy_s() / m).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `nodes` nodes of `per_node` ranks, each taking `busy(node)` seconds of compute.
+    fn step(nodes: u32, per_node: u32, busy: impl Fn(u32) -> f64) -> Vec<RankTimes> {
+        (0..nodes * per_node)
+            .map(|r| {
+                let node = r / per_node;
+                RankTimes {
+                    node,
+                    data_s: 0.01,
+                    compute_s: busy(node),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_slots_come_back_through_the_mean_all_reduce() {
+        let world = 6;
+        let mut sum = vec![0.0f32; SLOTS * world];
+        for r in 0..world {
+            for (s, v) in sum
+                .iter_mut()
+                .zip(slots(r, world, 0.01 * r as f64, 0.2, r as u32 / 2))
+            {
+                *s += v;
+            }
+        }
+        let mean: Vec<f32> = sum.iter().map(|s| s / world as f32).collect();
+        let times = unpack(&mean, world);
+        for (r, t) in times.iter().enumerate() {
+            assert_eq!(t.node, r as u32 / 2);
+            assert!((t.data_s - 0.01 * r as f64).abs() < 1e-6, "{t:?}");
+            assert!((t.compute_s - 0.2).abs() < 1e-6, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn a_slow_node_is_named_after_a_window_once_and_its_end_once() {
+        let mut w = Watch::new(StragglerConfig::default());
+        for _ in 0..10 {
+            assert_eq!(w.step(step(4, 2, |_| 0.1)), None, "nobody is slow");
+        }
+        let mut started = Vec::new();
+        for i in 0..12 {
+            if let Some(c) = w.step(step(4, 2, |n| if n == 2 { 0.3 } else { 0.1 })) {
+                started.push((i, c));
+            }
+        }
+        assert_eq!(started.len(), 1, "{started:?}");
+        let (at, Change::Started(s)) = &started[0] else {
+            panic!("{started:?}");
+        };
+        assert!(*at < 5, "named within a window: step {at}");
+        assert_eq!(
+            (s.node, s.ranks.clone(), s.cause),
+            (2, vec![4, 5], Cause::Compute)
+        );
+        assert!((s.slowdown - 0.31 / 0.11).abs() < 0.01, "{s:?}");
+        let mut ended = Vec::new();
+        for i in 0..12 {
+            if let Some(c) = w.step(step(4, 2, |_| 0.1)) {
+                ended.push((i, c));
+            }
+        }
+        assert!(
+            matches!(ended.as_slice(), [(_, Change::Ended { node: 2, .. })]),
+            "{ended:?}"
+        );
+    }
+
+    #[test]
+    fn a_whole_job_slowing_down_has_no_straggler() {
+        let mut w = Watch::new(StragglerConfig::default());
+        for i in 0..30 {
+            let busy = if i < 10 { 0.1 } else { 0.4 };
+            assert_eq!(w.step(step(3, 1, |_| busy)), None);
+        }
+    }
+
+    #[test]
+    fn a_node_slow_for_a_step_now_and_then_is_not_one() {
+        let mut w = Watch::new(StragglerConfig::default());
+        for i in 0..40 {
+            let slow = i % 3 == 0;
+            assert_eq!(
+                w.step(step(3, 1, |n| if n == 1 && slow { 0.5 } else { 0.1 })),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn tiny_steps_need_a_real_excess_and_data_waits_are_told_apart() {
+        let mut w = Watch::new(StragglerConfig::default());
+        for _ in 0..10 {
+            // Twice as slow, but by a millisecond: noise.
+            assert_eq!(w.step(step(2, 1, |n| 0.001 * (n + 1) as f64)), None);
+        }
+        let mut w = Watch::new(StragglerConfig::default());
+        let mut change = None;
+        for _ in 0..6 {
+            let times: Vec<RankTimes> = (0..2)
+                .map(|n| RankTimes {
+                    node: n,
+                    data_s: if n == 0 { 0.3 } else { 0.01 },
+                    compute_s: 0.1,
+                })
+                .collect();
+            change = change.or(w.step(times));
+        }
+        let Some(Change::Started(s)) = change else {
+            panic!("{change:?}");
+        };
+        assert_eq!((s.node, s.cause), (0, Cause::Data));
+    }
+
+    #[test]
+    fn relative_speeds_are_over_the_median_rank() {
+        let t = step(3, 1, |n| [0.1, 0.1, 0.3][n as usize]);
+        let r = relative_speeds(&t);
+        assert!(
+            (r[2] - 0.31 / 0.11).abs() < 1e-9 && (r[0] - 1.0).abs() < 1e-9,
+            "{r:?}"
+        );
+    }
+}
