@@ -25,6 +25,10 @@ pub enum RunFlag {
     TerminationLog(String),
     /// Seconds without a line of output after which the workers are hung.
     HangTimeout(u32),
+    /// What the job does about a node its ranks find slow: `warn` or `evict`.
+    Stragglers(String),
+    /// What a node far below the others in its health check does: `warn`, `refuse` or `off`.
+    HealthCheck(String),
 }
 
 impl RunFlag {
@@ -43,6 +47,8 @@ impl RunFlag {
             RunFlag::FetchDir(_) => "--fetch-dir",
             RunFlag::TerminationLog(_) => "--termination-log",
             RunFlag::HangTimeout(_) => "--hang-timeout",
+            RunFlag::Stragglers(_) => "--stragglers",
+            RunFlag::HealthCheck(_) => "--health-check",
         }
     }
 
@@ -54,7 +60,9 @@ impl RunFlag {
             | RunFlag::RdzvId(s)
             | RunFlag::Fetch(s)
             | RunFlag::FetchDir(s)
-            | RunFlag::TerminationLog(s) => s.clone(),
+            | RunFlag::TerminationLog(s)
+            | RunFlag::Stragglers(s)
+            | RunFlag::HealthCheck(s) => s.clone(),
             RunFlag::NprocPerNode(n) | RunFlag::MaxRestarts(n) | RunFlag::HangTimeout(n) => {
                 n.to_string()
             }

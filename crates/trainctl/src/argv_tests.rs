@@ -39,6 +39,8 @@ fn assert_round_trip(run: &RunArgs) {
             RunFlag::TerminationLog(p) => {
                 assert_eq!(args.termination_log.as_deref(), Some(p.as_ref()))
             }
+            RunFlag::Stragglers(v) => assert_eq!(&value_name(&args.stragglers), v),
+            RunFlag::HealthCheck(v) => assert_eq!(&value_name(&args.health_check), v),
         }
     }
     let fetched = run
@@ -66,6 +68,13 @@ fn assert_round_trip(run: &RunArgs) {
             assert_train_round_trip(train);
         }
     }
+}
+
+/// A value-enum flag's value as its command line spells it.
+fn value_name(v: &impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
 }
 
 fn assert_train_round_trip(train: &TrainArgs) {
@@ -115,6 +124,8 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
             ("job.fetch", "s3://bucket/code s3://bucket/more/main.py"),
             ("job.nproc_per_node", "4"),
             ("job.hang_timeout", "600"),
+            ("job.stragglers", "evict"),
+            ("job.health_check", "refuse"),
         ]),
     ];
     let mut seen = std::collections::BTreeSet::new();
@@ -126,7 +137,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
         assert_round_trip(&run);
     }
     // Each kind of flag deploy can write was exercised above.
-    assert_eq!(seen.len(), 12, "{seen:?}");
+    assert_eq!(seen.len(), 14, "{seen:?}");
 }
 
 /// A model other than the default, and values at their edges, read back exactly.

@@ -165,6 +165,8 @@ settings! {
     "job.batch_size", "--batch-size", [Training] = "128" => Parse::Count, "the built-in trainer's images per step on each worker";
     "job.learning_rate", "--learning-rate" (alias "--lr"), [Training] = "0.001" => Parse::Matches(|s| s.parse::<f64>().is_ok_and(|lr| lr.is_finite() && lr > 0.0), "a positive number"), "the built-in trainer's SGD learning rate";
     "job.max_restarts", "--max-restarts", [Training] = "3" => Parse::Number, "worker-group restarts before the job fails (and failures per pod before the Job gives up)";
+    "job.stragglers", "--stragglers", [Training] = "warn" => Parse::Matches(|s| matches!(s, "warn" | "evict"), "warn or evict"), "a node whose ranks take longer than the others' for a window of steps (the built-in trainer compares them): warn says so; evict also drops it by a regroup in place, never below the job's minimum nodes";
+    "job.health_check", "--health-check", [Training] = "warn" => Parse::Matches(|s| matches!(s, "warn" | "refuse" | "off"), "warn, refuse or off"), "a pod's health check before it joins (a CPU matrix multiply and a loopback stream against the pods in the job): warn when far below them, refuse to join, or off";
     "job.hang_timeout", "--hang-timeout", [Training] => Parse::OrNone(&Parse::Count), "seconds without a line of output after which a pod's workers are hung: their stacks are taken, then they restart as job.max_restarts says; none: never";
     "job.rdzv_backend", "--rdzv-backend", [Training] = "c10d" => Parse::Typed, "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)";
     "job.rdzv_port", "--rdzv-port", [Training, Doctor] = "29400" => Parse::Port, "port of the rendezvous store on node 0";

@@ -158,6 +158,10 @@ pub struct Job {
     pub etcd_storage: EtcdStorage,
     /// `--launcher mpijob`: the image's MPI.
     pub mpi_implementation: MpiImplementation,
+    /// `trainctl run --stragglers`: `warn` or `evict`.
+    pub stragglers: String,
+    /// `trainctl run --health-check`: `warn`, `refuse` or `off`.
+    pub health_check: String,
     pub runs_dir: String,
     pub ttl_seconds: i32,
     /// Where rank 0 uploads the results (`trainctl train --upload`).
@@ -385,6 +389,8 @@ impl Project {
                     ));
                 }
             },
+            stragglers: v.str("job.stragglers")?,
+            health_check: v.str("job.health_check")?,
             runs_dir: v.str("job.runs_dir")?,
             ttl_seconds: v.number("job.ttl_seconds")?,
             upload: v.optional_s3("job.upload")?,

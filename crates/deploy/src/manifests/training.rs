@@ -162,6 +162,13 @@ pub fn worker_run_args(project: &Project) -> RunArgs {
     // The root cause of a failure, where `kubectl describe` and `trainctl job status` read it.
     flags.push(RunFlag::TerminationLog(TERMINATION_LOG.into()));
     flags.extend(j.hang_timeout.map(RunFlag::HangTimeout));
+    // Said only when not trainctl run's own defaults.
+    if j.stragglers != "warn" {
+        flags.push(RunFlag::Stragglers(j.stragglers.clone()));
+    }
+    if j.health_check != "warn" {
+        flags.push(RunFlag::HealthCheck(j.health_check.clone()));
+    }
     flags.extend(j.fetch.iter().cloned().map(RunFlag::Fetch));
     if !j.fetch.is_empty() {
         // Writable for the pod's user whatever the image (an emptyDir); the workers start there.

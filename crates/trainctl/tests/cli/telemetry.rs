@@ -195,7 +195,18 @@ fn a_run_with_a_restart_is_recorded_for_tensorboard_and_the_report() {
         }
     }
     let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
-    assert_eq!(html.matches("src=\"data:image/png;base64,").count(), 5);
+    // Every rank's time before the all-reduce, one line each, with its steps.
+    let ranks = series("rank_step_time.png");
+    assert_eq!(
+        ranks
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .collect::<Vec<_>>(),
+        ["rank 0", "rank 1"],
+        "{ranks:?}"
+    );
+    assert!(ranks.iter().all(|(_, points)| *points >= 4), "{ranks:?}");
+    assert_eq!(html.matches("src=\"data:image/png;base64,").count(), 6);
     assert!(html.contains("<th>restarts</th><td>1</td>"), "{html}");
     assert!(
         html.contains("<th>regroups in place</th><td>0</td>"),

@@ -307,9 +307,12 @@ fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
         return;
     };
     c.epochs = 4;
-    c.run_args = vec!["--health-check", "refuse"];
+    // The two that train measure and record their figures, but on a machine shared with other
+    // tests the second may measure well below the first: only the third refuses.
+    c.run_args = vec!["--health-check", "warn"];
     let agents = [c.start(1, 1), c.start(2, 1)];
     c.wait_for_step_at(2, 1);
+    c.run_args = vec!["--health-check", "refuse"];
     let mut cmd = c.command(3, 1);
     limit.apply(&mut cmd);
     let mut limited = Running::start(&mut cmd);
