@@ -191,6 +191,18 @@ fn c10d_a_slow_node_is_named_and_evicted_and_the_others_go_on_at_full_speed() {
         after * 2.0 < during,
         "step time with the straggler {during:.3} s, after its eviction {after:.3} s"
     );
+    let before: Vec<f64> = steps
+        .iter()
+        .filter(|s| s.world_size == 3 && s.step <= slowed_at)
+        .map(|s| s.step_s)
+        .collect();
+    if !before.is_empty() {
+        eprintln!(
+            "median step: {:.3} s at world size 3 before the slowdown, {during:.3} s during it, \
+             {after:.3} s at world size 2 after the eviction",
+            median(before)
+        );
+    }
 }
 
 /// Two nodes at --nnodes 2:3: slowed together, neither is a straggler; one slowed alone is
