@@ -39,6 +39,9 @@ pub struct World {
     /// Where this worker hears of the next round from its elastic agent
     /// ([`crate::control`]); none: a changed group restarts the worker.
     pub control_fd: Option<i32>,
+    /// What the node's health check measured (matrix multiply MFLOP/s, loopback MB/s), when
+    /// its agent ran one.
+    pub node_health: Option<(u64, u64)>,
 }
 
 pub const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
@@ -77,6 +80,7 @@ impl World {
             timeout: DEFAULT_TIMEOUT,
             telemetry_fd: None,
             control_fd: None,
+            node_health: None,
         }
     }
 
@@ -157,6 +161,11 @@ impl World {
             timeout,
             telemetry_fd: fd(vars::TELEMETRY_FD)?,
             control_fd: fd(vars::CONTROL_FD)?,
+            // Only the agent writes it: one that does not read is as none.
+            node_health: lookup(vars::NODE_HEALTH).and_then(|v| {
+                let (g, l) = v.split_once(',')?;
+                Some((g.trim().parse().ok()?, l.trim().parse().ok()?))
+            }),
         })
     }
 }

@@ -70,6 +70,9 @@ pub mod env {
     /// trainctl's own: a file descriptor (a Unix socket to the elastic agent) over which a
     /// worker that can regroup in place hears of the next round instead of being restarted.
     pub const CONTROL_FD: &str = "TRAINCTL_CONTROL_FD";
+    /// trainctl's own: what the node's health check measured before it joined,
+    /// `GEMM_MFLOPS,LOOPBACK_MBPS`, for the worker's start record.
+    pub const NODE_HEALTH: &str = "TRAINCTL_NODE_HEALTH";
 }
 
 /// The rendezvous backends, named once: `trainctl run --rdzv-backend`, a project's

@@ -296,6 +296,7 @@ mod tests {
             step,
             resumed: step > 0,
             from_peer: false,
+            health: None,
             config: RunConfig::default(),
         }
     }

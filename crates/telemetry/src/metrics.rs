@@ -74,7 +74,18 @@ pub struct Start {
     /// checkpoint read).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub from_peer: bool,
+    /// What the node's health check measured before it joined (`trainctl run
+    /// --health-check`), when it ran one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<NodeHealth>,
     pub config: RunConfig,
+}
+
+/// A node's health check: its matrix multiply and loopback throughput.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeHealth {
+    pub gemm_mflops: u64,
+    pub loopback_mbps: u64,
 }
 
 /// What the run was asked to do, as the trainer understood it.

@@ -52,9 +52,9 @@ fn health_gate(
     spec: &LaunchSpec,
     rdzv: &mut Rendezvous,
     events: &mut dyn FnMut(LaunchEvent),
-) -> Option<Outcome> {
+) -> Gate {
     if spec.health_check == crate::HealthCheck::Off {
-        return None;
+        return Gate::Passed(None);
     }
     let mine = crate::health::probe();
     rdzv.set_health(mine);
@@ -69,7 +69,10 @@ fn health_gate(
         against: against.clone(),
         far_below,
     });
-    (far_below && spec.health_check == crate::HealthCheck::Refuse).then(|| Outcome::Refused {
+    if !(far_below && spec.health_check == crate::HealthCheck::Refuse) {
+        return Gate::Passed(Some(mine));
+    }
+    Gate::Refused(Outcome::Refused {
         report: format!(
             "node {} failed its health check, far below the {} node(s) in the job ({}): it does \
              not join (--health-check warn lets it join anyway)",
@@ -78,6 +81,12 @@ fn health_gate(
             against.unwrap_or_default()
         ),
     })
+}
+
+/// What the health check lets through: the node, with its figures (none when not measured).
+enum Gate {
+    Passed(Option<crate::health::Health>),
+    Refused(Outcome),
 }
 
 /// How a node's attempt to leave the job ended.
@@ -110,9 +119,10 @@ fn run_rounds(
     stderr: Sink,
     events: &mut dyn FnMut(LaunchEvent),
 ) -> Result<Outcome, LaunchError> {
-    if let Some(refused) = health_gate(spec, rdzv, events) {
-        return Ok(refused);
-    }
+    let health = match health_gate(spec, rdzv, events) {
+        Gate::Refused(refused) => return Ok(refused),
+        Gate::Passed(health) => health,
+    };
     let launch = Launch::open(spec)?;
     let mut kept: Option<Kept> = None;
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
@@ -148,7 +158,15 @@ fn run_rounds(
             }
         };
         events(LaunchEvent::Joined(assignment.clone()));
+        let mut extra_env = spec.extra_env.clone();
+        if let Some(h) = health {
+            extra_env.push((
+                contract::env::NODE_HEALTH.into(),
+                format!("{},{}", h.gemm_mflops, h.loopback_mbps),
+            ));
+        }
         let round_spec = LaunchSpec {
+            extra_env,
             nnodes: assignment.nnodes,
             node_rank: assignment.node_rank,
             rank_offset: assignment.rank_offset,

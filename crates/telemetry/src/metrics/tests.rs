@@ -35,6 +35,7 @@ fn start() -> Record {
         step: 0,
         resumed: false,
         from_peer: false,
+        health: None,
         config: RunConfig {
             run_id: "cifar10".into(),
             epochs: 10,

@@ -100,6 +100,12 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             step: state.progress.global_step,
             resumed: synced.resumed,
             from_peer: synced.received,
+            health: world.node_health.map(|(gemm_mflops, loopback_mbps)| {
+                telemetry::metrics::NodeHealth {
+                    gemm_mflops,
+                    loopback_mbps,
+                }
+            }),
             config: config::run_config(cfg, world, setup.image_size),
         },
         world_size,

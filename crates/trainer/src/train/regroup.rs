@@ -259,6 +259,7 @@ fn world_from(env: &[(String, String)], old: &World) -> Result<World> {
     Ok(World {
         telemetry_fd: old.telemetry_fd,
         control_fd: old.control_fd,
+        node_health: old.node_health,
         ..world
     })
 }

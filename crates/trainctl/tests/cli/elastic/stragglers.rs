@@ -348,4 +348,21 @@ fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
         "the second node compared itself with the first: {outputs:?}"
     );
     c.verify_finished(&outputs, 2);
+    // The figures each node measured are in its workers' start records.
+    let starts: Vec<_> = c
+        .metrics()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| match r {
+            Record::Start(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !starts.is_empty()
+            && starts.iter().all(|s| s
+                .health
+                .is_some_and(|h| h.gemm_mflops > 0 && h.loopback_mbps > 0)),
+        "{starts:?}"
+    );
 }
