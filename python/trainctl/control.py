@@ -10,7 +10,7 @@ message is a kind byte and its fields: integers little-endian, strings a ``u32``
 UTF-8. Nothing read here is trusted: every length is bounded and every field checked, and a
 message with bytes left over is refused.
 
-Worker to agent: ``ready``, ``lost``, ``paused``, ``regrouped``.
+Worker to agent: ``ready``, ``lost``, ``paused``, ``regrouped``, ``straggler``.
 Agent to worker: ``Abort`` (leave the group now), ``Assign`` (the next round's worker
 environment), ``Leave`` (this node goes: leave after the step under way, exit 143).
 """
@@ -71,6 +71,11 @@ def regrouped(world_size_before, world_size, rank, step, steps_dropped, nbytes, 
         float(seconds),
         1 if received else 0,
     )
+
+
+def straggler(slow, report):
+    """The ranks found this worker's node a straggler (``slow``), or no longer one."""
+    return b"\x04" + (b"\x01" if slow else b"\x00") + _str(report)
 
 
 # --- agent to worker -----------------------------------------------------------------------

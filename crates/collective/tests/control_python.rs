@@ -68,7 +68,7 @@ fn lines(mut child: Child) -> Vec<serde_json::Value> {
 fn every_worker_message_from_python_decodes_as_the_agent_reads_it() {
     let (mut agent, child) = peer("send");
     let mut got = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..5 {
         let mut len = [0u8; 4];
         agent.read_exact(&mut len).unwrap();
         let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
@@ -98,6 +98,10 @@ fn every_worker_message_from_python_decodes_as_the_agent_reads_it() {
                 seconds: 0.25,
                 received: true,
             }),
+            ToAgent::Straggler {
+                slow: true,
+                report: "node 2 (ranks 4-5) is a straggler ✓".into()
+            },
         ]
     );
     lines(child);

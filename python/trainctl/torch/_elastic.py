@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import control as ctl
+from .. import stragglers
 from ..records import SCHEMA_VERSION, Metrics
 from ..sampler import MASK, Shard, digest
 
@@ -100,6 +101,8 @@ class Elastic:
         print_freq=0,
         backend=None,
         config=None,
+        straggler_factor=1.5,
+        straggler_window=5,
     ):
         if dataset_size <= 0 or batch_size <= 0:
             raise ValueError(
@@ -151,6 +154,13 @@ class Elastic:
         self._starting = None
         self._flags_out = None
         self._flags_in = None
+        # The straggler watch (as the built-in trainer's; window 0: none) and the step's times.
+        self._watch = (
+            stragglers.Watch(straggler_factor, straggler_window) if straggler_window else None
+        )
+        self._last_exit = None
+        self._step_started = None
+        self._step_data_s = 0.0
         self._epoch_mark = None
         self._window = []
         self._metrics = None
@@ -262,6 +272,9 @@ class Elastic:
             raise RuntimeError("job.step() is for the batches of job.batches()")
         self._drain()
         step.started = time.monotonic()
+        # Waiting for this batch: since the last step ended (the loop's own loading).
+        step.data_s = step.started - self._last_exit if self._last_exit is not None else 0.0
+        self._step_started, self._step_data_s = step.started, step.data_s
         shard, s = self._current
         step.flags = self._flags(shard.unpadded_batch(s))
         # For the gradient all-reduce's last bucket to carry (`_comm_hook`); unless it does
@@ -270,6 +283,12 @@ class Elastic:
         self._flags_in = None
 
     def _exit_step(self, step, exc):
+        try:
+            return self._end_step(step, exc)
+        finally:
+            self._last_exit = time.monotonic()
+
+    def _end_step(self, step, exc):
         shard, s = self._current
         self._pending = False
         if exc is None:
@@ -330,7 +349,7 @@ class Elastic:
         flags = self._flags_out
         if bucket.is_last() and flags is not None and t.dtype == torch.float32:
             self._flags_out = None
-            joined = torch.cat([t, flags])
+            joined = torch.cat([t, flags, self._time_slots(t.device)])
             fut = dist.all_reduce(joined, async_op=True).get_future()
 
             def split(fut):
@@ -348,11 +367,21 @@ class Elastic:
         t = self._flags_in
         self._flags_in = self._flags_out = None
         if t is None:
-            t = torch.tensor(step.flags, dtype=torch.float32, device=self.device)
+            t = torch.cat(
+                [
+                    torch.tensor(step.flags, dtype=torch.float32, device=self.device),
+                    self._time_slots(self.device),
+                ]
+            )
             if self.distributed:
                 dist.all_reduce(t)
-        v = [int(round(x)) for x in t.tolist()]
+        values = t.tolist()
+        n = len(step.flags)
+        v = [int(round(x)) for x in values[:n]]
+        world = dist.get_world_size() if self.distributed else 1
+        times = stragglers.unpack(values[n:], world) if len(values) == n + stragglers.SLOTS * world else []
         return {
+            "times": times,
             "stop": v[0] > 0,
             "pause": v[1] > 0,
             "leaving": v[2],
@@ -369,7 +398,13 @@ class Elastic:
         p["position"] = shard.position_after(s + 1)
         p["samples_seen"] += outcome["samples"]
         p["epoch_digest"] = (p["epoch_digest"] + outcome["digest"]) & MASK
-        self._record_step(step, shard, s)
+        times = outcome["times"]
+        speeds = stragglers.relative_speeds(times) if times else []
+        self._record_step(step, shard, s, speeds[self.rank] if self.rank < len(speeds) else None)
+        if self._watch is not None and times:
+            change = self._watch.step(times)
+            if change is not None:
+                self._straggler(change)
         if outcome["stop"]:
             # Rank 0 saves what all hold (the lowest rank that stays when rank 0's node goes).
             saver = outcome["leaving"] if outcome["rank0_leaving"] else 0
@@ -390,7 +425,43 @@ class Elastic:
         if every and p["global_step"] % every == 0 and p["position"] < self.dataset_size:
             self._checkpoint()
 
-    def _record_step(self, step, shard, s):
+    def _time_slots(self, device):
+        """This rank's times before the all-reduce, in its own slots of the step's agreement."""
+        world = dist.get_world_size() if self.distributed else 1
+        started = self._step_started if self._step_started is not None else time.monotonic()
+        v = stragglers.slots(
+            self.rank,
+            world,
+            self._step_data_s,
+            time.monotonic() - started,
+            int(os.environ.get("GROUP_RANK", "0")),
+        )
+        return torch.tensor(v, dtype=torch.float32, device=device)
+
+    def _straggler(self, change):
+        """A straggler found or gone: rank 0 says so and records it; the straggler's own node
+        (its local rank 0) tells its agent, which may evict it (``--stragglers evict``)."""
+        p = self.progress
+        if change[0] == "started":
+            s = change[1]
+            slow, node, text = True, s["node"], stragglers.started_text(s, self._watch.window)
+            record = dict(s, slow=True)
+        else:
+            _, node, slowdown = change
+            slow, text = False, stragglers.ended_text(node, slowdown)
+            record = {"slow": False, "node": node, "ranks": [], "slowdown": slowdown or 0.0}
+        if self.rank == 0:
+            print(text, flush=True)
+            self._metrics_file().write("straggler", rank=0, step=p["global_step"], **record)
+        mine = node == int(os.environ.get("GROUP_RANK", "0"))
+        if mine and os.environ.get("LOCAL_RANK", "0") == "0" and self.control is not None:
+            try:
+                self.control.send(ctl.straggler(slow, text))
+            except ctl.ControlError:
+                # A broken channel shows when the worker next needs it.
+                pass
+
+    def _record_step(self, step, shard, s, slowdown=None):
         p = self.progress
         now = time.monotonic()
         seconds = now - step.started
@@ -415,9 +486,10 @@ class Elastic:
             images=images,
             images_per_sec=images / max(seconds, 1e-9),
             step_s=seconds,
-            data_s=0.0,
+            data_s=step.data_s,
             compute_s=seconds,
             allreduce_s=0.0,
+            **({"slowdown": slowdown} if slowdown is not None else {}),
         )
         self._window.append((loss, images))
         if self.rank == 0 and self.print_freq and iter_ % self.print_freq == 0:

@@ -84,12 +84,12 @@ pub struct Args {
     /// Also checkpoint every this many steps (besides every epoch end).
     #[arg(long)]
     pub(crate) checkpoint_every: Option<u64>,
-    /// A node is a straggler when its ranks take more than this many times the other nodes'
-    /// median time per step (waiting for data and computing, before the all-reduce).
+    /// A node is a straggler when its slowest rank takes more than this many times the other
+    /// nodes' median time per step (waiting for data and computing, before the all-reduce)...
     #[arg(long, default_value_t = 1.5, allow_negative_numbers = true)]
     pub(crate) straggler_factor: f64,
-    /// ...for this many steps in a row (0: do not look for stragglers). `trainctl run
-    /// --stragglers evict` drops such a node.
+    /// ...on average over this many steps, its slowest quarter of them left out (0: do not
+    /// look for stragglers). `trainctl run --stragglers evict` drops such a node.
     #[arg(long, default_value_t = 5)]
     pub(crate) straggler_window: usize,
     /// Seed of the initial weights and of the shuffling.

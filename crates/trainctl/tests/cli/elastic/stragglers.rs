@@ -170,38 +170,32 @@ fn c10d_a_slow_node_is_named_and_evicted_and_the_others_go_on_at_full_speed() {
         first.step - slowed_at,
         evicted_after.as_secs_f64()
     );
-    // The others' steps: slow while they waited for the straggler, fast again without it.
+    // The others' steps: slow while they waited for the straggler, back to normal without it
+    // (faster than before the slowdown here: two workers share the two cores instead of three).
     let steps = c.steps();
-    let during = median(
+    let at = |world_size: u32, keep: &dyn Fn(u64) -> bool| -> Vec<f64> {
         steps
             .iter()
-            .filter(|s| s.world_size == 3 && s.step > slowed_at + 1)
+            .filter(|s| s.world_size == world_size && keep(s.step))
             .map(|s| s.step_s)
-            .collect(),
-    );
-    let after = median(
-        steps
-            .iter()
-            .filter(|s| s.world_size == 2)
-            .map(|s| s.step_s)
-            .collect(),
+            .collect()
+    };
+    let before = median(at(3, &|step| step <= slowed_at));
+    let after = median(at(2, &|_| true));
+    let during = at(3, &|step| step > slowed_at + 1);
+    eprintln!(
+        "median step: {before:.3} s at world size 3 before the slowdown, {} during it, {after:.3} \
+         s at world size 2 after the eviction",
+        if during.is_empty() {
+            "none".to_string()
+        } else {
+            format!("{:.3} s", median(during))
+        }
     );
     assert!(
-        after * 2.0 < during,
-        "step time with the straggler {during:.3} s, after its eviction {after:.3} s"
+        after <= before * 1.2,
+        "step time before the slowdown {before:.3} s, after the eviction {after:.3} s"
     );
-    let before: Vec<f64> = steps
-        .iter()
-        .filter(|s| s.world_size == 3 && s.step <= slowed_at)
-        .map(|s| s.step_s)
-        .collect();
-    if !before.is_empty() {
-        eprintln!(
-            "median step: {:.3} s at world size 3 before the slowdown, {during:.3} s during it, \
-             {after:.3} s at world size 2 after the eviction",
-            median(before)
-        );
-    }
 }
 
 /// Two nodes at --nnodes 2:3: slowed together, neither is a straggler; one slowed alone is
@@ -284,6 +278,11 @@ impl CpuLimit {
         Some(limit)
     }
 
+    /// Moves the running process `pid` (all its threads) into the cgroup.
+    fn add(&self, pid: i32) -> std::io::Result<()> {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
+    }
+
     /// Runs `cmd`'s process (and what it execs) in the cgroup from its start.
     fn apply(&self, cmd: &mut Command) {
         use std::os::unix::process::CommandExt;
@@ -364,5 +363,49 @@ fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
                 .health
                 .is_some_and(|h| h.gemm_mflops > 0 && h.loopback_mbps > 0)),
         "{starts:?}"
+    );
+}
+
+/// The same for a PyTorch program using `trainctl.torch`: its ranks' times ride the step's
+/// agreement in the gradient all-reduce, the slow node is named and evicted, and the other two
+/// regroup in place and finish with every sample trained once. Its steps take a few
+/// milliseconds, shorter than a stop of the duty cycle, which then mostly lands while it waits
+/// in the all-reduce, where no rank's own time counts: the worker's CPU is limited instead
+/// (a cgroup at 10 % of a core), as a throttled node's is.
+#[test]
+fn c10d_pytorch_a_slow_node_is_named_and_evicted() {
+    let Some(mut c) = Cluster::pytorch(Store::C10d, "c10d-pytorch-straggler") else {
+        return;
+    };
+    let name = format!("trainctl-pytorch-straggler-{}", std::process::id());
+    let Some(limit) = CpuLimit::new(&name, 10) else {
+        eprintln!(
+            "SKIPPED c10d-pytorch-straggler: no CPU cgroup can be made here (root and a cpu controller are needed)"
+        );
+        return;
+    };
+    c.run_args = vec!["--stragglers", "evict"];
+    let agents = [c.start(1, 1), c.start(2, 1), c.start(3, 1)];
+    c.wait_for_step_at(3, 2);
+    c.agents[agents[2]].wait_for_workers(1, JOB_TIMEOUT);
+    let victim = workers_of(&c.agents[agents[2]])[0];
+    limit.add(victim).expect("the worker moves into the cgroup");
+    c.agents[agents[2]].wait_for_line(JOB_TIMEOUT, |l| l.contains("is evicted as a straggler"));
+    let status = c.agents[agents[2]].wait(JOB_TIMEOUT);
+    let evicted = c.agents[agents[2]].output();
+    assert_eq!(status.code(), Some(143), "{evicted}");
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    drop(limit);
+    c.verify_end(&outputs, 2);
+    c.verify_exactly_once();
+    let all = format!("{}\n{evicted}", outputs.join("\n"));
+    assert!(
+        all.contains("is a straggler: ") && !all.contains("restarting all workers"),
+        "{all}"
+    );
+    assert!(
+        c.stragglers().iter().any(|s| s.slow),
+        "{:?}",
+        c.stragglers()
     );
 }
