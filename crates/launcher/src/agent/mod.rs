@@ -46,7 +46,7 @@ pub fn run_elastic(
 
 /// The health check before the first join (`spec.health_check`): measures this node, puts
 /// the figures in its entry of the record, compares them with the nodes already in the job,
-/// and says so. `Some` (the launch's end) when it is far below them and `--health-check
+/// and says so. Refused (the launch's end) when it is far below them and `--health-check
 /// refuse`. A record that cannot be read yet compares with nobody: joining says why.
 fn health_gate(
     spec: &LaunchSpec,

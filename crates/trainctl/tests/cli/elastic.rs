@@ -325,9 +325,9 @@ impl Cluster {
 
     /// Exactly once, as the metrics say: in every rank's file the global steps only rise (no
     /// step trained again; a regroup record starts the count again from the step its writer
-    /// kept, as the file may change hands), a regroup goes on at the step after the one it
-    /// kept and drops none, and every epoch of every rank trained each image once (its
-    /// samples' digest).
+    /// kept, as the file may change hands, and the previous holder's last record may still
+    /// come after it), a regroup goes on at the step after the one it kept and drops none, and
+    /// every epoch of every rank trained each image once (its samples' digest).
     fn verify_exactly_once(&self) {
         self.verify_every_image_once(true);
     }
@@ -339,10 +339,19 @@ impl Cluster {
         let all = every_image(TRAIN_IMAGES as usize);
         for (rank, records) in self.metrics().iter().enumerate() {
             let mut last_step = 0;
-            let mut after_regroup = None;
+            let mut after_regroup: Option<u64> = None;
+            // The group size before the last regroup, while its new holder has not stepped.
+            let mut old_group: Option<u32> = None;
             for r in records {
                 match r {
+                    // The file's previous holder, leaving, may write its last step after the new
+                    // holder's regroup record (a node stopped mid-write): a step of the old
+                    // group's size, no later than the step kept, is that one.
+                    Record::Step(s)
+                        if after_regroup.is_some_and(|kept| s.step <= kept)
+                            && old_group == Some(s.world_size) => {}
                     Record::Step(s) => {
+                        old_group = None;
                         assert!(
                             s.step > last_step || !no_step_again,
                             "rank {rank}: step {} after step {last_step}",
@@ -359,6 +368,8 @@ impl Cluster {
                         assert_eq!(g.steps_dropped, 0, "rank {rank}: {g:?}");
                         last_step = g.step;
                         after_regroup = Some(g.step);
+                        old_group =
+                            (g.world_size_before != g.world_size).then_some(g.world_size_before);
                     }
                     Record::Epoch(e) => assert_eq!(
                         e.samples_digest.as_deref(),
