@@ -156,6 +156,55 @@ pub fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
 
 type Value = fn(&Step) -> f64;
 
+/// A chart over global steps, drawn into by the step charts.
+type StepChart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The axes every chart over global steps has: steps across, `y_desc` up to `y_max`.
+fn step_axes<'a, 'b>(
+    root: &'a DrawingArea<BitMapBackend<'b>, Shift>,
+    title: &str,
+    steps: std::ops::Range<f64>,
+    y_max: f64,
+    y_desc: &str,
+) -> Result<StepChart<'a, 'b>, String> {
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, (FONT, 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(64)
+        .build_cartesian_2d(steps, 0.0..y_max)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_desc(y_desc)
+        .label_style((FONT, 13))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
+/// The legend of a step chart, at `position`.
+fn legend<'a, 'b: 'a>(
+    chart: &mut StepChart<'a, 'b>,
+    position: SeriesLabelPosition,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(200, 200, 200))
+        .label_font((FONT, 13))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
 /// A chart over global steps: one line per value (each attempt drawn as its own segment, so
 /// a restart's repeated steps do not zigzag), and a vertical line at each marker.
 fn step_chart(
@@ -200,22 +249,7 @@ fn step_chart(
     }
     png(&dir.join(file), WIDE, |root| {
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let mut chart = ChartBuilder::on(root)
-            .caption(title, (FONT, 22))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
-            .build_cartesian_2d(x_min..x_max, 0.0..y_max)
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .x_label_formatter(&|v| format!("{v:.0}"))
-            .y_desc(y_desc)
-            .label_style((FONT, 13))
-            .light_line_style(RGBColor(235, 235, 235))
-            .draw()
-            .map_err(|e| e.to_string())?;
+        let mut chart = step_axes(root, title, x_min..x_max, y_max, y_desc)?;
         for (name, colour, f) in values {
             for (i, attempt) in data.attempts.iter().enumerate() {
                 let line = LineSeries::new(
@@ -279,15 +313,8 @@ fn step_chart(
                 }))
                 .map_err(|e| e.to_string())?;
         }
-        chart
-            .configure_series_labels()
-            // Lower left: marker labels take the top, a falling loss the lower right.
-            .position(SeriesLabelPosition::LowerLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(200, 200, 200))
-            .label_font((FONT, 13))
-            .draw()
-            .map_err(|e| e.to_string())?;
+        // Lower left: marker labels take the top, a falling loss the lower right.
+        legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         Ok(())
     })?;
     Ok(Chart {
@@ -334,22 +361,13 @@ fn rank_chart(data: &RunData, dir: &Path) -> Result<Chart, ReportError> {
     }
     png(&dir.join(file), WIDE, |root| {
         root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let mut chart = ChartBuilder::on(root)
-            .caption("Time before the all-reduce, per rank", (FONT, 22))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(64)
-            .build_cartesian_2d(x_min..x_max, 0.0..y_max)
-            .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .x_label_formatter(&|v| format!("{v:.0}"))
-            .y_desc("seconds (data + compute)")
-            .label_style((FONT, 13))
-            .light_line_style(RGBColor(235, 235, 235))
-            .draw()
-            .map_err(|e| e.to_string())?;
+        let mut chart = step_axes(
+            root,
+            "Time before the all-reduce, per rank",
+            x_min..x_max,
+            y_max,
+            "seconds (data + compute)",
+        )?;
         // Many ranks: thin lines, and only the first few in the legend.
         let width = if data.rank_busy.len() > 16 { 1 } else { 2 };
         for (i, (rank, steps)) in data.rank_busy.iter().enumerate() {
@@ -386,14 +404,7 @@ fn rank_chart(data: &RunData, dir: &Path) -> Result<Chart, ReportError> {
                     )
             }))
             .map_err(|e| e.to_string())?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(200, 200, 200))
-            .label_font((FONT, 13))
-            .draw()
-            .map_err(|e| e.to_string())?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
         Ok(())
     })?;
     Ok(Chart {
