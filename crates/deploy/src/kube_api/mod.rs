@@ -37,8 +37,6 @@ use status::node_problem;
 use crate::launchers::is_custom;
 use crate::manifests::{self, Manifest};
 
-pub use crate::launchers::TRAINING_OPERATOR_VERSION;
-
 /// A client that cannot be built from a kubeconfig: its TLS material (client certificate and
 /// key, CA) is what fails there.
 fn unusable_credentials(e: kube::Error) -> ApiError {

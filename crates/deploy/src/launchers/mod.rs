@@ -24,7 +24,7 @@ use crate::manifests::{Manifest, Token};
 
 pub use indexed::Indexed;
 pub use mpijob::MpiJob;
-pub use pytorchjob::{PyTorchJob, TRAINING_OPERATOR_VERSION};
+pub use pytorchjob::PyTorchJob;
 pub use trainjob::TrainJob;
 
 /// Every launcher, in the order `--help` lists them; the first is the default.
@@ -136,12 +136,6 @@ pub struct Launcher(&'static dyn Kind);
 impl Launcher {
     pub fn of(kind: &'static dyn Kind) -> Launcher {
         Launcher(kind)
-    }
-}
-
-impl Default for Launcher {
-    fn default() -> Launcher {
-        Launcher(KINDS[0])
     }
 }
 

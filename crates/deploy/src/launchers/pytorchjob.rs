@@ -21,9 +21,6 @@ use crate::manifests::{
 
 use super::{Kind, Operator};
 
-/// The training operator release whose CRD the PyTorchJobs are validated against.
-pub const TRAINING_OPERATOR_VERSION: &str = "v1.9.0";
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PyTorchJobSpec {
@@ -164,6 +161,7 @@ impl Kind for PyTorchJob {
     fn operator(&self) -> Option<Operator> {
         Some(Operator {
             name: "the Kubeflow training operator",
+            // The release whose CRD the PyTorchJobs are validated against (schemas/).
             install: concat!(
                 "The Kubeflow training operator is installed from its release manifests ",
                 "(kustomize), which trainctl does not vendor:\n  kubectl apply --server-side -k ",

@@ -141,11 +141,6 @@ impl Watch {
         }
     }
 
-    /// The straggler now, if any.
-    pub fn current(&self) -> Option<&Straggler> {
-        self.current.as_ref()
-    }
-
     /// Takes one step's times; says when a straggler starts or ends.
     pub fn step(&mut self, times: Vec<RankTimes>) -> Option<Change> {
         // Another group (a node left or joined): its ranks and nodes are others.
