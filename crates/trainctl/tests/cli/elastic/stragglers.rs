@@ -343,7 +343,8 @@ fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
     assert!(
         outputs
             .iter()
-            .any(|o| o.contains("health check passed: matrix multiply")),
+            // Passed, or (the machine busy with other tests) far below: compared either way.
+            .any(|o| o.contains("health check") && o.contains("against the others' median")),
         "the second node compared itself with the first: {outputs:?}"
     );
     c.verify_finished(&outputs, 2);
