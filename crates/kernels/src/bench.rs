@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::conv::{self, Algorithm, ConvShape, Prepared};
-use crate::{direct, winograd};
+use crate::conv::{direct, winograd};
 
 /// Forward and backward (both gradients) time of one algorithm on one layer.
 #[derive(Debug, Clone, serde::Serialize)]

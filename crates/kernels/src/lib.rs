@@ -9,14 +9,12 @@
 
 pub mod bench;
 pub mod conv;
-pub mod direct;
 pub mod layout;
 pub mod matmul;
 pub mod norm;
 pub mod pool;
 mod scratch;
 pub mod sgd;
-pub mod winograd;
 
 #[cfg(test)]
 mod tests;

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use crate::conv::{self, Algorithm, ConvShape, Prepared};
 use crate::matmul;
-use crate::winograd;
+use crate::conv::winograd;
 
 /// Direct convolution, NHWC input, PyTorch-layout weight, f64 sums.
 fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<f64> {

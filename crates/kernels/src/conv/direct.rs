@@ -20,9 +20,10 @@
 
 use rayon::prelude::*;
 
-use crate::conv::{
-    ConvGrads, ConvShape, PackedWeight, check_backward_sizes, chunk_gradient, forward_rhs,
-    relu_in_place, tap_range, unpack_to_torch,
+use super::ConvShape;
+use super::shared::{
+    ConvGrads, PackedWeight, check_backward_sizes, chunk_gradient, forward_rhs, relu_in_place,
+    tap_range, unpack_to_torch,
 };
 use crate::matmul::{Mat, par_matmul};
 use crate::scratch::{scratch, zeros};

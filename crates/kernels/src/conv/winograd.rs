@@ -15,8 +15,9 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::conv::{
-    ConvGrads, ConvShape, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
+use super::ConvShape;
+use super::shared::{
+    ConvGrads, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
 };
 use crate::matmul::{Mat, matmul};
 use crate::scratch::{with_scratch, zeros};

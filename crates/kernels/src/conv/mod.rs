@@ -1,0 +1,131 @@
+//! 2-D convolution of NHWC `f32` tensors: the forward pass with the bias and ReLU fused in, and
+//! both gradients, by one of three algorithms that [`Algorithm::of`] picks from the shape:
+//! stride-1 3×3 layers with enough input channels and outputs run as Winograd F(2×2, 3×3)
+//! ([`winograd`]), other small outputs with taps in the padding pixel by pixel ([`direct`]),
+//! every other shape as batched im2col + GEMM ([`im2col`]).
+//!
+//! This module only dispatches. What the algorithms share (the shape, the packed weight, the
+//! backward's chunk groups and their ordered sums) lives in `shape` and `shared`; each
+//! algorithm imports from those and never from another algorithm or from here.
+//!
+//! Determinism, in every algorithm: each chunk's and tile's arithmetic is fixed by the shape,
+//! and the weight gradient's per-chunk partial sums go to [`ACCUMULATORS`] accumulators (each a
+//! fixed, contiguous run of chunks, taken in order) that are added in a fixed order at the end.
+//! The result is bit-identical whatever the number of threads.
+
+pub mod direct;
+pub mod im2col;
+mod shape;
+mod shared;
+pub mod winograd;
+
+pub use shape::ConvShape;
+pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight};
+use winograd::WinogradWeight;
+
+/// Input channels from which a stride-1 3×3 convolution runs as Winograd F(2×2, 3×3) (below,
+/// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
+pub const WINOGRAD_MIN_CHANNELS: usize = 32;
+/// ...and the output side from which it does: on smaller outputs most of a tile's 4×4 input
+/// block is padding and the weight's transforms (16 values for 9, every step) cost more than
+/// the GEMMs save.
+pub const WINOGRAD_MIN_SIDE: usize = 4;
+
+/// Whether [`Prepared::new`] computes `s` with Winograd F(2×2, 3×3).
+fn winograd_pays(s: &ConvShape) -> bool {
+    let [oh, ow] = s.out_size();
+    winograd::applies(s, WINOGRAD_MIN_CHANNELS) && oh.min(ow) >= WINOGRAD_MIN_SIDE
+}
+
+/// The algorithms, as [`Prepared::new`] picks them for a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Stride-1 3×3 layers from 4×4 outputs and 32 input channels (module `winograd`).
+    Winograd,
+    /// Other small outputs with taps in the padding, pixel by pixel (module `direct`).
+    Direct,
+    /// Everything else.
+    Im2col,
+}
+
+impl Algorithm {
+    pub fn of(s: &ConvShape) -> Self {
+        if winograd_pays(s) {
+            Algorithm::Winograd
+        } else if direct::pays(s) {
+            Algorithm::Direct
+        } else {
+            Algorithm::Im2col
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Direct => "direct",
+            Algorithm::Winograd => "winograd",
+            Algorithm::Im2col => "im2col",
+        }
+    }
+}
+
+/// A layer's weight, transformed for the algorithm its shape gets.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prepared {
+    Im2col(PackedWeight),
+    Winograd(WinogradWeight),
+    Direct(PackedWeight),
+}
+
+impl Prepared {
+    /// The name of the algorithm [`Prepared::new`] picks for `s`.
+    pub fn algorithm(s: &ConvShape) -> &'static str {
+        Algorithm::of(s).name()
+    }
+
+    /// The algorithm for `s` and the weight (PyTorch's layout) transformed for it.
+    pub fn new(s: &ConvShape, weight: &[f32]) -> Self {
+        Prepared::with(Algorithm::of(s), s, weight)
+    }
+
+    /// The weight transformed for `algorithm`, whether or not it is the one `s` gets (each
+    /// computes any shape but Winograd, which needs a stride-1 3×3 kernel).
+    pub fn with(algorithm: Algorithm, s: &ConvShape, weight: &[f32]) -> Self {
+        match algorithm {
+            Algorithm::Direct => Prepared::Direct(PackedWeight::from_torch(s, weight)),
+            Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(s, weight)),
+            Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(s, weight)),
+        }
+    }
+}
+
+/// `y = conv(x, w) + bias`, then ReLU when `relu`; `x` and `y` NHWC.
+pub fn forward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &Prepared,
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    match weight {
+        Prepared::Im2col(w) => im2col::forward(s, x, w, bias, relu),
+        Prepared::Winograd(u) => winograd::forward(s, x, u, bias, relu),
+        Prepared::Direct(w) => direct::forward(s, x, w, bias, relu),
+    }
+}
+
+/// Gradients of [`forward`] given `dy` (NHWC). With the ReLU fused, `relu_output` is the
+/// forward's output: the gradient passes where it is positive.
+pub fn backward(
+    s: &ConvShape,
+    x: &[f32],
+    weight: &Prepared,
+    relu_output: Option<&[f32]>,
+    dy: &[f32],
+    need_input: bool,
+) -> ConvGrads {
+    match weight {
+        Prepared::Im2col(w) => im2col::backward(s, x, w, relu_output, dy, need_input),
+        Prepared::Winograd(u) => winograd::backward(s, x, u, relu_output, dy, need_input),
+        Prepared::Direct(w) => direct::backward(s, x, w, relu_output, dy, need_input),
+    }
+}

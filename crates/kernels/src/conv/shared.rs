@@ -1,0 +1,178 @@
+//! What the convolution algorithms share: the packed weight, the backward's chunk groups and
+//! their ordered sums, the upstream gradient through a fused ReLU, the taps inside the image.
+
+use super::ConvShape;
+use crate::layout::{transpose_each, transpose_into};
+use crate::scratch::{Scratch, scratch, zeros};
+
+/// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
+/// thread count; also the most threads the weight gradient can use.
+pub const ACCUMULATORS: usize = 8;
+
+#[derive(Debug, Clone)]
+pub struct ConvGrads {
+    pub input: Option<Vec<f32>>,
+    pub weight: Vec<f32>,
+    pub bias: Vec<f32>,
+}
+
+/// The weight with each output channel's taps before its input channels: `[c_out][k]`, row
+/// `(ky, kx, c)` as an im2col row; its transpose is the GEMM's right-hand side. One pass over
+/// PyTorch's layout (none for a 1×1 kernel), each output channel in cache.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedWeight {
+    pub data: Vec<f32>,
+}
+
+impl PackedWeight {
+    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`.
+    pub fn from_torch(shape: &ConvShape, weight: &[f32]) -> Self {
+        assert_eq!(weight.len(), shape.weight_len(), "weight size");
+        let taps = shape.kernel[0] * shape.kernel[1];
+        if taps == 1 {
+            return PackedWeight {
+                data: weight.to_vec(),
+            };
+        }
+        let mut data = zeros(weight.len());
+        transpose_each(weight, &mut data, shape.c_in, taps);
+        PackedWeight { data }
+    }
+}
+
+/// A packed `[c_out][k]` weight gradient back into PyTorch's layout.
+pub(crate) fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
+    let taps = shape.kernel[0] * shape.kernel[1];
+    if taps == 1 {
+        return packed;
+    }
+    let mut out = zeros(packed.len());
+    transpose_each(&packed, &mut out, taps, shape.c_in);
+    out
+}
+
+/// A group's chunks: the chunk index and, when the input gradient is wanted, its slice of it.
+pub(crate) type ChunkGroup<'a> = Vec<(usize, Option<&'a mut [f32]>)>;
+
+/// The backward pass's chunks, shared out to the weight gradient's accumulators: each group a
+/// contiguous, equal (±1) run of chunks, so that rayon's halving of the group list halves the
+/// work. Each chunk carries its slice of the input gradient when there is one.
+pub(crate) fn accumulator_groups(
+    dx: Option<&mut [f32]>,
+    chunk_len: usize,
+    chunks: usize,
+) -> Vec<ChunkGroup<'_>> {
+    let groups = ACCUMULATORS.min(chunks);
+    let mut work: Vec<ChunkGroup> = (0..groups).map(|_| Vec::new()).collect();
+    let group_of = |chunk: usize| chunk * groups / chunks;
+    match dx {
+        Some(dx) => {
+            for (chunk, slice) in dx.chunks_mut(chunk_len).enumerate() {
+                work[group_of(chunk)].push((chunk, Some(slice)));
+            }
+        }
+        None => {
+            for chunk in 0..chunks {
+                work[group_of(chunk)].push((chunk, None));
+            }
+        }
+    }
+    work
+}
+
+/// The upstream gradient of a chunk (`span` of the output), masked by the fused ReLU when there
+/// is one (into `masked`), with its sum over pixels added to the bias gradient `db`.
+pub(crate) fn chunk_gradient<'a>(
+    dy: &'a [f32],
+    relu_output: Option<&[f32]>,
+    span: std::ops::Range<usize>,
+    masked: &'a mut [f32],
+    db: &mut [f32],
+) -> &'a [f32] {
+    let g: &[f32] = match relu_output {
+        Some(y) => {
+            for ((m, &d), &o) in masked.iter_mut().zip(&dy[span.clone()]).zip(&y[span]) {
+                *m = if o > 0.0 { d } else { 0.0 };
+            }
+            masked
+        }
+        None => &dy[span],
+    };
+    for row in g.chunks_exact(db.len()) {
+        for (b, v) in db.iter_mut().zip(row) {
+            *b += v;
+        }
+    }
+    g
+}
+
+/// Adds the groups' partial (weight, bias) gradients in group order.
+pub(crate) fn sum_partials(
+    partials: Vec<(Vec<f32>, Vec<f32>)>,
+    weight_len: usize,
+    bias_len: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut partials = partials.into_iter();
+    let (mut dw, mut db) = partials
+        .next()
+        .unwrap_or_else(|| (vec![0.0; weight_len], vec![0.0; bias_len]));
+    for (w, b) in partials {
+        for (acc, v) in dw.iter_mut().zip(&w) {
+            *acc += v;
+        }
+        for (acc, v) in db.iter_mut().zip(&b) {
+            *acc += v;
+        }
+    }
+    (dw, db)
+}
+
+/// Panics unless the backward's inputs have the sizes `s` gives them.
+pub(crate) fn check_backward_sizes(
+    s: &ConvShape,
+    x: &[f32],
+    relu_output: Option<&[f32]>,
+    dy: &[f32],
+) {
+    assert_eq!(x.len(), s.input_len(), "convolution input size");
+    assert_eq!(dy.len(), s.output_len(), "convolution output-gradient size");
+    if let Some(y) = relu_output {
+        assert_eq!(y.len(), s.output_len(), "convolution output size");
+    }
+}
+
+/// The in-range kernel columns for output column `ox`: `(kx_lo, kx_hi, ix of kx_lo)`.
+#[inline]
+pub(crate) fn tap_range(
+    ox: usize,
+    stride: usize,
+    pad: usize,
+    kernel: usize,
+    size: usize,
+) -> (usize, usize, usize) {
+    let start = ox * stride; // input column of tap 0, plus `pad`
+    // A window may lie wholly in the padding (a padding wider than the kernel).
+    let lo = pad.saturating_sub(start).min(kernel);
+    let hi = (size + pad).saturating_sub(start).min(kernel);
+    (lo, hi.max(lo), (start + lo).saturating_sub(pad))
+}
+
+/// Checks the forward's input and weight sizes, and lays the packed weight out as the forward
+/// GEMM's right-hand side, `[k][c_out]`: gemm runs up to 4× faster on it than on the transposed
+/// view when the product has few rows (a ResNet's deep layers; docs/PERFORMANCE.md).
+pub(crate) fn forward_rhs(s: &ConvShape, x: &[f32], weight: &PackedWeight) -> Scratch {
+    assert_eq!(x.len(), s.input_len(), "convolution input size");
+    assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
+    let mut rhs = scratch(s.k() * s.c_out);
+    transpose_into(&weight.data, &mut rhs, s.c_out, s.k());
+    rhs
+}
+
+/// ReLU in place; `<`, not `max`: a NaN stays a NaN, as in PyTorch.
+pub(crate) fn relu_in_place(y: &mut [f32]) {
+    for v in y.iter_mut() {
+        if *v < 0.0 {
+            *v = 0.0;
+        }
+    }
+}
