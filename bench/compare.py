@@ -4,6 +4,9 @@
    resnet18 and resnet50 at 64 px, batch 32), for each thread count: trainctl's release and
    dev builds and PyTorch, alternated, each in its own process; images/s (median over rounds),
    the ratio to PyTorch and each process's peak resident memory.
+   With --precision bf16: trainctl's `--precision bf16` against PyTorch under
+   torch.autocast("cpu", dtype=torch.bfloat16); with --precision fp32,bf16 both, and bf16
+   trainctl also against fp32 PyTorch.
 2. With --epoch N: the whole job, one epoch of N generated images: `trainctl run --standalone
    --nproc-per-node 2 train` against `torchrun --standalone --nproc-per-node 2
    bench/pytorch_ddp.py` on the same data, whole-process wall time.
@@ -42,15 +45,19 @@ def last_json(text):
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128)):
+def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128), precisions=("fp32",),
+               dev=True):
     name_, size, batch = model
     shape = ["--model", name_, "--image-size", str(size), "--batch-size", str(batch)]
-    impls = {
-        "trainctl release": lambda t: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape,
-        "trainctl dev": lambda t: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape,
-        "pytorch": lambda t: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
-                              "--allreduce-ranks", ""] + shape,
-    }
+    impls = {}
+    for p in precisions:
+        suffix = "" if precisions == ("fp32",) else f" {p}"
+        prec = ["--precision", p]
+        impls[f"trainctl release{suffix}"] = lambda t, prec=prec: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape + prec
+        if dev:
+            impls[f"trainctl dev{suffix}"] = lambda t, prec=prec: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape + prec
+        impls[f"pytorch{suffix}"] = lambda t, prec=prec: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
+                                                          "--allreduce-ranks", ""] + shape + prec
     if baseline:
         # Another build (an earlier commit's release binary), alternated with the others.
         impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t), "--steps", str(steps)] + shape
@@ -62,16 +69,23 @@ def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128
                 row = last_json(out)
                 results.setdefault((name, t), []).append((row["images_per_s"], peak))
     print(f"\n{name_} at {size}×{size}, batch {batch}:\n")
-    print("| threads | implementation | images/s | step (s) | peak memory (MiB) | ÷ PyTorch |")
-    print("|--:|---|--:|--:|--:|--:|")
+    # Ratios round by round (each round's processes ran one after the other), then their median:
+    # the machine's drift between rounds cancels out of each round's ratio.
+    def ratio(name, torch_name, t):
+        return statistics.median(a[0] / b[0] for a, b in zip(results[(name, t)], results[(torch_name, t)]))
+    print("| threads | implementation | images/s | step (s) | peak memory (MiB) | ÷ PyTorch (same precision) | ÷ PyTorch fp32 |")
+    print("|--:|---|--:|--:|--:|--:|--:|")
     summary = {}
     for t in threads:
-        torch_ips = statistics.median(r[0] for r in results[("pytorch", t)])
         for name in impls:
+            p = name.split()[-1] if name.split()[-1] in ("fp32", "bf16") else "fp32"
+            own = "pytorch" if precisions == ("fp32",) else f"pytorch {p}"
+            fp32 = "pytorch" if precisions == ("fp32",) else ("pytorch fp32" if "fp32" in precisions else None)
             ips = statistics.median(r[0] for r in results[(name, t)])
             peak = max(r[1] for r in results[(name, t)])
             summary[(name, t)] = ips
-            print(f"| {t} | {name} | {ips:.1f} | {batch / ips:.3f} | {peak:.0f} | {ips / torch_ips:.2f}× |")
+            against_fp32 = f"{ratio(name, fp32, t):.2f}×" if fp32 else ""
+            print(f"| {t} | {name} | {ips:.1f} | {batch / ips:.3f} | {peak:.0f} | {ratio(name, own, t):.2f}× | {against_fp32} |")
     print("rounds:", json.dumps({f"{n} {t}": [round(r[0], 1) for r in v] for (n, t), v in results.items()}))
     return summary
 
@@ -109,11 +123,13 @@ def main():
     p.add_argument("--baseline", help="another trainctl binary (an earlier build) timed alongside")
     p.add_argument("--models", default="seed-cnn:32:128,resnet18:64:32,resnet50:64:32",
                    help="MODEL:IMAGE_SIZE:BATCH_SIZE,... whose step is timed")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16 or fp32,bf16")
+    p.add_argument("--no-dev", action="store_true", help="leave the dev build out")
     a = p.parse_args()
     for spec in a.models.split(","):
         name, size, batch = spec.split(":")
         step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline,
-                   (name, int(size), int(batch)))
+                   (name, int(size), int(batch)), tuple(a.precision.split(",")), not a.no_dev)
     if a.epoch:
         epoch_table(a.epoch)
 

@@ -3,6 +3,10 @@
 
 Usage: python bench/pytorch_step.py [--threads 1,2] [--batch-size 128] [--steps 5]
        [--model seed-cnn|resnet18|resnet34|resnet50|resnet101] [--image-size 32]
+       [--precision fp32|bf16]
+With --precision bf16 the forward runs under torch.autocast("cpu", dtype=torch.bfloat16), as
+PyTorch's documentation recommends for CPU mixed precision (oneDNN's bf16 convolutions; the
+weights, the optimizer and batch norm stay fp32).
 Prints one JSON line per thread count. Also times gloo's all-reduce of the same gradient size
 with --allreduce-ranks (processes on 127.0.0.1), for the side-by-side in docs/PERFORMANCE.md.
 """
@@ -43,7 +47,7 @@ def network(name):
     return getattr(torchvision.models, name)(num_classes=200), 200
 
 
-def step_times(threads, batch_size, steps, name="seed-cnn", size=32):
+def step_times(threads, batch_size, steps, name="seed-cnn", size=32, precision="fp32"):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, classes = network(name)
@@ -55,7 +59,8 @@ def step_times(threads, batch_size, steps, name="seed-cnn", size=32):
     for i in range(steps + 1):
         t = time.perf_counter()
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         loss.item()
@@ -63,7 +68,7 @@ def step_times(threads, batch_size, steps, name="seed-cnn", size=32):
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
     return {"impl": "pytorch", "torch": torch.__version__, "model": name, "image_size": size,
-            "threads": threads,
+            "threads": threads, "precision": precision,
             "batch_size": batch_size, "steps": steps, "step_s": step,
             "images_per_s": batch_size / step}
 
@@ -124,13 +129,14 @@ def main():
     p.add_argument("--allreduce-ranks", default="2,4")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--layers", action="store_true", help="time each convolution alone instead")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     a = p.parse_args()
     if a.layers:
         for row in layer_times(a.batch_size, a.steps):
             print(json.dumps(row), flush=True)
         return 0
     for t in a.threads.split(","):
-        print(json.dumps(step_times(int(t), a.batch_size, a.steps, a.model, a.image_size)),
+        print(json.dumps(step_times(int(t), a.batch_size, a.steps, a.model, a.image_size, a.precision)),
               flush=True)
     floats = sum(p.numel() for p in seed_cnn().parameters())
     import socket

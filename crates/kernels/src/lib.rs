@@ -11,6 +11,7 @@ pub mod bench;
 pub mod conv;
 pub mod layout;
 pub mod matmul;
+pub use matmul::Precision;
 pub mod norm;
 pub mod pool;
 mod scratch;

@@ -3,9 +3,10 @@
 
 use proptest::prelude::*;
 
+use crate::conv::winograd;
 use crate::conv::{self, Algorithm, ConvShape, Prepared};
 use crate::matmul;
-use crate::conv::winograd;
+use crate::matmul::Precision;
 
 /// Direct convolution, NHWC input, PyTorch-layout weight, f64 sums.
 fn reference_forward(s: &ConvShape, x: &[f32], w: &[f32], b: &[f32], relu: bool) -> Vec<f64> {
@@ -110,17 +111,28 @@ fn check(s: ConvShape, relu: bool, seed: u64) {
 }
 
 fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
+    check_in(s, relu, seed, algorithm, Precision::F32, TOLERANCE)
+}
+
+fn check_in(
+    s: ConvShape,
+    relu: bool,
+    seed: u64,
+    algorithm: Algorithm,
+    precision: Precision,
+    tolerance: f64,
+) {
     s.validate().unwrap();
     let x = values(s.input_len(), seed);
     let w = values(s.weight_len(), seed + 1);
     let b = values(s.c_out, seed + 2);
     let dy = values(s.output_len(), seed + 3);
-    let packed = Prepared::with(algorithm, &s, &w);
+    let packed = Prepared::with(algorithm, &s, &w).in_precision(precision);
 
     let y = conv::forward(&s, &x, &packed, Some(&b), relu);
     let want = reference_forward(&s, &x, &w, &b, relu);
     let e = worst_error(&y, &want);
-    assert!(e < TOLERANCE, "forward error {e} for {s:?} ({algorithm:?})");
+    assert!(e < tolerance, "forward error {e} for {s:?} ({algorithm:?})");
 
     let grads = conv::backward(&s, &x, &packed, relu.then_some(&y[..]), &dy, true);
     let g: Vec<f32> = if relu {
@@ -134,17 +146,17 @@ fn check_with(s: ConvShape, relu: bool, seed: u64, algorithm: Algorithm) {
     let (dx, dw, db) = reference_backward(&s, &x, &w, &g);
     let e = worst_error(grads.input.as_ref().unwrap(), &dx);
     assert!(
-        e < TOLERANCE,
+        e < tolerance,
         "input-gradient error {e} for {s:?} ({algorithm:?})"
     );
     let e = worst_error(&grads.weight, &dw);
     assert!(
-        e < TOLERANCE,
+        e < tolerance,
         "weight-gradient error {e} for {s:?} ({algorithm:?})"
     );
     let e = worst_error(&grads.bias, &db);
     assert!(
-        e < TOLERANCE,
+        e < tolerance,
         "bias-gradient error {e} for {s:?} ({algorithm:?})"
     );
 }
@@ -227,8 +239,11 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
     if winograd::applies(&s, 1) {
         algorithms.push(Algorithm::Winograd);
     }
-    for algorithm in algorithms {
-        let packed = Prepared::with(algorithm, &s, &w);
+    let precisions = [Precision::F32, Precision::Bf16]
+        .into_iter()
+        .filter(|p| p.available());
+    for (algorithm, precision) in precisions.flat_map(|p| algorithms.iter().map(move |a| (*a, p))) {
+        let packed = Prepared::with(algorithm, &s, &w).in_precision(precision);
         let one = run(&packed, 1);
         for threads in [2, 3, 5] {
             let other = run(&packed, threads);
@@ -243,10 +258,44 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
             {
                 assert!(
                     bits(a) == bits(b),
-                    "{what} differs at {threads} threads for {s:?} ({algorithm:?})"
+                    "{what} differs at {threads} threads for {s:?} ({algorithm:?}, {precision:?})"
                 );
             }
         }
+    }
+}
+
+/// bf16 inputs (8 bits of mantissa) with f32 sums: every algorithm within bf16's rounding of
+/// the exact result, relative to the largest value.
+#[test]
+fn bf16_convolutions_stay_within_bf16_rounding_of_the_exact_result() {
+    if !Precision::Bf16.available() {
+        eprintln!("SKIPPED: this CPU has no AVX512_BF16");
+        return;
+    }
+    for (s, algorithm) in [
+        (shape3x3(2, 3, 32, 8), Algorithm::Im2col),
+        (shape3x3(2, 64, 48, 8), Algorithm::Winograd),
+        (shape3x3(16, 32, 40, 2), Algorithm::Direct),
+    ] {
+        check_in(s, true, 11, algorithm, Precision::Bf16, 1e-2);
+        // ...and not within fp32's: the inputs really were rounded.
+        let x = values(s.input_len(), 11);
+        let w = values(s.weight_len(), 12);
+        let y = |p| {
+            conv::forward(
+                &s,
+                &x,
+                &Prepared::with(algorithm, &s, &w).in_precision(p),
+                None,
+                false,
+            )
+        };
+        let want: Vec<f64> = y(Precision::F32).iter().map(|v| *v as f64).collect();
+        assert!(
+            worst_error(&y(Precision::Bf16), &want) > TOLERANCE,
+            "{algorithm:?}"
+        );
     }
 }
 

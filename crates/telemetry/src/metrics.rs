@@ -111,6 +111,14 @@ pub struct RunConfig {
     /// Side of the square training images in pixels.
     #[serde(default = "cifar_size")]
     pub image_size: usize,
+    /// The convolutions' arithmetic, `fp32` or `bf16` (`--precision`); files from before it
+    /// was recorded computed in fp32.
+    #[serde(default = "fp32")]
+    pub precision: String,
+}
+
+fn fp32() -> String {
+    "fp32".into()
 }
 
 fn seed_cnn() -> String {
@@ -143,6 +151,7 @@ impl RunConfig {
             ),
             ("data", self.data.clone()),
             ("backend", self.backend.clone()),
+            ("precision", self.precision.clone()),
             ("trainctl", self.version.clone()),
         ]
     }

@@ -28,6 +28,8 @@ pub struct StepTimes {
     pub threads: usize,
     pub batch_size: usize,
     pub steps: usize,
+    /// The convolutions' arithmetic (`crate::device::set_precision`): fp32 or bf16.
+    pub precision: &'static str,
     pub step_s: f64,
     pub forward_s: f64,
     pub backward_s: f64,
@@ -170,6 +172,7 @@ fn timed_training(
     );
     times.model = model.name();
     times.threads = threads;
+    times.precision = crate::device::precision().name();
     times
 }
 
@@ -238,6 +241,7 @@ fn time_steps(
         model: "",
         image_size,
         threads: 0,
+        precision: "",
         batch_size,
         steps,
         step_s: step,

@@ -3,7 +3,10 @@
 //! Invariant: no other module names a backend. A `cuda` feature adds its device here, and
 //! nowhere else.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::tensor::Device;
+use kernels::Precision;
 
 /// The backend's name, as run records give it.
 pub const BACKEND: &str = "flex";
@@ -29,6 +32,41 @@ pub fn set_cpu_threads(threads: usize) {
     }
 }
 
+/// Whether the convolutions' GEMMs take bf16 inputs ([`set_precision`]).
+static BF16: AtomicBool = AtomicBool::new(false);
+
+/// Sets the precision of the convolutions' arithmetic for the whole process, as
+/// [`set_cpu_threads`] sizes its pool: [`Precision::Bf16`] rounds their GEMMs' inputs to bf16
+/// and sums in f32 (PyTorch's CPU autocast); weights, gradients, the optimizer and batch
+/// norm stay f32 either way. Refused, with what to do, where the CPU cannot.
+pub fn set_precision(precision: Precision) -> Result<(), String> {
+    check_precision(precision, precision.available())?;
+    BF16.store(precision == Precision::Bf16, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The precision [`set_precision`] set (f32 unless it was called).
+pub fn precision() -> Precision {
+    if BF16.load(Ordering::Relaxed) {
+        Precision::Bf16
+    } else {
+        Precision::F32
+    }
+}
+
+/// `precision` where the CPU has it (`available`), else what to do instead.
+pub fn check_precision(precision: Precision, available: bool) -> Result<(), String> {
+    if available {
+        return Ok(());
+    }
+    Err(format!(
+        "--precision {}: this CPU has no AVX512_BF16 (the bf16 multiply-add trainctl's bf16 \
+         GEMM is built on; Intel Cooper Lake or Sapphire Rapids and later, AMD Zen 4 and later \
+         have it); leave --precision out to train in fp32",
+        precision.name()
+    ))
+}
+
 /// Runs `f` on a thread of the pool [`set_cpu_threads`] sized, the caller waiting. The kernels'
 /// parallel loops started from a thread outside the pool are each handed to it and waited for
 /// (a wake-up and a sleep per loop: about 7,000 context switches in 9 resnet18 steps at 1
@@ -47,6 +85,19 @@ pub fn default_threads(local_world_size: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_is_refused_with_what_to_do_where_the_cpu_lacks_it() {
+        assert_eq!(check_precision(Precision::F32, true), Ok(()));
+        assert_eq!(check_precision(Precision::Bf16, true), Ok(()));
+        let refused = check_precision(Precision::Bf16, false).unwrap_err();
+        assert!(
+            refused.contains("--precision bf16")
+                && refused.contains("AVX512_BF16")
+                && refused.contains("leave --precision out"),
+            "{refused}"
+        );
+    }
 
     #[test]
     fn compute_runs_on_a_thread_of_the_pool() {

@@ -116,6 +116,7 @@ pub fn forward(
             x.col_range(span.q * ci..(span.q + span.len) * ci),
             Mat::rows(&rhs, k, co).row_range(span.tap * ci..(span.tap + span.len) * ci),
             written[span.p],
+            weight.precision,
         );
         written[span.p] = true;
     }
@@ -179,6 +180,7 @@ pub fn backward(
             Mat::rows(&g_pairs[..rows * co], rows, co).t(),
             Mat::rows(&x_pairs[..rows * ci], rows, ci),
             false,
+            weight.precision,
         );
     }
     let dx = need_input.then(|| {
@@ -190,6 +192,7 @@ pub fn backward(
                 g.col_range(span.p * co..(span.p + 1) * co),
                 w.col_range(span.tap * ci..(span.tap + span.len) * ci),
                 true,
+                weight.precision,
             );
         }
         dx

@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient,
-    forward_rhs, relu_in_place, sum_partials, tap_range, unpack_to_torch,
+    ConvGrads, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient, forward_rhs,
+    relu_in_place, sum_partials, tap_range, unpack_to_torch,
 };
 use crate::matmul::{Mat, par_matmul};
 use crate::scratch::{with_scratch, zeros};
@@ -138,6 +138,7 @@ pub fn forward(
                     Mat::rows(patches, rows, k),
                     Mat::rows(&rhs, k, co),
                     bias.is_some(),
+                    weight.precision,
                 );
                 if relu {
                     relu_in_place(y);
@@ -184,16 +185,24 @@ pub fn backward(
                         Mat::rows(g, rows, co).t(),
                         Mat::rows(patches, rows, k),
                         true,
+                        weight.precision,
                     );
                     if let Some(dx_chunk) = dx_chunk {
                         let w = Mat::rows(&weight.data, co, k);
                         if s.is_pointwise() {
                             // col2im of a pointwise layer is the identity: straight into dx.
-                            par_matmul(dx_chunk, k, Mat::rows(g, rows, co), w, false);
+                            par_matmul(
+                                dx_chunk,
+                                k,
+                                Mat::rows(g, rows, co),
+                                w,
+                                false,
+                                weight.precision,
+                            );
                             return;
                         }
                         // The im2col matrix is not needed any more: reuse it for dcol.
-                        par_matmul(col, k, Mat::rows(g, rows, co), w, false);
+                        par_matmul(col, k, Mat::rows(g, rows, co), w, false, weight.precision);
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))

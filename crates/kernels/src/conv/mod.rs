@@ -23,6 +23,8 @@ pub use shape::ConvShape;
 pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight};
 use winograd::WinogradWeight;
 
+use crate::matmul::Precision;
+
 /// Input channels from which a stride-1 3×3 convolution runs as Winograd F(2×2, 3×3) (below,
 /// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
 pub const WINOGRAD_MIN_CHANNELS: usize = 32;
@@ -94,6 +96,23 @@ impl Prepared {
             Algorithm::Direct => Prepared::Direct(PackedWeight::from_torch(s, weight)),
             Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(s, weight)),
             Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(s, weight)),
+        }
+    }
+
+    /// This weight with its GEMMs' inputs rounded to `precision` (f32 unless asked).
+    pub fn in_precision(mut self, precision: Precision) -> Self {
+        match &mut self {
+            Prepared::Im2col(w) | Prepared::Direct(w) => w.precision = precision,
+            Prepared::Winograd(u) => u.precision = precision,
+        }
+        self
+    }
+
+    /// What this weight's GEMMs round their inputs to.
+    pub fn precision(&self) -> Precision {
+        match self {
+            Prepared::Im2col(w) | Prepared::Direct(w) => w.precision,
+            Prepared::Winograd(u) => u.precision,
         }
     }
 }

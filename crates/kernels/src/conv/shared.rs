@@ -3,6 +3,7 @@
 
 use super::ConvShape;
 use crate::layout::{transpose_each, transpose_into};
+use crate::matmul::Precision;
 use crate::scratch::{Scratch, scratch, zeros};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
@@ -22,6 +23,8 @@ pub struct ConvGrads {
 #[derive(Clone, Debug, PartialEq)]
 pub struct PackedWeight {
     pub data: Vec<f32>,
+    /// What the GEMMs round their inputs to.
+    pub precision: Precision,
 }
 
 impl PackedWeight {
@@ -32,11 +35,15 @@ impl PackedWeight {
         if taps == 1 {
             return PackedWeight {
                 data: weight.to_vec(),
+                precision: Precision::F32,
             };
         }
         let mut data = zeros(weight.len());
         transpose_each(weight, &mut data, shape.c_in, taps);
-        PackedWeight { data }
+        PackedWeight {
+            data,
+            precision: Precision::F32,
+        }
     }
 }
 

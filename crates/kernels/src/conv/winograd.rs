@@ -19,7 +19,7 @@ use super::ConvShape;
 use super::shared::{
     ConvGrads, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
 };
-use crate::matmul::{Mat, matmul};
+use crate::matmul::{Mat, Precision, matmul};
 use crate::scratch::{with_scratch, zeros};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
@@ -38,6 +38,8 @@ pub fn applies(s: &ConvShape, min_channels: usize) -> bool {
 #[derive(Clone, Debug, PartialEq)]
 pub struct WinogradWeight {
     pub data: Vec<f32>,
+    /// What the GEMMs round their inputs to.
+    pub precision: Precision,
 }
 
 impl WinogradWeight {
@@ -50,7 +52,10 @@ impl WinogradWeight {
         data.par_chunks_mut(16 * co + ROW_PAD)
             .enumerate()
             .for_each(|(c, u)| transform_weights(weight, c, ci, &mut u[..16 * co]));
-        WinogradWeight { data }
+        WinogradWeight {
+            data,
+            precision: Precision::F32,
+        }
     }
 
     /// Position ξ's `c_in × c_out` matrix (rows `16 · c_out + ROW_PAD` apart).
@@ -375,6 +380,7 @@ pub fn forward(
                             Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
                             u.plane(xi, ci, co),
                             false,
+                            u.precision,
                         );
                     });
                 output_transform(s, &t, m, tiles, images, bias, relu, y);
@@ -520,6 +526,7 @@ pub fn backward(
                                 Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
                                 Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
                                 true,
+                                u.precision,
                             );
                         });
                         if let Some(dx_chunk) = dx_chunk {
@@ -533,6 +540,7 @@ pub fn backward(
                                         Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
                                         u.plane(xi, ci, co).t(),
                                         false,
+                                        u.precision,
                                     );
                                 });
                             input_grad_transform(s, &t, v, tiles, dx_chunk);

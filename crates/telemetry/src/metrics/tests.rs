@@ -51,6 +51,7 @@ fn start() -> Record {
             version: "0.1.0".into(),
             model: "seed-cnn".into(),
             image_size: 32,
+            precision: "fp32".into(),
         },
     })
 }

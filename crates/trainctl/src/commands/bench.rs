@@ -50,6 +50,15 @@ pub struct Args {
     /// Augmentation of the loader benchmark: none, crop or resized-crop.
     #[arg(long, default_value = "crop")]
     augment: String,
+    /// The convolutions' arithmetic of the timed step: fp32, or bf16 (inputs rounded to bf16,
+    /// sums in fp32, as PyTorch's CPU autocast; needs AVX512_BF16). With --gemm: the GEMMs'.
+    #[arg(long, default_value = "fp32", value_parser = super::train::parse_precision)]
+    precision: kernels::Precision,
+    /// Time the GEMM alone instead, on the shapes of resnet18's and resnet50's convolutions at
+    /// --batch-size 32 and 64×64 images, one thread, fp32 and bf16 (where the CPU has it), with
+    /// this machine's measured multiply-add peak per core.
+    #[arg(long)]
+    gemm: bool,
     /// Internal: time the step in this process with this many threads.
     #[arg(long, hide = true)]
     step_only: Option<usize>,
@@ -76,6 +85,13 @@ fn check(args: &Args) -> anyhow::Result<()> {
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
     check(&args).map_err(super::usage)?;
+    trainer::device::set_precision(args.precision).map_err(|e| super::usage(anyhow::anyhow!(e)))?;
+    if args.gemm {
+        for line in kernels::bench::gemm_report(args.steps) {
+            println!("{}", serde_json::to_string(&line)?);
+        }
+        return Ok(0);
+    }
     if let Some(dir) = &args.loader {
         let Some(augment) = trainer::data::Augment::parse(&args.augment) else {
             bail!(
@@ -103,7 +119,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     }
     if args.layers && args.step_only.is_none() && model == trainer::model::Architecture::SeedCnn {
         let layers = kernels::bench::seed_cnn_layers(args.batch_size);
-        for t in kernels::bench::conv_layers(1, &layers, args.steps) {
+        for t in kernels::bench::conv_layers(1, &layers, args.steps, args.precision) {
             println!("{}", serde_json::to_string(&t)?);
         }
         return Ok(0);
@@ -149,6 +165,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 model.name(),
                 "--image-size",
                 &args.image_size.to_string(),
+                "--precision",
+                args.precision.name(),
             ])
             .args(args.layers.then_some("--layers"))
             .output()?;
@@ -166,7 +184,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     }
     if args.layers {
         // Each convolution of the step alone, by each algorithm: what the choice rests on.
-        for t in kernels::bench::conv_layers(1, &layers, args.steps) {
+        for t in kernels::bench::conv_layers(1, &layers, args.steps, args.precision) {
             println!("{}", serde_json::to_string(&t)?);
         }
         return Ok(0);

@@ -92,6 +92,11 @@ pub struct Args {
     /// look for stragglers). `trainctl run --stragglers evict` drops such a node.
     #[arg(long, default_value_t = 5)]
     pub(crate) straggler_window: usize,
+    /// The convolutions' arithmetic: fp32, or bf16 (their inputs rounded to bf16 and summed in
+    /// fp32, as PyTorch's CPU autocast does; weights, gradients, the optimizer, batch norm,
+    /// checkpoints and the model file stay fp32). bf16 needs a CPU with AVX512_BF16.
+    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    pub(crate) precision: kernels::Precision,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -184,6 +189,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
         run_dir,
         train_again: args.train_again,
         stop,
+        precision: args.precision,
         stragglers: (args.straggler_window > 0).then_some(
             trainer::train::stragglers::StragglerConfig {
                 factor: args.straggler_factor,
@@ -275,7 +281,15 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
         args.weight_decay,
     )?;
     trainer::train::check_stragglers(args.straggler_factor, args.straggler_window)?;
+    trainer::device::check_precision(args.precision, args.precision.available())
+        .map_err(anyhow::Error::msg)?;
     Ok(())
+}
+
+/// `--precision`'s value: fp32 (or f32) or bf16.
+pub(crate) fn parse_precision(text: &str) -> Result<kernels::Precision, String> {
+    kernels::Precision::parse(text)
+        .ok_or_else(|| format!("choose {}", kernels::Precision::NAMES.join(" or ")))
 }
 
 /// Whether `dir` (the run's folder: checkpoint, model, metrics) can be written, by making it

@@ -457,3 +457,92 @@ fn an_unwritable_out_is_refused_before_training() {
     );
     assert!(!text(&out.stdout).contains("loss:"), "nothing was trained");
 }
+
+/// `--precision bf16`: two workers in bf16 end with identical weights (the bf16 GEMM is
+/// deterministic whatever the thread count), learn the data as well as fp32 does from the same
+/// seed (test accuracy within a point), and write an fp32 model file that `trainctl eval`
+/// reads. A wrong value is a usage error naming the choices.
+#[test]
+fn bf16_training_agrees_between_ranks_and_learns_as_fp32_does() {
+    let refused = trainctl()
+        .args(["train", "--data", "nowhere", "--precision", "fp16"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    let err = text(&refused.stderr);
+    assert!(err.contains("--precision") && err.contains("choose fp32 or bf16"), "{err}");
+    if !std::process::Command::new("grep")
+        .args(["-q", "avx512_bf16", "/proc/cpuinfo"])
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        eprintln!("SKIPPED the bf16 run: this CPU has no AVX512_BF16");
+        return;
+    }
+
+    let job = Job::new(640, 200);
+    let accuracy = |precision: &str| -> (f64, Vec<(u32, u64, String)>, String) {
+        let out = run_ok(
+            trainctl()
+                .args(["run", "--standalone", "--nproc-per-node", "2"])
+                .args(train_args(&job, precision, 2))
+                .args(["--precision", precision]),
+        );
+        let stdout = text(&out.stdout);
+        let loss = losses(&stdout);
+        assert!(
+            loss[loss.len() - 3..].iter().sum::<f32>() < loss[..3].iter().sum::<f32>() * 0.8,
+            "{precision}: the loss must fall: {loss:?}"
+        );
+        let accuracy = stdout
+            .lines()
+            .find_map(|l| l.split("Accuracy of the network on the 200 test images: ").nth(1))
+            .and_then(|a| a.trim_end_matches(" %").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no accuracy in\n{stdout}"));
+        (accuracy, finished(&stdout), stdout)
+    };
+    let (fp32, fp32_finished, _) = accuracy("fp32");
+    let (bf16, finished, stdout) = accuracy("bf16");
+    assert_eq!(finished.len(), 2, "{stdout}");
+    assert_eq!(
+        finished[0].2, finished[1].2,
+        "bf16 ranks must end with identical weights"
+    );
+    // From the same seed and data, only the arithmetic differs: so must the weights.
+    assert_ne!(
+        finished[0].2, fp32_finished[0].2,
+        "the bf16 run computed in fp32"
+    );
+    let metrics = std::fs::read_to_string(job.path("bf16/local/metrics/rank-0.jsonl")).unwrap();
+    assert!(
+        metrics.lines().next().unwrap().contains(r#""precision":"bf16""#),
+        "the run records its precision: {}",
+        metrics.lines().next().unwrap()
+    );
+    assert!(
+        bf16 >= fp32 - 1.0,
+        "bf16 reached {bf16} % where fp32 reached {fp32} %"
+    );
+
+    // The model file is fp32, as every reader of it expects.
+    let model = job.path("bf16/local/model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + header_len]).unwrap();
+    assert!(
+        header.contains("\"F32\"") && !header.contains("BF16"),
+        "{header}"
+    );
+    let eval = run_ok(trainctl().args([
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        job.data().to_str().unwrap(),
+    ]));
+    assert!(
+        text(&eval.stdout).contains(&format!("{bf16:.1} %")),
+        "eval of the bf16 model: {}\ntraining said {bf16} %",
+        text(&eval.stdout)
+    );
+}

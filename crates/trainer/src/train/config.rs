@@ -51,6 +51,8 @@ pub struct TrainConfig {
     pub stop: Arc<AtomicBool>,
     /// How a slow node is found (`None`: not looked for).
     pub stragglers: Option<StragglerConfig>,
+    /// The convolutions' arithmetic ([`crate::device::set_precision`]).
+    pub precision: kernels::Precision,
 }
 
 pub(super) fn run_config(
@@ -73,6 +75,7 @@ pub(super) fn run_config(
         version: env!("CARGO_PKG_VERSION").into(),
         model: cfg.model.name().into(),
         image_size,
+        precision: cfg.precision.name().into(),
     }
 }
 
@@ -86,6 +89,8 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     if let Some(s) = cfg.stragglers {
         check_stragglers(s.factor, s.window)?;
     }
+    crate::device::check_precision(cfg.precision, cfg.precision.available())
+        .map_err(TrainError::Config)?;
     Ok(())
 }
 

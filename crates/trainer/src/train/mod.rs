@@ -48,6 +48,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     let _span =
         tracing::info_span!("worker", rank = world.rank, restart = world.restart_count).entered();
     set_cpu_threads(cfg.threads);
+    crate::device::set_precision(cfg.precision).map_err(TrainError::Config)?;
     let mut control = Control::open(world, report);
     let mut world = world.clone();
     // When this worker's first group broke up: it waited for another.

@@ -42,6 +42,7 @@ fn config() -> TrainConfig {
         train_again: false,
         stop: Arc::new(AtomicBool::new(false)),
         stragglers: None,
+        precision: kernels::Precision::F32,
     }
 }
 

@@ -1,11 +1,16 @@
 //! The kernels' benchmark behind `trainctl bench --layers`: each convolution of a network (the
 //! seed CNN's, or the shapes a ResNet's step used) timed alone by each algorithm that computes
-//! it, with the error of Winograd and of the direct convolution against im2col.
+//! it, with the error of Winograd and of the direct convolution against im2col; and behind
+//! `trainctl bench --gemm`, the GEMM alone (module `gemm`).
 
 use std::time::Instant;
 
+mod gemm;
+pub use gemm::{GemmLine, RESNET_SHAPES, Shape, gemm_report};
+
 use crate::conv::{self, Algorithm, ConvShape, Prepared};
 use crate::conv::{direct, winograd};
+use crate::matmul::Precision;
 
 /// Forward and backward (both gradients) time of one algorithm on one layer.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -70,6 +75,7 @@ pub fn conv_layers(
     threads: usize,
     layers: &[(String, ConvShape)],
     repeats: usize,
+    precision: Precision,
 ) -> Vec<LayerTimes> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
@@ -110,12 +116,13 @@ pub fn conv_layers(
                         gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
                     }
                 };
-                let im2col = Prepared::with(Algorithm::Im2col, &shape, &w);
-                let winograd = winograd::applies(&shape, 1)
-                    .then(|| Prepared::with(Algorithm::Winograd, &shape, &w));
+                let im2col = Prepared::with(Algorithm::Im2col, &shape, &w).in_precision(precision);
+                let winograd = winograd::applies(&shape, 1).then(|| {
+                    Prepared::with(Algorithm::Winograd, &shape, &w).in_precision(precision)
+                });
                 let [oh, ow] = shape.out_size();
                 let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS)
-                    .then(|| Prepared::with(Algorithm::Direct, &shape, &w));
+                    .then(|| Prepared::with(Algorithm::Direct, &shape, &w).in_precision(precision));
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {

@@ -1,4 +1,6 @@
-//! A safe face on the `gemm` crate: strided matrix views checked against their slices.
+//! The matrix multiply under the convolutions: strided matrix views checked against their
+//! slices, multiplied in f32 by the `gemm` crate or, in [`Precision::Bf16`], with bf16 inputs
+//! by our own AVX512_BF16 kernel (module `bf16`).
 //!
 //! Every gemm call runs on the calling thread (`Parallelism::None`). [`par_matmul`] shares one
 //! product out to rayon's threads itself, by tiles of the destination whose bounds depend only
@@ -6,6 +8,53 @@
 //! whatever the thread count, so the result is bit-identical with 1 thread or 64.
 
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+pub mod bf16;
+
+/// What a GEMM's inputs are rounded to before they are multiplied; the sums are f32 either way.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 inputs (the `gemm` crate).
+    #[default]
+    F32,
+    /// bf16 inputs, f32 sums: AVX512_BF16's `vdpbf16ps`, as PyTorch's CPU autocast does.
+    Bf16,
+}
+
+impl Precision {
+    pub const NAMES: [&str; 2] = ["fp32", "bf16"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// `fp32` (or `f32`) or `bf16`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "fp32" | "f32" => Some(Precision::F32),
+            "bf16" => Some(Precision::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Whether this machine computes in this precision: bf16 needs AVX512_BF16.
+    pub fn available(self) -> bool {
+        match self {
+            Precision::F32 => true,
+            #[cfg(target_arch = "x86_64")]
+            Precision::Bf16 => bf16::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Precision::Bf16 => false,
+        }
+    }
+}
 
 /// A read-only matrix view: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
 #[derive(Clone, Copy)]
@@ -87,12 +136,30 @@ fn fits(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usi
 }
 
 /// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`; `dst` is row-major with
-/// `dst_stride` between rows. On the calling thread.
-pub fn matmul(dst: &mut [f32], dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
-    check_product(dst.len(), dst_stride, &lhs, &rhs);
+/// `dst_stride` between rows; the inputs rounded to `precision`. On the calling thread.
+///
+/// Panics when `precision` is not [`available`](Precision::available) here.
+pub fn matmul(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    accumulate: bool,
+    precision: Precision,
+) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, precision);
     // SAFETY: `check_product` proved every view lies inside its slice, and `dst` is borrowed
     // mutably while the inputs are shared borrows, so they cannot overlap.
-    unsafe { gemm_unchecked(dst.as_mut_ptr(), dst_stride, lhs, rhs, accumulate) }
+    unsafe {
+        gemm_unchecked(
+            dst.as_mut_ptr(),
+            dst_stride,
+            lhs,
+            rhs,
+            accumulate,
+            precision,
+        )
+    }
 }
 
 /// Multiply-adds from which a product is worth a second tile (about 20 µs of one core)...
@@ -130,12 +197,19 @@ impl Tiling {
 
 /// [`matmul`] shared out to rayon's threads by the tiles of [`Tiling::of`]: bit-identical to
 /// itself whatever the thread count (not necessarily to [`matmul`]).
-pub fn par_matmul(dst: &mut [f32], dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
-    check_product(dst.len(), dst_stride, &lhs, &rhs);
+pub fn par_matmul(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    accumulate: bool,
+    precision: Precision,
+) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, precision);
     let (m, n) = (lhs.rows, rhs.cols);
     let plan = Tiling::of(m, n, lhs.cols);
     if plan.tiles == 1 {
-        return matmul(dst, dst_stride, lhs, rhs, accumulate);
+        return matmul(dst, dst_stride, lhs, rhs, accumulate, precision);
     }
     let dst = SharedDst(dst.as_mut_ptr());
     (0..plan.tiles).into_par_iter().for_each(|tile| {
@@ -150,7 +224,7 @@ pub fn par_matmul(dst: &mut [f32], dst_stride: usize, lhs: Mat, rhs: Mat, accumu
         // SAFETY: the whole destination was checked above; the tiles are disjoint bands of
         // it (rows or columns), so no element is written by two threads, and nothing else
         // reads or writes `dst` until every tile has finished (`for_each` joins them).
-        unsafe { gemm_unchecked(dst.at(offset), dst_stride, lhs, rhs, accumulate) }
+        unsafe { gemm_unchecked(dst.at(offset), dst_stride, lhs, rhs, accumulate, precision) }
     });
 }
 
@@ -168,9 +242,14 @@ impl SharedDst {
     }
 }
 
-/// Panics unless the views lie inside their slices and an `m × n` destination with
-/// `dst_stride` fits in `dst_len` elements.
-fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat) {
+/// Panics unless the views lie inside their slices, an `m × n` destination with `dst_stride`
+/// fits in `dst_len` elements, and this machine computes in `precision`.
+fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat, precision: Precision) {
+    assert!(
+        precision.available(),
+        "matmul: this CPU has no {} arithmetic (the command line refuses it first)",
+        precision.name()
+    );
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     assert_eq!(rhs.rows, k, "matmul: inner dimensions differ");
     lhs.check("matmul lhs");
@@ -182,9 +261,17 @@ fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat) {
 }
 
 /// # Safety
-/// `lhs` and `rhs` lie inside their slices, and the `lhs.rows × rhs.cols` elements at `dst`
-/// (row stride `dst_stride`) are valid for writes, read or written by no one else meanwhile.
-unsafe fn gemm_unchecked(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+/// `lhs` and `rhs` lie inside their slices, the `lhs.rows × rhs.cols` elements at `dst` (row
+/// stride `dst_stride`) are valid for writes, read or written by no one else meanwhile, and
+/// `precision` is available.
+unsafe fn gemm_unchecked(
+    dst: *mut f32,
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    accumulate: bool,
+    precision: Precision,
+) {
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     if m == 0 || n == 0 {
         return;
@@ -198,6 +285,12 @@ unsafe fn gemm_unchecked(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, a
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if precision == Precision::Bf16 {
+        // SAFETY: per the contract (bf16 available, views inside, k > 0).
+        return unsafe { bf16::gemm(dst, dst_stride, lhs, rhs, accumulate) };
+    }
+    debug_assert_eq!(precision, Precision::F32);
     // SAFETY: per the contract.
     unsafe {
         gemm::gemm(
@@ -251,9 +344,9 @@ mod tests {
         let lhs = Mat::rows(&a, 5, 7).t();
         let rhs = Mat::rows(&b, 5, 4);
         let mut dst = vec![1.0; 28];
-        matmul(&mut dst, 4, lhs, rhs, false);
+        matmul(&mut dst, 4, lhs, rhs, false, Precision::F32);
         assert_eq!(dst, naive(lhs, rhs));
-        matmul(&mut dst, 4, lhs, rhs, true);
+        matmul(&mut dst, 4, lhs, rhs, true, Precision::F32);
         let twice: Vec<f32> = naive(lhs, rhs).iter().map(|v| 2.0 * v).collect();
         assert_eq!(dst, twice);
     }
@@ -285,7 +378,7 @@ mod tests {
                     .build()
                     .unwrap();
                 let mut dst = vec![0.5; m * (n + 3)];
-                pool.install(|| par_matmul(&mut dst, n + 3, lhs, rhs, true));
+                pool.install(|| par_matmul(&mut dst, n + 3, lhs, rhs, true, Precision::F32));
                 dst
             };
             let one = run(1);
@@ -320,6 +413,13 @@ mod tests {
     fn a_view_larger_than_its_slice_is_refused() {
         let a = vec![0.0; 10];
         let mut dst = vec![0.0; 16];
-        matmul(&mut dst, 4, Mat::rows(&a, 4, 4), Mat::rows(&a, 4, 4), false);
+        matmul(
+            &mut dst,
+            4,
+            Mat::rows(&a, 4, 4),
+            Mat::rows(&a, 4, 4),
+            false,
+            Precision::F32,
+        );
     }
 }

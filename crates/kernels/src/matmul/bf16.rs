@@ -1,0 +1,476 @@
+//! The GEMM with its inputs in bf16: `C (+)= A · B` where A's and B's elements are rounded to
+//! bf16 (to nearest, ties to even, as `vcvtne2ps2bf16` rounds) and the products are summed in
+//! f32 by AVX512_BF16's `vdpbf16ps`, which multiplies two pairs of bf16 and adds both products
+//! to an f32 lane: twice the multiply-adds per instruction of an f32 FMA. What PyTorch's CPU
+//! autocast does to a convolution's or a linear layer's inputs (through oneDNN).
+//!
+//! Layout. The inner dimension `k` goes in pairs (an odd `k` gets a zero pair half):
+//! - A (`m × k`) becomes `m × ⌈k/2⌉` pairs, each a `u32` holding `(A[i][2p], A[i][2p+1])`, the
+//!   first in the low half. A row-major A keeps its rows (a row converted to bf16 *is* its
+//!   pairs); any other A is packed pair-major (`[p][i]`), so that the kernel's rows for one pair
+//!   are adjacent. The kernel broadcasts one pair per row and step.
+//! - B (`k × n`) becomes panels of [`NR`] columns, `[panel][p][NR]` pairs
+//!   `(B[2p][j], B[2p+1][j])`, zero beyond the last column.
+//!
+//! The microkernel keeps an `MR × NR` block of C in 24 of the 32 AVX-512 registers (`MR` = 12
+//! rows, `NR` = 32 columns, two registers a row) and runs through [`KC_PAIRS`] pairs of `k` at a
+//! time, so that its B panel (`KC_PAIRS · NR` pairs, 32 KiB) stays in L1 while it walks A's
+//! rows. Each element of C is summed in one fixed order (pair by pair within a block, blocks in
+//! order added to C) fixed by the shape: the result does not depend on the thread count.
+
+use std::arch::x86_64::*;
+
+use super::Mat;
+
+/// Columns of C a microkernel call computes: two AVX-512 registers of f32.
+pub const NR: usize = 32;
+/// Rows of C a microkernel call computes.
+pub const MR: usize = 12;
+/// Pairs of `k` a microkernel call runs through before writing C.
+const KC_PAIRS: usize = 256;
+
+/// Whether this CPU runs the bf16 GEMM (AVX512_BF16, with the AVX-512 foundation and byte/word
+/// instructions it uses around it).
+pub fn available() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512bf16")
+}
+
+/// Rounds `v` to bf16 (nearest, ties to even; a NaN stays a NaN) as `vcvtne2ps2bf16` does.
+pub fn round(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// `(lo, hi)` rounded to bf16 and paired in one `u32`, `lo` in the low half.
+fn pair(lo: f32, hi: f32) -> u32 {
+    round(lo) as u32 | (round(hi) as u32) << 16
+}
+
+/// A's pairs and how to find pair `p` of row `i`: at `i * row_stride + p * pair_stride`.
+struct PackedA {
+    pairs: Vec<u32>,
+    row_stride: usize,
+    pair_stride: usize,
+}
+
+/// A in pairs: a row-major A row by row, any other pair-major.
+///
+/// # Safety
+/// Needs the features [`available`] checks.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline(never)]
+unsafe fn pack_a(a: Mat) -> PackedA {
+    let (m, k) = (a.rows, a.cols);
+    let k2 = k.div_ceil(2);
+    let mut pairs = vec![0u32; m * k2];
+    if a.col_stride == 1 {
+        for (i, out) in pairs.chunks_exact_mut(k2).enumerate() {
+            convert_row(&a.data[i * a.row_stride..][..k], out);
+        }
+        return PackedA {
+            pairs,
+            row_stride: k2,
+            pair_stride: 1,
+        };
+    }
+    let at = |i: usize, p: usize| a.data.get(i * a.row_stride + p * a.col_stride).copied();
+    for p in 0..k2 {
+        let out = &mut pairs[p * m..(p + 1) * m];
+        if a.row_stride == 1 && 2 * p + 1 < k {
+            // Both halves are runs of A's transpose: interleave them 16 rows at a time.
+            let lo = &a.data[2 * p * a.col_stride..][..m];
+            let hi = &a.data[(2 * p + 1) * a.col_stride..][..m];
+            interleave(lo, hi, out);
+        } else {
+            for (i, o) in out.iter_mut().enumerate() {
+                let lo = at(i, 2 * p).unwrap_or(0.0);
+                let hi = if 2 * p + 1 < k {
+                    at(i, 2 * p + 1).unwrap_or(0.0)
+                } else {
+                    0.0
+                };
+                *o = pair(lo, hi);
+            }
+        }
+    }
+    PackedA {
+        pairs,
+        row_stride: 1,
+        pair_stride: m,
+    }
+}
+
+/// The index that interleaves the two halves of a 32-lane bf16 vector: lanes 0, 16, 1, 17, ...
+#[target_feature(enable = "avx512f,avx512bw")]
+fn interleave_index() -> __m512i {
+    let idx: [u16; 32] = std::array::from_fn(|j| ((j % 2) * 16 + j / 2) as u16);
+    // SAFETY: reads 64 bytes from a 64-byte array.
+    unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+}
+
+/// `out[j] = pair(lo[j], hi[j])` for the `lo.len()` (== `hi.len()` == `out.len()`) elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn interleave(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+    let n = out.len();
+    assert!(lo.len() == n && hi.len() == n);
+    let idx = interleave_index();
+    let mut j = 0;
+    while j < n {
+        let w = (n - j).min(16);
+        let mask = mask16(w);
+        // SAFETY: the masked loads and store touch elements j..j + w, inside every slice.
+        unsafe {
+            let l = _mm512_maskz_loadu_ps(mask, lo.as_ptr().add(j));
+            let h = _mm512_maskz_loadu_ps(mask, hi.as_ptr().add(j));
+            // Lanes 0..16: lo's bf16; 16..32: hi's. Interleaved: 16 (lo, hi) pairs.
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            let pairs = _mm512_permutexvar_epi16(idx, both);
+            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(j).cast(), mask, pairs);
+        }
+        j += w;
+    }
+}
+
+/// A row of `k` f32 as `⌈k/2⌉` pairs: its bf16 values in order.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn convert_row(row: &[f32], out: &mut [u32]) {
+    let k = row.len();
+    let mut j = 0;
+    while j < k {
+        let w = (k - j).min(32);
+        // SAFETY: the masked loads touch row[j..j + w]; the store touches out's pairs
+        // j/2..(j + w).div_ceil(2), which exist since out has ⌈k/2⌉.
+        unsafe {
+            let l = _mm512_maskz_loadu_ps(mask16(w.min(16)), row.as_ptr().add(j));
+            let h = _mm512_maskz_loadu_ps(
+                mask16(w.saturating_sub(16)),
+                row.as_ptr().wrapping_add(j + 16),
+            );
+            let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            _mm512_mask_storeu_epi32(
+                out.as_mut_ptr().add(j / 2).cast(),
+                mask16(w.div_ceil(2)),
+                both,
+            );
+        }
+        j += w;
+    }
+}
+
+fn mask16(w: usize) -> u16 {
+    if w >= 16 {
+        u16::MAX
+    } else {
+        ((1u32 << w) - 1) as u16
+    }
+}
+
+/// B as panels of [`NR`] columns, `[panel][p][NR]` pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline(never)]
+fn pack_b(b: Mat) -> Vec<u32> {
+    let (k, n) = (b.rows, b.cols);
+    let k2 = k.div_ceil(2);
+    let panels = n.div_ceil(NR);
+    let mut out = vec![0u32; panels * k2 * NR];
+    let zeros = [0.0f32; NR];
+    for (panel, dst) in out.chunks_exact_mut(k2 * NR).enumerate() {
+        let j0 = panel * NR;
+        let w = NR.min(n - j0);
+        for (p, dst) in dst.chunks_exact_mut(NR).enumerate() {
+            if b.col_stride == 1 {
+                let lo = &b.data[2 * p * b.row_stride + j0..][..w];
+                let hi = if 2 * p + 1 < k {
+                    &b.data[(2 * p + 1) * b.row_stride + j0..][..w]
+                } else {
+                    &zeros[..w]
+                };
+                interleave(lo, hi, &mut dst[..w]);
+            } else {
+                for (j, d) in dst[..w].iter_mut().enumerate() {
+                    let at = |r: usize| b.data[r * b.row_stride + (j0 + j) * b.col_stride];
+                    *d = pair(at(2 * p), if 2 * p + 1 < k { at(2 * p + 1) } else { 0.0 });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `dst (+)= lhs · rhs` with bf16 inputs and f32 sums; `dst` row-major, `dst_stride` apart.
+///
+/// # Safety
+/// [`available`] is true; `lhs` and `rhs` lie inside their slices (checked by the caller), `k`
+/// is not 0, and the `lhs.rows × rhs.cols` elements at `dst` are valid for reads and writes by
+/// this call alone.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn gemm(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
+    let k2 = k.div_ceil(2);
+    // SAFETY: the caller checked the features.
+    let a = unsafe { pack_a(lhs) };
+    let b = pack_b(rhs);
+    let mut p0 = 0;
+    while p0 < k2 {
+        let kc = KC_PAIRS.min(k2 - p0);
+        let add = accumulate || p0 > 0;
+        for panel in 0..n.div_ceil(NR) {
+            let j0 = panel * NR;
+            let w = NR.min(n - j0);
+            let masks = [mask16(w.min(16)), mask16(w.saturating_sub(16))];
+            let b_block = &b[(panel * k2 + p0) * NR..][..kc * NR];
+            let mut i = 0;
+            while i < m {
+                let rows = MR.min(m - i);
+                let tile = Tile {
+                    a: &a.pairs[i * a.row_stride + p0 * a.pair_stride..],
+                    a_row_stride: a.row_stride,
+                    a_pair_stride: a.pair_stride,
+                    b: b_block,
+                    // SAFETY: row i, column j0 of the destination, inside it per the contract.
+                    c: unsafe { dst.add(i * dst_stride + j0) },
+                    c_stride: dst_stride,
+                    pairs: kc,
+                    add,
+                    masks,
+                };
+                // SAFETY: the features are there; the tile's rows of A, its panel of B and its
+                // block of C lie inside them (rows ≤ MR rows left, w ≤ NR columns left).
+                unsafe {
+                    match rows {
+                        12 => tile.run::<12>(),
+                        11 => tile.run::<11>(),
+                        10 => tile.run::<10>(),
+                        9 => tile.run::<9>(),
+                        8 => tile.run::<8>(),
+                        7 => tile.run::<7>(),
+                        6 => tile.run::<6>(),
+                        5 => tile.run::<5>(),
+                        4 => tile.run::<4>(),
+                        3 => tile.run::<3>(),
+                        2 => tile.run::<2>(),
+                        _ => tile.run::<1>(),
+                    }
+                }
+                i += rows;
+            }
+        }
+        p0 += kc;
+    }
+}
+
+/// One microkernel call: `ROWS` (≤ [`MR`]) rows by up to [`NR`] columns of C.
+struct Tile<'a> {
+    a: &'a [u32],
+    a_row_stride: usize,
+    a_pair_stride: usize,
+    b: &'a [u32],
+    c: *mut f32,
+    c_stride: usize,
+    pairs: usize,
+    add: bool,
+    masks: [u16; 2],
+}
+
+impl Tile<'_> {
+    /// # Safety
+    /// The features [`available`] checks; `a` holds pair `pairs - 1` of row `ROWS - 1`; `b`
+    /// holds `pairs · NR`; the C block (`ROWS` rows, the masks' columns) is this call's.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline(never)]
+    unsafe fn run<const ROWS: usize>(&self) {
+        debug_assert!(
+            ROWS == 0
+                || (ROWS - 1) * self.a_row_stride + (self.pairs - 1) * self.a_pair_stride
+                    < self.a.len()
+        );
+        debug_assert!(self.b.len() >= self.pairs * NR);
+        let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
+        let (a, b) = (self.a.as_ptr(), self.b.as_ptr());
+        // SAFETY: every read is inside `a` and `b` per the contract; C's masked accesses are
+        // the block's.
+        unsafe {
+            for p in 0..self.pairs {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+                let b1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+                let row = a.add(p * self.a_pair_stride);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(
+                        *row.add(i * self.a_row_stride) as i32,
+                    ));
+                    acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                for (half, &mask) in self.masks.iter().enumerate() {
+                    if mask == 0 {
+                        continue;
+                    }
+                    let c = self.c.add(i * self.c_stride + half * 16);
+                    let mut v = acc[half];
+                    if self.add {
+                        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, c));
+                    }
+                    _mm512_mask_storeu_ps(c, mask, v);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Precision, matmul, par_matmul};
+    use super::*;
+
+    fn skip() -> bool {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512_BF16");
+        }
+        !available()
+    }
+
+    fn to_f32(b: u16) -> f64 {
+        f32::from_bits((b as u32) << 16) as f64
+    }
+
+    /// The product of the bf16-rounded inputs, in f64.
+    fn reference(lhs: Mat, rhs: Mat) -> Vec<f64> {
+        let mut out = vec![0.0; lhs.rows * rhs.cols];
+        for i in 0..lhs.rows {
+            for j in 0..rhs.cols {
+                out[i * rhs.cols + j] = (0..lhs.cols)
+                    .map(|p| {
+                        to_f32(round(lhs.data[i * lhs.row_stride + p * lhs.col_stride]))
+                            * to_f32(round(rhs.data[p * rhs.row_stride + j * rhs.col_stride]))
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104729) % 997) as f32 / 499.0 - 1.0) * 1.37)
+            .collect()
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even_like_the_hardware() {
+        assert_eq!(round(1.0), 0x3f80);
+        // 1 + 2⁻⁸ lies halfway between two bf16 values: ties go to the even one (1.0)...
+        assert_eq!(round(1.0 + 1.0 / 256.0), 0x3f80);
+        // ...and 1 + 3·2⁻⁸ rounds up to the even 1 + 2⁻⁶.
+        assert_eq!(round(1.0 + 3.0 / 256.0), 0x3f82);
+        assert!(to_f32(round(f32::NAN)).is_nan());
+        assert_eq!(round(f32::INFINITY), 0x7f80);
+        if skip() {
+            return;
+        }
+        let row = values(37, 3);
+        let mut pairs = vec![0u32; 19];
+        // SAFETY: the features are there (checked above).
+        unsafe { convert_row(&row, &mut pairs) };
+        for (i, v) in row.iter().enumerate() {
+            let half = (pairs[i / 2] >> (16 * (i % 2))) as u16;
+            assert_eq!(half, round(*v), "element {i}: {v}");
+        }
+        assert_eq!(pairs[18] >> 16, 0, "the odd k's missing half is zero");
+    }
+
+    #[test]
+    fn products_match_the_rounded_inputs_product_on_every_edge_and_layout() {
+        if skip() {
+            return;
+        }
+        // Rows not a multiple of MR, columns not of NR, odd k, k over one block of pairs;
+        // row-major, transposed and strided views on both sides; with and without accumulation.
+        for (m, n, k) in [
+            (1, 1, 1),
+            (13, 33, 7),
+            (25, 70, 600),
+            (12, 32, 513),
+            (40, 16, 2),
+        ] {
+            for layout in 0..4 {
+                let (a, b) = (values(m * k * 2, m), values(k * n * 2, n));
+                let lhs = match layout {
+                    0 | 2 => Mat::rows(&a, m, k),
+                    1 => Mat::rows(&a, k, m).t(),
+                    _ => Mat {
+                        data: &a,
+                        rows: m,
+                        cols: k,
+                        row_stride: 2 * k,
+                        col_stride: 2,
+                    },
+                };
+                let rhs = match layout {
+                    0 | 1 => Mat::rows(&b, k, n),
+                    _ => Mat::rows(&b, n, k).t(),
+                };
+                let want = reference(lhs, rhs);
+                let scale: f64 = k as f64 * 1.4 * 1.4;
+                for accumulate in [false, true] {
+                    let mut dst = vec![0.5f32; m * (n + 2)];
+                    matmul(&mut dst, n + 2, lhs, rhs, accumulate, Precision::Bf16);
+                    for i in 0..m {
+                        for j in 0..n + 2 {
+                            let got = dst[i * (n + 2) + j] as f64;
+                            let expected = if j >= n {
+                                0.5
+                            } else {
+                                want[i * n + j] + if accumulate { 0.5 } else { 0.0 }
+                            };
+                            assert!(
+                                (got - expected).abs() <= 1e-6 * scale,
+                                "{m}×{n}×{k} layout {layout} accumulate {accumulate} ({i}, {j}): {got} vs {expected}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiled_bf16_products_are_bit_identical_at_any_thread_count() {
+        if skip() {
+            return;
+        }
+        for (m, n, k, transposed) in [(700, 40, 300, false), (30, 900, 200, true)] {
+            let (a, b) = (values(m * k, 1), values(k * n, 2));
+            let lhs = if transposed {
+                Mat::rows(&a, k, m).t()
+            } else {
+                Mat::rows(&a, m, k)
+            };
+            let rhs = Mat::rows(&b, k, n);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut dst = vec![0.0; m * n];
+                pool.install(|| par_matmul(&mut dst, n, lhs, rhs, false, Precision::Bf16));
+                dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let one = run(1);
+            for threads in [2, 3] {
+                assert!(
+                    run(threads) == one,
+                    "{m}×{n}×{k} differs at {threads} threads"
+                );
+            }
+        }
+    }
+}
