@@ -22,10 +22,10 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, PackedWeight, check_backward_sizes, chunk_gradient, forward_rhs, relu_in_place,
+    ConvGrads, ForwardRhs, PackedWeight, check_backward_sizes, chunk_gradient, relu_in_place,
     tap_range, unpack_to_torch,
 };
-use crate::matmul::{Mat, par_matmul};
+use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{scratch, zeros};
 
 /// Output pixels up to which the per-pixel GEMMs, whose rows are the batch, beat im2col's
@@ -97,10 +97,10 @@ pub fn forward(
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
-    let (ci, co, k) = (s.c_in, s.c_out, s.k());
+    let (ci, co) = (s.c_in, s.c_out);
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     // `[(ky, kx, c_in)][c_out]`: a span's taps are a run of its rows.
-    let rhs = forward_rhs(s, x, weight);
+    let rhs = ForwardRhs::new(s, x, weight);
     let mut out = zeros(s.output_len());
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(co) {
@@ -110,11 +110,13 @@ pub fn forward(
     let x = Mat::rows(x, s.batch, image_in);
     let mut written = vec![bias.is_some(); image_out / co];
     for span in spans(s) {
-        par_matmul(
+        let taps = span.tap * ci..(span.tap + span.len) * ci;
+        par_matmul_packed(
             &mut out[span.p * co..],
             image_out,
             x.col_range(span.q * ci..(span.q + span.len) * ci),
-            Mat::rows(&rhs, k, co).row_range(span.tap * ci..(span.tap + span.len) * ci),
+            rhs.mat().row_range(taps.clone()),
+            rhs.panels(taps),
             written[span.p],
             weight.precision,
         );
@@ -185,12 +187,16 @@ pub fn backward(
     }
     let dx = need_input.then(|| {
         let mut dx = zeros(s.input_len());
+        // In bf16, W packed once for every span's product (each a run of its columns).
+        let packed = PackedRhs::new(w, weight.precision);
         for span in &spans {
-            par_matmul(
+            let taps = span.tap * ci..(span.tap + span.len) * ci;
+            par_matmul_packed(
                 &mut dx[span.q * ci..],
                 image_in,
                 g.col_range(span.p * co..(span.p + 1) * co),
-                w.col_range(span.tap * ci..(span.tap + span.len) * ci),
+                w.col_range(taps.clone()),
+                packed.view(0..co, taps),
                 true,
                 weight.precision,
             );

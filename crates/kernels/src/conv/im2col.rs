@@ -10,10 +10,10 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient, forward_rhs,
+    ConvGrads, ForwardRhs, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient,
     relu_in_place, sum_partials, tap_range, unpack_to_torch,
 };
-use crate::matmul::{Mat, par_matmul};
+use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{with_scratch, zeros};
 
 /// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
@@ -117,7 +117,7 @@ pub fn forward(
 ) -> Vec<f32> {
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
-    let rhs = forward_rhs(s, x, weight);
+    let rhs = ForwardRhs::new(s, x, weight);
     let mut out = zeros(s.output_len());
     out.par_chunks_mut(per_chunk * rows_img * co)
         .enumerate()
@@ -132,11 +132,12 @@ pub fn forward(
                         row.copy_from_slice(b);
                     }
                 }
-                par_matmul(
+                par_matmul_packed(
                     y,
                     co,
                     Mat::rows(patches, rows, k),
-                    Mat::rows(&rhs, k, co),
+                    rhs.mat(),
+                    rhs.panels(0..k),
                     bias.is_some(),
                     weight.precision,
                 );
@@ -164,6 +165,9 @@ pub fn backward(
     let image_len = s.height * s.width * s.c_in;
 
     let mut dx = need_input.then(|| zeros(s.input_len()));
+    // dX = G · W for every chunk: in bf16, W packed once for all of them.
+    let w = Mat::rows(&weight.data, co, k);
+    let packed_w = PackedRhs::new(w, weight.precision);
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
@@ -188,21 +192,25 @@ pub fn backward(
                         weight.precision,
                     );
                     if let Some(dx_chunk) = dx_chunk {
-                        let w = Mat::rows(&weight.data, co, k);
+                        // col2im of a pointwise layer is the identity: straight into dx; else
+                        // the im2col matrix is not needed any more: reuse it for dcol.
+                        let dcol = if s.is_pointwise() {
+                            &mut *dx_chunk
+                        } else {
+                            &mut *col
+                        };
+                        par_matmul_packed(
+                            dcol,
+                            k,
+                            Mat::rows(g, rows, co),
+                            w,
+                            packed_w.view(0..co, 0..k),
+                            false,
+                            weight.precision,
+                        );
                         if s.is_pointwise() {
-                            // col2im of a pointwise layer is the identity: straight into dx.
-                            par_matmul(
-                                dx_chunk,
-                                k,
-                                Mat::rows(g, rows, co),
-                                w,
-                                false,
-                                weight.precision,
-                            );
                             return;
                         }
-                        // The im2col matrix is not needed any more: reuse it for dcol.
-                        par_matmul(col, k, Mat::rows(g, rows, co), w, false, weight.precision);
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))

@@ -3,7 +3,7 @@
 
 use super::ConvShape;
 use crate::layout::{transpose_each, transpose_into};
-use crate::matmul::Precision;
+use crate::matmul::{Mat, PackedRhs, Precision, RhsPanels};
 use crate::scratch::{Scratch, scratch, zeros};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
@@ -164,15 +164,53 @@ pub(crate) fn tap_range(
     (lo, hi.max(lo), (start + lo).saturating_sub(pad))
 }
 
-/// Checks the forward's input and weight sizes, and lays the packed weight out as the forward
-/// GEMM's right-hand side, `[k][c_out]`: gemm runs up to 4× faster on it than on the transposed
-/// view when the product has few rows (a ResNet's deep layers; docs/PERFORMANCE.md).
-pub(crate) fn forward_rhs(s: &ConvShape, x: &[f32], weight: &PackedWeight) -> Scratch {
-    assert_eq!(x.len(), s.input_len(), "convolution input size");
-    assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
-    let mut rhs = scratch(s.k() * s.c_out);
-    transpose_into(&weight.data, &mut rhs, s.c_out, s.k());
-    rhs
+/// The forward GEMMs' right-hand side, the weight as `[k][c_out]`. In f32, the packed weight
+/// transposed into scratch: gemm runs up to 4× faster on it than on the transposed view when
+/// the product has few rows (a ResNet's deep layers; docs/PERFORMANCE.md). In bf16, the
+/// transposed view packed once into bf16 panels for every product of the layer (no transpose
+/// pass: the packing reads the view's columns as they lie).
+pub(crate) struct ForwardRhs<'a> {
+    transposed: Option<Scratch>,
+    weight: &'a PackedWeight,
+    packed: PackedRhs,
+    k: usize,
+    c_out: usize,
+}
+
+impl<'a> ForwardRhs<'a> {
+    /// Checks the forward's input and weight sizes, and lays the weight out.
+    pub(crate) fn new(s: &ConvShape, x: &[f32], weight: &'a PackedWeight) -> Self {
+        assert_eq!(x.len(), s.input_len(), "convolution input size");
+        assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
+        let (k, c_out) = (s.k(), s.c_out);
+        let transposed = (weight.precision == Precision::F32).then(|| {
+            let mut rhs = scratch(k * c_out);
+            transpose_into(&weight.data, &mut rhs, c_out, k);
+            rhs
+        });
+        let mut rhs = ForwardRhs {
+            transposed,
+            weight,
+            packed: PackedRhs::new(Mat::rows(&[], 0, 0), Precision::F32),
+            k,
+            c_out,
+        };
+        rhs.packed = PackedRhs::new(rhs.mat(), weight.precision);
+        rhs
+    }
+
+    /// The `[k][c_out]` matrix.
+    pub(crate) fn mat(&self) -> Mat<'_> {
+        match &self.transposed {
+            Some(t) => Mat::rows(t, self.k, self.c_out),
+            None => Mat::rows(&self.weight.data, self.c_out, self.k).t(),
+        }
+    }
+
+    /// Its rows `rows` (all columns) as packed panels, when packed.
+    pub(crate) fn panels(&self, rows: std::ops::Range<usize>) -> Option<RhsPanels<'_>> {
+        self.packed.view(rows, 0..self.c_out)
+    }
 }
 
 /// ReLU in place; `<`, not `max`: a NaN stays a NaN, as in PyTorch.

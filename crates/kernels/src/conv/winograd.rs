@@ -19,7 +19,7 @@ use super::ConvShape;
 use super::shared::{
     ConvGrads, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
 };
-use crate::matmul::{Mat, Precision, matmul};
+use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::scratch::{with_scratch, zeros};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
@@ -56,6 +56,18 @@ impl WinogradWeight {
             data,
             precision: Precision::F32,
         }
+    }
+
+    /// The 16 planes (or their transposes) packed once for every chunk's products: bf16
+    /// panels in bf16, nothing in f32 ([`PackedRhs`]).
+    fn packed_planes(&self, ci: usize, co: usize, transposed: bool) -> Vec<PackedRhs> {
+        (0..16)
+            .into_par_iter()
+            .map(|xi| {
+                let plane = self.plane(xi, ci, co);
+                PackedRhs::new(if transposed { plane.t() } else { plane }, self.precision)
+            })
+            .collect()
     }
 
     /// Position ξ's `c_in × c_out` matrix (rows `16 · c_out + ROW_PAD` apart).
@@ -362,6 +374,7 @@ pub fn forward(
     let (ci, co) = (s.c_in, s.c_out);
     let per_chunk = images_per_chunk(s, &t);
     let out_image = t.oh * t.ow * co;
+    let planes = u.packed_planes(ci, co, false);
     let mut out = zeros(s.output_len());
     out.par_chunks_mut(per_chunk * out_image)
         .enumerate()
@@ -374,11 +387,12 @@ pub fn forward(
                 m.par_chunks_mut(tiles * co)
                     .enumerate()
                     .for_each(|(xi, m)| {
-                        matmul(
+                        matmul_packed(
                             m,
                             co,
                             Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
                             u.plane(xi, ci, co),
+                            planes[xi].view(0..ci, 0..co),
                             false,
                             u.precision,
                         );
@@ -501,6 +515,11 @@ pub fn backward(
     let out_image = t.oh * t.ow * co;
 
     let mut dx = need_input.then(|| zeros(s.input_len()));
+    let planes = if need_input {
+        u.packed_planes(ci, co, true)
+    } else {
+        Vec::new()
+    };
     let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
@@ -534,11 +553,12 @@ pub fn backward(
                             v.par_chunks_mut(tiles * ci)
                                 .enumerate()
                                 .for_each(|(xi, dv)| {
-                                    matmul(
+                                    matmul_packed(
                                         dv,
                                         ci,
                                         Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
                                         u.plane(xi, ci, co).t(),
+                                        planes[xi].view(0..co, 0..ci),
                                         false,
                                         u.precision,
                                     );

@@ -21,6 +21,7 @@
 use std::arch::x86_64::*;
 
 use super::Mat;
+use crate::layout::transpose_into;
 
 /// Columns of C a microkernel call computes: two AVX-512 registers of f32.
 pub const NR: usize = 32;
@@ -163,6 +164,17 @@ fn convert_row(row: &[f32], out: &mut [u32]) {
     }
 }
 
+/// Pairs seen as f32 for the f32 transpose, which only moves bits.
+fn as_f32(pairs: &[u32]) -> &[f32] {
+    // SAFETY: u32 and f32 have the same size and alignment, and every bit pattern is an f32.
+    unsafe { std::slice::from_raw_parts(pairs.as_ptr().cast(), pairs.len()) }
+}
+
+fn as_f32_mut(pairs: &mut [u32]) -> &mut [f32] {
+    // SAFETY: as in `as_f32`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(pairs.as_mut_ptr().cast(), pairs.len()) }
+}
+
 fn mask16(w: usize) -> u16 {
     if w >= 16 {
         u16::MAX
@@ -171,51 +183,195 @@ fn mask16(w: usize) -> u16 {
     }
 }
 
-/// B as panels of [`NR`] columns, `[panel][p][NR]` pairs.
+/// B as panels of [`NR`] columns, `[panel][p][NR]` pairs, zero beyond the last column: made
+/// once for many products when B is a layer's weight ([`super::PackedRhs`]), else per product.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PackedB {
+    panels: Vec<u32>,
+    /// Pairs in each panel: `⌈k/2⌉`.
+    pairs: usize,
+    cols: usize,
+}
+
+/// A block of a [`PackedB`]: pairs `pair0..pair0 + pairs` of panels `panel0..`, `cols` columns.
+#[derive(Clone, Copy, Debug)]
+pub struct PanelView<'a> {
+    b: &'a PackedB,
+    pair0: usize,
+    pairs: usize,
+    panel0: usize,
+    cols: usize,
+}
+
+impl PackedB {
+    /// B (`k × n`, any strides) in panels.
+    ///
+    /// Panics unless [`available`].
+    pub fn new(b: Mat) -> Self {
+        assert!(available(), "bf16 packing on a CPU without AVX512_BF16");
+        // SAFETY: the features were checked.
+        unsafe { pack_b_on(b, true) }
+    }
+
+    /// The whole of it.
+    pub fn view(&self) -> PanelView<'_> {
+        PanelView {
+            b: self,
+            pair0: 0,
+            pairs: self.pairs,
+            panel0: 0,
+            cols: self.cols,
+        }
+    }
+}
+
+impl<'a> PanelView<'a> {
+    /// Rows `rows` of this block, `None` unless both ends fall on a pair's boundary (even), or
+    /// the end is the block's last row.
+    pub fn rows(self, rows: std::ops::Range<usize>, k: usize) -> Option<Self> {
+        let ends_well = rows.end % 2 == 0 || rows.end == k;
+        (rows.start % 2 == 0 && ends_well && rows.start <= rows.end && rows.end <= k).then(|| {
+            PanelView {
+                pair0: self.pair0 + rows.start / 2,
+                pairs: rows.end.div_ceil(2) - rows.start / 2,
+                ..self
+            }
+        })
+    }
+
+    /// Columns `cols` of this block, `None` unless it starts on a panel's boundary.
+    pub fn cols(self, cols: std::ops::Range<usize>) -> Option<Self> {
+        (cols.start % NR == 0 && cols.start <= cols.end && cols.end <= self.cols).then(|| {
+            PanelView {
+                panel0: self.panel0 + cols.start / NR,
+                cols: cols.len(),
+                ..self
+            }
+        })
+    }
+
+    /// Whether this is a packing of a `k × n` matrix.
+    pub(super) fn fits(&self, k: usize, n: usize) -> bool {
+        self.pairs == k.div_ceil(2) && self.cols == n
+    }
+
+    /// Panel `panel`'s pairs `p0..p0 + count`.
+    fn block(&self, panel: usize, p0: usize, count: usize) -> &'a [u32] {
+        let start = ((self.panel0 + panel) * self.b.pairs + self.pair0 + p0) * NR;
+        &self.b.panels[start..start + count * NR]
+    }
+}
+
+/// Pairs from which [`PackedB::new`] packs its panels on rayon's threads (a layer's weight);
+/// below, and inside a product, on the calling thread.
+const PARALLEL_PACK_PAIRS: usize = 1 << 16;
+
+/// # Safety
+/// The features [`available`] checks.
+unsafe fn pack_b_on(b: Mat, parallel: bool) -> PackedB {
+    let k2 = b.rows.div_ceil(2);
+    let panels = b.cols.div_ceil(NR);
+    let mut out = vec![0u32; panels * k2 * NR];
+    // SAFETY (both): the caller has the features.
+    if parallel && out.len() >= PARALLEL_PACK_PAIRS {
+        use rayon::prelude::*;
+        out.par_chunks_mut(k2 * NR)
+            .enumerate()
+            .for_each(|(panel, dst)| unsafe { pack_panel(b, panel, dst) });
+    } else {
+        for (panel, dst) in out.chunks_exact_mut(k2 * NR).enumerate() {
+            unsafe { pack_panel(b, panel, dst) };
+        }
+    }
+    PackedB {
+        panels: out,
+        pairs: k2,
+        cols: b.cols,
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-#[inline(never)]
-fn pack_b(b: Mat) -> Vec<u32> {
+fn pack_b(b: Mat) -> PackedB {
+    // SAFETY: the features are enabled here.
+    unsafe { pack_b_on(b, false) }
+}
+
+/// Panel `panel` of B (`⌈k/2⌉ × NR` pairs) into `dst`: each element a copy, rounded.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn pack_panel(b: Mat, panel: usize, dst: &mut [u32]) {
     let (k, n) = (b.rows, b.cols);
     let k2 = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
-    let mut out = vec![0u32; panels * k2 * NR];
-    let zeros = [0.0f32; NR];
-    for (panel, dst) in out.chunks_exact_mut(k2 * NR).enumerate() {
-        let j0 = panel * NR;
-        let w = NR.min(n - j0);
-        for (p, dst) in dst.chunks_exact_mut(NR).enumerate() {
-            if b.col_stride == 1 {
-                let lo = &b.data[2 * p * b.row_stride + j0..][..w];
-                let hi = if 2 * p + 1 < k {
-                    &b.data[(2 * p + 1) * b.row_stride + j0..][..w]
-                } else {
-                    &zeros[..w]
-                };
-                interleave(lo, hi, &mut dst[..w]);
-            } else {
-                for (j, d) in dst[..w].iter_mut().enumerate() {
-                    let at = |r: usize| b.data[r * b.row_stride + (j0 + j) * b.col_stride];
-                    *d = pair(at(2 * p), if 2 * p + 1 < k { at(2 * p + 1) } else { 0.0 });
+    let j0 = panel * NR;
+    let w = NR.min(n - j0);
+    if b.row_stride == 1 && b.col_stride != 1 {
+        // A transposed source (a weight `[c_out][k]` read as `[k][c_out]`): column j is a
+        // contiguous run whose pairs are adjacent floats. The panel's columns are converted
+        // as runs, then the `NR × ⌈k/2⌉` block of pairs is transposed into the panel.
+        let mut columns = vec![0u32; NR * k2];
+        for (lane, run) in columns.chunks_exact_mut(k2).take(w).enumerate() {
+            convert_row(&b.data[(j0 + lane) * b.col_stride..][..k], run);
+        }
+        if w == NR {
+            transpose_into(as_f32(&columns), as_f32_mut(dst), NR, k2);
+        } else {
+            for (lane, run) in columns.chunks_exact(k2).take(w).enumerate() {
+                for (p, pair) in run.iter().enumerate() {
+                    dst[p * NR + lane] = *pair;
                 }
             }
         }
+        return;
     }
-    out
+    let zeros = [0.0f32; NR];
+    for (p, dst) in dst.chunks_exact_mut(NR).enumerate() {
+        if b.col_stride == 1 {
+            let lo = &b.data[2 * p * b.row_stride + j0..][..w];
+            let hi = if 2 * p + 1 < k {
+                &b.data[(2 * p + 1) * b.row_stride + j0..][..w]
+            } else {
+                &zeros[..w]
+            };
+            interleave(lo, hi, &mut dst[..w]);
+        } else {
+            for (j, d) in dst[..w].iter_mut().enumerate() {
+                let at = |r: usize| b.data[r * b.row_stride + (j0 + j) * b.col_stride];
+                *d = pair(at(2 * p), if 2 * p + 1 < k { at(2 * p + 1) } else { 0.0 });
+            }
+        }
+    }
 }
 
-/// `dst (+)= lhs · rhs` with bf16 inputs and f32 sums; `dst` row-major, `dst_stride` apart.
+/// `dst (+)= lhs · rhs` with bf16 inputs and f32 sums; `dst` row-major, `dst_stride` apart;
+/// `packed`, when given, is `rhs` already in panels.
 ///
 /// # Safety
 /// [`available`] is true; `lhs` and `rhs` lie inside their slices (checked by the caller), `k`
-/// is not 0, and the `lhs.rows × rhs.cols` elements at `dst` are valid for reads and writes by
-/// this call alone.
+/// is not 0, `packed` (if any) packs a `k × n` matrix, and the `lhs.rows × rhs.cols` elements at
+/// `dst` are valid for reads and writes by this call alone.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(super) unsafe fn gemm(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, accumulate: bool) {
+pub(super) unsafe fn gemm(
+    dst: *mut f32,
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    packed: Option<PanelView>,
+    accumulate: bool,
+) {
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     let k2 = k.div_ceil(2);
     // SAFETY: the caller checked the features.
     let a = unsafe { pack_a(lhs) };
-    let b = pack_b(rhs);
+    let own;
+    let b = match packed {
+        Some(view) => {
+            debug_assert!(view.fits(k, n));
+            view
+        }
+        None => {
+            own = pack_b(rhs);
+            own.view()
+        }
+    };
     let mut p0 = 0;
     while p0 < k2 {
         let kc = KC_PAIRS.min(k2 - p0);
@@ -224,7 +380,7 @@ pub(super) unsafe fn gemm(dst: *mut f32, dst_stride: usize, lhs: Mat, rhs: Mat, 
             let j0 = panel * NR;
             let w = NR.min(n - j0);
             let masks = [mask16(w.min(16)), mask16(w.saturating_sub(16))];
-            let b_block = &b[(panel * k2 + p0) * NR..][..kc * NR];
+            let b_block = b.block(panel, p0, kc);
             let mut i = 0;
             while i < m {
                 let rows = MR.min(m - i);
@@ -283,7 +439,6 @@ impl Tile<'_> {
     /// The features [`available`] checks; `a` holds pair `pairs - 1` of row `ROWS - 1`; `b`
     /// holds `pairs · NR`; the C block (`ROWS` rows, the masks' columns) is this call's.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline(never)]
     unsafe fn run<const ROWS: usize>(&self) {
         debug_assert!(
             ROWS == 0
@@ -438,6 +593,50 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A block of a weight packed once gives bit for bit the product of the block packed on its
+    /// own; a block that does not start on a pair of rows or a panel of columns has no view.
+    #[test]
+    fn a_block_of_packed_panels_gives_the_blocks_own_product() {
+        if skip() {
+            return;
+        }
+        use super::super::{PackedRhs, matmul_packed};
+        let (k, n, m) = (300, 96, 20);
+        let (a, w) = (values(m * k, 5), values(k * n, 6));
+        for transposed in [false, true] {
+            let whole = if transposed {
+                Mat::rows(&w, n, k).t()
+            } else {
+                Mat::rows(&w, k, n)
+            };
+            let packed = PackedRhs::new(whole, Precision::Bf16);
+            assert!(packed.view(1..10, 0..n).is_none() && packed.view(0..k, 16..n).is_none());
+            for (rows, cols) in [(0..k, 0..n), (64..200, 32..96), (2..k, 0..40)] {
+                let block = whole.row_range(rows.clone()).col_range(cols.clone());
+                let lhs = Mat::rows(&a, m, rows.len());
+                let (mut own, mut from_whole) =
+                    (vec![0.0; m * cols.len()], vec![0.0; m * cols.len()]);
+                matmul(&mut own, cols.len(), lhs, block, false, Precision::Bf16);
+                let view = packed.view(rows.clone(), cols.clone());
+                assert!(view.is_some(), "{rows:?} {cols:?}");
+                matmul_packed(
+                    &mut from_whole,
+                    cols.len(),
+                    lhs,
+                    block,
+                    view,
+                    false,
+                    Precision::Bf16,
+                );
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&own) == bits(&from_whole),
+                    "{rows:?} {cols:?} transposed {transposed}"
+                );
             }
         }
     }

@@ -135,6 +135,77 @@ fn fits(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usi
     rows == 0 || cols == 0 || (rows - 1) * row_stride + (cols - 1) * col_stride < len
 }
 
+/// A right-hand side packed once for the many products that share it (a layer's weight through
+/// a forward or a backward): bf16 panels for [`Precision::Bf16`]; nothing for f32, which the
+/// `gemm` crate packs per product.
+pub struct PackedRhs {
+    #[cfg(target_arch = "x86_64")]
+    bf16: Option<bf16::PackedB>,
+    rows: usize,
+}
+
+impl PackedRhs {
+    pub fn new(rhs: Mat, precision: Precision) -> Self {
+        rhs.check("packed rhs");
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = precision;
+        PackedRhs {
+            #[cfg(target_arch = "x86_64")]
+            bf16: (precision == Precision::Bf16).then(|| bf16::PackedB::new(rhs)),
+            rows: rhs.rows,
+        }
+    }
+
+    /// Rows `rows` and columns `cols` of it, for [`par_matmul_packed`]: `None` for f32, or when
+    /// the block does not start on a pair of rows and a panel of columns (the product then
+    /// packs its own).
+    pub fn view(
+        &self,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Option<RhsPanels<'_>> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let b = self.bf16.as_ref()?.view();
+            Some(RhsPanels(b.rows(rows, self.rows)?.cols(cols)?))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (rows, cols, self.rows);
+            None
+        }
+    }
+}
+
+/// A block of a [`PackedRhs`].
+#[derive(Clone, Copy)]
+pub struct RhsPanels<'a>(
+    #[cfg(target_arch = "x86_64")] bf16::PanelView<'a>,
+    #[cfg(not(target_arch = "x86_64"))] std::marker::PhantomData<&'a ()>,
+);
+
+impl RhsPanels<'_> {
+    fn cols(self, cols: std::ops::Range<usize>) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        return self.0.cols(cols).map(RhsPanels);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = cols;
+            None
+        }
+    }
+
+    fn fits(&self, k: usize, n: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self.0.fits(k, n);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (k, n);
+            false
+        }
+    }
+}
+
 /// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`; `dst` is row-major with
 /// `dst_stride` between rows; the inputs rounded to `precision`. On the calling thread.
 ///
@@ -147,7 +218,21 @@ pub fn matmul(
     accumulate: bool,
     precision: Precision,
 ) {
-    check_product(dst.len(), dst_stride, &lhs, &rhs, precision);
+    matmul_packed(dst, dst_stride, lhs, rhs, None, accumulate, precision)
+}
+
+/// [`matmul`] with `rhs` already packed (`panels`, a view of a [`PackedRhs`] of exactly `rhs`)
+/// when there is a packing.
+pub fn matmul_packed(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    panels: Option<RhsPanels>,
+    accumulate: bool,
+    precision: Precision,
+) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, panels, precision);
     // SAFETY: `check_product` proved every view lies inside its slice, and `dst` is borrowed
     // mutably while the inputs are shared borrows, so they cannot overlap.
     unsafe {
@@ -156,6 +241,7 @@ pub fn matmul(
             dst_stride,
             lhs,
             rhs,
+            panels,
             accumulate,
             precision,
         )
@@ -170,7 +256,7 @@ const TILE_MIN_SIDE: usize = 128;
 const MAX_TILES: usize = 8;
 
 /// How [`par_matmul`] splits an `m × n` product with inner dimension `k`: into `tiles` bands of
-/// rows (`by_rows`) or of columns, each a multiple of 16 long but the last. A function of the
+/// rows (`by_rows`) or of columns, each a multiple of 32 long but the last. A function of the
 /// shape alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tiling {
@@ -186,7 +272,8 @@ impl Tiling {
         let tiles = (side / TILE_MIN_SIDE)
             .min(m * n * k / TILE_MIN_MACS)
             .clamp(1, MAX_TILES);
-        let band = side.div_ceil(tiles).next_multiple_of(16).max(1);
+        // Multiples of 32: whole bf16 panels, so that a packed weight's panels serve a band.
+        let band = side.div_ceil(tiles).next_multiple_of(32).max(1);
         Tiling {
             tiles: side.div_ceil(band).max(1),
             by_rows,
@@ -205,26 +292,51 @@ pub fn par_matmul(
     accumulate: bool,
     precision: Precision,
 ) {
-    check_product(dst.len(), dst_stride, &lhs, &rhs, precision);
+    par_matmul_packed(dst, dst_stride, lhs, rhs, None, accumulate, precision)
+}
+
+/// [`par_matmul`] with `rhs` already packed, as [`matmul_packed`].
+pub fn par_matmul_packed(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    panels: Option<RhsPanels>,
+    accumulate: bool,
+    precision: Precision,
+) {
     let (m, n) = (lhs.rows, rhs.cols);
     let plan = Tiling::of(m, n, lhs.cols);
     if plan.tiles == 1 {
-        return matmul(dst, dst_stride, lhs, rhs, accumulate, precision);
+        return matmul_packed(dst, dst_stride, lhs, rhs, panels, accumulate, precision);
     }
+    check_product(dst.len(), dst_stride, &lhs, &rhs, panels, precision);
     let dst = SharedDst(dst.as_mut_ptr());
     (0..plan.tiles).into_par_iter().for_each(|tile| {
         let start = tile * plan.band;
         let side = if plan.by_rows { m } else { n };
         let band = start..(start + plan.band).min(side);
-        let (offset, lhs, rhs) = if plan.by_rows {
-            (band.start * dst_stride, lhs.row_range(band), rhs)
+        let (offset, lhs, rhs, panels) = if plan.by_rows {
+            (band.start * dst_stride, lhs.row_range(band), rhs, panels)
         } else {
-            (band.start, lhs, rhs.col_range(band))
+            // A band of whole panels keeps its panels (bands are multiples of 32 columns).
+            let panels = panels.and_then(|p| p.cols(band.clone()));
+            (band.start, lhs, rhs.col_range(band), panels)
         };
         // SAFETY: the whole destination was checked above; the tiles are disjoint bands of
         // it (rows or columns), so no element is written by two threads, and nothing else
         // reads or writes `dst` until every tile has finished (`for_each` joins them).
-        unsafe { gemm_unchecked(dst.at(offset), dst_stride, lhs, rhs, accumulate, precision) }
+        unsafe {
+            gemm_unchecked(
+                dst.at(offset),
+                dst_stride,
+                lhs,
+                rhs,
+                panels,
+                accumulate,
+                precision,
+            )
+        }
     });
 }
 
@@ -244,7 +356,14 @@ impl SharedDst {
 
 /// Panics unless the views lie inside their slices, an `m × n` destination with `dst_stride`
 /// fits in `dst_len` elements, and this machine computes in `precision`.
-fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat, precision: Precision) {
+fn check_product(
+    dst_len: usize,
+    dst_stride: usize,
+    lhs: &Mat,
+    rhs: &Mat,
+    panels: Option<RhsPanels>,
+    precision: Precision,
+) {
     assert!(
         precision.available(),
         "matmul: this CPU has no {} arithmetic (the command line refuses it first)",
@@ -252,6 +371,13 @@ fn check_product(dst_len: usize, dst_stride: usize, lhs: &Mat, rhs: &Mat, precis
     );
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     assert_eq!(rhs.rows, k, "matmul: inner dimensions differ");
+    if let Some(panels) = panels {
+        assert!(
+            precision == Precision::Bf16 && panels.fits(k, n),
+            "matmul: packed panels of another shape or precision than a {k}×{n} {} rhs",
+            precision.name()
+        );
+    }
     lhs.check("matmul lhs");
     rhs.check("matmul rhs");
     assert!(
@@ -269,6 +395,7 @@ unsafe fn gemm_unchecked(
     dst_stride: usize,
     lhs: Mat,
     rhs: Mat,
+    panels: Option<RhsPanels>,
     accumulate: bool,
     precision: Precision,
 ) {
@@ -288,9 +415,10 @@ unsafe fn gemm_unchecked(
     #[cfg(target_arch = "x86_64")]
     if precision == Precision::Bf16 {
         // SAFETY: per the contract (bf16 available, views inside, k > 0).
-        return unsafe { bf16::gemm(dst, dst_stride, lhs, rhs, accumulate) };
+        return unsafe { bf16::gemm(dst, dst_stride, lhs, rhs, panels.map(|p| p.0), accumulate) };
     }
     debug_assert_eq!(precision, Precision::F32);
+    let _ = panels;
     // SAFETY: per the contract.
     unsafe {
         gemm::gemm(

@@ -470,7 +470,10 @@ fn bf16_training_agrees_between_ranks_and_learns_as_fp32_does() {
         .unwrap();
     assert_eq!(refused.status.code(), Some(2));
     let err = text(&refused.stderr);
-    assert!(err.contains("--precision") && err.contains("choose fp32 or bf16"), "{err}");
+    assert!(
+        err.contains("--precision") && err.contains("choose fp32 or bf16"),
+        "{err}"
+    );
     if !std::process::Command::new("grep")
         .args(["-q", "avx512_bf16", "/proc/cpuinfo"])
         .status()
@@ -496,7 +499,10 @@ fn bf16_training_agrees_between_ranks_and_learns_as_fp32_does() {
         );
         let accuracy = stdout
             .lines()
-            .find_map(|l| l.split("Accuracy of the network on the 200 test images: ").nth(1))
+            .find_map(|l| {
+                l.split("Accuracy of the network on the 200 test images: ")
+                    .nth(1)
+            })
             .and_then(|a| a.trim_end_matches(" %").trim().parse().ok())
             .unwrap_or_else(|| panic!("no accuracy in\n{stdout}"));
         (accuracy, finished(&stdout), stdout)
@@ -515,7 +521,11 @@ fn bf16_training_agrees_between_ranks_and_learns_as_fp32_does() {
     );
     let metrics = std::fs::read_to_string(job.path("bf16/local/metrics/rank-0.jsonl")).unwrap();
     assert!(
-        metrics.lines().next().unwrap().contains(r#""precision":"bf16""#),
+        metrics
+            .lines()
+            .next()
+            .unwrap()
+            .contains(r#""precision":"bf16""#),
         "the run records its precision: {}",
         metrics.lines().next().unwrap()
     );
