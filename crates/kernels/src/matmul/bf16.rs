@@ -229,25 +229,25 @@ impl<'a> PanelView<'a> {
     /// Rows `rows` of this block, `None` unless both ends fall on a pair's boundary (even), or
     /// the end is the block's last row.
     pub fn rows(self, rows: std::ops::Range<usize>, k: usize) -> Option<Self> {
-        let ends_well = rows.end % 2 == 0 || rows.end == k;
-        (rows.start % 2 == 0 && ends_well && rows.start <= rows.end && rows.end <= k).then(|| {
-            PanelView {
+        let ends_well = rows.end.is_multiple_of(2) || rows.end == k;
+        (rows.start.is_multiple_of(2) && ends_well && rows.start <= rows.end && rows.end <= k).then(
+            || PanelView {
                 pair0: self.pair0 + rows.start / 2,
                 pairs: rows.end.div_ceil(2) - rows.start / 2,
                 ..self
-            }
-        })
+            },
+        )
     }
 
     /// Columns `cols` of this block, `None` unless it starts on a panel's boundary.
     pub fn cols(self, cols: std::ops::Range<usize>) -> Option<Self> {
-        (cols.start % NR == 0 && cols.start <= cols.end && cols.end <= self.cols).then(|| {
-            PanelView {
+        (cols.start.is_multiple_of(NR) && cols.start <= cols.end && cols.end <= self.cols).then(
+            || PanelView {
                 panel0: self.panel0 + cols.start / NR,
                 cols: cols.len(),
                 ..self
-            }
-        })
+            },
+        )
     }
 
     /// Whether this is a packing of a `k × n` matrix.
