@@ -90,25 +90,32 @@ def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128
     return summary
 
 
-def epoch_table(images):
+def epoch_table(images, precisions=("fp32",), dev=True):
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         subprocess.run(["target/release/trainctl", "data", "synth", "--out", data, "--train", str(images),
                         "--test", "200"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         rows = []
-        for name, binary in [("trainctl release", "target/release/trainctl"), ("trainctl dev", "target/debug/trainctl")]:
-            cmd = [binary, "run", "--standalone", "--nproc-per-node", "2", "train", "--data", data,
-                   "--epochs", "1", "--no-eval", "--no-download", "--out", os.path.join(tmp, name.replace(" ", "-"))]
+        builds = [("trainctl release", "target/release/trainctl")]
+        if dev:
+            builds.append(("trainctl dev", "target/debug/trainctl"))
+        for precision in precisions:
+            for name, binary in builds:
+                cmd = [binary, "run", "--standalone", "--nproc-per-node", "2", "train", "--data", data,
+                       "--epochs", "1", "--no-eval", "--no-download", "--precision", precision,
+                       "--out", os.path.join(tmp, name.replace(" ", "-") + precision)]
+                start = time.perf_counter()
+                subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                rows.append((f"{name} {precision}", time.perf_counter() - start))
+            torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
+            cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "bench/pytorch_ddp.py", "--data", data,
+                   "--epochs", "1", "--precision", precision]
             start = time.perf_counter()
             subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            rows.append((name, time.perf_counter() - start))
-        torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
-        cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "bench/pytorch_ddp.py", "--data", data, "--epochs", "1"]
-        start = time.perf_counter()
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rows.append(("pytorch ddp (torchrun, gloo)", time.perf_counter() - start))
-    torch_s = rows[-1][1]
-    print(f"\n| one epoch of {images} images, 2 workers × batch 128 | whole-process wall (s) | images/s | PyTorch time ÷ this |")
+            rows.append((f"pytorch ddp (torchrun, gloo) {precision}", time.perf_counter() - start))
+    torch_s = next(s for name, s in rows if name.startswith("pytorch") and name.endswith("fp32")) \
+        if "fp32" in precisions else rows[-1][1]
+    print(f"\n| one epoch of {images} images, 2 workers × batch 128 | whole-process wall (s) | images/s | PyTorch fp32 time ÷ this |")
     print("|---|--:|--:|--:|")
     for name, s in rows:
         print(f"| {name} | {s:.1f} | {images / s:.1f} | {torch_s / s:.2f}× |")
@@ -131,7 +138,7 @@ def main():
         step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline,
                    (name, int(size), int(batch)), tuple(a.precision.split(",")), not a.no_dev)
     if a.epoch:
-        epoch_table(a.epoch)
+        epoch_table(a.epoch, tuple(a.precision.split(",")), not a.no_dev)
 
 
 if __name__ == "__main__":

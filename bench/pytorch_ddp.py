@@ -38,6 +38,8 @@ def main():
     p.add_argument("--data", required=True)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: the forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,7 +56,8 @@ def main():
         for i in range(0, len(order), args.batch_size):
             idx = order[i:i + args.batch_size]
             opt.zero_grad()
-            loss = loss_fn(model(images[idx]), labels[idx])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                loss = loss_fn(model(images[idx]), labels[idx])
             loss.backward()
             opt.step()
             steps += 1

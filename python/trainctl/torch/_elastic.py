@@ -152,6 +152,9 @@ class Elastic:
         self._order_cache = None
         # The sockets that were open before the group now starting (None: no group starting).
         self._starting = None
+        # Set (by the control channel's thread) when the round of the group now starting is
+        # over before the group has started.
+        self._round_over = False
         self._flags_out = None
         self._flags_in = None
         # The straggler watch (as the built-in trainer's; window 0: none) and the step's times.
@@ -537,8 +540,10 @@ class Elastic:
             return self._sync()
         self._choose_interface()
         before = _sockets()
+        self._round_over = False
         # While the group starts, an abort breaks what it has opened so far (see _abort_links).
         self._starting = set(before.values())
+        self._wait_for_store()
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
         if self.backend == "nccl":
@@ -658,6 +663,28 @@ class Elastic:
             except Exception:  # noqa: BLE001 - a broken group is gone either way
                 pass
 
+    def _wait_for_store(self):
+        """Every rank but the store's host (rank 0) first waits, in short tries, until the
+        round's store answers, and gives up as soon as the round is over. torch's own connect
+        loop retries through the interrupt _on_message sends until its timeout (20 s and more
+        lost, long enough for the next round's store to give up on this rank in turn)."""
+        if os.environ.get("RANK", "0") == "0" or not os.environ.get("MASTER_ADDR"):
+            return
+        address = (os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0))
+        timeout = float(os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT") or 1800)
+        deadline = time.monotonic() + timeout
+        while not self._round_over:
+            try:
+                socket.create_connection(address, timeout=0.5).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return  # torch's own connect says why
+                time.sleep(0.1)
+        raise RuntimeError(
+            f"the round was over before its store at {address[0]}:{address[1]} answered"
+        )
+
     def _on_message(self, message):
         """The agent's messages as they arrive (the control channel's reader thread): an Abort
         breaks the group's links; an assignment while a group is still starting means that
@@ -665,6 +692,9 @@ class Elastic:
         starting = self._starting is not None
         if isinstance(message, ctl.Abort) or (isinstance(message, ctl.Assign) and starting):
             self._abort_links()
+            if starting:
+                # After the abort, so that the start's failure reads as the group's loss.
+                self._round_over = True
             # A start may also wait where no socket is open yet (connecting to a store that
             # is gone, retrying): the signal makes that system call return, and the start
             # fail.
