@@ -10,6 +10,7 @@ use crate::scratch::{Scratch, scratch, zeros};
 /// thread count; also the most threads the weight gradient can use.
 pub const ACCUMULATORS: usize = 8;
 
+/// Gradients of a convolution; the weight gradient in PyTorch's layout.
 #[derive(Debug, Clone)]
 pub struct ConvGrads {
     pub input: Option<Vec<f32>>,
@@ -188,15 +189,18 @@ impl<'a> ForwardRhs<'a> {
             transpose_into(&weight.data, &mut rhs, c_out, k);
             rhs
         });
-        let mut rhs = ForwardRhs {
+        let mat = match &transposed {
+            Some(t) => Mat::rows(t, k, c_out),
+            None => Mat::rows(&weight.data, c_out, k).t(),
+        };
+        let packed = PackedRhs::new(mat, weight.precision);
+        ForwardRhs {
             transposed,
             weight,
-            packed: PackedRhs::new(Mat::rows(&[], 0, 0), Precision::F32),
+            packed,
             k,
             c_out,
-        };
-        rhs.packed = PackedRhs::new(rhs.mat(), weight.precision);
-        rhs
+        }
     }
 
     /// The `[k][c_out]` matrix.

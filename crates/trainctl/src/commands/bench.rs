@@ -50,8 +50,9 @@ pub struct Args {
     /// Augmentation of the loader benchmark: none, crop or resized-crop.
     #[arg(long, default_value = "crop")]
     augment: String,
-    /// The convolutions' arithmetic of the timed step: fp32, or bf16 (inputs rounded to bf16,
-    /// sums in fp32, as PyTorch's CPU autocast; needs AVX512_BF16). With --gemm: the GEMMs'.
+    /// The convolutions' arithmetic of the timed step and of --layers: fp32, or bf16 (inputs
+    /// rounded to bf16, sums in fp32, as PyTorch's CPU autocast; needs AVX512_BF16). --gemm
+    /// times both.
     #[arg(long, default_value = "fp32", value_parser = super::train::parse_precision)]
     precision: kernels::Precision,
     /// Time the GEMM alone instead, on the shapes of resnet18's and resnet50's convolutions at
