@@ -121,6 +121,8 @@ pub struct TrainArgs {
     pub no_download: bool,
     /// `s3://` prefix the model, checkpoint and run files go to when training ends.
     pub upload: Option<String>,
+    /// `--precision` when not the default (fp32): `bf16`.
+    pub precision: Option<String>,
 }
 
 impl TrainArgs {
@@ -147,6 +149,9 @@ impl TrainArgs {
         }
         if let Some(upload) = &self.upload {
             argv.extend(["--upload".into(), upload.clone()]);
+        }
+        if let Some(precision) = &self.precision {
+            argv.extend(["--precision".into(), precision.clone()]);
         }
         argv
     }

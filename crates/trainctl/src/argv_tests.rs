@@ -89,6 +89,10 @@ fn assert_train_round_trip(train: &TrainArgs) {
     assert_eq!(args.learning_rate, train.learning_rate, "exactly");
     assert_eq!(args.no_download, train.no_download);
     assert_eq!(args.upload, train.upload);
+    assert_eq!(
+        args.precision.name(),
+        train.precision.as_deref().unwrap_or("fp32")
+    );
 }
 
 fn project(settings: &[(&'static str, &str)]) -> Project {
@@ -107,6 +111,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
             ("job.batch_size", "48"),
             ("job.learning_rate", "0.0123456789"),
             ("job.upload", "s3://bucket/runs"),
+            ("job.precision", "bf16"),
             ("job.nnodes", "2:4"),
             ("job.rdzv_backend", "etcd"),
             ("job.max_restarts", "7"),
@@ -153,6 +158,7 @@ fn train_arguments_read_back_exactly() {
             learning_rate: 1e-7,
             no_download: false,
             upload: None,
+            precision: Some("bf16".into()),
         });
     }
 }

@@ -153,6 +153,8 @@ pub struct Job {
     pub command: Option<Vec<String>>,
     /// The built-in trainer's network (`--model`).
     pub model: String,
+    /// The built-in trainer's `--precision`: `fp32` or `bf16`.
+    pub precision: String,
     pub rdzv_backend: RdzvBackend,
     pub etcd_image: String,
     pub etcd_storage: EtcdStorage,
@@ -390,6 +392,7 @@ impl Project {
                 }
             },
             stragglers: v.str("job.stragglers")?,
+            precision: v.str("job.precision")?,
             health_check: v.str("job.health_check")?,
             runs_dir: v.str("job.runs_dir")?,
             ttl_seconds: v.number("job.ttl_seconds")?,

@@ -59,6 +59,7 @@ pub(super) fn train_args(project: &Project) -> TrainArgs {
         // The data job puts the data set on the volume first.
         no_download: true,
         upload: j.upload.clone(),
+        precision: (j.precision != "fp32").then(|| j.precision.clone()),
     }
 }
 
