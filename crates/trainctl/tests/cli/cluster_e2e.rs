@@ -189,7 +189,23 @@ fn cluster_e2e_a_one_node_job_runs_and_leaves_nothing_after_its_ttl() {
         "--timeout",
         "600",
     ]));
-    run_ok(t(&["job", "launch"]).args(["--nnodes", "1", "--ttl-seconds", "5"]));
+    // In bf16 where this machine's CPU has it (the lab cluster's node is this machine): the
+    // setting reaches the pod's trainer, which trains with it.
+    let bf16 = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains("avx512_bf16"));
+    let precision = if bf16 { "bf16" } else { "fp32" };
+    run_ok(t(&["job", "launch"]).args([
+        "--nnodes",
+        "1",
+        "--ttl-seconds",
+        "5",
+        "--precision",
+        precision,
+    ]));
+    let rendered = text(
+        &run_ok(&mut t(&["job", "render"]).args(["--nnodes", "1", "--precision", precision]))
+            .stdout,
+    );
+    assert_eq!(rendered.contains("- bf16"), bf16, "{rendered}");
     let status = run_ok(&mut t(&["job", "wait", "--timeout", "900"]));
     assert!(
         text(&status.stdout).contains("succeeded"),
