@@ -88,15 +88,32 @@ fn two_local_workers_learn_agree_and_save_an_evaluable_model() {
 
 #[test]
 fn an_interrupted_run_resumes_and_takes_the_same_steps() {
+    interrupted_run_resumes_exactly(&[]);
+}
+
+/// The same in bf16: its kernels are as deterministic, and the checkpoint holds the fp32
+/// weights and momentum, so resuming is as exact.
+#[test]
+fn an_interrupted_bf16_run_resumes_and_takes_the_same_steps() {
+    if !std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains("avx512_bf16")) {
+        eprintln!("SKIPPED: this CPU has no AVX512_BF16");
+        return;
+    }
+    interrupted_run_resumes_exactly(&["--precision", "bf16"]);
+}
+
+fn interrupted_run_resumes_exactly(extra: &[&str]) {
     let job = Job::new(256, 20);
     let mut args = train_args(&job, "a", 2);
     args.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
+    args.extend(extra.iter().map(|a| a.to_string()));
     let whole = text(&run_ok(two_local_workers().args(&args)).stdout);
     let expected = finished(&whole);
     assert_eq!(expected.len(), 2, "{whole}");
 
     let mut args_b = train_args(&job, "b", 2);
     args_b.extend(["--checkpoint-every".into(), "2".into(), "--no-eval".into()]);
+    args_b.extend(extra.iter().map(|a| a.to_string()));
     let mut first = Running::start(two_local_workers().args(&args_b));
     first.wait_for_line(Duration::from_secs(120), |l| {
         l.contains("checkpoint saved at step 4")
