@@ -13,10 +13,7 @@ use rayon::prelude::*;
 pub mod bf16;
 
 /// What a GEMM's inputs are rounded to before they are multiplied; the sums are f32 either way.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// f32 inputs (the `gemm` crate).
     #[default]

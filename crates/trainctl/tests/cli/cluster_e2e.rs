@@ -202,8 +202,7 @@ fn cluster_e2e_a_one_node_job_runs_and_leaves_nothing_after_its_ttl() {
         precision,
     ]));
     let rendered = text(
-        &run_ok(&mut t(&["job", "render"]).args(["--nnodes", "1", "--precision", precision]))
-            .stdout,
+        &run_ok(t(&["job", "render"]).args(["--nnodes", "1", "--precision", precision])).stdout,
     );
     assert_eq!(rendered.contains("- bf16"), bf16, "{rendered}");
     let status = run_ok(&mut t(&["job", "wait", "--timeout", "900"]));
