@@ -22,6 +22,8 @@ echo "# torch $(bench/.venv/bin/python -c 'import torch; print(torch.__version__
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--epoch 5120)
 bench/.venv/bin/python bench/compare.py "${args[@]}"
+echo "# the GEMM alone on the ResNets' shapes, fp32 and bf16, against this core's measured multiply-add peak"
+target/release/trainctl bench --gemm
 echo "# trainctl release, each convolution alone (1 thread)"
 target/release/trainctl bench --layers
 echo "# pytorch, each convolution alone (1 thread)"
