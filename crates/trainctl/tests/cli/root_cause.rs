@@ -77,6 +77,26 @@ fn a_recorded_exception_is_the_root_cause_with_its_line() {
     assert!(written.contains(&raising_line()), "{written}");
 }
 
+/// A train command line refused before any worker starts (exit 2): the reason is in the
+/// termination message too, where a pod's status shows it (a typo in a job's settings, or
+/// `--precision bf16` on a node without AVX512_BF16).
+#[test]
+fn a_refused_command_line_is_the_termination_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let message = dir.path().join("termination-log");
+    let out = trainctl()
+        .args(["run", "--standalone", "--termination-log"])
+        .arg(&message)
+        .args(["train", "--epochs", "0", "--data"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--epochs 0: must be at least 1"));
+    let written = std::fs::read_to_string(&message).unwrap();
+    assert_eq!(written, "trainctl run: --epochs 0: must be at least 1\n");
+}
+
 /// Rank 0 raises first but takes two seconds to exit (a slow cleanup); rank 1 raises a second
 /// later and exits at once. The root cause is rank 0's, by when each recorded its error, not
 /// rank 1's, which exited first.

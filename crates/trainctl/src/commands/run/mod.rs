@@ -251,8 +251,9 @@ fn rdzv_backend_parser() -> impl clap::builder::TypedValueParser<Value = RdzvBac
 
 pub fn run(args: Args) -> anyhow::Result<i32> {
     launcher::agent_without_huge_pages();
-    check_program(&args.command).map_err(super::usage)?;
-    let plan = Plan::from_args(&args).map_err(super::usage)?;
+    let refused = |e| refuse(e, args.termination_log.as_deref());
+    check_program(&args.command).map_err(refused)?;
+    let plan = Plan::from_args(&args).map_err(refused)?;
     fetch(&args.fetch, &args.fetch_dir)?;
     match plan.topology {
         Topology::Elastic { limits, endpoint } => {
@@ -501,6 +502,17 @@ fn finish(
     let code = report_outcome(outcome, &mut *err, termination_log);
     let _ = err.flush();
     code
+}
+
+/// A command line refused before any worker starts (exit 2: a typo, or `train --precision
+/// bf16` on a CPU without it): the reason also goes to the termination log, where a pod's
+/// status (`job status`) shows it rather than only its log.
+fn refuse(e: anyhow::Error, termination_log: Option<&Path>) -> anyhow::Error {
+    if let Some(path) = termination_log {
+        let report = format!("trainctl run: {}\n", crate::output::chain(&e));
+        let _ = std::fs::write(path, head_of(&report, TERMINATION_MESSAGE_BYTES));
+    }
+    super::usage(e)
 }
 
 /// The most of a termination message Kubernetes keeps (`terminationMessagePath`).
