@@ -324,7 +324,12 @@ fn c10d_a_node_far_below_the_others_health_is_refused_with_the_figures() {
     // The two that train measure and record their figures, but on a machine shared with other
     // tests the second may measure well below the first: only the third refuses.
     c.run_args = vec!["--health-check", "warn"];
-    let agents = [c.start(1, 1), c.start(2, 1)];
+    // The second starts once the first has measured (it joins, figures and all, right after
+    // saying so): started together, both measured before either had published (a full suite
+    // on a busy machine saw it).
+    let first = c.start(1, 1);
+    c.agents[first].wait_for_line(JOB_TIMEOUT, |l| l.contains("health check"));
+    let agents = [first, c.start(2, 1)];
     c.wait_for_step_at(2, 1);
     c.run_args = vec!["--health-check", "refuse"];
     let mut cmd = c.command(3, 1);
