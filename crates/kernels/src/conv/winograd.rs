@@ -59,8 +59,11 @@ impl WinogradWeight {
     }
 
     /// The 16 planes (or their transposes) packed once for every chunk's products: bf16
-    /// panels in bf16, nothing in f32 ([`PackedRhs`]).
+    /// panels in bf16; none in f32, which the `gemm` crate packs per product.
     fn packed_planes(&self, ci: usize, co: usize, transposed: bool) -> Vec<PackedRhs> {
+        if self.precision == Precision::F32 {
+            return Vec::new();
+        }
         (0..16)
             .into_par_iter()
             .map(|xi| {
@@ -392,7 +395,7 @@ pub fn forward(
                             co,
                             Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
                             u.plane(xi, ci, co),
-                            planes[xi].view(0..ci, 0..co),
+                            planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
                             false,
                             u.precision,
                         );
@@ -558,7 +561,7 @@ pub fn backward(
                                         ci,
                                         Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
                                         u.plane(xi, ci, co).t(),
-                                        planes[xi].view(0..co, 0..ci),
+                                        planes.get(xi).and_then(|p| p.view(0..co, 0..ci)),
                                         false,
                                         u.precision,
                                     );
