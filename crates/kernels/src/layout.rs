@@ -64,7 +64,14 @@ pub fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
 /// 9 taps: two blocks rather than a column element by element, which costs about 1.5 ns an
 /// element, ten times a copy: strided reads, one at a time). Each element is a copy, written
 /// the same whichever block writes it.
-fn block(s: &[f32], s_stride: usize, d: &mut [f32], d_stride: usize, nr: usize, nc: usize) {
+pub(crate) fn block(
+    s: &[f32],
+    s_stride: usize,
+    d: &mut [f32],
+    d_stride: usize,
+    nr: usize,
+    nc: usize,
+) {
     if nr == 0 || nc == 0 {
         return;
     }

@@ -19,11 +19,14 @@ pub struct Shape {
 }
 
 /// The GEMMs that take most of a ResNet step (docs/PERFORMANCE.md's layer table): Winograd's
-/// 16 per chunk (rows: 2×2 tiles of a chunk of images), the direct layers' per-span products
-/// (rows: the batch), im2col's stem and the 1×1 layers (rows: output pixels of a chunk).
-pub const RESNET_SHAPES: [Shape; 9] = [
+/// 16 or 36 per chunk (rows: 2×2 or 4×4 tiles of a chunk of images; fp32 takes 4×4 tiles from
+/// 8×8 outputs, bf16 2×2 everywhere), the direct layers' per-span products (rows: the batch),
+/// im2col's stem and the 1×1 layers (rows: output pixels of a chunk).
+pub const RESNET_SHAPES: [Shape; 11] = [
     shape("resnet18 winograd 64->64 at 16x16", 2048, 64, 64, false),
     shape("resnet18 winograd 128->128 at 8x8", 512, 128, 128, false),
+    shape("resnet18 winograd4 64->64 at 16x16", 320, 64, 64, false),
+    shape("resnet18 winograd4 128->128 at 8x8", 128, 128, 128, false),
     shape("resnet18 winograd 256->256 at 4x4", 128, 256, 256, false),
     shape(
         "resnet18 direct 512->512 at 2x2, a span",

@@ -37,11 +37,14 @@ pub struct LayerTimes {
     /// What the training step uses for this shape.
     pub chosen: &'static str,
     pub im2col: AlgorithmTimes,
+    /// Winograd F(2×2, 3×3) and F(4×4, 3×3).
     pub winograd: Option<AlgorithmTimes>,
+    pub winograd4: Option<AlgorithmTimes>,
     pub direct: Option<AlgorithmTimes>,
     /// Largest difference between Winograd's and im2col's forward output and gradients,
     /// relative to the largest magnitude of each.
     pub winograd_error: Option<f64>,
+    pub winograd4_error: Option<f64>,
     /// The same for the direct convolution.
     pub direct_error: Option<f64>,
 }
@@ -117,9 +120,14 @@ pub fn conv_layers(
                     }
                 };
                 let im2col = Prepared::with(Algorithm::Im2col, &shape, &w).in_precision(precision);
-                let winograd = winograd::applies(&shape, 1).then(|| {
-                    Prepared::with(Algorithm::Winograd, &shape, &w).in_precision(precision)
-                });
+                let winograd = |algorithm| {
+                    winograd::applies(&shape, 1)
+                        .then(|| Prepared::with(algorithm, &shape, &w).in_precision(precision))
+                };
+                let (winograd, winograd4) = (
+                    winograd(Algorithm::Winograd),
+                    winograd(Algorithm::Winograd4),
+                );
                 let [oh, ow] = shape.out_size();
                 let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS)
                     .then(|| Prepared::with(Algorithm::Direct, &shape, &w).in_precision(precision));
@@ -153,19 +161,24 @@ pub fn conv_layers(
                     .into_iter()
                     .fold(0.0f32, f32::max) as f64
                 };
-                let (winograd_error, direct_error) =
-                    (winograd.as_ref().map(error), direct.as_ref().map(error));
+                let (winograd_error, winograd4_error, direct_error) = (
+                    winograd.as_ref().map(error),
+                    winograd4.as_ref().map(error),
+                    direct.as_ref().map(error),
+                );
                 LayerTimes {
                     layer: name.clone(),
                     input: [shape.batch, c_in, shape.height, shape.width],
                     c_out,
                     kernel: shape.kernel[0],
                     stride: shape.stride[0],
-                    chosen: Algorithm::of(&shape).name(),
+                    chosen: Algorithm::of(&shape, precision).name(),
                     im2col: time(&im2col),
                     winograd: winograd.as_ref().map(time),
+                    winograd4: winograd4.as_ref().map(time),
                     direct: direct.as_ref().map(time),
                     winograd_error,
+                    winograd4_error,
                     direct_error,
                 }
             })

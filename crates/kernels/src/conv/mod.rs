@@ -1,8 +1,9 @@
 //! 2-D convolution of NHWC `f32` tensors: the forward pass with the bias and ReLU fused in, and
-//! both gradients, by one of three algorithms that [`Algorithm::of`] picks from the shape:
-//! stride-1 3×3 layers with enough input channels and outputs run as Winograd F(2×2, 3×3)
-//! ([`winograd`]), other small outputs with taps in the padding pixel by pixel ([`direct`]),
-//! every other shape as batched im2col + GEMM ([`im2col`]).
+//! both gradients, by one of three algorithms that [`Algorithm::of`] picks from the shape and
+//! the precision: stride-1 3×3 layers with enough input channels and outputs run as Winograd
+//! ([`winograd`]: F(4×4, 3×3) from 8×8 outputs in fp32, F(2×2, 3×3) otherwise), other small
+//! outputs with taps in the padding pixel by pixel ([`direct`]), every other shape as batched
+//! im2col + GEMM ([`im2col`]).
 //!
 //! This module only dispatches. What the algorithms share (the shape, the packed weight, the
 //! backward's chunk groups and their ordered sums) lives in `shape` and `shared`; each
@@ -21,7 +22,7 @@ pub mod winograd;
 
 pub use shape::ConvShape;
 pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight};
-use winograd::WinogradWeight;
+use winograd::{Tile, WinogradWeight};
 
 use crate::matmul::Precision;
 
@@ -33,7 +34,15 @@ pub const WINOGRAD_MIN_CHANNELS: usize = 32;
 /// the GEMMs save.
 pub const WINOGRAD_MIN_SIDE: usize = 4;
 
-/// Whether [`Prepared::new`] computes `s` with Winograd F(2×2, 3×3).
+/// ...and the output side from which it takes 4×4 tiles (F(4×4, 3×3): 36 products for 16
+/// outputs, against F(2×2)'s 64), in fp32 only. On resnet18's 8×8 and 16×16 layers it took
+/// 25–35 % less time than F(2×2) (docs/PERFORMANCE.md); at 4×4 one tile covers the image, and
+/// its 36 planes of transformed weights (2.25× F(2×2)'s, every step) cost more than its GEMMs
+/// save. In bf16 its transforms (values scaled by up to 8 before rounding to 8 bits of
+/// mantissa) put the result 5–20 % off, against F(2×2)'s 1 %.
+pub const WINOGRAD4_MIN_SIDE: usize = 8;
+
+/// Whether [`Prepared::new`] computes `s` with Winograd.
 fn winograd_pays(s: &ConvShape) -> bool {
     let [oh, ow] = s.out_size();
     winograd::applies(s, WINOGRAD_MIN_CHANNELS) && oh.min(ow) >= WINOGRAD_MIN_SIDE
@@ -42,8 +51,11 @@ fn winograd_pays(s: &ConvShape) -> bool {
 /// The algorithms, as [`Prepared::new`] picks them for a shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algorithm {
-    /// Stride-1 3×3 layers from 4×4 outputs and 32 input channels (module `winograd`).
+    /// Stride-1 3×3 layers from 4×4 outputs and 32 input channels (module `winograd`), by
+    /// F(2×2, 3×3)...
     Winograd,
+    /// ...or, from 8×8 outputs in fp32, by F(4×4, 3×3).
+    Winograd4,
     /// Other small outputs with taps in the padding, pixel by pixel (module `direct`).
     Direct,
     /// Everything else.
@@ -51,8 +63,12 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    pub fn of(s: &ConvShape) -> Self {
-        if winograd_pays(s) {
+    /// The algorithm for `s` whose GEMMs round their inputs to `precision`.
+    pub fn of(s: &ConvShape, precision: Precision) -> Self {
+        let [oh, ow] = s.out_size();
+        if winograd_pays(s) && precision == Precision::F32 && oh.min(ow) >= WINOGRAD4_MIN_SIDE {
+            Algorithm::Winograd4
+        } else if winograd_pays(s) {
             Algorithm::Winograd
         } else if direct::pays(s) {
             Algorithm::Direct
@@ -65,6 +81,7 @@ impl Algorithm {
         match self {
             Algorithm::Direct => "direct",
             Algorithm::Winograd => "winograd",
+            Algorithm::Winograd4 => "winograd4",
             Algorithm::Im2col => "im2col",
         }
     }
@@ -79,14 +96,15 @@ pub enum Prepared {
 }
 
 impl Prepared {
-    /// The name of the algorithm [`Prepared::new`] picks for `s`.
-    pub fn algorithm(s: &ConvShape) -> &'static str {
-        Algorithm::of(s).name()
+    /// The name of the algorithm [`Prepared::new`] picks for `s` in `precision`.
+    pub fn algorithm(s: &ConvShape, precision: Precision) -> &'static str {
+        Algorithm::of(s, precision).name()
     }
 
-    /// The algorithm for `s` and the weight (PyTorch's layout) transformed for it.
-    pub fn new(s: &ConvShape, weight: &[f32]) -> Self {
-        Prepared::with(Algorithm::of(s), s, weight)
+    /// The algorithm for `s` in `precision` and the weight (PyTorch's layout) transformed for
+    /// it, its GEMMs rounding their inputs to `precision`.
+    pub fn new(s: &ConvShape, weight: &[f32], precision: Precision) -> Self {
+        Prepared::with(Algorithm::of(s, precision), s, weight).in_precision(precision)
     }
 
     /// The weight transformed for `algorithm`, whether or not it is the one `s` gets (each
@@ -94,7 +112,12 @@ impl Prepared {
     pub fn with(algorithm: Algorithm, s: &ConvShape, weight: &[f32]) -> Self {
         match algorithm {
             Algorithm::Direct => Prepared::Direct(PackedWeight::from_torch(s, weight)),
-            Algorithm::Winograd => Prepared::Winograd(WinogradWeight::from_torch(s, weight)),
+            Algorithm::Winograd => {
+                Prepared::Winograd(WinogradWeight::from_torch(s, weight, Tile::F2))
+            }
+            Algorithm::Winograd4 => {
+                Prepared::Winograd(WinogradWeight::from_torch(s, weight, Tile::F4))
+            }
             Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(s, weight)),
         }
     }

@@ -89,8 +89,7 @@ pub(super) fn conv_with_weight(
         Some(shape),
         flops,
         || {
-            let prepared =
-                Prepared::new(&shape, &f32s(weight)).in_precision(crate::device::precision());
+            let prepared = Prepared::new(&shape, &f32s(weight), crate::device::precision());
             let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
             let [oh, ow] = shape.out_size();
             (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), prepared)

@@ -326,7 +326,7 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
 
 /// A convolution's name in the operation profile, and its forward arithmetic.
 fn conv_profile(s: &ConvShape) -> (String, f64) {
-    let algorithm = Prepared::algorithm(s);
+    let algorithm = Prepared::algorithm(s, crate::device::precision());
     let name = format!(
         "conv {}x{}/{} {}->{} at {}x{} ({algorithm})",
         s.kernel[0], s.kernel[1], s.stride[0], s.c_in, s.c_out, s.height, s.width
