@@ -39,7 +39,7 @@ pub const WINOGRAD_MIN_SIDE: usize = 4;
 /// 25–35 % less time than F(2×2) (docs/PERFORMANCE.md); at 4×4 one tile covers the image, and
 /// its 36 planes of transformed weights (2.25× F(2×2)'s, every step) cost more than its GEMMs
 /// save. In bf16 its transforms (values scaled by up to 8 before rounding to 8 bits of
-/// mantissa) put the result 5–20 % off, against F(2×2)'s 1 %.
+/// mantissa) put the result 3–21 % off, against F(2×2)'s 1 %.
 pub const WINOGRAD4_MIN_SIDE: usize = 8;
 
 /// Whether [`Prepared::new`] computes `s` with Winograd.

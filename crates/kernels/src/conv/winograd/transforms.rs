@@ -1,9 +1,10 @@
 //! The transforms of Winograd F(m×m, 3×3), m = 2 or 4 ([`Tile`]): `V = Bᵀ d B` of an input
 //! block, `U = G g Gᵀ` of a 3×3 kernel, `y = Aᵀ M A` back to an output tile, and their
-//! adjoints for the gradients. Written once from the matrices (Lavin & Gray, 2015), for both
-//! tiles: on the activations each entry is a vector of channels and each row of a matrix one
-//! pass combining its non-zero terms; on the weights each entry is a vector of [`LANES`]
-//! output channels.
+//! adjoints for the gradients, for both tiles, from the matrices of Lavin & Gray (2015). On the
+//! activations each entry is a vector of channels and the 2-D transforms are 1-D passes down
+//! columns then along rows, written by hand per tile (a test holds them to the matrices); on
+//! the weights each entry is a vector of [`LANES`] output channels and the matrices are
+//! applied as they are.
 
 use multiversion::multiversion;
 
