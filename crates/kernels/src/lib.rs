@@ -1,5 +1,6 @@
 //! trainctl's CPU compute kernels over plain `f32` slices: convolution (pixel by pixel for
-//! small outputs whose windows are mostly padding, Winograd F(2×2, 3×3) for stride-1 3×3 layers,
+//! small outputs whose windows are mostly padding, Winograd F(4×4, 3×3) or F(2×2, 3×3) for
+//! stride-1 3×3 layers,
 //! batched im2col + GEMM for the rest; bias and ReLU fused; both gradients), max pooling, batch
 //! norm, layout conversions and the SGD update.
 //!

@@ -26,7 +26,7 @@ use winograd::{Tile, WinogradWeight};
 
 use crate::matmul::Precision;
 
-/// Input channels from which a stride-1 3×3 convolution runs as Winograd F(2×2, 3×3) (below,
+/// Input channels from which a stride-1 3×3 convolution runs as Winograd (below,
 /// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
 pub const WINOGRAD_MIN_CHANNELS: usize = 32;
 /// ...and the output side from which it does: on smaller outputs most of a tile's 4×4 input
