@@ -640,27 +640,33 @@ mod batch_norm {
 
     #[test]
     fn sums_are_bit_identical_whatever_the_thread_count() {
-        let (channels, x, dy) = (8, values(8 * 5000, 31), values(8 * 5000, 32));
-        let gamma = values(channels, 33);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let s = norm::batch_stats(&x, channels);
-                let g = norm::backward(&x, &gamma, &s, 1e-5, &dy, None, false);
-                (s, g.input, g.gamma, g.beta)
-            })
-        };
-        let (a, b) = (run(1), run(3));
-        assert_eq!(a.0, b.0);
-        assert!(
-            a.1.iter()
-                .zip(&b.1)
-                .all(|(p, q)| p.to_bits() == q.to_bits())
-        );
-        assert_eq!((a.2, a.3), (b.2, b.3));
+        // Many rows of few channels, and a ResNet's deep layer: few rows (32 images of 4×4)
+        // of many channels, in blocks of fewer rows.
+        for (channels, rows) in [(8, 5000), (1024, 512)] {
+            let (x, dy) = (values(channels * rows, 31), values(channels * rows, 32));
+            let gamma = values(channels, 33);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| {
+                    let s = norm::batch_stats(&x, channels);
+                    let y = norm::normalize(&x, &gamma, &gamma, &s, 1e-5, None, true);
+                    let g = norm::backward(&x, &gamma, &s, 1e-5, &dy, Some(&y), false);
+                    (s, g.input, g.gamma, g.beta)
+                })
+            };
+            let (a, b) = (run(1), run(3));
+            assert_eq!(a.0, b.0, "{channels} channels");
+            assert!(
+                a.1.iter()
+                    .zip(&b.1)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{channels} channels"
+            );
+            assert_eq!((a.2, a.3), (b.2, b.3), "{channels} channels");
+        }
     }
 }
 
