@@ -25,9 +25,7 @@ use super::shared::{
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::scratch::{with_scratch, zeros};
 pub use transforms::Tile;
-use transforms::{
-    LANES, MAX_ALPHA, Matrices, pieces, pieces_mut, transform_weights, weight_grad_block,
-};
+use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
 const CHUNK_BYTES: usize = 6 << 20;
@@ -118,7 +116,6 @@ fn weight_grad_to_torch(s: &ConvShape, tile: Tile, du: &[f32]) -> Vec<f32> {
 #[derive(Clone, Copy)]
 struct Tiling {
     tile: Tile,
-    t: &'static Matrices,
     /// Output size.
     oh: usize,
     ow: usize,
@@ -130,14 +127,12 @@ struct Tiling {
 impl Tiling {
     fn of(s: &ConvShape, tile: Tile) -> Self {
         let [oh, ow] = s.out_size();
-        let t = tile.matrices();
         Tiling {
             tile,
-            t,
             oh,
             ow,
-            th: oh.div_ceil(t.m),
-            tw: ow.div_ceil(t.m),
+            th: oh.div_ceil(tile.side()),
+            tw: ow.div_ceil(tile.side()),
         }
     }
 
@@ -147,7 +142,7 @@ impl Tiling {
 
     /// α², the planes.
     fn planes(&self) -> usize {
-        self.t.alpha * self.t.alpha
+        self.tile.planes()
     }
 }
 
@@ -205,7 +200,7 @@ fn transform_inputs(s: &ConvShape, t: &Tiling, x: &[f32], n0: usize, images: usi
 /// vectors.
 #[multiversion::multiversion(targets = "simd")]
 fn input_image(s: &ConvShape, t: &Tiling, img: &[f32], planes: &mut [&mut [f32]]) {
-    let (c, a, m, tile_kind) = (s.c_in, t.t.alpha, t.t.m, t.tile);
+    let (c, a, m, tile_kind) = (s.c_in, t.tile.alpha(), t.tile.side(), t.tile);
     let zeros = vec![0.0f32; c];
     let mut r = vec![0.0f32; a * a * c];
     for ty in 0..t.th {
@@ -322,7 +317,7 @@ fn output_image(
     relu: bool,
     y: &mut [f32],
 ) {
-    let (a, mo, tile_kind) = (t.t.alpha, t.t.m, t.tile);
+    let (a, mo, tile_kind) = (t.tile.alpha(), t.tile.side(), t.tile);
     // Aᵀ M: mo rows of α vectors; then a row's mo outputs, each a vector of co.
     let mut r = vec![0.0f32; mo * a * co];
     let mut out = vec![0.0f32; mo * co];
@@ -465,7 +460,7 @@ fn output_grad_transform(t: &Tiling, g: &[f32], images: usize, co: usize, dm: &m
 /// widest vectors.
 #[multiversion::multiversion(targets = "simd")]
 fn output_grad_image(t: &Tiling, g: &[f32], co: usize, planes: &mut [&mut [f32]]) {
-    let (a, mo, tile_kind) = (t.t.alpha, t.t.m, t.tile);
+    let (a, mo, tile_kind) = (t.tile.alpha(), t.tile.side(), t.tile);
     let zeros = vec![0.0f32; co];
     // A dy: α rows of mo vectors.
     let mut r = vec![0.0f32; a * mo * co];
@@ -517,7 +512,7 @@ fn input_grad_image(
     n: usize,
     img: &mut [f32],
 ) {
-    let (c, a, m, tile_kind) = (s.c_in, t.t.alpha, t.t.m, t.tile);
+    let (c, a, m, tile_kind) = (s.c_in, t.tile.alpha(), t.tile.side(), t.tile);
     let (mut r, mut dd) = (vec![0.0f32; a * a * c], vec![0.0f32; a * c]);
     for ty in 0..t.th {
         for tx in 0..t.tw {

@@ -28,11 +28,11 @@ pub(super) const MAX_ALPHA: usize = 6;
 /// A tile's matrices, row-major: `Bᵀ` (α×α), `G` (α×3), `Aᵀ` (m×α). `G` is applied as it
 /// is; `Bᵀ` and `Aᵀ` by hand-written passes ([`Tile::bt`] and the others), which a test holds
 /// to these.
-pub(super) struct Matrices {
+struct Matrices {
     /// Outputs per tile side.
-    pub m: usize,
+    m: usize,
     /// Inputs per block side, `m + 2`.
-    pub alpha: usize,
+    alpha: usize,
     #[cfg_attr(not(test), allow(dead_code))]
     bt: &'static [f32],
     g: &'static [f32],
@@ -91,17 +91,26 @@ const F4: Matrices = Matrices {
 };
 
 impl Tile {
-    pub(super) fn matrices(self) -> &'static Matrices {
+    fn matrices(self) -> &'static Matrices {
         match self {
             Tile::F2 => &F2,
             Tile::F4 => &F4,
         }
     }
 
+    /// Outputs per tile side, m.
+    pub(super) fn side(self) -> usize {
+        self.matrices().m
+    }
+
+    /// Inputs per block side, α = m + 2.
+    pub(super) fn alpha(self) -> usize {
+        self.matrices().alpha
+    }
+
     /// Transformed values per (input, output) channel pair: α².
     pub fn planes(self) -> usize {
-        let alpha = self.matrices().alpha;
-        alpha * alpha
+        self.alpha() * self.alpha()
     }
 }
 
