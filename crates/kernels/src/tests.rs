@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 
 use crate::conv::winograd;
-use crate::conv::{self, Algorithm, ConvShape, Prepared};
+use crate::conv::{self, Algorithm, ConvShape, Prepared, Weight};
 use crate::matmul;
 use crate::matmul::Precision;
 
@@ -136,7 +136,7 @@ fn check_in(
     let w = values(s.weight_len(), seed + 1);
     let b = values(s.c_out, seed + 2);
     let dy = values(s.output_len(), seed + 3);
-    let packed = Prepared::with(algorithm, &s, &w).in_precision(precision);
+    let packed = Prepared::with(algorithm, &s, Weight::torch(&w)).in_precision(precision);
 
     let y = conv::forward(&s, &x, &packed, Some(&b), relu);
     let want = reference_forward(&s, &x, &w, &b, relu);
@@ -252,7 +252,7 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
         .into_iter()
         .filter(|p| p.available());
     for (algorithm, precision) in precisions.flat_map(|p| algorithms.iter().map(move |a| (*a, p))) {
-        let packed = Prepared::with(algorithm, &s, &w).in_precision(precision);
+        let packed = Prepared::with(algorithm, &s, Weight::torch(&w)).in_precision(precision);
         let one = run(&packed, 1);
         for threads in [2, 3, 5] {
             let other = run(&packed, threads);
@@ -295,7 +295,7 @@ fn bf16_convolutions_stay_within_bf16_rounding_of_the_exact_result() {
             conv::forward(
                 &s,
                 &x,
-                &Prepared::with(algorithm, &s, &w).in_precision(p),
+                &Prepared::with(algorithm, &s, Weight::torch(&w)).in_precision(p),
                 None,
                 false,
             )
@@ -305,6 +305,80 @@ fn bf16_convolutions_stay_within_bf16_rounding_of_the_exact_result() {
             worst_error(&y(Precision::Bf16), &want) > TOLERANCE,
             "{algorithm:?}"
         );
+    }
+}
+
+/// A PyTorch-layout weight (`[c_out][c_in][taps]`) in the kernels' `[c_out][taps][c_in]`.
+fn taps_first(s: &ConvShape, torch: &[f32]) -> Vec<f32> {
+    let taps = s.kernel[0] * s.kernel[1];
+    let mut out = vec![0.0; torch.len()];
+    for o in 0..s.c_out {
+        for c in 0..s.c_in {
+            for t in 0..taps {
+                out[(o * taps + t) * s.c_in + c] = torch[(o * s.c_in + c) * taps + t];
+            }
+        }
+    }
+    out
+}
+
+/// A weight in the kernels' own layout computes what it does in PyTorch's, to the bit, with
+/// its gradient back in the kernels' layout: every algorithm, both tiles, a partial block of
+/// Winograd's output-channel lanes and of its input channels, 1×1 and 7×7 kernels.
+#[test]
+fn a_weight_in_the_kernels_layout_gives_the_same_bits_as_in_pytorchs() {
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let shapes = [
+        (shape3x3(2, 40, 24, 8), Algorithm::Winograd4),
+        (shape3x3(2, 33, 20, 4), Algorithm::Winograd),
+        (shape3x3(16, 24, 40, 2), Algorithm::Direct),
+        (shape3x3(2, 5, 7, 6), Algorithm::Im2col),
+        (
+            ConvShape {
+                kernel: [7, 7],
+                stride: [2, 2],
+                padding: [3, 3],
+                ..shape3x3(2, 3, 16, 16)
+            },
+            Algorithm::Im2col,
+        ),
+        (
+            ConvShape {
+                kernel: [1, 1],
+                padding: [0, 0],
+                ..shape3x3(2, 16, 8, 4)
+            },
+            Algorithm::Im2col,
+        ),
+    ];
+    for (s, algorithm) in shapes {
+        s.validate().unwrap();
+        let x = values(s.input_len(), 21);
+        let w = values(s.weight_len(), 22);
+        let dy = values(s.output_len(), 23);
+        let ours = taps_first(&s, &w);
+        let run = |weight: Weight| {
+            let prepared = Prepared::with(algorithm, &s, weight);
+            let y = conv::forward(&s, &x, &prepared, None, true);
+            let g = conv::backward(&s, &x, &prepared, Some(&y), &dy, true);
+            (y, g)
+        };
+        let (y_torch, g_torch) = run(Weight::torch(&w));
+        let (y_ours, g_ours) = run(Weight::taps_first(&ours));
+        let what = format!("{s:?} by {algorithm:?}");
+        assert!(bits(&y_ours) == bits(&y_torch), "forward, {what}");
+        assert!(
+            bits(g_ours.input.as_deref().unwrap()) == bits(g_torch.input.as_deref().unwrap()),
+            "input gradient, {what}"
+        );
+        assert!(
+            bits(&g_ours.weight) == bits(&taps_first(&s, &g_torch.weight)),
+            "weight gradient, {what}"
+        );
+        // ...and the layouts really differ (but for the 1×1 kernel, where they coincide).
+        if s.kernel != [1, 1] {
+            assert_ne!(bits(&g_ours.weight), bits(&g_torch.weight), "{what}");
+        }
     }
 }
 
@@ -395,7 +469,7 @@ fn a_nan_input_stays_nan_through_the_fused_relu() {
         Algorithm::Winograd4,
         Algorithm::Direct,
     ] {
-        let packed = Prepared::with(algorithm, &s, &[-1.0; 9]);
+        let packed = Prepared::with(algorithm, &s, Weight::torch(&[-1.0; 9]));
         let y = conv::forward(&s, &x, &packed, None, true);
         assert!(y.iter().all(|v| v.is_nan()), "{algorithm:?}: {y:?}");
     }

@@ -15,6 +15,8 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
+use kernels::layout::transpose_each;
+
 use crate::data::Normalisation;
 use crate::data::cifar::CLASS_NAMES;
 use crate::error::{IoContext, Result, TrainError};
@@ -226,21 +228,33 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-/// PyTorch's layout of one tensor: linear weights transposed to `[out, in]`.
+/// PyTorch's layout of one tensor: linear weights transposed to `[out, in]`, convolution
+/// weights from the flat buffers' `[c_out][kh][kw][c_in]` to `[c_out][c_in][kh][kw]`.
 fn to_torch(entry: &Entry, values: &[f32]) -> (Vec<usize>, Vec<f32>) {
     if entry.is_linear_weight() {
         (
             entry.torch_shape(),
             transpose(values, entry.shape[0], entry.shape[1]),
         )
+    } else if entry.is_conv_weight() {
+        let (c_in, taps) = (entry.shape[1], entry.shape[2] * entry.shape[3]);
+        let mut out = vec![0.0; values.len()];
+        transpose_each(values, &mut out, taps, c_in);
+        (entry.shape.clone(), out)
     } else {
         (entry.shape.clone(), values.to_vec())
     }
 }
 
+/// The flat buffers' layout of one tensor from PyTorch's: the inverse of [`to_torch`].
 fn from_torch(entry: &Entry, values: &[f32]) -> Vec<f32> {
     if entry.is_linear_weight() {
         transpose(values, entry.shape[1], entry.shape[0])
+    } else if entry.is_conv_weight() {
+        let (c_in, taps) = (entry.shape[1], entry.shape[2] * entry.shape[3]);
+        let mut out = vec![0.0; values.len()];
+        transpose_each(values, &mut out, c_in, taps);
+        out
     } else {
         values.to_vec()
     }

@@ -8,7 +8,7 @@ use std::time::Instant;
 mod gemm;
 pub use gemm::{GemmLine, RESNET_SHAPES, Shape, gemm_report};
 
-use crate::conv::{self, Algorithm, ConvShape, Prepared};
+use crate::conv::{self, Algorithm, ConvShape, Prepared, Weight};
 use crate::conv::{direct, winograd};
 use crate::matmul::Precision;
 
@@ -119,18 +119,22 @@ pub fn conv_layers(
                         gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
                     }
                 };
-                let im2col = Prepared::with(Algorithm::Im2col, &shape, &w).in_precision(precision);
+                let im2col = Prepared::with(Algorithm::Im2col, &shape, Weight::torch(&w))
+                    .in_precision(precision);
                 let winograd = |algorithm| {
-                    winograd::applies(&shape, 1)
-                        .then(|| Prepared::with(algorithm, &shape, &w).in_precision(precision))
+                    winograd::applies(&shape, 1).then(|| {
+                        Prepared::with(algorithm, &shape, Weight::torch(&w)).in_precision(precision)
+                    })
                 };
                 let (winograd, winograd4) = (
                     winograd(Algorithm::Winograd),
                     winograd(Algorithm::Winograd4),
                 );
                 let [oh, ow] = shape.out_size();
-                let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS)
-                    .then(|| Prepared::with(Algorithm::Direct, &shape, &w).in_precision(precision));
+                let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS).then(|| {
+                    Prepared::with(Algorithm::Direct, &shape, Weight::torch(&w))
+                        .in_precision(precision)
+                });
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {

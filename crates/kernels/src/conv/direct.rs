@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use super::ConvShape;
 use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, check_backward_sizes, chunk_gradient, relu_in_place,
-    tap_range, unpack_to_torch,
+    tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{scratch, zeros};
@@ -93,7 +93,7 @@ fn spans(s: &ConvShape) -> Vec<Span> {
 pub fn forward(
     s: &ConvShape,
     x: &[f32],
-    weight: &PackedWeight,
+    weight: &PackedWeight<'_>,
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
@@ -132,7 +132,7 @@ pub fn forward(
 pub fn backward(
     s: &ConvShape,
     x: &[f32],
-    weight: &PackedWeight,
+    weight: &PackedWeight<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
     need_input: bool,
@@ -205,7 +205,7 @@ pub fn backward(
     });
     ConvGrads {
         input: dx,
-        weight: unpack_to_torch(s, dw),
+        weight: unpack(s, dw, weight.layout),
         bias: db,
     }
 }

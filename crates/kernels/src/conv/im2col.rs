@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::ConvShape;
 use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient,
-    relu_in_place, sum_partials, tap_range, unpack_to_torch,
+    relu_in_place, sum_partials, tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{with_scratch, zeros};
@@ -111,7 +111,7 @@ fn col2im(s: &ConvShape, dcol: &[f32], images: usize, dx: &mut [f32]) {
 pub fn forward(
     s: &ConvShape,
     x: &[f32],
-    weight: &PackedWeight,
+    weight: &PackedWeight<'_>,
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
@@ -153,7 +153,7 @@ pub fn forward(
 pub fn backward(
     s: &ConvShape,
     x: &[f32],
-    weight: &PackedWeight,
+    weight: &PackedWeight<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
     need_input: bool,
@@ -225,7 +225,7 @@ pub fn backward(
     let (dw, db) = sum_partials(partials, k * co, co);
     ConvGrads {
         input: dx,
-        weight: unpack_to_torch(s, dw),
+        weight: unpack(s, dw, weight.layout),
         bias: db,
     }
 }

@@ -21,8 +21,10 @@ mod shared;
 pub mod winograd;
 
 pub use shape::ConvShape;
-pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight};
+pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight, Weight, WeightLayout};
 use winograd::{Tile, WinogradWeight};
+
+use std::borrow::Cow;
 
 use crate::matmul::Precision;
 
@@ -89,36 +91,32 @@ impl Algorithm {
 
 /// A layer's weight, transformed for the algorithm its shape gets.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Prepared {
-    Im2col(PackedWeight),
+pub enum Prepared<'w> {
+    Im2col(PackedWeight<'w>),
     Winograd(WinogradWeight),
-    Direct(PackedWeight),
+    Direct(PackedWeight<'w>),
 }
 
-impl Prepared {
+impl<'w> Prepared<'w> {
     /// The name of the algorithm [`Prepared::new`] picks for `s` in `precision`.
     pub fn algorithm(s: &ConvShape, precision: Precision) -> &'static str {
         Algorithm::of(s, precision).name()
     }
 
-    /// The algorithm for `s` in `precision` and the weight (PyTorch's layout) transformed for
-    /// it, its GEMMs rounding their inputs to `precision`.
-    pub fn new(s: &ConvShape, weight: &[f32], precision: Precision) -> Self {
+    /// The algorithm for `s` in `precision` and the weight transformed for it, its GEMMs
+    /// rounding their inputs to `precision`.
+    pub fn new(s: &ConvShape, weight: Weight<'w>, precision: Precision) -> Self {
         Prepared::with(Algorithm::of(s, precision), s, weight).in_precision(precision)
     }
 
     /// The weight transformed for `algorithm`, whether or not it is the one `s` gets (each
     /// computes any shape but Winograd, which needs a stride-1 3×3 kernel).
-    pub fn with(algorithm: Algorithm, s: &ConvShape, weight: &[f32]) -> Self {
+    pub fn with(algorithm: Algorithm, s: &ConvShape, weight: Weight<'w>) -> Self {
         match algorithm {
-            Algorithm::Direct => Prepared::Direct(PackedWeight::from_torch(s, weight)),
-            Algorithm::Winograd => {
-                Prepared::Winograd(WinogradWeight::from_torch(s, weight, Tile::F2))
-            }
-            Algorithm::Winograd4 => {
-                Prepared::Winograd(WinogradWeight::from_torch(s, weight, Tile::F4))
-            }
-            Algorithm::Im2col => Prepared::Im2col(PackedWeight::from_torch(s, weight)),
+            Algorithm::Direct => Prepared::Direct(PackedWeight::new(s, weight)),
+            Algorithm::Winograd => Prepared::Winograd(WinogradWeight::new(s, weight, Tile::F2)),
+            Algorithm::Winograd4 => Prepared::Winograd(WinogradWeight::new(s, weight, Tile::F4)),
+            Algorithm::Im2col => Prepared::Im2col(PackedWeight::new(s, weight)),
         }
     }
 
@@ -129,6 +127,29 @@ impl Prepared {
             Prepared::Winograd(u) => u.precision = precision,
         }
         self
+    }
+
+    /// Whether it borrows the weight's values (im2col's and the direct kernel's, from the
+    /// kernels' layout): then the weight must outlive it, and re-preparing it costs nothing.
+    pub fn borrows(&self) -> bool {
+        matches!(self, Prepared::Im2col(w) | Prepared::Direct(w) if matches!(w.data, Cow::Borrowed(_)))
+    }
+
+    /// This weight owning its values (a copy when they are borrowed).
+    pub fn into_owned(self) -> Prepared<'static> {
+        match self {
+            Prepared::Im2col(w) => Prepared::Im2col(w.into_owned()),
+            Prepared::Direct(w) => Prepared::Direct(w.into_owned()),
+            Prepared::Winograd(u) => Prepared::Winograd(u),
+        }
+    }
+
+    /// The layout the weight came in, which [`backward`]'s weight gradient goes back in.
+    pub fn layout(&self) -> WeightLayout {
+        match self {
+            Prepared::Im2col(w) | Prepared::Direct(w) => w.layout,
+            Prepared::Winograd(u) => u.layout,
+        }
     }
 
     /// What this weight's GEMMs round their inputs to.
@@ -144,7 +165,7 @@ impl Prepared {
 pub fn forward(
     s: &ConvShape,
     x: &[f32],
-    weight: &Prepared,
+    weight: &Prepared<'_>,
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
@@ -155,12 +176,12 @@ pub fn forward(
     }
 }
 
-/// Gradients of [`forward`] given `dy` (NHWC). With the ReLU fused, `relu_output` is the
-/// forward's output: the gradient passes where it is positive.
+/// Gradients of [`forward`] given `dy` (NHWC), the weight's in the layout it came in. With the
+/// ReLU fused, `relu_output` is the forward's output: the gradient passes where it is positive.
 pub fn backward(
     s: &ConvShape,
     x: &[f32],
-    weight: &Prepared,
+    weight: &Prepared<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
     need_input: bool,

@@ -1,6 +1,8 @@
 //! What the convolution algorithms share: the packed weight, the backward's chunk groups and
 //! their ordered sums, the upstream gradient through a fused ReLU, the taps inside the image.
 
+use std::borrow::Cow;
+
 use super::ConvShape;
 use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, PackedRhs, Precision, RhsPanels};
@@ -10,7 +12,7 @@ use crate::scratch::{Scratch, scratch, zeros};
 /// thread count; also the most threads the weight gradient can use.
 pub const ACCUMULATORS: usize = 8;
 
-/// Gradients of a convolution; the weight gradient in PyTorch's layout.
+/// Gradients of a convolution; the weight gradient in the layout the weight came in.
 #[derive(Debug, Clone)]
 pub struct ConvGrads {
     pub input: Option<Vec<f32>>,
@@ -18,40 +20,89 @@ pub struct ConvGrads {
     pub bias: Vec<f32>,
 }
 
-/// The weight with each output channel's taps before its input channels: `[c_out][k]`, row
-/// `(ky, kx, c)` as an im2col row; its transpose is the GEMM's right-hand side. One pass over
-/// PyTorch's layout (none for a 1×1 kernel), each output channel in cache.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PackedWeight {
-    pub data: Vec<f32>,
-    /// What the GEMMs round their inputs to.
-    pub precision: Precision,
+/// How a convolution weight's values lie.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// PyTorch's `[c_out][c_in][kh][kw]`.
+    #[default]
+    Torch,
+    /// The kernels' own `[c_out][kh][kw][c_in]`: each output channel's taps before its input
+    /// channels, an im2col row. im2col and the direct kernel multiply by it as it lies, and
+    /// their weight gradient comes out so; a weight kept this way between steps (trainctl's
+    /// trainer does) spares two passes over it a step. For a 1×1 kernel both are the same.
+    TapsFirst,
 }
 
-impl PackedWeight {
-    /// Packs a weight in PyTorch's layout `[c_out, c_in, kh, kw]`.
-    pub fn from_torch(shape: &ConvShape, weight: &[f32]) -> Self {
-        assert_eq!(weight.len(), shape.weight_len(), "weight size");
-        let taps = shape.kernel[0] * shape.kernel[1];
-        if taps == 1 {
-            return PackedWeight {
-                data: weight.to_vec(),
-                precision: Precision::F32,
-            };
+/// A convolution weight: its values and how they lie.
+#[derive(Clone, Copy, Debug)]
+pub struct Weight<'a> {
+    pub values: &'a [f32],
+    pub layout: WeightLayout,
+}
+
+impl<'a> Weight<'a> {
+    /// A weight in PyTorch's layout.
+    pub fn torch(values: &'a [f32]) -> Self {
+        Weight {
+            values,
+            layout: WeightLayout::Torch,
         }
-        let mut data = zeros(weight.len());
-        transpose_each(weight, &mut data, shape.c_in, taps);
-        PackedWeight {
-            data,
-            precision: Precision::F32,
+    }
+
+    /// A weight in the kernels' layout ([`WeightLayout::TapsFirst`]).
+    pub fn taps_first(values: &'a [f32]) -> Self {
+        Weight {
+            values,
+            layout: WeightLayout::TapsFirst,
         }
     }
 }
 
-/// A packed `[c_out][k]` weight gradient back into PyTorch's layout.
-pub(crate) fn unpack_to_torch(shape: &ConvShape, packed: Vec<f32>) -> Vec<f32> {
+/// The weight with each output channel's taps before its input channels: `[c_out][k]`, row
+/// `(ky, kx, c)` as an im2col row; its transpose is the GEMM's right-hand side. From PyTorch's
+/// layout, one pass (none for a 1×1 kernel), each output channel in cache; the kernels' own
+/// layout is this, borrowed as it lies.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PackedWeight<'w> {
+    pub data: Cow<'w, [f32]>,
+    /// What the GEMMs round their inputs to.
+    pub precision: Precision,
+    /// The layout the weight came in, which its gradient goes back in.
+    pub layout: WeightLayout,
+}
+
+impl<'w> PackedWeight<'w> {
+    pub fn new(shape: &ConvShape, weight: Weight<'w>) -> Self {
+        assert_eq!(weight.values.len(), shape.weight_len(), "weight size");
+        let taps = shape.kernel[0] * shape.kernel[1];
+        let data = if taps == 1 || weight.layout == WeightLayout::TapsFirst {
+            Cow::Borrowed(weight.values)
+        } else {
+            let mut data = zeros(weight.values.len());
+            transpose_each(weight.values, &mut data, shape.c_in, taps);
+            Cow::Owned(data)
+        };
+        PackedWeight {
+            data,
+            precision: Precision::F32,
+            layout: weight.layout,
+        }
+    }
+
+    /// This weight owning its values (a copy when they are borrowed).
+    pub fn into_owned(self) -> PackedWeight<'static> {
+        PackedWeight {
+            data: Cow::Owned(self.data.into_owned()),
+            ..self
+        }
+    }
+}
+
+/// A `[c_out][k]` weight gradient in `layout`: as it is for the kernels' own, one pass back
+/// for PyTorch's.
+pub(crate) fn unpack(shape: &ConvShape, packed: Vec<f32>, layout: WeightLayout) -> Vec<f32> {
     let taps = shape.kernel[0] * shape.kernel[1];
-    if taps == 1 {
+    if taps == 1 || layout == WeightLayout::TapsFirst {
         return packed;
     }
     let mut out = zeros(packed.len());
@@ -172,7 +223,7 @@ pub(crate) fn tap_range(
 /// pass: the packing reads the view's columns as they lie).
 pub(crate) struct ForwardRhs<'a> {
     transposed: Option<Scratch>,
-    weight: &'a PackedWeight,
+    weight: &'a PackedWeight<'a>,
     packed: PackedRhs,
     k: usize,
     c_out: usize,
@@ -180,7 +231,7 @@ pub(crate) struct ForwardRhs<'a> {
 
 impl<'a> ForwardRhs<'a> {
     /// Checks the forward's input and weight sizes, and lays the weight out.
-    pub(crate) fn new(s: &ConvShape, x: &[f32], weight: &'a PackedWeight) -> Self {
+    pub(crate) fn new(s: &ConvShape, x: &[f32], weight: &'a PackedWeight<'a>) -> Self {
         assert_eq!(x.len(), s.input_len(), "convolution input size");
         assert_eq!(weight.data.len(), s.weight_len(), "convolution weight size");
         let (k, c_out) = (s.k(), s.c_out);

@@ -1,5 +1,12 @@
 //! A network's tensors as flat `f32` buffers, in the order of its fields, with PyTorch's
 //! names: what checkpoints, model files and the all-reduce carry.
+//!
+//! A convolution's weight (`[c_out, c_in, kh, kw]`) lies in them as the kernels multiply by it,
+//! `[c_out][kh][kw][c_in]` (`kernels::conv::WeightLayout::TapsFirst`), and [`load`] gives the
+//! model tensors stored so (channels-last): the kernels then read the weight as it lies and
+//! hand its gradient back the same way, with no pass over either to PyTorch's layout and back
+//! each step. Checkpoints and model files convert at their edge (`checkpoint`), as they do
+//! for burn's transposed linear weights.
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
@@ -38,6 +45,31 @@ impl Entry {
     pub fn is_linear_weight(&self) -> bool {
         self.path.starts_with("fc") && self.path.ends_with(".weight")
     }
+
+    /// A convolution's weight: in the flat buffers `[c_out][kh][kw][c_in]`, PyTorch's
+    /// `[c_out][c_in][kh][kw]` elsewhere (the only 4-d tensors of the models).
+    pub fn is_conv_weight(&self) -> bool {
+        self.trainable && self.shape.len() == 4
+    }
+}
+
+/// The axes that take a 4-d tensor `[c_out, c_in, kh, kw]` to the flat buffers' order
+/// `[c_out, kh, kw, c_in]`, and back; any other rank as it is.
+fn to_flat_order<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    permute_4d(t, [0, 2, 3, 1])
+}
+
+fn from_flat_order<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    permute_4d(t, [0, 3, 1, 2])
+}
+
+fn permute_4d<const D: usize>(t: Tensor<D>, axes4: [usize; 4]) -> Tensor<D> {
+    if D != 4 {
+        return t;
+    }
+    let mut axes = [0usize; D];
+    axes.copy_from_slice(&axes4);
+    t.permute(axes)
 }
 
 /// The model's tensors as flat buffers, in field order.
@@ -119,7 +151,11 @@ impl ModuleVisitor for Reader<'_> {
         }
         let tensor = param.val();
         let shape = tensor.shape().dims::<D>().to_vec();
-        let values = to_vec(tensor);
+        let values = if trainable {
+            to_vec(to_flat_order(tensor))
+        } else {
+            to_vec(tensor)
+        };
         if trainable {
             self.snapshot.params.extend(values);
         } else {
@@ -189,13 +225,21 @@ impl ModuleMapper for Writer<'_> {
                 None => return param,
             }
         };
+        let trainable = !is_buffer(&self.path.leaf());
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let (mine, rest) = values.split_at(shape.num_elements());
         *values = rest;
         let device = tensor.device();
         let require_grad = tensor.is_require_grad();
-        let mut fresh = Tensor::<D>::from_data(TensorData::new(copied(mine), shape), &device);
+        let mut fresh = if trainable && D == 4 {
+            // Stored in the flat order, seen as `[c_out, c_in, kh, kw]`.
+            let flat_shape = [shape[0], shape[2], shape[3], shape[1]];
+            let data = TensorData::new(copied(mine), flat_shape.to_vec());
+            from_flat_order(Tensor::<D>::from_data(data, &device))
+        } else {
+            Tensor::<D>::from_data(TensorData::new(copied(mine), shape), &device)
+        };
         if require_grad {
             fresh = fresh.require_grad();
         }
@@ -238,8 +282,9 @@ pub fn gradients<M: Net>(model: &M, grads: &mut burn::tensor::Gradients, out: &m
             }
             let tensor = param.val();
             let len = tensor.shape().num_elements();
+            let grad = tensor.grad_remove(self.grads);
             self.parts
-                .push((len, tensor.grad_remove(self.grads).map(to_vec)));
+                .push((len, grad.map(|g| to_vec(to_flat_order(g)))));
         }
     }
     let mut visitor = Grads {
@@ -272,6 +317,55 @@ mod tests {
     use super::*;
     use crate::device::training_device;
     use crate::model::SeedCnn;
+
+    /// The model's first 4-d tensor as burn reads it: PyTorch's order, whatever its storage.
+    fn first_4d<M: Net>(model: &M) -> Vec<f32> {
+        struct First(Option<Vec<f32>>);
+        impl ModuleVisitor for First {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if D == 4 && self.0.is_none() {
+                    self.0 = Some(to_vec(param.val()));
+                }
+            }
+        }
+        let mut first = First(None);
+        model.visit(&mut first);
+        first.0.expect("a convolution")
+    }
+
+    /// The flat buffers hold a convolution weight `[c_out][kh][kw][c_in]`, and `load` gives it
+    /// back to the model as the same `[c_out, c_in, kh, kw]` tensor, stored channels-last.
+    #[test]
+    fn conv_weights_lie_taps_first_in_the_flat_buffers_and_load_back_as_they_were() {
+        let device = training_device();
+        let model = SeedCnn::new(10, &device);
+        let snap = snapshot(&model);
+        let (entry, flat) = snap.tensors()[0];
+        assert!(entry.is_conv_weight(), "{entry:?}");
+        let [co, ci, kh, kw] = [
+            entry.shape[0],
+            entry.shape[1],
+            entry.shape[2],
+            entry.shape[3],
+        ];
+        let torch = first_4d(&model);
+        let at = |o: usize, c: usize, y: usize, x: usize| ((o * ci + c) * kh + y) * kw + x;
+        for o in 0..co {
+            for y in 0..kh {
+                for x in 0..kw {
+                    for c in 0..ci {
+                        let flat_at = ((o * kh + y) * kw + x) * ci + c;
+                        assert_eq!(flat[flat_at], torch[at(o, c, y, x)], "({o}, {c}, {y}, {x})");
+                    }
+                }
+            }
+        }
+        // A bias, a linear weight: as they are.
+        assert!(!snap.tensors()[1].0.is_conv_weight());
+        let loaded = load(model, Some(&snap.params), &snap.buffers);
+        assert_eq!(first_4d(&loaded), torch, "the weight as it was");
+        assert_eq!(snapshot(&loaded), snap, "a snapshot of what was loaded");
+    }
 
     #[test]
     fn buffers_read_after_a_forward_are_current_and_loads_stick() {

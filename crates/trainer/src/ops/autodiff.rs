@@ -10,14 +10,17 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Flex};
-use kernels::conv::{self, Prepared};
+use kernels::conv;
 use kernels::norm::{self, BatchStats};
 use kernels::pool;
 
-use super::flex::{conv_with_weight, max_pool_with_taps, norm_add_relu as flex_norm_add_relu};
+use super::flex::{
+    KeptWeight, conv_with_weight, max_pool_with_taps, norm_add_relu as flex_norm_add_relu,
+};
 use super::{
     ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s,
     from_nhwc, from_vec, input_gradient, nhwc, norm_name, pool_name, pool_shape, profile,
+    weight_gradient,
 };
 
 #[derive(Debug)]
@@ -29,7 +32,7 @@ impl Backward<Flex, 3> for ConvBackward {
     type State = (
         FlexTensor,
         FlexTensor,
-        Arc<Prepared>,
+        Arc<KeptWeight>,
         Option<FlexTensor>,
         ConvSpec,
     );
@@ -37,9 +40,10 @@ impl Backward<Flex, 3> for ConvBackward {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_w, node_b] = ops.parents;
         let dy = grads.consume::<Flex>(&ops.node);
-        let (x, weight, prepared, y, spec) = ops.state;
+        let (x, weight, kept, y, spec) = ops.state;
         let shape = conv_shape(&x, &weight, &spec);
         let timer = profile::Backward::start(|| conv_profile(&shape).0);
+        let prepared = kept.get(&shape, &weight);
         let y = y.as_ref().map(nhwc);
         let g = conv::backward(
             &shape,
@@ -56,7 +60,8 @@ impl Backward<Flex, 3> for ConvBackward {
             grads.register::<Flex>(node.id, dx);
         }
         if let Some(node) = node_w {
-            grads.register::<Flex>(node.id, from_vec(g.weight, &dims4(&weight)));
+            let dw = weight_gradient(g.weight, dims4(&weight), prepared.layout());
+            grads.register::<Flex>(node.id, dw);
         }
         if let Some(node) = node_b {
             grads.register::<Flex>(node.id, from_vec(g.bias, &[shape.c_out]));
@@ -149,9 +154,9 @@ impl<C: CheckpointStrategy> TrainctlOps for Autodiff<Flex, C> {
         {
             OpsKind::Tracked(prep) => {
                 let (x, weight) = (x.into_primitive(), weight.into_primitive());
-                let (y, prepared) = conv_with_weight(&x, &weight, &bias.into_primitive(), &spec);
+                let (y, kept) = conv_with_weight(&x, &weight, &bias.into_primitive(), &spec);
                 let saved_y = spec.relu.then(|| y.clone());
-                prep.finish((x, weight, Arc::new(prepared), saved_y, spec), y)
+                prep.finish((x, weight, Arc::new(kept), saved_y, spec), y)
             }
             OpsKind::UnTracked(prep) => prep.finish(Flex::conv2d(
                 x.into_primitive(),

@@ -1,13 +1,17 @@
 //! The forward passes on flex tensors.
 
+use std::borrow::Cow;
+use std::sync::Arc;
+
 use burn::backend::Flex;
 use burn::backend::flex::FlexTensor;
-use kernels::conv::{self, Prepared};
+use kernels::conv::{self, ConvShape, Prepared, Weight};
+use kernels::matmul::Precision;
 use kernels::{norm, pool};
 
 use super::{
-    ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, dims4, f32s,
-    from_nhwc, from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
+    ConvSpec, NormOutput, NormSpec, PoolSpec, TrainctlOps, conv_profile, conv_shape, conv_weight,
+    dims4, f32s, from_nhwc, from_vec, nhwc, norm_name, pool_name, pool_shape, profile,
 };
 
 impl TrainctlOps for Flex {
@@ -75,13 +79,44 @@ pub(super) fn norm_add_relu(
     )
 }
 
-/// The convolution's output and the weight as its algorithm needs it (kept for the backward).
+/// The weight as the forward's algorithm took it, for the backward: kept when the algorithm
+/// transformed it (Winograd, or any weight in PyTorch's layout); taken again from the weight
+/// tensor, at no cost, when im2col or the direct kernel multiplied by it as it lies.
+#[derive(Debug)]
+pub(super) enum KeptWeight {
+    Transformed(Arc<Prepared<'static>>),
+    AsItLies(Precision),
+}
+
+impl KeptWeight {
+    /// The prepared weight; `weight` is the forward's weight tensor.
+    pub(super) fn get<'a>(
+        &'a self,
+        shape: &ConvShape,
+        weight: &'a FlexTensor,
+    ) -> Cow<'a, Prepared<'a>> {
+        match self {
+            KeptWeight::Transformed(prepared) => Cow::Borrowed(&**prepared),
+            KeptWeight::AsItLies(precision) => {
+                let (values, layout) = conv_weight(weight);
+                let values = match values {
+                    Cow::Borrowed(values) => values,
+                    // The forward kept it otherwise (`conv_with_weight`).
+                    Cow::Owned(_) => unreachable!("a weight taken as it lies is borrowed"),
+                };
+                Cow::Owned(Prepared::new(shape, Weight { values, layout }, *precision))
+            }
+        }
+    }
+}
+
+/// The convolution's output and the weight as its algorithm took it (for the backward).
 pub(super) fn conv_with_weight(
     x: &FlexTensor,
     weight: &FlexTensor,
     bias: &FlexTensor,
     spec: &ConvSpec,
-) -> (FlexTensor, Prepared) {
+) -> (FlexTensor, KeptWeight) {
     let shape = conv_shape(x, weight, spec);
     let (name, flops) = conv_profile(&shape);
     profile::timed(
@@ -89,10 +124,22 @@ pub(super) fn conv_with_weight(
         Some(shape),
         flops,
         || {
-            let prepared = Prepared::new(&shape, &f32s(weight), crate::device::precision());
+            let (values, layout) = conv_weight(weight);
+            let weight = Weight {
+                values: &values,
+                layout,
+            };
+            let precision = crate::device::precision();
+            let prepared = Prepared::new(&shape, weight, precision);
             let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
             let [oh, ow] = shape.out_size();
-            (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), prepared)
+            // Only values the tensor holds as they are can be borrowed again.
+            let kept = if prepared.borrows() && matches!(values, Cow::Borrowed(_)) {
+                KeptWeight::AsItLies(precision)
+            } else {
+                KeptWeight::Transformed(Arc::new(prepared.into_owned()))
+            };
+            (from_nhwc(y, [shape.batch, shape.c_out, oh, ow]), kept)
         },
     )
 }

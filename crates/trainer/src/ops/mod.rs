@@ -22,7 +22,7 @@ use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
-use kernels::conv::{ConvShape, Prepared};
+use kernels::conv::{ConvShape, Prepared, WeightLayout};
 use kernels::layout::{nchw_to_nhwc, nhwc_to_nchw};
 use kernels::pool::PoolShape;
 
@@ -253,25 +253,47 @@ fn channels_last_strides([_, c, h, w]: [usize; 4]) -> [isize; 4] {
     [(h * w * c) as isize, 1, (w * c) as isize, c as isize]
 }
 
+/// Whether `t` (4-d) is stored channels-last.
+fn is_channels_last(t: &FlexTensor) -> bool {
+    let dims = dims4(t);
+    t.layout()
+        .strides()
+        .iter()
+        .zip(channels_last_strides(dims))
+        .zip(dims)
+        .all(|((have, want), size)| size <= 1 || *have == want)
+}
+
 /// `t`'s elements in NHWC order: borrowed when `t` is already stored so.
 fn nhwc(t: &FlexTensor) -> Cow<'_, [f32]> {
     assert_eq!(t.dtype(), DType::F32, "trainctl's kernels compute in f32");
     let dims = dims4(t);
-    let layout = t.layout();
-    let wanted = channels_last_strides(dims);
-    let channels_last = layout
-        .strides()
-        .iter()
-        .zip(wanted)
-        .zip(dims)
-        .all(|((have, want), size)| size <= 1 || *have == want);
     let len = dims.iter().product::<usize>();
-    if channels_last {
-        let start = layout.start_offset();
+    if is_channels_last(t) {
+        let start = t.layout().start_offset();
         return Cow::Borrowed(&t.storage::<f32>()[start..start + len]);
     }
     let [_, c, h, w] = dims;
     Cow::Owned(nchw_to_nhwc(&f32s(t), c, h * w))
+}
+
+/// A convolution weight `[c_out, c_in, kh, kw]` as it lies: borrowed in the kernels' layout
+/// when stored so (the trainer's parameters are, see `model::flat`), else in PyTorch's.
+fn conv_weight(t: &FlexTensor) -> (Cow<'_, [f32]>, WeightLayout) {
+    if is_channels_last(t) {
+        (nhwc(t), WeightLayout::TapsFirst)
+    } else {
+        (f32s(t), WeightLayout::Torch)
+    }
+}
+
+/// A weight gradient the kernels gave in `layout`, as a tensor of `dims` stored so.
+fn weight_gradient(data: Vec<f32>, dims: [usize; 4], layout: WeightLayout) -> FlexTensor {
+    match layout {
+        // `[c_out][kh][kw][c_in]` is the weight's "channels-last".
+        WeightLayout::TapsFirst => from_nhwc(data, dims),
+        WeightLayout::Torch => from_vec(data, &dims),
+    }
 }
 
 /// The gradient of an input (NHWC) as burn is to hold it: channels-last, or NCHW when the

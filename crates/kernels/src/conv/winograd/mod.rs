@@ -20,7 +20,8 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, accumulator_groups, check_backward_sizes, chunk_gradient, sum_partials,
+    ConvGrads, Weight, WeightLayout, accumulator_groups, check_backward_sizes, chunk_gradient,
+    sum_partials,
 };
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::scratch::{with_scratch, zeros};
@@ -46,13 +47,15 @@ pub struct WinogradWeight {
     pub tile: Tile,
     /// What the GEMMs round their inputs to.
     pub precision: Precision,
+    /// The layout the weight came in, which its gradient goes back in.
+    pub layout: WeightLayout,
 }
 
 impl WinogradWeight {
-    /// `U = G g Gᵀ` for every (input, output) channel pair, from PyTorch's `[c_out, c_in, 3, 3]`,
-    /// each block of input channels on its own thread.
-    pub fn from_torch(s: &ConvShape, weight: &[f32], tile: Tile) -> Self {
-        assert_eq!(weight.len(), s.weight_len(), "weight size");
+    /// `U = G g Gᵀ` for every (input, output) channel pair, each block of input channels on
+    /// its own thread.
+    pub fn new(s: &ConvShape, weight: Weight, tile: Tile) -> Self {
+        assert_eq!(weight.values.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
         let row = tile.planes() * co + ROW_PAD;
         let mut data = zeros(ci * row);
@@ -65,6 +68,7 @@ impl WinogradWeight {
             data,
             tile,
             precision: Precision::F32,
+            layout: weight.layout,
         }
     }
 
@@ -101,14 +105,14 @@ impl WinogradWeight {
 /// 8.6–10.7 with it (alone, 1 thread).
 const ROW_PAD: usize = 16;
 
-/// `dW = Gᵀ dU G` back into PyTorch's layout from dU (`[α²][c_in][c_out]`), in one pass: each
-/// block of output channels on its own thread.
-fn weight_grad_to_torch(s: &ConvShape, tile: Tile, du: &[f32]) -> Vec<f32> {
+/// `dW = Gᵀ dU G` back into `layout` from dU (`[α²][c_in][c_out]`), in one pass: each block
+/// of output channels on its own thread.
+fn weight_grad(s: &ConvShape, tile: Tile, du: &[f32], layout: WeightLayout) -> Vec<f32> {
     let ci = s.c_in;
     let mut out = zeros(s.weight_len());
     out.par_chunks_mut(LANES * 9 * ci)
         .enumerate()
-        .for_each(|(block, w)| weight_grad_block(tile, du, ci, block * LANES, w));
+        .for_each(|(block, w)| weight_grad_block(tile, du, ci, block * LANES, layout, w));
     out
 }
 
@@ -356,7 +360,7 @@ fn output_image(
 }
 
 /// Gradients of [`forward`] given `dy` (NHWC); with the ReLU fused, `relu_output` is the
-/// forward's output. The weight gradient is in PyTorch's layout.
+/// forward's output. The weight gradient is in the layout the weight came in.
 pub fn backward(
     s: &ConvShape,
     x: &[f32],
@@ -439,7 +443,7 @@ pub fn backward(
     let (dw, db) = sum_partials(partials, np * ci * co, co);
     ConvGrads {
         input: dx,
-        weight: weight_grad_to_torch(s, u.tile, &dw),
+        weight: weight_grad(s, u.tile, &dw, u.layout),
         bias: db,
     }
 }

@@ -8,6 +8,7 @@
 
 use multiversion::multiversion;
 
+use crate::conv::{Weight, WeightLayout};
 use crate::layout::block as transpose_block;
 
 /// The output tile of a Winograd convolution: F(2×2, 3×3) or F(4×4, 3×3).
@@ -322,12 +323,12 @@ fn lanes_combine<'a>(
 }
 
 /// `U` of input channels `c0..` (`u`'s rows of `planes · c_out` values then `row_pad`) for
-/// every output channel, from PyTorch's `[c_out, c_in, 3, 3]`: the block's taps for [`LANES`]
-/// output channels transposed to a vector per tap, `G g Gᵀ` lane-wise, written as runs.
+/// every output channel, from `weight` in either layout: the block's taps for [`LANES`] output
+/// channels transposed to a vector per tap, `G g Gᵀ` lane-wise, written as runs.
 #[multiversion(targets = "simd")]
 pub(super) fn transform_weights(
     tile: Tile,
-    weight: &[f32],
+    weight: Weight,
     ci: usize,
     co: usize,
     c0: usize,
@@ -341,8 +342,26 @@ pub(super) fn transform_weights(
     let mut taps = [0.0f32; LANES * 9 * LANES];
     for o0 in (0..co).step_by(LANES) {
         let lanes = LANES.min(co - o0);
-        let block = &weight[(o0 * ci + c0) * 9..];
-        transpose_block(block, ci * 9, &mut taps, LANES, lanes, cs * 9);
+        // Into `[(c, tap)][lane]`.
+        match weight.layout {
+            WeightLayout::Torch => {
+                let block = &weight.values[(o0 * ci + c0) * 9..];
+                transpose_block(block, ci * 9, &mut taps, LANES, lanes, cs * 9);
+            }
+            WeightLayout::TapsFirst => {
+                for tap in 0..9 {
+                    let block = &weight.values[(o0 * 9 + tap) * ci + c0..];
+                    transpose_block(
+                        block,
+                        9 * ci,
+                        &mut taps[tap * LANES..],
+                        9 * LANES,
+                        lanes,
+                        cs,
+                    );
+                }
+            }
+        }
         for c in 0..cs {
             let g = |k: usize| -> &Lanes {
                 taps[(c * 9 + k) * LANES..][..LANES]
@@ -367,11 +386,18 @@ pub(super) fn transform_weights(
     }
 }
 
-/// Output channels `o0..` of the weight gradient `dW = Gᵀ dU G` into `w_out` (`[o][c_in][9]`,
-/// PyTorch's layout) from dU (`[planes][c_in][c_out]`): a block of input channels at a time,
-/// computed lane-wise into `[(c, tap)][lane]`, then transposed into each output channel's run.
+/// Output channels `o0..` of the weight gradient `dW = Gᵀ dU G` into `w_out` (in `layout`)
+/// from dU (`[planes][c_in][c_out]`): a block of input channels at a time, computed lane-wise
+/// into `[(c, tap)][lane]`, then transposed into each output channel's run.
 #[multiversion(targets = "simd")]
-pub(super) fn weight_grad_block(tile: Tile, du: &[f32], ci: usize, o0: usize, w_out: &mut [f32]) {
+pub(super) fn weight_grad_block(
+    tile: Tile,
+    du: &[f32],
+    ci: usize,
+    o0: usize,
+    layout: WeightLayout,
+    w_out: &mut [f32],
+) {
     let t = tile.matrices();
     let alpha = t.alpha;
     let co = du.len() / (alpha * alpha * ci);
@@ -398,7 +424,17 @@ pub(super) fn weight_grad_block(tile: Tile, du: &[f32], ci: usize, o0: usize, w_
                 }
             }
         }
-        transpose_block(&taps, LANES, &mut w_out[c0 * 9..], ci * 9, cs * 9, lanes);
+        match layout {
+            WeightLayout::Torch => {
+                transpose_block(&taps, LANES, &mut w_out[c0 * 9..], ci * 9, cs * 9, lanes)
+            }
+            WeightLayout::TapsFirst => {
+                for tap in 0..9 {
+                    let w = &mut w_out[tap * ci + c0..];
+                    transpose_block(&taps[tap * LANES..], 9 * LANES, w, 9 * ci, cs, lanes);
+                }
+            }
+        }
     }
 }
 
