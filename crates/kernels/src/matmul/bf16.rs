@@ -22,6 +22,7 @@ use std::arch::x86_64::*;
 
 use super::Mat;
 use crate::layout::transpose_into;
+use crate::scratch::{Scratch, scratch};
 
 /// Columns of C a microkernel call computes: two AVX-512 registers of f32.
 pub const NR: usize = 32;
@@ -55,7 +56,7 @@ fn pair(lo: f32, hi: f32) -> u32 {
 
 /// A's pairs and how to find pair `p` of row `i`: at `i * row_stride + p * pair_stride`.
 struct PackedA {
-    pairs: Vec<u32>,
+    pairs: Scratch,
     row_stride: usize,
     pair_stride: usize,
 }
@@ -69,13 +70,15 @@ struct PackedA {
 unsafe fn pack_a(a: Mat) -> PackedA {
     let (m, k) = (a.rows, a.cols);
     let k2 = k.div_ceil(2);
-    let mut pairs = vec![0u32; m * k2];
+    // Every pair is written below: a scratch buffer, neither allocated nor zeroed per product.
+    let mut buf = scratch(m * k2);
+    let pairs = as_u32_mut(&mut buf);
     if a.col_stride == 1 {
         for (i, out) in pairs.chunks_exact_mut(k2).enumerate() {
             convert_row(&a.data[i * a.row_stride..][..k], out);
         }
         return PackedA {
-            pairs,
+            pairs: buf,
             row_stride: k2,
             pair_stride: 1,
         };
@@ -101,7 +104,7 @@ unsafe fn pack_a(a: Mat) -> PackedA {
         }
     }
     PackedA {
-        pairs,
+        pairs: buf,
         row_stride: 1,
         pair_stride: m,
     }
@@ -175,6 +178,17 @@ fn as_f32_mut(pairs: &mut [u32]) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(pairs.as_mut_ptr().cast(), pairs.len()) }
 }
 
+/// An f32 scratch buffer seen as pairs.
+fn as_u32(floats: &[f32]) -> &[u32] {
+    // SAFETY: as in `as_f32`, the other way.
+    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast(), floats.len()) }
+}
+
+fn as_u32_mut(floats: &mut [f32]) -> &mut [u32] {
+    // SAFETY: as in `as_f32`, the other way; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast(), floats.len()) }
+}
+
 fn mask16(w: usize) -> u16 {
     if w >= 16 {
         u16::MAX
@@ -183,14 +197,24 @@ fn mask16(w: usize) -> u16 {
     }
 }
 
-/// B as panels of [`NR`] columns, `[panel][p][NR]` pairs, zero beyond the last column: made
-/// once for many products when B is a layer's weight ([`super::PackedRhs`]), else per product.
-#[derive(Debug, Clone, PartialEq)]
+/// B as panels of [`NR`] columns, `[panel][p][NR]` pairs, unspecified beyond the last column
+/// (the microkernel computes those lanes and never stores them): made once for many products
+/// when B is a layer's weight ([`super::PackedRhs`]), else per product. In a scratch buffer,
+/// neither allocated nor zeroed each time.
 pub struct PackedB {
-    panels: Vec<u32>,
+    panels: Scratch,
     /// Pairs in each panel: `⌈k/2⌉`.
     pairs: usize,
     cols: usize,
+}
+
+impl std::fmt::Debug for PackedB {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedB")
+            .field("pairs", &self.pairs)
+            .field("cols", &self.cols)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A block of a [`PackedB`]: pairs `pair0..pair0 + pairs` of panels `panel0..`, `cols` columns.
@@ -258,7 +282,7 @@ impl<'a> PanelView<'a> {
     /// Panel `panel`'s pairs `p0..p0 + count`.
     fn block(&self, panel: usize, p0: usize, count: usize) -> &'a [u32] {
         let start = ((self.panel0 + panel) * self.b.pairs + self.pair0 + p0) * NR;
-        &self.b.panels[start..start + count * NR]
+        &as_u32(&self.b.panels)[start..start + count * NR]
     }
 }
 
@@ -271,7 +295,8 @@ const PARALLEL_PACK_PAIRS: usize = 1 << 16;
 unsafe fn pack_b_on(b: Mat, parallel: bool) -> PackedB {
     let k2 = b.rows.div_ceil(2);
     let panels = b.cols.div_ceil(NR);
-    let mut out = vec![0u32; panels * k2 * NR];
+    let mut buf = scratch(panels * k2 * NR);
+    let out = as_u32_mut(&mut buf);
     // SAFETY (both): the caller has the features.
     if parallel && out.len() >= PARALLEL_PACK_PAIRS {
         use rayon::prelude::*;
@@ -284,7 +309,7 @@ unsafe fn pack_b_on(b: Mat, parallel: bool) -> PackedB {
         }
     }
     PackedB {
-        panels: out,
+        panels: buf,
         pairs: k2,
         cols: b.cols,
     }
@@ -307,12 +332,13 @@ fn pack_panel(b: Mat, panel: usize, dst: &mut [u32]) {
         // A transposed source (a weight `[c_out][k]` read as `[k][c_out]`): column j is a
         // contiguous run whose pairs are adjacent floats. The panel's columns are converted
         // as runs, then the `NR × ⌈k/2⌉` block of pairs is transposed into the panel.
-        let mut columns = vec![0u32; NR * k2];
+        let mut buf = scratch(NR * k2);
+        let columns = as_u32_mut(&mut buf);
         for (lane, run) in columns.chunks_exact_mut(k2).take(w).enumerate() {
             convert_row(&b.data[(j0 + lane) * b.col_stride..][..k], run);
         }
         if w == NR {
-            transpose_into(as_f32(&columns), as_f32_mut(dst), NR, k2);
+            transpose_into(as_f32(columns), as_f32_mut(dst), NR, k2);
         } else {
             for (lane, run) in columns.chunks_exact(k2).take(w).enumerate() {
                 for (p, pair) in run.iter().enumerate() {
@@ -385,7 +411,7 @@ pub(super) unsafe fn gemm(
             while i < m {
                 let rows = MR.min(m - i);
                 let tile = Tile {
-                    a: &a.pairs[i * a.row_stride + p0 * a.pair_stride..],
+                    a: &as_u32(&a.pairs)[i * a.row_stride + p0 * a.pair_stride..],
                     a_row_stride: a.row_stride,
                     a_pair_stride: a.pair_stride,
                     b: b_block,
