@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 
 use crate::conv::winograd;
-use crate::conv::{self, Algorithm, ConvShape, Prepared, Weight};
+use crate::conv::{self, Algorithm, ConvShape, Prepared, Wanted, Weight};
 use crate::matmul;
 use crate::matmul::Precision;
 
@@ -143,7 +143,7 @@ fn check_in(
     let e = worst_error(&y, &want);
     assert!(e < tolerance, "forward error {e} for {s:?} ({algorithm:?})");
 
-    let grads = conv::backward(&s, &x, &packed, relu.then_some(&y[..]), &dy, true);
+    let grads = conv::backward(&s, &x, &packed, relu.then_some(&y[..]), &dy, Wanted::ALL);
     let g: Vec<f32> = if relu {
         dy.iter()
             .zip(&y)
@@ -163,7 +163,7 @@ fn check_in(
         e < tolerance,
         "weight-gradient error {e} for {s:?} ({algorithm:?})"
     );
-    let e = worst_error(&grads.bias, &db);
+    let e = worst_error(grads.bias.as_deref().expect("wanted"), &db);
     assert!(
         e < tolerance,
         "bias-gradient error {e} for {s:?} ({algorithm:?})"
@@ -239,8 +239,8 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
             .unwrap();
         pool.install(|| {
             let y = conv::forward(&s, &x, packed, None, true);
-            let g = conv::backward(&s, &x, packed, Some(&y), &dy, true);
-            [y, g.input.unwrap(), g.weight, g.bias]
+            let g = conv::backward(&s, &x, packed, Some(&y), &dy, Wanted::ALL);
+            [y, g.input.unwrap(), g.weight, g.bias.unwrap()]
         })
     };
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -360,7 +360,7 @@ fn a_weight_in_the_kernels_layout_gives_the_same_bits_as_in_pytorchs() {
         let run = |weight: Weight| {
             let prepared = Prepared::with(algorithm, &s, weight);
             let y = conv::forward(&s, &x, &prepared, None, true);
-            let g = conv::backward(&s, &x, &prepared, Some(&y), &dy, true);
+            let g = conv::backward(&s, &x, &prepared, Some(&y), &dy, Wanted::ALL);
             (y, g)
         };
         let (y_torch, g_torch) = run(Weight::torch(&w));
@@ -378,6 +378,56 @@ fn a_weight_in_the_kernels_layout_gives_the_same_bits_as_in_pytorchs() {
         // ...and the layouts really differ (but for the 1×1 kernel, where they coincide).
         if s.kernel != [1, 1] {
             assert_ne!(bits(&g_ours.weight), bits(&g_torch.weight), "{what}");
+        }
+    }
+}
+
+/// A gradient not wanted is not computed, and the others are what they are when all are.
+#[test]
+fn gradients_not_wanted_are_left_out_and_the_rest_unchanged() {
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (s, algorithm) in [
+        (shape3x3(2, 40, 24, 8), Algorithm::Winograd4),
+        (shape3x3(16, 24, 40, 2), Algorithm::Direct),
+        (shape3x3(2, 5, 7, 6), Algorithm::Im2col),
+    ] {
+        let (x, w, dy) = (
+            values(s.input_len(), 31),
+            values(s.weight_len(), 32),
+            values(s.output_len(), 33),
+        );
+        let prepared = Prepared::with(algorithm, &s, Weight::torch(&w));
+        for relu in [None, Some(conv::forward(&s, &x, &prepared, None, true))] {
+            let all = conv::backward(&s, &x, &prepared, relu.as_deref(), &dy, Wanted::ALL);
+            for wanted in [
+                Wanted {
+                    input: false,
+                    bias: true,
+                },
+                Wanted {
+                    input: true,
+                    bias: false,
+                },
+                Wanted {
+                    input: false,
+                    bias: false,
+                },
+            ] {
+                let g = conv::backward(&s, &x, &prepared, relu.as_deref(), &dy, wanted);
+                let what = format!("{algorithm:?}, {wanted:?}, ReLU {}", relu.is_some());
+                assert_eq!(g.input.is_some(), wanted.input, "{what}");
+                assert_eq!(g.bias.is_some(), wanted.bias, "{what}");
+                assert!(
+                    bits(&g.weight) == bits(&all.weight),
+                    "weight gradient, {what}"
+                );
+                if let Some(dx) = &g.input {
+                    assert!(bits(dx) == bits(all.input.as_ref().unwrap()), "{what}");
+                }
+                if let Some(db) = &g.bias {
+                    assert!(bits(db) == bits(all.bias.as_ref().unwrap()), "{what}");
+                }
+            }
         }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 mod gemm;
 pub use gemm::{GemmLine, RESNET_SHAPES, Shape, gemm_report};
 
-use crate::conv::{self, Algorithm, ConvShape, Prepared, Weight};
+use crate::conv::{self, Algorithm, ConvShape, Prepared, Wanted, Weight};
 use crate::conv::{direct, winograd};
 use crate::matmul::Precision;
 
@@ -104,7 +104,7 @@ pub fn conv_layers(
                         let t0 = Instant::now();
                         let y = conv::forward(&shape, &x, prepared, Some(&bias), true);
                         let t1 = Instant::now();
-                        let g = conv::backward(&shape, &x, prepared, Some(&y), &dy, true);
+                        let g = conv::backward(&shape, &x, prepared, Some(&y), &dy, Wanted::ALL);
                         let t2 = Instant::now();
                         assert!(g.weight.iter().all(|v| v.is_finite()));
                         if i > 0 {
@@ -139,7 +139,7 @@ pub fn conv_layers(
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {
                     let y = conv::forward(&shape, &x, prepared, Some(&bias), false);
-                    let g = conv::backward(&shape, &x, prepared, None, &dy, true);
+                    let g = conv::backward(&shape, &x, prepared, None, &dy, Wanted::ALL);
                     (y, g)
                 };
                 let (y1, g1) = plain(&im2col);
@@ -160,7 +160,10 @@ pub fn conv_layers(
                             g1.input.as_deref().unwrap_or(&[]),
                         ),
                         relative(&g2.weight, &g1.weight),
-                        relative(&g2.bias, &g1.bias),
+                        relative(
+                            g2.bias.as_deref().unwrap_or(&[]),
+                            g1.bias.as_deref().unwrap_or(&[]),
+                        ),
                     ]
                     .into_iter()
                     .fold(0.0f32, f32::max) as f64

@@ -22,8 +22,8 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, ForwardRhs, PackedWeight, check_backward_sizes, chunk_gradient, relu_in_place,
-    tap_range, unpack,
+    ConvGrads, ForwardRhs, PackedWeight, Wanted, check_backward_sizes, chunk_gradient,
+    relu_in_place, tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{scratch, zeros};
@@ -135,13 +135,13 @@ pub fn backward(
     weight: &PackedWeight<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
-    need_input: bool,
+    wanted: Wanted,
 ) -> ConvGrads {
     check_backward_sizes(s, x, relu_output, dy);
     let (ci, co, k) = (s.c_in, s.c_out, s.k());
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     let mut masked = scratch(dy.len());
-    let mut db = vec![0.0f32; co];
+    let mut db = vec![0.0f32; wanted.bias_len(co)];
     let gs = chunk_gradient(dy, relu_output, 0..dy.len(), &mut masked, &mut db);
     let g = Mat::rows(gs, s.batch, image_out);
     let w = Mat::rows(&weight.data, co, k);
@@ -185,7 +185,7 @@ pub fn backward(
             weight.precision,
         );
     }
-    let dx = need_input.then(|| {
+    let dx = wanted.input.then(|| {
         let mut dx = zeros(s.input_len());
         // In bf16, W packed once for every span's product (each a run of its columns).
         let packed = PackedRhs::new(w, weight.precision);
@@ -206,6 +206,6 @@ pub fn backward(
     ConvGrads {
         input: dx,
         weight: unpack(s, dw, weight.layout),
-        bias: db,
+        bias: wanted.bias.then_some(db),
     }
 }

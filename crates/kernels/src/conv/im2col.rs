@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, ForwardRhs, PackedWeight, accumulator_groups, check_backward_sizes, chunk_gradient,
-    relu_in_place, sum_partials, tap_range, unpack,
+    ConvGrads, ForwardRhs, PackedWeight, Wanted, accumulator_groups, check_backward_sizes,
+    chunk_gradient, relu_in_place, sum_partials, tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
 use crate::scratch::{with_scratch, zeros};
@@ -156,7 +156,7 @@ pub fn backward(
     weight: &PackedWeight<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
-    need_input: bool,
+    wanted: Wanted,
 ) -> ConvGrads {
     check_backward_sizes(s, x, relu_output, dy);
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
@@ -164,7 +164,7 @@ pub fn backward(
     let chunks = s.batch.div_ceil(per_chunk);
     let image_len = s.height * s.width * s.c_in;
 
-    let mut dx = need_input.then(|| zeros(s.input_len()));
+    let mut dx = wanted.input.then(|| zeros(s.input_len()));
     // dX = G · W for every chunk: in bf16, W packed once for all of them.
     let w = Mat::rows(&weight.data, co, k);
     let packed_w = PackedRhs::new(w, weight.precision);
@@ -173,7 +173,7 @@ pub fn backward(
         .into_par_iter()
         .map(|chunks| {
             let mut dw = zeros(k * co);
-            let mut db = vec![0.0f32; co];
+            let mut db = vec![0.0f32; wanted.bias_len(co)];
             for (chunk, dx_chunk) in chunks {
                 let n0 = chunk * per_chunk;
                 let images = per_chunk.min(s.batch - n0);
@@ -222,10 +222,10 @@ pub fn backward(
         })
         .collect();
 
-    let (dw, db) = sum_partials(partials, k * co, co);
+    let (dw, db) = sum_partials(partials, k * co, wanted.bias_len(co));
     ConvGrads {
         input: dx,
         weight: unpack(s, dw, weight.layout),
-        bias: db,
+        bias: wanted.bias.then_some(db),
     }
 }

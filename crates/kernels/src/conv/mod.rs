@@ -21,7 +21,7 @@ mod shared;
 pub mod winograd;
 
 pub use shape::ConvShape;
-pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight, Weight, WeightLayout};
+pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight, Wanted, Weight, WeightLayout};
 use winograd::{Tile, WinogradWeight};
 
 use std::borrow::Cow;
@@ -184,11 +184,11 @@ pub fn backward(
     weight: &Prepared<'_>,
     relu_output: Option<&[f32]>,
     dy: &[f32],
-    need_input: bool,
+    wanted: Wanted,
 ) -> ConvGrads {
     match weight {
-        Prepared::Im2col(w) => im2col::backward(s, x, w, relu_output, dy, need_input),
-        Prepared::Winograd(u) => winograd::backward(s, x, u, relu_output, dy, need_input),
-        Prepared::Direct(w) => direct::backward(s, x, w, relu_output, dy, need_input),
+        Prepared::Im2col(w) => im2col::backward(s, x, w, relu_output, dy, wanted),
+        Prepared::Winograd(u) => winograd::backward(s, x, u, relu_output, dy, wanted),
+        Prepared::Direct(w) => direct::backward(s, x, w, relu_output, dy, wanted),
     }
 }

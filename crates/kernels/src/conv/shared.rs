@@ -12,12 +12,34 @@ use crate::scratch::{Scratch, scratch, zeros};
 /// thread count; also the most threads the weight gradient can use.
 pub const ACCUMULATORS: usize = 8;
 
-/// Gradients of a convolution; the weight gradient in the layout the weight came in.
+/// Gradients of a convolution; the weight gradient in the layout the weight came in, the
+/// others when [`Wanted`].
 #[derive(Debug, Clone)]
 pub struct ConvGrads {
     pub input: Option<Vec<f32>>,
     pub weight: Vec<f32>,
-    pub bias: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// The gradients a backward computes besides the weight's: the input's (not for a network's
+/// first layer) and the bias's (not for a layer without one: a ResNet's, whose batch norm
+/// follows; its sum is a pass over the output gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    pub input: bool,
+    pub bias: bool,
+}
+
+impl Wanted {
+    pub const ALL: Wanted = Wanted {
+        input: true,
+        bias: true,
+    };
+
+    /// Elements of the bias gradient's sums: the output channels, or none.
+    pub(crate) fn bias_len(self, c_out: usize) -> usize {
+        if self.bias { c_out } else { 0 }
+    }
 }
 
 /// How a convolution weight's values lie.
@@ -140,7 +162,8 @@ pub(crate) fn accumulator_groups(
 }
 
 /// The upstream gradient of a chunk (`span` of the output), masked by the fused ReLU when there
-/// is one (into `masked`), with its sum over pixels added to the bias gradient `db`.
+/// is one (into `masked`), with its sum over pixels added to the bias gradient `db` unless
+/// that is empty (not wanted).
 pub(crate) fn chunk_gradient<'a>(
     dy: &'a [f32],
     relu_output: Option<&[f32]>,
@@ -157,6 +180,9 @@ pub(crate) fn chunk_gradient<'a>(
         }
         None => &dy[span],
     };
+    if db.is_empty() {
+        return g;
+    }
     for row in g.chunks_exact(db.len()) {
         for (b, v) in db.iter_mut().zip(row) {
             *b += v;

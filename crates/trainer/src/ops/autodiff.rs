@@ -51,7 +51,10 @@ impl Backward<Flex, 3> for ConvBackward {
             &prepared,
             y.as_deref(),
             &nhwc(&dy),
-            node_x.is_some(),
+            conv::Wanted {
+                input: node_x.is_some(),
+                bias: node_b.is_some(),
+            },
         );
         let dx = g.input.map(|dx| input_gradient(dx, dims4(&x), spec.input));
         // The clock stops before burn's part: registering sums with a gradient already there.
@@ -63,8 +66,8 @@ impl Backward<Flex, 3> for ConvBackward {
             let dw = weight_gradient(g.weight, dims4(&weight), prepared.layout());
             grads.register::<Flex>(node.id, dw);
         }
-        if let Some(node) = node_b {
-            grads.register::<Flex>(node.id, from_vec(g.bias, &[shape.c_out]));
+        if let (Some(node), Some(db)) = (node_b, g.bias) {
+            grads.register::<Flex>(node.id, from_vec(db, &[shape.c_out]));
         }
     }
 }

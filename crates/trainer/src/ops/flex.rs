@@ -131,7 +131,8 @@ pub(super) fn conv_with_weight(
             };
             let precision = crate::device::precision();
             let prepared = Prepared::new(&shape, weight, precision);
-            let y = conv::forward(&shape, &nhwc(x), &prepared, Some(&f32s(bias)), spec.relu);
+            let bias = spec.bias.then(|| f32s(bias));
+            let y = conv::forward(&shape, &nhwc(x), &prepared, bias.as_deref(), spec.relu);
             let [oh, ow] = shape.out_size();
             // Only values the tensor holds as they are can be borrowed again.
             let kept = if prepared.borrows() && matches!(values, Cow::Borrowed(_)) {

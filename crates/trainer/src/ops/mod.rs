@@ -39,14 +39,16 @@ pub enum Input {
     Shared,
 }
 
-/// What a convolution does besides its weights: stride, symmetric padding, fused ReLU, and
-/// how its input is used.
+/// What a convolution does besides its weights: stride, symmetric padding, fused ReLU, how its
+/// input is used, and whether it has a bias (a ResNet's convolutions have none: their bias
+/// tensor is zeros, which the forward does not add).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvSpec {
     pub stride: [usize; 2],
     pub padding: [usize; 2],
     pub relu: bool,
     pub input: Input,
+    pub bias: bool,
 }
 
 /// A max pooling window.
@@ -128,6 +130,8 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4
         "trainctl's convolution has no dilation or groups"
     );
     let weight = conv.weight.val();
+    // burn's extension traits take no optional tensors: a layer without a bias passes zeros,
+    // and says so.
     let bias = match &conv.bias {
         Some(b) => b.val(),
         None => Tensor::zeros([weight.dims()[0]], &weight.device()),
@@ -137,6 +141,7 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4
         padding: symmetric_padding(&conv.padding, "convolution"),
         relu,
         input,
+        bias: conv.bias.is_some(),
     };
     Tensor::from_dispatch(<Dispatch as TrainctlOps>::conv2d(
         x.into_dispatch(),

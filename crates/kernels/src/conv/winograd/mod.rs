@@ -20,8 +20,8 @@ use rayon::prelude::*;
 
 use super::ConvShape;
 use super::shared::{
-    ConvGrads, Weight, WeightLayout, accumulator_groups, check_backward_sizes, chunk_gradient,
-    sum_partials,
+    ConvGrads, Wanted, Weight, WeightLayout, accumulator_groups, check_backward_sizes,
+    chunk_gradient, sum_partials,
 };
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::scratch::{with_scratch, zeros};
@@ -367,7 +367,7 @@ pub fn backward(
     u: &WinogradWeight,
     relu_output: Option<&[f32]>,
     dy: &[f32],
-    need_input: bool,
+    wanted: Wanted,
 ) -> ConvGrads {
     assert!(
         applies(s, 1),
@@ -382,8 +382,8 @@ pub fn backward(
     let image_len = s.height * s.width * ci;
     let out_image = t.oh * t.ow * co;
 
-    let mut dx = need_input.then(|| zeros(s.input_len()));
-    let planes = if need_input {
+    let mut dx = wanted.input.then(|| zeros(s.input_len()));
+    let planes = if wanted.input {
         u.packed_planes(ci, co, true)
     } else {
         Vec::new()
@@ -393,7 +393,7 @@ pub fn backward(
         .into_par_iter()
         .map(|chunks| {
             let mut du = zeros(np * ci * co);
-            let mut db = vec![0.0f32; co];
+            let mut db = vec![0.0f32; wanted.bias_len(co)];
             for (chunk, dx_chunk) in chunks {
                 let n0 = chunk * per_chunk;
                 let images = per_chunk.min(s.batch - n0);
@@ -440,11 +440,11 @@ pub fn backward(
         })
         .collect();
 
-    let (dw, db) = sum_partials(partials, np * ci * co, co);
+    let (dw, db) = sum_partials(partials, np * ci * co, wanted.bias_len(co));
     ConvGrads {
         input: dx,
         weight: weight_grad(s, u.tile, &dw, u.layout),
-        bias: db,
+        bias: wanted.bias.then_some(db),
     }
 }
 
