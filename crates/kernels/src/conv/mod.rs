@@ -20,11 +20,11 @@ mod shape;
 mod shared;
 pub mod winograd;
 
+use std::borrow::Cow;
+
 pub use shape::ConvShape;
 pub use shared::{ACCUMULATORS, ConvGrads, PackedWeight, Wanted, Weight, WeightLayout};
 use winograd::{Tile, WinogradWeight};
-
-use std::borrow::Cow;
 
 use crate::matmul::Precision;
 
@@ -132,7 +132,10 @@ impl<'w> Prepared<'w> {
     /// Whether it borrows the weight's values (im2col's and the direct kernel's, from the
     /// kernels' layout): then the weight must outlive it, and re-preparing it costs nothing.
     pub fn borrows(&self) -> bool {
-        matches!(self, Prepared::Im2col(w) | Prepared::Direct(w) if matches!(w.data, Cow::Borrowed(_)))
+        match self {
+            Prepared::Im2col(w) | Prepared::Direct(w) => matches!(w.data, Cow::Borrowed(_)),
+            Prepared::Winograd(_) => false,
+        }
     }
 
     /// This weight owning its values (a copy when they are borrowed).

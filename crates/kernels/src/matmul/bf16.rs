@@ -10,7 +10,8 @@
 //!   pairs); any other A is packed pair-major (`[p][i]`), so that the kernel's rows for one pair
 //!   are adjacent. The kernel broadcasts one pair per row and step.
 //! - B (`k × n`) becomes panels of [`NR`] columns, `[panel][p][NR]` pairs
-//!   `(B[2p][j], B[2p+1][j])`, zero beyond the last column.
+//!   `(B[2p][j], B[2p+1][j])`, unspecified beyond the last column (the kernel computes those
+//!   lanes and never stores them).
 //!
 //! The microkernel keeps an `MR × NR` block of C in 24 of the 32 AVX-512 registers (`MR` = 12
 //! rows, `NR` = 32 columns, two registers a row) and runs through [`KC_PAIRS`] pairs of `k` at a
