@@ -217,7 +217,8 @@ impl ModuleMapper for Writer<'_> {
         self.path.exit(container);
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let values: &mut &[f32] = if is_buffer(&self.path.leaf()) {
+        let trainable = !is_buffer(&self.path.leaf());
+        let values: &mut &[f32] = if !trainable {
             &mut self.buffers
         } else {
             match self.params.as_mut() {
@@ -225,7 +226,6 @@ impl ModuleMapper for Writer<'_> {
                 None => return param,
             }
         };
-        let trainable = !is_buffer(&self.path.leaf());
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let (mine, rest) = values.split_at(shape.num_elements());

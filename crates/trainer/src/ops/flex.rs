@@ -125,12 +125,15 @@ pub(super) fn conv_with_weight(
         flops,
         || {
             let (values, layout) = conv_weight(weight);
-            let weight = Weight {
-                values: &values,
-                layout,
-            };
             let precision = crate::device::precision();
-            let prepared = Prepared::new(&shape, weight, precision);
+            let prepared = Prepared::new(
+                &shape,
+                Weight {
+                    values: &values,
+                    layout,
+                },
+                precision,
+            );
             let bias = spec.bias.then(|| f32s(bias));
             let y = conv::forward(&shape, &nhwc(x), &prepared, bias.as_deref(), spec.relu);
             let [oh, ow] = shape.out_size();
