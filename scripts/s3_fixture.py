@@ -1,5 +1,7 @@
-"""The S3 test server's set-up and the tests' other S3 client (boto3, as the AWS CLI uploads).
+"""The S3 test server, its set-up and the tests' other S3 client (boto3, as the AWS CLI uploads).
 
+  s3_fixture.py serve                      run moto's S3/IAM server on a loopback port the kernel
+                                           picks, print that port, and serve until stdin closes
   s3_fixture.py setup ENDPOINT BUCKET...   create a user allowed s3:* on buckets named train*,
                                            its access key, and BUCKETs; print the key and secret
   s3_fixture.py put ENDPOINT KEY SECRET BUCKET PREFIX DIR
@@ -9,6 +11,8 @@
   s3_fixture.py get ENDPOINT KEY SECRET BUCKET KEY
                                            print the object's size and user metadata as JSON
 
+The server binds its own port (port 0): a port picked by the test and bound later could be taken
+by another test's server in between, and then two tests' set-ups would meet one server.
 moto's server starts with INITIAL_NO_AUTH_ACTION_COUNT=3: the three IAM calls of `setup` are the
 last ones it serves without checking credentials, signatures and policies.
 """
@@ -22,6 +26,16 @@ import boto3
 def client(service, endpoint, key="setup", secret="setup"):
     return boto3.client(service, endpoint_url=endpoint, region_name="us-east-1",
                         aws_access_key_id=key, aws_secret_access_key=secret)
+
+
+def serve():
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    print(server.get_host_and_port()[1], flush=True)
+    sys.stdin.read()  # the test holds stdin open for as long as it needs the server
+    server.stop()
 
 
 def setup(endpoint, buckets):
@@ -60,7 +74,8 @@ def get(endpoint, key, secret, bucket, object_key):
 
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
-    {"setup": lambda: setup(args[0], args[1:]),
+    {"serve": serve,
+     "setup": lambda: setup(args[0], args[1:]),
      "put": lambda: put(*args),
      "put-text": lambda: put_text(*args),
      "get": lambda: get(*args)}[command]()

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use crate::{eventually, free_port, python};
+use crate::python;
 
 /// Buckets every server starts with; the user's policy allows exactly `train*`.
 pub const BUCKETS: [&str; 2] = ["train-data", "train-models"];
@@ -35,24 +35,39 @@ pub struct S3Server {
 
 impl S3Server {
     pub fn start() -> Self {
-        let port = free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("address");
-        let child = Command::new(python())
-            .args([
-                "-m",
-                "moto.server",
-                "-H",
-                "127.0.0.1",
-                "-p",
-                &port.to_string(),
-            ])
+        // The server binds a port of the kernel's choosing and prints it: a port picked here and
+        // bound by the server later could be taken by another test's server in between, and two
+        // tests' set-ups would then meet one server (it happened in CI).
+        let mut child = Command::new(python())
+            .arg(fixture_script())
+            .arg("serve")
             // The set-up's three IAM calls are served unauthenticated; everything after is
             // checked against IAM like AWS does.
             .env("INITIAL_NO_AUTH_ACTION_COUNT", "3")
-            .stdout(Stdio::null())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .expect("moto's server starts (scripts/test installs moto into target/pyenv)");
+            .expect("python runs");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (port_tx, port_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = port_tx.send(line);
+        });
+        let line = port_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("moto's server to print its port within 60 s");
+        let port: u16 = line.trim().parse().unwrap_or_else(|_| {
+            let status = child.try_wait().ok().flatten();
+            panic!(
+                "moto's server printed no port ({line:?}, exit {status:?}): {} lacks moto[server]; \
+                 run scripts/test, which installs it into target/pyenv",
+                python().display()
+            )
+        });
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
         let mut server = S3Server {
             child,
             endpoint: format!("http://{addr}"),
@@ -60,17 +75,6 @@ impl S3Server {
             access_key: String::new(),
             secret_key: String::new(),
         };
-        // A bare TCP connection: an HTTP probe would count as one of the unauthenticated actions.
-        eventually("moto's server to listen", Duration::from_secs(60), || {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                panic!(
-                    "moto's server exited ({status}): {} lacks moto[server]; run scripts/test, \
-                     which installs it into target/pyenv",
-                    python().display()
-                );
-            }
-            TcpStream::connect(addr).is_ok()
-        });
         let mut setup = vec!["setup", server.endpoint.as_str()];
         setup.extend(BUCKETS);
         let keys: serde_json::Value =
