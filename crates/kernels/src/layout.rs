@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::scratch::zeros;
+use crate::scratch::par_filled;
 
 /// The blocks the transposes go by: 64 source rows × 256 source columns, 64 KiB on each side
 /// (in L2), touching few enough pages that the TLB holds them: 16-column bands down a
@@ -21,21 +21,33 @@ pub fn transpose_each(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
     }
     dst.par_chunks_mut(len)
         .zip(src.par_chunks(len))
-        .for_each(|(d, s)| {
-            for c0 in (0..cols).step_by(BLOCK_COLS) {
-                for r0 in (0..rows).step_by(BLOCK_ROWS) {
-                    let (nr, nc) = (BLOCK_ROWS.min(rows - r0), BLOCK_COLS.min(cols - c0));
-                    block(
-                        &s[r0 * cols + c0..],
-                        cols,
-                        &mut d[c0 * rows + r0..],
-                        rows,
-                        nr,
-                        nc,
-                    );
-                }
-            }
-        });
+        .for_each(|(d, s)| transpose_one(s, d, rows, cols));
+}
+
+/// [`transpose_each`] into a new vector, each matrix's place zeroed just before it is written
+/// (see [`par_filled`]).
+fn transposed_each(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let len = rows * cols;
+    par_filled(src.len(), len, |i, d| {
+        transpose_one(&src[i * len..][..len], d, rows, cols)
+    })
+}
+
+/// `d` = the transpose of the row-major `rows × cols` matrix `s`, block by block.
+fn transpose_one(s: &[f32], d: &mut [f32], rows: usize, cols: usize) {
+    for c0 in (0..cols).step_by(BLOCK_COLS) {
+        for r0 in (0..rows).step_by(BLOCK_ROWS) {
+            let (nr, nc) = (BLOCK_ROWS.min(rows - r0), BLOCK_COLS.min(cols - c0));
+            block(
+                &s[r0 * cols + c0..],
+                cols,
+                &mut d[c0 * rows + r0..],
+                rows,
+                nr,
+                nc,
+            );
+        }
+    }
 }
 
 /// `dst` = the transpose of the row-major `rows × cols` matrix `src`, by bands of `dst`'s rows
@@ -48,14 +60,18 @@ pub fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
     }
     dst.par_chunks_mut(BLOCK_COLS * rows)
         .enumerate()
-        .for_each(|(band, d)| {
-            let c0 = band * BLOCK_COLS;
-            let nc = d.len() / rows;
-            for r0 in (0..rows).step_by(BLOCK_ROWS) {
-                let nr = BLOCK_ROWS.min(rows - r0);
-                block(&src[r0 * cols + c0..], cols, &mut d[r0..], rows, nr, nc);
-            }
-        });
+        .for_each(|(band, d)| transpose_band(src, d, band, rows, cols));
+}
+
+/// Band `band` of [`transpose_into`]'s destination: the transposes of source columns
+/// `band · BLOCK_COLS..`, `d.len() / rows` of them.
+fn transpose_band(src: &[f32], d: &mut [f32], band: usize, rows: usize, cols: usize) {
+    let c0 = band * BLOCK_COLS;
+    let nc = d.len() / rows;
+    for r0 in (0..rows).step_by(BLOCK_ROWS) {
+        let nr = BLOCK_ROWS.min(rows - r0);
+        block(&src[r0 * cols + c0..], cols, &mut d[r0..], rows, nr, nc);
+    }
 }
 
 /// `d[c · d_stride + r] = s[r · s_stride + c]` for `r < nr`, `c < nc`. By 8×8 blocks in vector
@@ -160,23 +176,23 @@ mod avx {
 
 /// [`transpose_into`] a new vector.
 pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut dst = zeros(src.len());
-    transpose_into(src, &mut dst, rows, cols);
-    dst
+    assert_eq!(src.len(), rows * cols, "transpose source size");
+    if rows == 0 || cols == 0 {
+        return Vec::new();
+    }
+    par_filled(src.len(), BLOCK_COLS * rows, |band, d| {
+        transpose_band(src, d, band, rows, cols)
+    })
 }
 
 /// `[n, c, h, w]` → `[n, h, w, c]`.
 pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut dst = zeros(src.len());
-    transpose_each(src, &mut dst, channels, pixels);
-    dst
+    transposed_each(src, channels, pixels)
 }
 
 /// `[n, h, w, c]` → `[n, c, h, w]`.
 pub fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    let mut dst = zeros(src.len());
-    transpose_each(src, &mut dst, pixels, channels);
-    dst
+    transposed_each(src, pixels, channels)
 }
 
 /// Elements from which [`copy`] and [`copied`] run on rayon's threads, by chunks of this many

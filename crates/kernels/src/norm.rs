@@ -9,7 +9,7 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::scratch::zeros;
+use crate::scratch::{par_filled, par_filled_pair};
 
 /// Rows per block of the passes and reductions, at most...
 const BLOCK_ROWS: usize = 512;
@@ -117,20 +117,16 @@ pub fn normalize(
         })
         .unzip();
     let block = block_len(channels);
-    let mut y = zeros(x.len());
-    y.par_chunks_mut(block)
-        .zip(x.par_chunks(block))
-        .enumerate()
-        .for_each(|(i, (y, x))| {
-            let r = residual.map(|r| &r[i * block..i * block + x.len()]);
-            match (r, relu) {
-                (None, false) => tail::<false, false>(y, x, x, &scale, &shift),
-                (None, true) => tail::<false, true>(y, x, x, &scale, &shift),
-                (Some(r), false) => tail::<true, false>(y, x, r, &scale, &shift),
-                (Some(r), true) => tail::<true, true>(y, x, r, &scale, &shift),
-            }
-        });
-    y
+    par_filled(x.len(), block, |i, y| {
+        let x = &x[i * block..][..y.len()];
+        let r = residual.map(|r| &r[i * block..][..y.len()]);
+        match (r, relu) {
+            (None, false) => tail::<false, false>(y, x, x, &scale, &shift),
+            (None, true) => tail::<false, true>(y, x, x, &scale, &shift),
+            (Some(r), false) => tail::<true, false>(y, x, r, &scale, &shift),
+            (Some(r), true) => tail::<true, true>(y, x, r, &scale, &shift),
+        }
+    })
 }
 
 /// `y = x·scale + shift` per channel, `+ r` when `ADD`, then ReLU when `RELU`: one pass, one
@@ -231,27 +227,21 @@ pub fn backward(
         coefficients[1][ch] = f as f32;
         coefficients[2][ch] = (-f * dbeta[ch] / rows - xa * mean[ch]) as f32;
     }
-    let mut dx = zeros(x.len());
-    // The residual's gradient is g itself: written in the same pass.
-    let mut dr = residual.then(|| zeros(x.len()));
-    let mut dr_blocks: Vec<Option<&mut [f32]>> = match dr.as_deref_mut() {
-        Some(dr) => dr.chunks_mut(block).map(Some).collect(),
-        None => (0..x.len().div_ceil(block)).map(|_| None).collect(),
+    let write = |i: usize, dx: &mut [f32], dr: Option<&mut [f32]>| {
+        let [x, dy, y] = [x, dy, y].map(|v| &v[i * block..][..dx.len()]);
+        if masked {
+            input_gradient::<true>(dx, dr, x, dy, y, &coefficients);
+        } else {
+            input_gradient::<false>(dx, dr, x, dy, y, &coefficients);
+        }
     };
-    dx.par_chunks_mut(block)
-        .zip(dr_blocks.par_iter_mut())
-        .zip(
-            x.par_chunks(block)
-                .zip(dy.par_chunks(block).zip(y.par_chunks(block))),
-        )
-        .for_each(|((dx, dr), (x, (dy, y)))| {
-            let dr = dr.as_deref_mut();
-            if masked {
-                input_gradient::<true>(dx, dr, x, dy, y, &coefficients);
-            } else {
-                input_gradient::<false>(dx, dr, x, dy, y, &coefficients);
-            }
-        });
+    // The residual's gradient is g itself: written in the same pass.
+    let (dx, dr) = if residual {
+        let (dx, dr) = par_filled_pair(x.len(), block, |i, dx, dr| write(i, dx, Some(dr)));
+        (dx, Some(dr))
+    } else {
+        (par_filled(x.len(), block, |i, dx| write(i, dx, None)), None)
+    };
     NormGrads {
         input: dx,
         gamma: dgamma.iter().map(|v| *v as f32).collect(),

@@ -5,7 +5,7 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::scratch::zeros;
+use crate::scratch::par_filled;
 
 /// Input `[batch, height, width, channels]`; padding counts as -∞ (as in PyTorch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,14 +124,11 @@ pub fn max_backward(s: &PoolShape, dy: &[f32], arg: &[u32]) -> Vec<f32> {
     let [oh, ow] = s.out_size();
     let c = s.channels;
     let (in_img, out_img) = (s.height * s.width * c, oh * ow * c);
-    let mut dx = zeros(s.input_len());
-    dx.par_chunks_mut(in_img.max(1))
-        .zip(
-            dy.par_chunks(out_img.max(1))
-                .zip(arg.par_chunks(out_img.max(1))),
-        )
-        .for_each(|(dx, (dy, arg))| max_image_backward(s, dy, arg, dx));
-    dx
+    // Each image's gradient zeroed just before the scatter into it.
+    par_filled(s.input_len(), in_img, |n, dx| {
+        let at = n * out_img..(n + 1) * out_img;
+        max_image_backward(s, &dy[at.clone()], &arg[at], dx)
+    })
 }
 
 /// [`max_backward`] of one image, compiled for the CPU's widest vectors.

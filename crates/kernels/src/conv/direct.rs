@@ -25,7 +25,7 @@ use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, Wanted, check_backward_sizes, chunk_gradient,
     relu_in_place, tap_range, unpack,
 };
-use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
+use crate::matmul::{Mat, PackedRhs, par_matmul_packed, par_matmul_uninit};
 use crate::scratch::{scratch, zeros};
 
 /// Output pixels up to which the per-pixel GEMMs, whose rows are the batch, beat im2col's
@@ -159,11 +159,17 @@ pub fn backward(
     };
     let most = (0..taps).map(|t| pairs_of(t).len()).max().unwrap_or(0);
     let (mut g_pairs, mut x_pairs) = (scratch(most * s.batch * co), scratch(most * s.batch * ci));
-    let mut dw = zeros(s.weight_len());
+    // Written block by block below, never zeroed as a whole first.
+    let mut dw = Vec::with_capacity(s.weight_len());
+    let blocks = &mut dw.spare_capacity_mut()[..s.weight_len()];
     for tap in 0..taps {
         let pairs = pairs_of(tap);
         if pairs.is_empty() {
-            continue; // the tap only ever meets padding: its gradient is zero
+            // The tap only ever meets padding: its gradient is zero.
+            for row in blocks.chunks_exact_mut(k) {
+                row[tap * ci..][..ci].fill(std::mem::MaybeUninit::new(0.0));
+            }
+            continue;
         }
         let rows = pairs.len() * s.batch;
         g_pairs[..rows * co]
@@ -176,15 +182,18 @@ pub fn backward(
                     xp[n * ci..][..ci].copy_from_slice(&x[n * image_in + q * ci..][..ci]);
                 }
             });
-        par_matmul(
-            &mut dw[tap * ci..],
+        par_matmul_uninit(
+            &mut blocks[tap * ci..],
             k,
             Mat::rows(&g_pairs[..rows * co], rows, co).t(),
             Mat::rows(&x_pairs[..rows * ci], rows, ci),
-            false,
             weight.precision,
         );
     }
+    // SAFETY: the taps' blocks (columns `tap·ci..(tap + 1)·ci` of each of the `c_out` rows of
+    // `k`) tile the whole weight gradient, and the loop wrote each whole: a product writes
+    // every element of its `c_out × c_in` block, the others were filled with zeros.
+    unsafe { dw.set_len(s.weight_len()) };
     let dx = wanted.input.then(|| {
         let mut dx = zeros(s.input_len());
         // In bf16, W packed once for every span's product (each a run of its columns).

@@ -14,7 +14,7 @@ use super::shared::{
     chunk_gradient, relu_in_place, sum_partials, tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
-use crate::scratch::{with_scratch, zeros};
+use crate::scratch::{par_filled, with_scratch, zeros};
 
 /// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
 fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
@@ -118,35 +118,31 @@ pub fn forward(
     let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
     let per_chunk = s.images_per_chunk();
     let rhs = ForwardRhs::new(s, x, weight);
-    let mut out = zeros(s.output_len());
-    out.par_chunks_mut(per_chunk * rows_img * co)
-        .enumerate()
-        .for_each(|(chunk, y)| {
-            let images = y.len() / (rows_img * co);
-            let rows = images * rows_img;
-            let n0 = chunk * per_chunk;
-            with_scratch([col_len(s, images), 0, 0], |col, _, _| {
-                let patches = patch_matrix(s, x, n0, images, col);
-                if let Some(b) = bias {
-                    for row in y.chunks_exact_mut(co) {
-                        row.copy_from_slice(b);
-                    }
+    par_filled(s.output_len(), per_chunk * rows_img * co, |chunk, y| {
+        let images = y.len() / (rows_img * co);
+        let rows = images * rows_img;
+        let n0 = chunk * per_chunk;
+        with_scratch([col_len(s, images), 0, 0], |col, _, _| {
+            let patches = patch_matrix(s, x, n0, images, col);
+            if let Some(b) = bias {
+                for row in y.chunks_exact_mut(co) {
+                    row.copy_from_slice(b);
                 }
-                par_matmul_packed(
-                    y,
-                    co,
-                    Mat::rows(patches, rows, k),
-                    rhs.mat(),
-                    rhs.panels(0..k),
-                    bias.is_some(),
-                    weight.precision,
-                );
-                if relu {
-                    relu_in_place(y);
-                }
-            });
+            }
+            par_matmul_packed(
+                y,
+                co,
+                Mat::rows(patches, rows, k),
+                rhs.mat(),
+                rhs.panels(0..k),
+                bias.is_some(),
+                weight.precision,
+            );
+            if relu {
+                relu_in_place(y);
+            }
         });
-    out
+    })
 }
 
 /// [`super::backward`] as im2col + GEMM.

@@ -304,13 +304,67 @@ pub fn par_matmul_packed(
     accumulate: bool,
     precision: Precision,
 ) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, panels, precision);
+    // SAFETY: checked above; `dst` is borrowed mutably while the inputs are shared borrows.
+    unsafe {
+        par_gemm_unchecked(
+            dst.as_mut_ptr(),
+            dst_stride,
+            lhs,
+            rhs,
+            panels,
+            accumulate,
+            precision,
+        )
+    }
+}
+
+/// [`par_matmul`] (`dst = lhs · rhs`) into memory not yet initialised: it writes every element
+/// of the `lhs.rows × rhs.cols` block at `dst` (rows `dst_stride` apart) and reads none. A
+/// kernel whose products tile its output whole thus skips zeroing it first (a pass out to memory
+/// and back for the direct layers' weight gradients).
+pub fn par_matmul_uninit(
+    dst: &mut [std::mem::MaybeUninit<f32>],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    precision: Precision,
+) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, None, precision);
+    // SAFETY: checked above; without `accumulate` the products write the block and never read
+    // it (gemm with `read_dst` false, the bf16 kernel storing its first block of `k`, zeros
+    // for k = 0), so its elements need not be initialised.
+    unsafe {
+        par_gemm_unchecked(
+            dst.as_mut_ptr().cast::<f32>(),
+            dst_stride,
+            lhs,
+            rhs,
+            None,
+            false,
+            precision,
+        )
+    }
+}
+
+/// # Safety
+/// As [`gemm_unchecked`], for the whole `lhs.rows × rhs.cols` block at `dst`.
+unsafe fn par_gemm_unchecked(
+    dst: *mut f32,
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    panels: Option<RhsPanels>,
+    accumulate: bool,
+    precision: Precision,
+) {
     let (m, n) = (lhs.rows, rhs.cols);
     let plan = Tiling::of(m, n, lhs.cols);
     if plan.tiles == 1 {
-        return matmul_packed(dst, dst_stride, lhs, rhs, panels, accumulate, precision);
+        // SAFETY: per the contract.
+        return unsafe { gemm_unchecked(dst, dst_stride, lhs, rhs, panels, accumulate, precision) };
     }
-    check_product(dst.len(), dst_stride, &lhs, &rhs, panels, precision);
-    let dst = SharedDst(dst.as_mut_ptr());
+    let dst = SharedDst(dst);
     (0..plan.tiles).into_par_iter().for_each(|tile| {
         let start = tile * plan.band;
         let side = if plan.by_rows { m } else { n };
@@ -322,9 +376,9 @@ pub fn par_matmul_packed(
             let panels = panels.and_then(|p| p.cols(band.clone()));
             (band.start, lhs, rhs.col_range(band), panels)
         };
-        // SAFETY: the whole destination was checked above; the tiles are disjoint bands of
-        // it (rows or columns), so no element is written by two threads, and nothing else
-        // reads or writes `dst` until every tile has finished (`for_each` joins them).
+        // SAFETY: the tiles are disjoint bands (rows or columns) of the block the contract
+        // covers, so no element is written by two threads, and nothing else reads or writes
+        // the block until every tile has finished (`for_each` joins them).
         unsafe {
             gemm_unchecked(
                 dst.at(offset),
@@ -387,8 +441,8 @@ fn check_product(
 
 /// # Safety
 /// `lhs` and `rhs` lie inside their slices, the `lhs.rows × rhs.cols` elements at `dst` (row
-/// stride `dst_stride`) are valid for writes, read or written by no one else meanwhile, and
-/// `precision` is available.
+/// stride `dst_stride`) are valid for writes (and initialised, when `accumulate`), read or
+/// written by no one else meanwhile, and `precision` is available.
 unsafe fn gemm_unchecked(
     dst: *mut f32,
     dst_stride: usize,
@@ -405,8 +459,9 @@ unsafe fn gemm_unchecked(
     if k == 0 {
         if !accumulate {
             for i in 0..m {
-                // SAFETY: row `i` of the destination, valid per the contract.
-                unsafe { std::slice::from_raw_parts_mut(dst.add(i * dst_stride), n) }.fill(0.0);
+                // SAFETY: row `i` of the destination, valid for writes per the contract (and
+                // written without being read: it may be uninitialised, see `par_matmul_uninit`).
+                unsafe { std::ptr::write_bytes(dst.add(i * dst_stride), 0, n) };
             }
         }
         return;

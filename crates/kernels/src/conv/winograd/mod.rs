@@ -24,7 +24,7 @@ use super::shared::{
     chunk_gradient, sum_partials,
 };
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
-use crate::scratch::{with_scratch, zeros};
+use crate::scratch::{par_filled, with_scratch, zeros};
 pub use transforms::Tile;
 use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
 
@@ -58,12 +58,9 @@ impl WinogradWeight {
         assert_eq!(weight.values.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
         let row = tile.planes() * co + ROW_PAD;
-        let mut data = zeros(ci * row);
-        data.par_chunks_mut(LANES * row)
-            .enumerate()
-            .for_each(|(block, u)| {
-                transform_weights(tile, weight, ci, co, block * LANES, ROW_PAD, u)
-            });
+        let data = par_filled(ci * row, LANES * row, |block, u| {
+            transform_weights(tile, weight, ci, co, block * LANES, ROW_PAD, u)
+        });
         WinogradWeight {
             data,
             tile,
@@ -109,11 +106,9 @@ const ROW_PAD: usize = 16;
 /// of output channels on its own thread.
 fn weight_grad(s: &ConvShape, tile: Tile, du: &[f32], layout: WeightLayout) -> Vec<f32> {
     let ci = s.c_in;
-    let mut out = zeros(s.weight_len());
-    out.par_chunks_mut(LANES * 9 * ci)
-        .enumerate()
-        .for_each(|(block, w)| weight_grad_block(tile, du, ci, block * LANES, layout, w));
-    out
+    par_filled(s.weight_len(), LANES * 9 * ci, |block, w| {
+        weight_grad_block(tile, du, ci, block * LANES, layout, w)
+    })
 }
 
 /// Tiles of one image and their grid.
@@ -258,33 +253,29 @@ pub fn forward(
     let per_chunk = images_per_chunk(s, &t);
     let out_image = t.oh * t.ow * co;
     let planes = u.packed_planes(ci, co, false);
-    let mut out = zeros(s.output_len());
-    out.par_chunks_mut(per_chunk * out_image)
-        .enumerate()
-        .for_each(|(chunk, y)| {
-            let images = y.len() / out_image;
-            let tiles = images * t.per_image();
-            let np = t.planes();
-            with_scratch([np * tiles * ci, np * tiles * co, 0], |v, m, _| {
-                transform_inputs(s, &t, x, chunk * per_chunk, images, v);
-                let v = &*v;
-                m.par_chunks_mut(tiles * co)
-                    .enumerate()
-                    .for_each(|(xi, m)| {
-                        matmul_packed(
-                            m,
-                            co,
-                            Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
-                            u.plane(xi, ci, co),
-                            planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
-                            false,
-                            u.precision,
-                        );
-                    });
-                output_transform(s, &t, m, tiles, images, bias, relu, y);
-            });
+    par_filled(s.output_len(), per_chunk * out_image, |chunk, y| {
+        let images = y.len() / out_image;
+        let tiles = images * t.per_image();
+        let np = t.planes();
+        with_scratch([np * tiles * ci, np * tiles * co, 0], |v, m, _| {
+            transform_inputs(s, &t, x, chunk * per_chunk, images, v);
+            let v = &*v;
+            m.par_chunks_mut(tiles * co)
+                .enumerate()
+                .for_each(|(xi, m)| {
+                    matmul_packed(
+                        m,
+                        co,
+                        Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
+                        u.plane(xi, ci, co),
+                        planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
+                        false,
+                        u.precision,
+                    );
+                });
+            output_transform(s, &t, m, tiles, images, bias, relu, y);
         });
-    out
+    })
 }
 
 /// `y = Aᵀ M A` per tile, plus bias and ReLU, into the chunk's outputs.
