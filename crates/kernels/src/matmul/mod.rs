@@ -590,6 +590,38 @@ mod tests {
         assert_eq!(Tiling::of(50, 60, 70).tiles, 1);
     }
 
+    /// Into memory holding NaNs (standing for uninitialised memory), a product with rows
+    /// `stride` apart writes its whole block, as `par_matmul` does, reads none of it, and
+    /// leaves the gap between rows alone; in f32 and, where the CPU has it, bf16.
+    #[test]
+    fn a_product_into_uninitialised_memory_writes_its_block_whole_and_nothing_else() {
+        use std::mem::MaybeUninit;
+        let (m, n, k, stride) = (300, 70, 40, 75);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 31) % 17) as f32 - 8.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 7) % 13) as f32 / 4.0).collect();
+        let (lhs, rhs) = (Mat::rows(&a, m, k), Mat::rows(&b, k, n));
+        for precision in [Precision::F32, Precision::Bf16] {
+            if !precision.available() {
+                eprintln!("SKIPPED: {} (this CPU lacks it)", precision.name());
+                continue;
+            }
+            let mut want = vec![f32::NAN; m * stride];
+            par_matmul(&mut want, stride, lhs, rhs, false, precision);
+            let mut got = vec![MaybeUninit::new(f32::NAN); m * stride];
+            par_matmul_uninit(&mut got, stride, lhs, rhs, precision);
+            for (at, (g, w)) in got.iter().zip(&want).enumerate() {
+                // SAFETY: every element was initialised (to NaN) above.
+                let g = unsafe { g.assume_init() };
+                let in_block = at % stride < n;
+                assert!(
+                    g.to_bits() == w.to_bits() && (in_block != g.is_nan()),
+                    "{} element {at}: {g} against {w}",
+                    precision.name()
+                );
+            }
+        }
+    }
+
     #[test]
     #[should_panic(expected = "overruns")]
     fn a_view_larger_than_its_slice_is_refused() {
