@@ -118,7 +118,7 @@ pub(crate) fn zeros(len: usize) -> Vec<f32> {
 /// `chunk` elements (the last one shorter) and its index, to write all of it. Each run is zeroed
 /// first by the thread that fills it, just before, while it is in cache: a kernel's output
 /// zeroed whole ahead of the kernel went out to memory and came back (about 240 MB a resnet18
-/// step at batch 32, on a core that streams 12–16 GB/s). The zeros are what `fill` finds where
+/// step at batch 32, on a core that streams 11–17 GB/s). The zeros are what `fill` finds where
 /// it writes nothing.
 pub(crate) fn par_filled(
     len: usize,

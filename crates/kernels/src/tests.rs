@@ -174,6 +174,37 @@ fn shape3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> ConvShape {
     ConvShape::same_3x3(batch, c_in, c_out, size)
 }
 
+/// The multiply-adds each algorithm's GEMMs do, per channel pair and image: a 3×3 layer at
+/// 16×16 (padding 1: 46 of the 48 kernel rows and columns a row or column of outputs meets lie
+/// inside) and at 2×2 (every output pixel meets 4 of its 9 taps inside the image).
+#[test]
+fn each_algorithm_counts_the_multiply_adds_its_gemms_do() {
+    for (s, [im2col, winograd, winograd4, direct]) in [
+        (
+            shape3x3(3, 64, 32, 16),
+            [256 * 9, 64 * 16, 16 * 36, 46 * 46],
+        ),
+        (shape3x3(2, 512, 256, 2), [4 * 9, 16, 36, 16]),
+    ] {
+        let pairs = s.batch * s.c_in * s.c_out;
+        for (algorithm, per_pair) in [
+            (Algorithm::Im2col, im2col),
+            (Algorithm::Winograd, winograd),
+            (Algorithm::Winograd4, winograd4),
+            (Algorithm::Direct, direct),
+        ] {
+            assert_eq!(
+                algorithm.multiply_adds(&s),
+                per_pair * pairs,
+                "{} at {}×{}",
+                algorithm.name(),
+                s.height,
+                s.width
+            );
+        }
+    }
+}
+
 #[test]
 fn seed_cnn_layers_match_the_direct_convolution() {
     // The seed CNN's six convolutions, at a small batch (the reference is slow).

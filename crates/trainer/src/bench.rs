@@ -79,6 +79,10 @@ pub struct OpRow {
     /// The direct algorithm's arithmetic (forward, and twice that backward) over the time:
     /// comparable across algorithms, so Winograd can beat the machine's peak.
     pub gflops_per_s: Option<f64>,
+    /// The arithmetic the layer's algorithm executes (Winograd's products, the direct kernel's
+    /// taps inside the image; forward and twice that backward) over the time: against the
+    /// peak (`trainctl bench --gemm`), how near it the layer runs, transforms and all.
+    pub executed_gflops_per_s: Option<f64>,
 }
 
 /// Times `steps` training steps as [`training_step`] does, each of trainctl's operations apart:
@@ -99,6 +103,9 @@ pub fn layer_profile(
         .map(|(op, t)| {
             let (forward, backward) = (per_step(t.forward_s), per_step(t.backward_s));
             let calls = t.calls as f64 / steps.max(1) as f64;
+            let rate = |flops: f64| {
+                (flops > 0.0).then(|| 3.0 * flops * calls / (forward + backward) / 1e9)
+            };
             OpRow {
                 model: times.model,
                 threads,
@@ -108,8 +115,8 @@ pub fn layer_profile(
                 forward_ms: forward * 1e3,
                 backward_ms: backward * 1e3,
                 step_share: (forward + backward) / step_s,
-                gflops_per_s: (t.forward_flops > 0.0)
-                    .then(|| 3.0 * t.forward_flops * calls / (forward + backward) / 1e9),
+                gflops_per_s: rate(t.forward_flops.nominal),
+                executed_gflops_per_s: rate(t.forward_flops.executed),
             }
         })
         .collect();
@@ -129,6 +136,7 @@ pub fn layer_profile(
             - rows.iter().map(|r| r.backward_ms).sum::<f64>(),
         step_share: (step_s - ours) / step_s,
         gflops_per_s: None,
+        executed_gflops_per_s: None,
     });
     (times, rows)
 }

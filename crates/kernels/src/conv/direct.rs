@@ -45,7 +45,7 @@ pub fn pays(s: &ConvShape) -> bool {
 }
 
 /// Taps inside the image, summed over the output pixels of one image.
-fn useful_taps(s: &ConvShape) -> usize {
+pub(crate) fn useful_taps(s: &ConvShape) -> usize {
     spans(s).iter().map(|span| span.len).sum()
 }
 

@@ -79,6 +79,24 @@ impl Algorithm {
         }
     }
 
+    /// The multiply-adds of the forward's GEMMs when this algorithm computes `s` (each gradient
+    /// takes as many): Winograd's α² products a tile, the direct kernel's taps inside the
+    /// image, im2col's whole windows. What `trainctl bench --layers` divides by the time for
+    /// the rate the GEMMs actually run at, beside the direct algorithm's count, which is the
+    /// same for every algorithm.
+    pub fn multiply_adds(self, s: &ConvShape) -> usize {
+        let pairs = s.batch * s.c_in * s.c_out;
+        match self {
+            Algorithm::Winograd => winograd::products_per_image(s, Tile::F2) * pairs,
+            Algorithm::Winograd4 => winograd::products_per_image(s, Tile::F4) * pairs,
+            Algorithm::Direct => direct::useful_taps(s) * pairs,
+            Algorithm::Im2col => {
+                let [oh, ow] = s.out_size();
+                oh * ow * s.kernel[0] * s.kernel[1] * pairs
+            }
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Algorithm::Direct => "direct",

@@ -36,7 +36,9 @@ pub struct Args {
     repeats: usize,
     /// Time each layer instead: for the seed CNN each convolution alone by each algorithm
     /// (forward, backward, GFLOP/s) at 1 thread; for a ResNet each operation and shape inside
-    /// its training steps, at each --threads count.
+    /// its training steps, at each --threads count, a convolution's GFLOP/s counted both as the
+    /// direct algorithm's arithmetic and as the arithmetic its own algorithm executes (to set
+    /// against the peak of --gemm).
     #[arg(long)]
     layers: bool,
     /// Time the data loader alone instead, on the training images of this data set (CIFAR-10

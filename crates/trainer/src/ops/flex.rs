@@ -56,7 +56,7 @@ pub(super) fn norm_add_relu(
     profile::timed(
         || norm_name(dims),
         None,
-        0.0,
+        profile::Flops::default(),
         || {
             let xs = nhwc(x);
             let stats = norm::batch_stats(&xs, dims[1]);
@@ -154,7 +154,7 @@ pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor
     profile::timed(
         || pool_name(dims, spec),
         None,
-        0.0,
+        profile::Flops::default(),
         || {
             let shape = pool_shape(dims, spec);
             let (y, taps) = pool::max_forward(&shape, &nhwc(x));

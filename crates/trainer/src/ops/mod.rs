@@ -22,7 +22,7 @@ use burn::nn::conv::Conv2d;
 use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
-use kernels::conv::{ConvShape, Prepared, WeightLayout};
+use kernels::conv::{Algorithm, ConvShape, WeightLayout};
 use kernels::layout::{nchw_to_nhwc, nhwc_to_nchw};
 use kernels::pool::PoolShape;
 
@@ -352,13 +352,24 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
 }
 
 /// A convolution's name in the operation profile, and its forward arithmetic.
-fn conv_profile(s: &ConvShape) -> (String, f64) {
-    let algorithm = Prepared::algorithm(s, crate::device::precision());
+fn conv_profile(s: &ConvShape) -> (String, profile::Flops) {
+    let algorithm = Algorithm::of(s, crate::device::precision());
     let name = format!(
-        "conv {}x{}/{} {}->{} at {}x{} ({algorithm})",
-        s.kernel[0], s.kernel[1], s.stride[0], s.c_in, s.c_out, s.height, s.width
+        "conv {}x{}/{} {}->{} at {}x{} ({})",
+        s.kernel[0],
+        s.kernel[1],
+        s.stride[0],
+        s.c_in,
+        s.c_out,
+        s.height,
+        s.width,
+        algorithm.name()
     );
-    (name, 2.0 * (s.output_len() * s.k()) as f64)
+    let flops = profile::Flops {
+        nominal: 2.0 * (s.output_len() * s.k()) as f64,
+        executed: 2.0 * algorithm.multiply_adds(s) as f64,
+    };
+    (name, flops)
 }
 
 fn norm_name([_, c, h, w]: [usize; 4]) -> String {

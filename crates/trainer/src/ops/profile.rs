@@ -10,7 +10,7 @@ static ON: AtomicBool = AtomicBool::new(false);
 static TIMES: Mutex<BTreeMap<String, OpTimes>> = Mutex::new(BTreeMap::new());
 
 /// One operation at one shape: calls and seconds over the recorded steps, and the arithmetic of
-/// one call (2·multiply-adds of the direct algorithm; 0 where there are none to speak of).
+/// one call.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct OpTimes {
     /// A convolution's shape.
@@ -18,7 +18,18 @@ pub struct OpTimes {
     pub calls: usize,
     pub forward_s: f64,
     pub backward_s: f64,
-    pub forward_flops: f64,
+    pub forward_flops: Flops,
+}
+
+/// A forward call's arithmetic, 2 per multiply-add (0 where there is none to speak of).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Flops {
+    /// As the direct algorithm computes it: the same for every algorithm, so that the rates of
+    /// two algorithms compare (Winograd's can pass the machine's peak).
+    pub nominal: f64,
+    /// As the chosen algorithm's GEMMs compute it (`kernels::conv::Algorithm::multiply_adds`):
+    /// over the time, the rate the layer's arithmetic actually runs at, against the peak.
+    pub executed: f64,
 }
 
 /// Starts recording (and forgets what was recorded before).
@@ -37,7 +48,7 @@ pub fn finish() -> BTreeMap<String, OpTimes> {
 pub(crate) fn timed<R>(
     name: impl FnOnce() -> String,
     conv: Option<kernels::conv::ConvShape>,
-    forward_flops: f64,
+    forward_flops: Flops,
     f: impl FnOnce() -> R,
 ) -> R {
     if !ON.load(Ordering::Relaxed) {

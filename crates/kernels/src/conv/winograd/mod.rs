@@ -145,6 +145,12 @@ impl Tiling {
     }
 }
 
+/// Products a channel pair's GEMMs take for one image of `s` with `tile`: α² a tile.
+pub(crate) fn products_per_image(s: &ConvShape, tile: Tile) -> usize {
+    let t = Tiling::of(s, tile);
+    t.per_image() * t.planes()
+}
+
 fn images_per_chunk(s: &ConvShape, t: &Tiling) -> usize {
     let per_image = t.per_image() * t.planes() * (s.c_in + s.c_out) * 4;
     (CHUNK_BYTES / per_image.max(1)).clamp(1, s.batch)
