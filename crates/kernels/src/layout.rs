@@ -11,22 +11,9 @@ use crate::scratch::par_filled;
 const BLOCK_ROWS: usize = 64;
 const BLOCK_COLS: usize = 256;
 
-/// Transposes each row-major `rows × cols` matrix of `src` into the same place of `dst`, in
-/// parallel over the matrices.
-pub fn transpose_each(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
-    let len = rows * cols;
-    assert_eq!(src.len(), dst.len(), "transpose sizes");
-    if len == 0 {
-        return;
-    }
-    dst.par_chunks_mut(len)
-        .zip(src.par_chunks(len))
-        .for_each(|(d, s)| transpose_one(s, d, rows, cols));
-}
-
-/// [`transpose_each`] into a new vector, each matrix's place zeroed just before it is written
-/// (see [`par_filled`]).
-fn transposed_each(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// Each row-major `rows × cols` matrix of `src` transposed, in a new vector (in parallel over
+/// the matrices, each one's place zeroed just before it is written: see [`par_filled`]).
+pub fn transpose_each(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let len = rows * cols;
     par_filled(src.len(), len, |i, d| {
         transpose_one(&src[i * len..][..len], d, rows, cols)
@@ -187,12 +174,12 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// `[n, c, h, w]` → `[n, h, w, c]`.
 pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    transposed_each(src, channels, pixels)
+    transpose_each(src, channels, pixels)
 }
 
 /// `[n, h, w, c]` → `[n, c, h, w]`.
 pub fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
-    transposed_each(src, pixels, channels)
+    transpose_each(src, pixels, channels)
 }
 
 /// Elements from which [`copy`] and [`copied`] run on rayon's threads, by chunks of this many
@@ -285,8 +272,7 @@ mod tests {
             let len = rows * cols;
             let src: Vec<f32> = (0..3 * len).map(|i| i as f32).collect();
             let t = transpose(&src[..len], rows, cols);
-            let mut each = vec![-1.0; 3 * len];
-            transpose_each(&src, &mut each, rows, cols);
+            let each = transpose_each(&src, rows, cols);
             for m in 0..3 {
                 for r in 0..rows {
                     for c in 0..cols {

@@ -238,9 +238,7 @@ fn to_torch(entry: &Entry, values: &[f32]) -> (Vec<usize>, Vec<f32>) {
         )
     } else if entry.is_conv_weight() {
         let (c_in, taps) = (entry.shape[1], entry.shape[2] * entry.shape[3]);
-        let mut out = vec![0.0; values.len()];
-        transpose_each(values, &mut out, taps, c_in);
-        (entry.shape.clone(), out)
+        (entry.shape.clone(), transpose_each(values, taps, c_in))
     } else {
         (entry.shape.clone(), values.to_vec())
     }
@@ -252,9 +250,7 @@ fn from_torch(entry: &Entry, values: &[f32]) -> Vec<f32> {
         transpose(values, entry.shape[1], entry.shape[0])
     } else if entry.is_conv_weight() {
         let (c_in, taps) = (entry.shape[1], entry.shape[2] * entry.shape[3]);
-        let mut out = vec![0.0; values.len()];
-        transpose_each(values, &mut out, c_in, taps);
-        out
+        transpose_each(values, c_in, taps)
     } else {
         values.to_vec()
     }

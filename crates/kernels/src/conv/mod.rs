@@ -116,11 +116,6 @@ pub enum Prepared<'w> {
 }
 
 impl<'w> Prepared<'w> {
-    /// The name of the algorithm [`Prepared::new`] picks for `s` in `precision`.
-    pub fn algorithm(s: &ConvShape, precision: Precision) -> &'static str {
-        Algorithm::of(s, precision).name()
-    }
-
     /// The algorithm for `s` in `precision` and the weight transformed for it, its GEMMs
     /// rounding their inputs to `precision`.
     pub fn new(s: &ConvShape, weight: Weight<'w>, precision: Precision) -> Self {

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use super::ConvShape;
 use crate::layout::{transpose_each, transpose_into};
 use crate::matmul::{Mat, PackedRhs, Precision, RhsPanels};
-use crate::scratch::{Scratch, scratch, zeros};
+use crate::scratch::{Scratch, scratch};
 
 /// Partial sums of the weight gradient, fixed so that the sum's order never depends on the
 /// thread count; also the most threads the weight gradient can use.
@@ -100,9 +100,7 @@ impl<'w> PackedWeight<'w> {
         let data = if taps == 1 || weight.layout == WeightLayout::TapsFirst {
             Cow::Borrowed(weight.values)
         } else {
-            let mut data = zeros(weight.values.len());
-            transpose_each(weight.values, &mut data, shape.c_in, taps);
-            Cow::Owned(data)
+            Cow::Owned(transpose_each(weight.values, shape.c_in, taps))
         };
         PackedWeight {
             data,
@@ -127,9 +125,7 @@ pub(crate) fn unpack(shape: &ConvShape, packed: Vec<f32>, layout: WeightLayout) 
     if taps == 1 || layout == WeightLayout::TapsFirst {
         return packed;
     }
-    let mut out = zeros(packed.len());
-    transpose_each(&packed, &mut out, taps, shape.c_in);
-    out
+    transpose_each(&packed, taps, shape.c_in)
 }
 
 /// A group's chunks: the chunk index and, when the input gradient is wanted, its slice of it.

@@ -100,6 +100,11 @@ impl Job {
 
 pub fn run_ok(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap();
+    succeeded(cmd, out)
+}
+
+/// `out`, which `cmd` must have succeeded with (else a panic with both outputs).
+pub fn succeeded(cmd: &Command, out: Output) -> Output {
     assert!(
         out.status.success(),
         "{cmd:?} failed: {}\nstdout:\n{}\nstderr:\n{}",

@@ -54,9 +54,8 @@ pub(super) fn norm_add_relu(
 ) -> NormOutput<Flex> {
     let dims = dims4(x);
     profile::timed(
-        || norm_name(dims),
+        || (norm_name(dims), profile::Flops::default()),
         None,
-        profile::Flops::default(),
         || {
             let xs = nhwc(x);
             let stats = norm::batch_stats(&xs, dims[1]);
@@ -118,11 +117,9 @@ pub(super) fn conv_with_weight(
     spec: &ConvSpec,
 ) -> (FlexTensor, KeptWeight) {
     let shape = conv_shape(x, weight, spec);
-    let (name, flops) = conv_profile(&shape);
     profile::timed(
-        || name,
+        || conv_profile(&shape),
         Some(shape),
-        flops,
         || {
             let (values, layout) = conv_weight(weight);
             let precision = crate::device::precision();
@@ -152,9 +149,8 @@ pub(super) fn conv_with_weight(
 pub(super) fn max_pool_with_taps(x: &FlexTensor, spec: &PoolSpec) -> (FlexTensor, Vec<u32>) {
     let dims = dims4(x);
     profile::timed(
-        || pool_name(dims, spec),
+        || (pool_name(dims, spec), profile::Flops::default()),
         None,
-        profile::Flops::default(),
         || {
             let shape = pool_shape(dims, spec);
             let (y, taps) = pool::max_forward(&shape, &nhwc(x));

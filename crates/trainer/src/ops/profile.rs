@@ -44,11 +44,11 @@ pub fn finish() -> BTreeMap<String, OpTimes> {
     std::mem::take(&mut *TIMES.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// Runs the forward pass `f`, adding a call and its time to the operation `name()`.
+/// Runs the forward pass `f`, adding a call and its time to the operation `what()` names
+/// (with its arithmetic; `what` runs only while recording, off the training step's path).
 pub(crate) fn timed<R>(
-    name: impl FnOnce() -> String,
+    what: impl FnOnce() -> (String, Flops),
     conv: Option<kernels::conv::ConvShape>,
-    forward_flops: Flops,
     f: impl FnOnce() -> R,
 ) -> R {
     if !ON.load(Ordering::Relaxed) {
@@ -57,8 +57,9 @@ pub(crate) fn timed<R>(
     let t0 = Instant::now();
     let out = f();
     let seconds = t0.elapsed().as_secs_f64();
+    let (name, forward_flops) = what();
     let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let entry = times.entry(name()).or_default();
+    let entry = times.entry(name).or_default();
     entry.conv = conv;
     entry.calls += 1;
     entry.forward_s += seconds;
