@@ -13,6 +13,7 @@ pub mod layout;
 pub mod matmul;
 pub use matmul::Precision;
 pub mod norm;
+pub mod phases;
 pub mod pool;
 mod scratch;
 pub mod sgd;

@@ -85,19 +85,47 @@ pub struct OpRow {
     pub executed_gflops_per_s: Option<f64>,
 }
 
+/// One phase inside a kernel at one shape in a training step (`kernels::phases`): what
+/// `trainctl bench --layers` prints after the operations, one per line, by operation and in
+/// the order of their names. Where an operation's rate falls short of the peak, which of its
+/// passes (a Winograd layer's transforms, its products, its weight's transform) takes the time.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PhaseRow {
+    pub model: &'static str,
+    pub threads: usize,
+    /// `conv 3x3/1 256->256 at 4x4 (winograd): input transform`.
+    pub phase: String,
+    pub calls_per_step: f64,
+    pub ms_per_step: f64,
+    /// Of a training step's time.
+    pub step_share: f64,
+}
+
 /// Times `steps` training steps as [`training_step`] does, each of trainctl's operations apart:
-/// the step's times, then one row per operation and shape, the slowest first.
+/// the step's times, one row per operation and shape, the slowest first, and one row per
+/// phase inside the kernels.
 pub fn layer_profile(
     model: Architecture,
     image_size: usize,
     threads: usize,
     batch_size: usize,
     steps: usize,
-) -> (StepTimes, Vec<OpRow>) {
+) -> (StepTimes, Vec<OpRow>, Vec<PhaseRow>) {
     let times = timed_training(model, image_size, threads, batch_size, steps, true);
     let recorded = crate::ops::profile::finish();
     let per_step = |seconds: f64| seconds / steps.max(1) as f64;
     let step_s = times.step_s;
+    let phases = kernels::phases::finish()
+        .into_iter()
+        .map(|(phase, t)| PhaseRow {
+            model: times.model,
+            threads,
+            phase,
+            calls_per_step: t.calls as f64 / steps.max(1) as f64,
+            ms_per_step: per_step(t.seconds) * 1e3,
+            step_share: per_step(t.seconds) / step_s,
+        })
+        .collect();
     let mut rows: Vec<OpRow> = recorded
         .into_iter()
         .map(|(op, t)| {
@@ -138,7 +166,7 @@ pub fn layer_profile(
         gflops_per_s: None,
         executed_gflops_per_s: None,
     });
-    (times, rows)
+    (times, rows, phases)
 }
 
 fn timed_training(
@@ -201,6 +229,7 @@ fn time_steps(
         if profile && i == 1 {
             // After the warm-up step.
             crate::ops::profile::start();
+            kernels::phases::start();
         }
         let t0 = Instant::now();
         // As the trainer's step runs them (`train::step`).

@@ -107,6 +107,12 @@ impl Algorithm {
     }
 }
 
+/// A phase of `algorithm` on `s` as [`crate::phases`] names it: `conv 3x3/1 256->256 at 4x4
+/// (winograd): input transform`.
+pub(crate) fn phase_name(s: &ConvShape, algorithm: Algorithm, what: &str) -> String {
+    format!("conv {} ({}): {what}", s.label(), algorithm.name())
+}
+
 /// A layer's weight, transformed for the algorithm its shape gets.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prepared<'w> {

@@ -129,7 +129,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
     }
     if let Some(threads) = args.step_only {
         if args.layers {
-            let (step, rows) = trainer::bench::layer_profile(
+            let (step, rows, phases) = trainer::bench::layer_profile(
                 model,
                 args.image_size,
                 threads,
@@ -139,6 +139,9 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             println!("{}", serde_json::to_string(&step)?);
             for row in rows {
                 println!("{}", serde_json::to_string(&row)?);
+            }
+            for phase in phases {
+                println!("{}", serde_json::to_string(&phase)?);
             }
             return Ok(0);
         }

@@ -354,17 +354,7 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
 /// A convolution's name in the operation profile, and its forward arithmetic.
 fn conv_profile(s: &ConvShape) -> (String, profile::Flops) {
     let algorithm = Algorithm::of(s, crate::device::precision());
-    let name = format!(
-        "conv {}x{}/{} {}->{} at {}x{} ({})",
-        s.kernel[0],
-        s.kernel[1],
-        s.stride[0],
-        s.c_in,
-        s.c_out,
-        s.height,
-        s.width,
-        algorithm.name()
-    );
+    let name = format!("conv {} ({})", s.label(), algorithm.name());
     let flops = profile::Flops {
         nominal: 2.0 * (s.output_len() * s.k()) as f64,
         executed: 2.0 * algorithm.multiply_adds(s) as f64,

@@ -24,6 +24,7 @@ use super::shared::{
     chunk_gradient, sum_partials,
 };
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
+use crate::phases;
 use crate::scratch::{par_filled, with_scratch, zeros};
 pub use transforms::Tile;
 use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
@@ -58,8 +59,10 @@ impl WinogradWeight {
         assert_eq!(weight.values.len(), s.weight_len(), "weight size");
         let (ci, co) = (s.c_in, s.c_out);
         let row = tile.planes() * co + ROW_PAD;
-        let data = par_filled(ci * row, LANES * row, |block, u| {
-            transform_weights(tile, weight, ci, co, block * LANES, ROW_PAD, u)
+        let data = phases::timed(tile.phase(s, "weight transform"), || {
+            par_filled(ci * row, LANES * row, |block, u| {
+                transform_weights(tile, weight, ci, co, block * LANES, ROW_PAD, u)
+            })
         });
         WinogradWeight {
             data,
@@ -106,8 +109,10 @@ const ROW_PAD: usize = 16;
 /// of output channels on its own thread.
 fn weight_grad(s: &ConvShape, tile: Tile, du: &[f32], layout: WeightLayout) -> Vec<f32> {
     let ci = s.c_in;
-    par_filled(s.weight_len(), LANES * 9 * ci, |block, w| {
-        weight_grad_block(tile, du, ci, block * LANES, layout, w)
+    phases::timed(tile.phase(s, "weight gradient transform"), || {
+        par_filled(s.weight_len(), LANES * 9 * ci, |block, w| {
+            weight_grad_block(tile, du, ci, block * LANES, layout, w)
+        })
     })
 }
 
@@ -264,22 +269,28 @@ pub fn forward(
         let tiles = images * t.per_image();
         let np = t.planes();
         with_scratch([np * tiles * ci, np * tiles * co, 0], |v, m, _| {
-            transform_inputs(s, &t, x, chunk * per_chunk, images, v);
+            phases::timed(t.tile.phase(s, "input transform"), || {
+                transform_inputs(s, &t, x, chunk * per_chunk, images, v)
+            });
             let v = &*v;
-            m.par_chunks_mut(tiles * co)
-                .enumerate()
-                .for_each(|(xi, m)| {
-                    matmul_packed(
-                        m,
-                        co,
-                        Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
-                        u.plane(xi, ci, co),
-                        planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
-                        false,
-                        u.precision,
-                    );
-                });
-            output_transform(s, &t, m, tiles, images, bias, relu, y);
+            phases::timed(t.tile.phase(s, "products"), || {
+                m.par_chunks_mut(tiles * co)
+                    .enumerate()
+                    .for_each(|(xi, m)| {
+                        matmul_packed(
+                            m,
+                            co,
+                            Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
+                            u.plane(xi, ci, co),
+                            planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
+                            false,
+                            u.precision,
+                        );
+                    })
+            });
+            phases::timed(t.tile.phase(s, "output transform"), || {
+                output_transform(s, &t, m, tiles, images, bias, relu, y)
+            });
         });
     })
 }
@@ -399,36 +410,53 @@ pub fn backward(
                 with_scratch(
                     [np * tiles * ci, np * tiles * co, images * out_image],
                     |v, dm, masked| {
-                        let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
-                        transform_inputs(s, &t, x, n0, images, v);
-                        output_grad_transform(&t, g, images, co, dm);
+                        let phase = |what| t.tile.phase(s, what);
+                        let g = phases::timed(phase("output gradient (ReLU mask, bias)"), || {
+                            chunk_gradient(dy, relu_output, span, masked, &mut db)
+                        });
+                        phases::timed(phase("input transform"), || {
+                            transform_inputs(s, &t, x, n0, images, v)
+                        });
+                        phases::timed(phase("output gradient transform"), || {
+                            output_grad_transform(&t, g, images, co, dm)
+                        });
                         let dm = &*dm;
-                        du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
-                            matmul(
-                                du,
-                                co,
-                                Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
-                                Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                                true,
-                                u.precision,
-                            );
+                        phases::timed(phase("weight gradient products"), || {
+                            du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
+                                matmul(
+                                    du,
+                                    co,
+                                    Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
+                                    Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
+                                    true,
+                                    u.precision,
+                                );
+                            })
                         });
                         if let Some(dx_chunk) = dx_chunk {
                             // V is not needed any more: dV goes in its place.
-                            v.par_chunks_mut(tiles * ci)
-                                .enumerate()
-                                .for_each(|(xi, dv)| {
-                                    matmul_packed(
-                                        dv,
-                                        ci,
-                                        Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                                        u.plane(xi, ci, co).t(),
-                                        planes.get(xi).and_then(|p| p.view(0..co, 0..ci)),
-                                        false,
-                                        u.precision,
-                                    );
-                                });
-                            input_grad_transform(s, &t, v, tiles, dx_chunk);
+                            phases::timed(phase("input gradient products"), || {
+                                v.par_chunks_mut(tiles * ci)
+                                    .enumerate()
+                                    .for_each(|(xi, dv)| {
+                                        matmul_packed(
+                                            dv,
+                                            ci,
+                                            Mat::rows(
+                                                &dm[xi * tiles * co..][..tiles * co],
+                                                tiles,
+                                                co,
+                                            ),
+                                            u.plane(xi, ci, co).t(),
+                                            planes.get(xi).and_then(|p| p.view(0..co, 0..ci)),
+                                            false,
+                                            u.precision,
+                                        );
+                                    })
+                            });
+                            phases::timed(phase("input gradient transform"), || {
+                                input_grad_transform(s, &t, v, tiles, dx_chunk)
+                            });
                         }
                     },
                 );

@@ -23,6 +23,22 @@ pub enum Tile {
     F4,
 }
 
+impl Tile {
+    /// `what`'s name in [`crate::phases`], for the algorithm this tile is, on `s` (the name is
+    /// made only while recording).
+    pub(super) fn phase<'a>(
+        self,
+        s: &'a crate::conv::ConvShape,
+        what: &'a str,
+    ) -> impl FnOnce() -> String + 'a {
+        let algorithm = match self {
+            Tile::F2 => crate::conv::Algorithm::Winograd,
+            Tile::F4 => crate::conv::Algorithm::Winograd4,
+        };
+        move || crate::conv::phase_name(s, algorithm, what)
+    }
+}
+
 /// The largest input block's side.
 pub(super) const MAX_ALPHA: usize = 6;
 
@@ -386,6 +402,23 @@ pub(super) fn transform_weights(
     }
 }
 
+/// Input channels ahead of the one being read whose dU lines are fetched early.
+const PREFETCH_AHEAD: usize = 2;
+
+/// Asks for the cache line of `v[i]` (nothing past the end).
+#[inline(always)]
+fn prefetch(v: &[f32], i: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if i < v.len() {
+        // SAFETY: a prefetch of an address inside `v`; it reads nothing.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                v.as_ptr().add(i).cast(),
+            )
+        };
+    }
+}
+
 /// Output channels `o0..` of the weight gradient `dW = Gᵀ dU G` into `w_out` (in `layout`)
 /// from dU (`[planes][c_in][c_out]`): a block of input channels at a time, computed lane-wise
 /// into `[(c, tap)][lane]`, then transposed into each output channel's run.
@@ -409,6 +442,7 @@ pub(super) fn weight_grad_block(
             let mut m = [[0.0f32; LANES]; MAX_ALPHA * MAX_ALPHA];
             for (xi, m) in m.iter_mut().enumerate().take(alpha * alpha) {
                 copy_lanes(m, &du[(xi * ci + c0 + c) * co + o0..], lanes);
+                prefetch(du, (xi * ci + c0 + c + PREFETCH_AHEAD) * co + o0);
             }
             // Gᵀ dU (3×α), then (Gᵀ dU) G (3×3).
             let mut gm = [[[0.0f32; LANES]; MAX_ALPHA]; 3];
