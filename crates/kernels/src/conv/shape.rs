@@ -66,7 +66,6 @@ impl ConvShape {
         Ok(())
     }
 
-    /// Output height and width.
     /// `3x3/1 256->256 at 4x4`: kernel, stride, channels and input size, as the profiles of
     /// `trainctl bench --layers` name a convolution.
     pub fn label(&self) -> String {
@@ -82,6 +81,7 @@ impl ConvShape {
         )
     }
 
+    /// Output height and width.
     pub fn out_size(&self) -> [usize; 2] {
         [
             (self.height + 2 * self.padding[0] - self.kernel[0]) / self.stride[0] + 1,

@@ -38,7 +38,9 @@ pub struct Args {
     /// (forward, backward, GFLOP/s) at 1 thread; for a ResNet each operation and shape inside
     /// its training steps, at each --threads count, a convolution's GFLOP/s counted both as the
     /// direct algorithm's arithmetic and as the arithmetic its own algorithm executes (to set
-    /// against the peak of --gemm).
+    /// against the peak of --gemm), then the passes inside each kernel (a Winograd layer's
+    /// transforms, products and weight transforms; a direct layer's weight layout, products and
+    /// gradients), ms a step each.
     #[arg(long)]
     layers: bool,
     /// Time the data loader alone instead, on the training images of this data set (CIFAR-10
