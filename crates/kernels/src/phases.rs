@@ -94,7 +94,9 @@ mod tests {
         run();
         let after = super::finish();
         assert!(
-            !after.keys().any(|k| k.starts_with("conv 3x3/1 8->8 at 4x4")),
+            !after
+                .keys()
+                .any(|k| k.starts_with("conv 3x3/1 8->8 at 4x4")),
             "recorded while off: {after:?}"
         );
     }
