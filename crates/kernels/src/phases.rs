@@ -12,8 +12,54 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-static ON: AtomicBool = AtomicBool::new(false);
-static TIMES: Mutex<BTreeMap<String, Phase>> = Mutex::new(BTreeMap::new());
+/// Measurements by name that a benchmark turns on, then collects: off, a caller pays one
+/// relaxed load. The kernels' passes here; `trainer::ops::profile`'s operations too.
+pub struct Recording<T> {
+    on: AtomicBool,
+    entries: Mutex<BTreeMap<String, T>>,
+}
+
+impl<T: Default> Recording<T> {
+    pub const fn new() -> Self {
+        Recording {
+            on: AtomicBool::new(false),
+            entries: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Starts recording (and forgets what was recorded before).
+    pub fn start(&self) {
+        self.lock().clear();
+        self.on.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops recording and returns what was recorded, by name.
+    pub fn finish(&self) -> BTreeMap<String, T> {
+        self.on.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *self.lock())
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    /// Updates the entry `name` (a default one if it is new).
+    pub fn update(&self, name: String, f: impl FnOnce(&mut T)) {
+        f(self.lock().entry(name).or_default());
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, T>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<T: Default> Default for Recording<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+static PHASES: Recording<Phase> = Recording::new();
 
 /// One phase of one kernel at one shape: its runs and their seconds, summed.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -24,28 +70,26 @@ pub struct Phase {
 
 /// Starts recording (and forgets what was recorded before).
 pub fn start() {
-    TIMES.lock().unwrap_or_else(|e| e.into_inner()).clear();
-    ON.store(true, Ordering::Relaxed);
+    PHASES.start();
 }
 
 /// Stops recording and returns what was recorded, by phase name.
 pub fn finish() -> BTreeMap<String, Phase> {
-    ON.store(false, Ordering::Relaxed);
-    std::mem::take(&mut *TIMES.lock().unwrap_or_else(|e| e.into_inner()))
+    PHASES.finish()
 }
 
 /// Runs `f`, adding its time to the phase `name()` names (`name` runs only while recording).
 pub(crate) fn timed<R>(name: impl FnOnce() -> String, f: impl FnOnce() -> R) -> R {
-    if !ON.load(Ordering::Relaxed) {
+    if !PHASES.is_on() {
         return f();
     }
     let t0 = Instant::now();
     let out = f();
     let seconds = t0.elapsed().as_secs_f64();
-    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let phase = times.entry(name()).or_default();
-    phase.calls += 1;
-    phase.seconds += seconds;
+    PHASES.update(name(), |phase| {
+        phase.calls += 1;
+        phase.seconds += seconds;
+    });
     out
 }
 

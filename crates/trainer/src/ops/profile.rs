@@ -2,12 +2,11 @@
 //! (one relaxed load per operation) unless a benchmark turns it on.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-static ON: AtomicBool = AtomicBool::new(false);
-static TIMES: Mutex<BTreeMap<String, OpTimes>> = Mutex::new(BTreeMap::new());
+use kernels::phases::Recording;
+
+static TIMES: Recording<OpTimes> = Recording::new();
 
 /// One operation at one shape: calls and seconds over the recorded steps, and the arithmetic of
 /// one call.
@@ -34,14 +33,12 @@ pub struct Flops {
 
 /// Starts recording (and forgets what was recorded before).
 pub fn start() {
-    TIMES.lock().unwrap_or_else(|e| e.into_inner()).clear();
-    ON.store(true, Ordering::Relaxed);
+    TIMES.start();
 }
 
 /// Stops recording and returns what was recorded, by operation name.
 pub fn finish() -> BTreeMap<String, OpTimes> {
-    ON.store(false, Ordering::Relaxed);
-    std::mem::take(&mut *TIMES.lock().unwrap_or_else(|e| e.into_inner()))
+    TIMES.finish()
 }
 
 /// Runs the forward pass `f`, adding a call and its time to the operation `what()` names
@@ -51,19 +48,19 @@ pub(crate) fn timed<R>(
     conv: Option<kernels::conv::ConvShape>,
     f: impl FnOnce() -> R,
 ) -> R {
-    if !ON.load(Ordering::Relaxed) {
+    if !TIMES.is_on() {
         return f();
     }
     let t0 = Instant::now();
     let out = f();
     let seconds = t0.elapsed().as_secs_f64();
     let (name, forward_flops) = what();
-    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let entry = times.entry(name).or_default();
-    entry.conv = conv;
-    entry.calls += 1;
-    entry.forward_s += seconds;
-    entry.forward_flops = forward_flops;
+    TIMES.update(name, |entry| {
+        entry.conv = conv;
+        entry.calls += 1;
+        entry.forward_s += seconds;
+        entry.forward_flops = forward_flops;
+    });
     out
 }
 
@@ -72,7 +69,7 @@ pub(crate) struct Backward(Option<(String, Instant)>);
 
 impl Backward {
     pub(crate) fn start(name: impl FnOnce() -> String) -> Self {
-        Backward(ON.load(Ordering::Relaxed).then(|| (name(), Instant::now())))
+        Backward(TIMES.is_on().then(|| (name(), Instant::now())))
     }
 }
 
@@ -80,8 +77,7 @@ impl Drop for Backward {
     fn drop(&mut self) {
         if let Some((name, t0)) = self.0.take() {
             let seconds = t0.elapsed().as_secs_f64();
-            let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-            times.entry(name).or_default().backward_s += seconds;
+            TIMES.update(name, |entry| entry.backward_s += seconds);
         }
     }
 }
