@@ -107,10 +107,17 @@ impl Algorithm {
     }
 }
 
-/// A phase of `algorithm` on `s` as [`crate::phases`] names it: `conv 3x3/1 256->256 at 4x4
+/// `conv 3x3/1 256->256 at 4x4 (winograd)`: a convolution as `trainctl bench --layers` names
+/// it, by its shape and the algorithm that computes it (the operation profile's rows and the
+/// passes of [`crate::phases`] alike).
+pub fn layer_name(s: &ConvShape, algorithm: Algorithm) -> String {
+    format!("conv {} ({})", s.label(), algorithm.name())
+}
+
+/// A pass of `algorithm` on `s` as [`crate::phases`] names it: `conv 3x3/1 256->256 at 4x4
 /// (winograd): input transform`.
 pub(crate) fn phase_name(s: &ConvShape, algorithm: Algorithm, what: &str) -> String {
-    format!("conv {} ({}): {what}", s.label(), algorithm.name())
+    format!("{}: {what}", layer_name(s, algorithm))
 }
 
 /// A layer's weight, transformed for the algorithm its shape gets.

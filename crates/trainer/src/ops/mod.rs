@@ -354,7 +354,7 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
 /// A convolution's name in the operation profile, and its forward arithmetic.
 fn conv_profile(s: &ConvShape) -> (String, profile::Flops) {
     let algorithm = Algorithm::of(s, crate::device::precision());
-    let name = format!("conv {} ({})", s.label(), algorithm.name());
+    let name = kernels::conv::layer_name(s, algorithm);
     let flops = profile::Flops {
         nominal: 2.0 * (s.output_len() * s.k()) as f64,
         executed: 2.0 * algorithm.multiply_adds(s) as f64,

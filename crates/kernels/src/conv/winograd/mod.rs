@@ -18,16 +18,28 @@ mod transforms;
 
 use rayon::prelude::*;
 
-use super::ConvShape;
 use super::shared::{
     ConvGrads, Wanted, Weight, WeightLayout, accumulator_groups, check_backward_sizes,
     chunk_gradient, sum_partials,
 };
+use super::{Algorithm, ConvShape, phase_name};
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::phases;
 use crate::scratch::{par_filled, with_scratch, zeros};
 pub use transforms::Tile;
 use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
+
+impl Tile {
+    /// `what`'s name in [`crate::phases`], for the algorithm this tile is, on `s` (the name is
+    /// made only while recording).
+    fn phase<'a>(self, s: &'a ConvShape, what: &'a str) -> impl FnOnce() -> String + 'a {
+        let algorithm = match self {
+            Tile::F2 => Algorithm::Winograd,
+            Tile::F4 => Algorithm::Winograd4,
+        };
+        move || phase_name(s, algorithm, what)
+    }
+}
 
 /// Transformed data of one chunk (V and M, or dM and dV) are kept under this size (bytes).
 const CHUNK_BYTES: usize = 6 << 20;

@@ -23,22 +23,6 @@ pub enum Tile {
     F4,
 }
 
-impl Tile {
-    /// `what`'s name in [`crate::phases`], for the algorithm this tile is, on `s` (the name is
-    /// made only while recording).
-    pub(super) fn phase<'a>(
-        self,
-        s: &'a crate::conv::ConvShape,
-        what: &'a str,
-    ) -> impl FnOnce() -> String + 'a {
-        let algorithm = match self {
-            Tile::F2 => crate::conv::Algorithm::Winograd,
-            Tile::F4 => crate::conv::Algorithm::Winograd4,
-        };
-        move || crate::conv::phase_name(s, algorithm, what)
-    }
-}
-
 /// The largest input block's side.
 pub(super) const MAX_ALPHA: usize = 6;
 
