@@ -214,8 +214,9 @@ mod avx {
                     _mm512_shuffle_ps::<0xEE>(a, b)
                 }
             });
-            // v[i]: for i < 8, lanes 0 and 2 (i < 4: columns m, 8 + m) or 1 and 3 (columns
-            // 4 + m, 12 + m) of u[m] and u[4 + m] (rows 0..8); for i ≥ 8 the same of rows 8..16.
+            // v[8h + 4·odd + m]: lanes 0 and 2 (odd = 0: columns m and 8 + m) or 1 and 3
+            // (odd = 1: columns 4 + m and 12 + m) of u[8h + m], then of u[8h + 4 + m]: rows
+            // 8h..8h + 8.
             let v: [__m512; 16] = std::array::from_fn(|i| {
                 let (half, odd, m) = (i / 8, (i / 4) % 2, i % 4);
                 let (a, b) = (u[8 * half + m], u[8 * half + 4 + m]);
