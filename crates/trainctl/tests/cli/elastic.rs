@@ -61,12 +61,12 @@ struct Cluster {
 }
 
 /// One cluster at a time in this test binary. Each is three agents and their workers (and an
-/// etcd server) on this 2-core machine; with two at once, each node had a third of a core, and
+/// etcd server) on this 2-core machine: with two at once, each node had a third of a core, and
 /// what the scenarios time (heartbeats, the ranks' straggler verdicts, a link cut's abort)
-/// measured the load of the other scenario more than trainctl. On a faster machine of the
-/// project's kind, three scenarios failed that way, one or two in each of two full runs, and
-/// each passed alone (3 of 3, 2 of 2) and in its group. The rest of the binary still runs
-/// beside the one cluster.
+/// depended on the other scenario's load. On a faster machine of the project's kind, three
+/// scenarios failed beside another one, one or two in each of two full runs, and each passed
+/// alone (3 of 3, 2 of 2) and in its group. The rest of the binary still runs beside the one
+/// cluster.
 static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Cluster {
