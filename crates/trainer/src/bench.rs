@@ -10,7 +10,9 @@ use kernels::sgd::Sgd;
 
 use crate::data::synthetic;
 use crate::device::{on_compute_threads, set_cpu_threads, training_device};
-use crate::model::{Architecture, Model, Net, buffers, gradients, load, snapshot, to_vec};
+use crate::model::{
+    Architecture, Model, Net, buffers, gradients, load, sgd_step, snapshot, to_vec,
+};
 
 /// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
 pub fn bench_classes(arch: Architecture) -> usize {
@@ -220,8 +222,7 @@ fn time_steps(
     profile: bool,
 ) -> StepTimes {
     let device = training_device();
-    let mut params = snapshot(&model).params;
-    let mut momentum = vec![0.0; params.len()];
+    let mut momentum = vec![0.0; snapshot(&model).params.len()];
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut grads_flat = Vec::new();
     let mut parts: [Vec<f64>; 5] = Default::default();
@@ -259,9 +260,9 @@ fn time_steps(
             weight_decay: 1e-4,
             first: i == 0,
         };
-        kernels::sgd::step(&mut params, &mut momentum, &grads_flat, sgd);
+        model = sgd_step(model, &mut momentum, &grads_flat, sgd);
         let bufs = buffers(&model);
-        model = load(model, Some(&params), &bufs);
+        model = load(model, None, &bufs);
         let t4 = Instant::now();
         assert!(loss_value.is_finite());
         if i > 0 {

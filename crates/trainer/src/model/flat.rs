@@ -11,6 +11,7 @@
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
 use kernels::layout::{copied, copy};
+use kernels::sgd::Sgd;
 use rayon::prelude::*;
 
 use super::Net;
@@ -258,6 +259,70 @@ pub fn load<M: Net>(model: M, params: Option<&[f32]>, buffers: &[f32]) -> M {
     })
 }
 
+/// Changes the model's trainable parameters where they lie: `update(offset, values)` gets each
+/// one's values in the flat buffers' order (convolution weights taps first), `offset` being
+/// where they start in those buffers, and changes them in place.
+///
+/// Between steps the model is the only holder of its parameters' storage (the backward's graph
+/// and the gradients are gone), so each tensor's buffer moves out of burn, is updated, and
+/// moves back: no copy, where a [`snapshot`], an update of the flat buffers and a [`load`] pass
+/// over every parameter twice more. A tensor still shared elsewhere is copied first, so the
+/// result is the same either way.
+pub fn update<M: Net>(model: M, update: &mut dyn FnMut(usize, &mut [f32])) -> M {
+    struct Updater<'a> {
+        path: Path,
+        offset: usize,
+        update: &'a mut dyn FnMut(usize, &mut [f32]),
+    }
+    impl ModuleMapper for Updater<'_> {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.path.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, container: &str) {
+            self.path.exit(container);
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if is_buffer(&self.path.leaf()) {
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            let device = tensor.device();
+            let require_grad = tensor.is_require_grad();
+            // A convolution's weight is stored taps first: seen so, it is contiguous, and its
+            // buffer moves out whole.
+            let flat = to_flat_order(tensor);
+            let shape = flat.shape();
+            let mut values = to_vec(flat);
+            (self.update)(self.offset, &mut values);
+            self.offset += values.len();
+            let mut fresh = from_flat_order(Tensor::<D>::from_data(
+                TensorData::new(values, shape),
+                &device,
+            ));
+            if require_grad {
+                fresh = fresh.require_grad();
+            }
+            Param::from_mapped_value(id, fresh, mapper)
+        }
+    }
+    model.settle();
+    model.map(&mut Updater {
+        path: Path::default(),
+        offset: 0,
+        update,
+    })
+}
+
+/// PyTorch's SGD ([`kernels::sgd::step`]) on the model's own parameters ([`update`]), with the
+/// momentum and the gradients as flat buffers in their order.
+pub fn sgd_step<M: Net>(model: M, momentum: &mut [f32], grads: &[f32], sgd: Sgd) -> M {
+    assert_eq!(momentum.len(), grads.len(), "a momentum for every gradient");
+    update(model, &mut |offset, params| {
+        let at = offset..offset + params.len();
+        kernels::sgd::step(params, &mut momentum[at.clone()], &grads[at], sgd);
+    })
+}
+
 /// Gradients of the trainable parameters, flattened in parameter order. Parameters that got no
 /// gradient contribute zeros, so every rank's buffer has the same layout. Each gradient is
 /// taken out of `grads` (its values move out of burn), then copied into `out` on rayon's
@@ -365,6 +430,50 @@ mod tests {
         let loaded = load(model, Some(&snap.params), &snap.buffers);
         assert_eq!(first_4d(&loaded), torch, "the weight as it was");
         assert_eq!(snapshot(&loaded), snap, "a snapshot of what was loaded");
+    }
+
+    /// `update` hands each parameter over at its place in the flat buffers, what it writes is
+    /// what the model then holds, and after a step (forward, backward, gradients out) the next
+    /// update finds each parameter's storage where the last one left it: nothing was copied.
+    #[test]
+    fn updates_see_the_flat_buffers_and_change_the_parameters_in_place() {
+        let device = training_device();
+        let model = SeedCnn::new(10, &device);
+        let snap = snapshot(&model);
+        let mut seen = vec![f32::NAN; snap.params.len()];
+        let model = update(model, &mut |offset, values| {
+            seen[offset..offset + values.len()].copy_from_slice(values);
+            values.iter_mut().for_each(|v| *v = 0.5 - *v);
+        });
+        assert_eq!(
+            seen, snap.params,
+            "each tensor at its place in the flat buffers"
+        );
+        let after = snapshot(&model);
+        let wanted: Vec<f32> = snap.params.iter().map(|v| 0.5 - v).collect();
+        assert_eq!(
+            after.params, wanted,
+            "the model holds what the update wrote"
+        );
+        assert_eq!(after.buffers, snap.buffers, "buffers are not parameters");
+
+        let mut first = Vec::new();
+        let model = update(model, &mut |_, values| first.push(values.as_ptr() as usize));
+        let loss = model
+            .forward(Tensor::<4>::ones([2, 3, 32, 32], &device))
+            .sum();
+        let mut grads = loss.backward();
+        let mut flat = Vec::new();
+        gradients(&model, &mut grads, &mut flat);
+        drop(grads);
+        let mut second = Vec::new();
+        let _ = update(model, &mut |_, values| {
+            second.push(values.as_ptr() as usize)
+        });
+        assert_eq!(
+            second, first,
+            "every parameter's storage moved out and back, uncopied"
+        );
     }
 
     #[test]

@@ -117,7 +117,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         cfg,
         world: world.clone(),
         setup: &setup,
-        step: Step::new(model, &device, setup.image_size, state.params.len()),
+        step: Step::new(model, &device, setup.image_size, state.param_count()),
         state,
         template,
         recorder,
@@ -181,7 +181,7 @@ fn start(
         setup.info.clone(),
     );
     let synced = sync(cfg, &mut group, &mut state, &mut false, report)?;
-    let model = load(model, Some(&state.params), &state.buffers);
+    let model = load(model, Some(state.params()), &state.buffers);
     Ok(Started {
         group,
         setup,
@@ -635,6 +635,7 @@ impl Run<'_> {
     }
 
     fn checkpoint(&mut self, report: &mut dyn FnMut(Event)) -> Result<()> {
+        self.step.store(&mut self.state);
         self.state.checkpoint(
             self.cfg,
             &self.template,
@@ -649,6 +650,7 @@ impl Run<'_> {
     /// reports.
     fn finish(mut self, group: &mut ProcessGroup, report: &mut dyn FnMut(Event)) -> Result<()> {
         let (cfg, rank, world_size) = (self.cfg, self.rank, self.world_size);
+        self.step.store(&mut self.state);
         let state = &self.state;
         if self.unreadable.count() > 0 {
             report(Event::Warning(format!(
@@ -672,7 +674,7 @@ impl Run<'_> {
             let model = inference_model(
                 cfg.model,
                 state.info.classes.len(),
-                &state.params,
+                state.params(),
                 &state.buffers,
             );
             let mut counts = evaluate(

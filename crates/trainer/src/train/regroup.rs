@@ -319,7 +319,7 @@ pub(super) fn sync(
     let mut header = state.header(resumed);
     group.broadcast_bytes(&mut header, source)?;
     let resumed = state.apply_header(&header);
-    group.broadcast(&mut state.params, source)?;
+    group.broadcast(state.params_mut(), source)?;
     group.broadcast(&mut state.buffers, source)?;
     // A fresh start's momentum is zeros everywhere already.
     let momentum = resumed || furthest > 0;
@@ -327,7 +327,7 @@ pub(super) fn sync(
         group.broadcast(&mut state.momentum, source)?;
     }
     let floats =
-        state.params.len() + state.buffers.len() + if momentum { state.momentum.len() } else { 0 };
+        state.param_count() + state.buffers.len() + if momentum { state.momentum.len() } else { 0 };
     *live = true;
     // A job's start is not a regroup: nobody's live state travelled.
     let from_peer = furthest > 0;
@@ -361,6 +361,8 @@ impl Run<'_> {
         let step_left = self.state.progress.global_step;
         // Closing its links now makes every peer still inside a collective fail at once.
         drop(group);
+        // What the steps left in the model, for the state's checkpoint or broadcast.
+        self.step.store(&mut self.state);
         let (reason, mut saver) = match &why {
             Leave::Lost(e) => (format!("peer lost: {e}"), self.rank == 0),
             Leave::Paused { saver } => ("paused for a new round".to_string(), self.rank == *saver),
@@ -430,6 +432,7 @@ impl Run<'_> {
                 self.state.info.clone(),
             );
         }
+        let was_live = self.live;
         let synced = sync(
             self.cfg,
             &mut group,
@@ -437,7 +440,8 @@ impl Run<'_> {
             &mut self.live,
             report,
         )?;
-        if synced.received {
+        // A peer's state, or (none live) the job's fresh or resumed one: the model takes it.
+        if synced.received || !was_live {
             self.step.load(&self.state);
         }
         if world.rank as usize != self.rank {

@@ -6,7 +6,7 @@ use kernels::sgd::Sgd;
 use super::record::Recorder;
 use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint};
 use crate::error::{Result, TrainError};
-use crate::model::Snapshot;
+use crate::model::{Net, Snapshot, sgd_step, snapshot};
 
 use super::{Event, TrainConfig};
 
@@ -17,7 +17,12 @@ pub(super) const HEADER_BYTES: usize = 1 + 5 * 8;
 pub(super) struct TrainState {
     pub(super) progress: Progress,
     pub(super) info: ModelInfo,
-    pub(super) params: Vec<f32>,
+    /// The trainable parameters, flat. A step updates the model's own tensors instead
+    /// ([`Self::sgd_step`]), which leaves these behind until [`Self::take_params`] reads them
+    /// back; [`Self::params`] refuses to hand out old ones meanwhile.
+    params: Vec<f32>,
+    /// The model holds newer parameters than `params`.
+    params_behind: bool,
     pub(super) buffers: Vec<f32>,
     pub(super) momentum: Vec<f32>,
 }
@@ -47,6 +52,7 @@ impl TrainState {
                 weight_decay: cfg.weight_decay,
             },
             params: template.params.clone(),
+            params_behind: false,
             buffers: template.buffers.clone(),
             momentum: vec![0.0; template.params.len()],
         }
@@ -148,6 +154,7 @@ impl TrainState {
             ..ckpt.progress
         };
         self.params = ckpt.params;
+        self.params_behind = false;
         self.buffers = ckpt.buffers;
         self.momentum = ckpt.momentum;
         Ok(true)
@@ -189,21 +196,58 @@ impl TrainState {
         h[0] != 0
     }
 
-    /// PyTorch's SGD ([`kernels::sgd::step`]) with `cfg`'s hyper-parameters.
-    pub(super) fn sgd_step(&mut self, cfg: &TrainConfig, grads: &[f32]) {
+    /// The flat parameters, as checkpoints, the regroup's broadcast and the model file carry them.
+    ///
+    /// # Panics
+    /// While the model holds newer ones ([`Self::take_params`] first): old weights are never
+    /// saved or sent.
+    pub(super) fn params(&self) -> &[f32] {
+        assert!(
+            !self.params_behind,
+            "the model holds newer parameters: take_params first"
+        );
+        &self.params
+    }
+
+    /// The flat parameters, to be replaced (a peer's, broadcast). Panics as [`Self::params`].
+    pub(super) fn params_mut(&mut self) -> &mut [f32] {
+        assert!(
+            !self.params_behind,
+            "the model holds newer parameters: take_params first"
+        );
+        &mut self.params
+    }
+
+    pub(super) fn param_count(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Reads the model's parameters back into the flat ones, if they are behind.
+    pub(super) fn take_params<M: Net>(&mut self, model: &M) {
+        if self.params_behind {
+            self.params = snapshot(model).params;
+            self.params_behind = false;
+        }
+    }
+
+    /// PyTorch's SGD ([`kernels::sgd::step`]) with `cfg`'s hyper-parameters, applied to the
+    /// model's own tensors in place ([`sgd_step`]): the flat parameters are left behind.
+    pub(super) fn sgd_step<M: Net>(&mut self, model: M, cfg: &TrainConfig, grads: &[f32]) -> M {
         let sgd = Sgd {
             learning_rate: cfg.learning_rate as f32,
             momentum: cfg.momentum as f32,
             weight_decay: cfg.weight_decay as f32,
             first: self.progress.global_step == 0,
         };
-        kernels::sgd::step(&mut self.params, &mut self.momentum, grads, sgd);
+        let model = sgd_step(model, &mut self.momentum, grads, sgd);
+        self.params_behind = true;
+        model
     }
 
     pub(super) fn snapshot(&self, template: &Snapshot) -> Snapshot {
         Snapshot {
             entries: template.entries.clone(),
-            params: self.params.clone(),
+            params: self.params().to_vec(),
             buffers: self.buffers.clone(),
         }
     }
@@ -242,7 +286,7 @@ impl TrainState {
 
     pub(super) fn fingerprint(&self) -> u32 {
         let mut h = crc32fast::Hasher::new();
-        for v in self.params.iter().chain(&self.buffers) {
+        for v in self.params().iter().chain(&self.buffers) {
             h.update(&v.to_le_bytes());
         }
         h.finalize()
@@ -305,6 +349,7 @@ mod tests {
             progress,
             info: ModelInfo::seed_cifar(),
             params: vec![],
+            params_behind: false,
             buffers: vec![],
             momentum: vec![],
         };

@@ -89,20 +89,31 @@ impl Step {
         }
     }
 
-    /// Loads `state`'s parameters and buffers into the model (after they came from a peer).
+    /// Loads `state`'s parameters and buffers into the model (after they came from a peer, or
+    /// from a checkpoint).
     pub(super) fn load(&mut self, state: &TrainState) {
         let model = self
             .model
             .take()
             .expect("a step's model is back after every run");
-        self.model = Some(load(model, Some(&state.params), &state.buffers));
+        self.model = Some(load(model, Some(state.params()), &state.buffers));
+    }
+
+    /// Brings the parameters the model holds back into `state` (before it is saved or sent).
+    pub(super) fn store(&self, state: &mut TrainState) {
+        state.take_params(
+            self.model
+                .as_ref()
+                .expect("a step's model is back after every run"),
+        );
     }
 
     /// Trains on this rank's `input`: the gradients, loss, accuracy and `flags` are averaged
-    /// over the ranks and the samples' digests summed, SGD updates `state.params`, rank 0's
-    /// BatchNorm buffers become everyone's, and the model is loaded with both. A non-finite
-    /// mean loss leaves the weights as they were (the caller stops the run). Every rank ends
-    /// the step holding bit-identical parameters and buffers.
+    /// over the ranks and the samples' digests summed, SGD updates the model's parameters in
+    /// place (`state`'s flat ones are then behind: [`Step::store`]), and rank 0's BatchNorm
+    /// buffers become everyone's. A non-finite mean loss leaves the weights as they were (the
+    /// caller stops the run). Every rank ends the step holding bit-identical parameters and
+    /// buffers.
     pub(super) fn run(
         &mut self,
         input: StepInput,
@@ -197,8 +208,8 @@ impl Step {
             return Ok(outcome(compute_s, allreduce_s, times));
         }
 
-        // Both collectives before anything in `state` changes: when one fails (a peer lost),
-        // `state` is still the last step this rank completed, whole, and can be checkpointed.
+        // Both collectives before the model or `state` changes: when one fails (a peer lost),
+        // they still hold the last step this rank completed, whole, and it can be checkpointed.
         let timer = Instant::now();
         let mut synced = buffers(model);
         compute_s += timer.elapsed().as_secs_f64();
@@ -206,9 +217,13 @@ impl Step {
         group.broadcast(&mut synced, 0)?;
         allreduce_s += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
-        state.sgd_step(cfg, &self.reduced);
+        let model = self
+            .model
+            .take()
+            .expect("a step's model is back after every run");
+        let model = state.sgd_step(model, cfg, &self.reduced);
+        self.model = Some(load(model, None, &synced));
         state.buffers = synced;
-        self.load(state);
         compute_s += timer.elapsed().as_secs_f64();
         Ok(outcome(compute_s, allreduce_s, times))
     }

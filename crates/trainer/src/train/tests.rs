@@ -86,7 +86,7 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     normalisation: Normalisation::Cifar,
                 };
                 let mut state = TrainState::fresh(&cfg, &start, ranks, 16, info);
-                let mut step = Step::new(model, &device, 32, state.params.len());
+                let mut step = Step::new(model, &device, 32, state.param_count());
                 let (pixels, labels) = batch(&indices);
                 let input = StepInput {
                     pixels,
@@ -108,7 +108,8 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     assert!((t.data_s - 0.25 * (r + 1) as f64).abs() < 1e-6, "{t:?}");
                     assert!(t.compute_s > 0.0, "{t:?}");
                 }
-                (state.params, state.buffers, outcome.digest)
+                step.store(&mut state);
+                (state.params().to_vec(), state.buffers, outcome.digest)
             })
         })
         .collect();
@@ -186,7 +187,7 @@ fn sync_on(held: Vec<Held>) -> Vec<(u64, f32, f32, bool, u64, bool)> {
                 let cfg = config();
                 let mut state = TrainState::fresh(&cfg, &start, ranks, 16, ModelInfo::seed_cifar());
                 state.progress.global_step = h.step;
-                state.params.fill(h.fill);
+                state.params_mut().fill(h.fill);
                 state.momentum.fill(h.fill / 2.0);
                 let mut live = h.live;
                 let synced =
@@ -194,7 +195,7 @@ fn sync_on(held: Vec<Held>) -> Vec<(u64, f32, f32, bool, u64, bool)> {
                         .unwrap();
                 (
                     state.progress.global_step,
-                    state.params[0],
+                    state.params()[0],
                     state.momentum[0],
                     synced.received,
                     synced.bytes,
@@ -306,4 +307,30 @@ fn a_stream_cut_off_half_way_leaves_no_live_state() {
     source.join().unwrap();
     assert!(synced.is_err(), "the stream was cut off");
     assert!(!live, "what it left is not a live state");
+}
+
+/// After an update the model holds the newest parameters: the state's flat ones are refused
+/// (never saved or sent old) until they are taken back, and then they are the model's.
+#[test]
+fn the_flat_parameters_are_refused_after_an_update_until_taken_back() {
+    let cfg = config();
+    let device = training_device();
+    let start = start();
+    let model = load(
+        Model::new(Architecture::SeedCnn, 10, &device),
+        Some(&start.params),
+        &start.buffers,
+    );
+    let mut state = TrainState::fresh(&cfg, &start, 1, 16, ModelInfo::seed_cifar());
+    let grads = vec![1.0; state.param_count()];
+    let model = state.sgd_step(model, &cfg, &grads);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.params().len()));
+    assert!(refused.is_err(), "old parameters were handed out");
+    state.take_params(&model);
+    assert_eq!(
+        state.params(),
+        snapshot(&model).params,
+        "the model's parameters"
+    );
+    assert_ne!(state.params(), start.params, "the update moved them");
 }
