@@ -18,8 +18,9 @@ pub(super) struct TrainState {
     pub(super) progress: Progress,
     pub(super) info: ModelInfo,
     /// The trainable parameters, flat. A step updates the model's own tensors instead
-    /// ([`Self::sgd_step`]), which leaves these behind until [`Self::take_params`] reads them
-    /// back; [`Self::params`] refuses to hand out old ones meanwhile.
+    /// ([`Self::sgd_step`]), which leaves these behind (emptied, not kept as a stale copy)
+    /// until [`Self::take_params`] reads them back; [`Self::params`] refuses to hand out old
+    /// ones meanwhile.
     params: Vec<f32>,
     /// The model holds newer parameters than `params`.
     params_behind: bool,
@@ -219,7 +220,8 @@ impl TrainState {
     }
 
     pub(super) fn param_count(&self) -> usize {
-        self.params.len()
+        // One momentum per parameter, whether or not `params` is behind (and emptied).
+        self.momentum.len()
     }
 
     /// Reads the model's parameters back into the flat ones, if they are behind.
@@ -241,6 +243,7 @@ impl TrainState {
         };
         let model = sgd_step(model, &mut self.momentum, grads, sgd);
         self.params_behind = true;
+        self.params = Vec::new();
         model
     }
 
