@@ -259,6 +259,7 @@ fn time_steps(
             momentum: 0.9,
             weight_decay: 1e-4,
             first: i == 0,
+            grad_scale: 1.0,
         };
         model = sgd_step(model, &mut momentum, &grads_flat, sgd);
         let bufs = buffers(&model);

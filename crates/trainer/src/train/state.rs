@@ -232,14 +232,22 @@ impl TrainState {
         }
     }
 
-    /// PyTorch's SGD ([`kernels::sgd::step`]) with `cfg`'s hyper-parameters, applied to the
-    /// model's own tensors in place ([`sgd_step`]): the flat parameters are left behind.
-    pub(super) fn sgd_step<M: Net>(&mut self, model: M, cfg: &TrainConfig, grads: &[f32]) -> M {
+    /// PyTorch's SGD ([`kernels::sgd::step`]) with `cfg`'s hyper-parameters on the gradients
+    /// `grads` times `grad_scale`, applied to the model's own tensors in place ([`sgd_step`]):
+    /// the flat parameters are left behind.
+    pub(super) fn sgd_step<M: Net>(
+        &mut self,
+        model: M,
+        cfg: &TrainConfig,
+        grads: &[f32],
+        grad_scale: f32,
+    ) -> M {
         let sgd = Sgd {
             learning_rate: cfg.learning_rate as f32,
             momentum: cfg.momentum as f32,
             weight_decay: cfg.weight_decay as f32,
             first: self.progress.global_step == 0,
+            grad_scale,
         };
         let model = sgd_step(model, &mut self.momentum, grads, sgd);
         self.params_behind = true;

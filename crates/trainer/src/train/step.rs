@@ -109,7 +109,7 @@ impl Step {
     }
 
     /// Trains on this rank's `input`: the gradients, loss, accuracy and `flags` are averaged
-    /// over the ranks and the samples' digests summed, SGD updates the model's parameters in
+    /// over the ranks (the gradients' sums scaled as the update reads them) and the samples' digests summed, SGD updates the model's parameters in
     /// place (`state`'s flat ones are then behind: [`Step::store`]), and rank 0's BatchNorm
     /// buffers become everyone's. A non-finite mean loss leaves the weights as they were (the
     /// caller stops the run). Every rank ends the step holding bit-identical parameters and
@@ -138,7 +138,7 @@ impl Step {
         let timer = Instant::now();
         let (device, image_size, loss_fn) = (&self.device, self.image_size, &self.loss_fn);
         let reduced = &mut self.reduced;
-        on_compute_threads(|| {
+        let gradients_len = on_compute_threads(|| {
             let x = Tensor::<4>::from_data(
                 TensorData::new(pixels, [n, 3, image_size, image_size]),
                 device,
@@ -150,8 +150,10 @@ impl Step {
             gradients(model, &mut grads, reduced);
             // On the thread that ran the forward: settling elsewhere misses its update.
             model.settle();
+            let gradients_len = reduced.len();
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
+            gradients_len
         });
         let mut compute_s = timer.elapsed().as_secs_f64();
         // Every rank's times ride the all-reduce in slots of their own (see `stragglers`).
@@ -173,7 +175,15 @@ impl Step {
         self.reduced.push(if rank0_leaves { 1.0 } else { 0.0 });
 
         let timer = Instant::now();
-        group.all_reduce_mean(&mut self.reduced)?;
+        group.all_reduce_sum(&mut self.reduced)?;
+        // Means: the values after the gradients are scaled here, the gradients by the update
+        // as it reads them (`Sgd::grad_scale`), which spares a pass over all of them.
+        let grad_scale = 1.0 / world_size as f32;
+        if world_size > 1 {
+            for v in &mut self.reduced[gradients_len..] {
+                *v *= grad_scale;
+            }
+        }
         let mut allreduce_s = timer.elapsed().as_secs_f64();
         // Means: times the world size, they count the ranks that raised them.
         let count =
@@ -221,7 +231,7 @@ impl Step {
             .model
             .take()
             .expect("a step's model is back after every run");
-        let model = state.sgd_step(model, cfg, &self.reduced);
+        let model = state.sgd_step(model, cfg, &self.reduced, grad_scale);
         self.model = Some(load(model, None, &synced));
         state.buffers = synced;
         compute_s += timer.elapsed().as_secs_f64();

@@ -323,7 +323,7 @@ fn the_flat_parameters_are_refused_after_an_update_until_taken_back() {
     );
     let mut state = TrainState::fresh(&cfg, &start, 1, 16, ModelInfo::seed_cifar());
     let grads = vec![1.0; state.param_count()];
-    let model = state.sgd_step(model, &cfg, &grads);
+    let model = state.sgd_step(model, &cfg, &grads, 1.0);
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.params().len()));
     assert!(refused.is_err(), "old parameters were handed out");
     state.take_params(&model);
