@@ -109,11 +109,11 @@ impl Step {
     }
 
     /// Trains on this rank's `input`: the gradients, loss, accuracy and `flags` are averaged
-    /// over the ranks (the gradients' sums scaled as the update reads them) and the samples' digests summed, SGD updates the model's parameters in
-    /// place (`state`'s flat ones are then behind: [`Step::store`]), and rank 0's BatchNorm
-    /// buffers become everyone's. A non-finite mean loss leaves the weights as they were (the
-    /// caller stops the run). Every rank ends the step holding bit-identical parameters and
-    /// buffers.
+    /// over the ranks (the gradients' sums scaled as the update reads them) and the samples'
+    /// digests summed, SGD updates the model's parameters in place (`state`'s flat ones are
+    /// then behind: [`Step::store`]), and rank 0's BatchNorm buffers become everyone's. A
+    /// non-finite mean loss leaves the weights as they were (the caller stops the run). Every
+    /// rank ends the step holding bit-identical parameters and buffers.
     pub(super) fn run(
         &mut self,
         input: StepInput,
