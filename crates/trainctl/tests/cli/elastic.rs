@@ -361,7 +361,10 @@ impl Cluster {
             let mut after_regroup: Option<u64> = None;
             // The group size before the last regroup, while its new holder has not stepped.
             let mut old_group: Option<u32> = None;
-            for r in records {
+            // The records up to record `i`, for a failure's message: a race seen once is read
+            // from them, as the cluster's files are gone with it.
+            let before = |i: usize| format!("{:#?}", &records[i.saturating_sub(12)..=i]);
+            for (i, r) in records.iter().enumerate() {
                 match r {
                     // The file's previous holder, leaving, may write its last step after the new
                     // holder's regroup record (a node stopped mid-write): a step of the old
@@ -373,18 +376,29 @@ impl Cluster {
                         old_group = None;
                         assert!(
                             s.step > last_step || !no_step_again,
-                            "rank {rank}: step {} after step {last_step}",
-                            s.step
+                            "rank {rank}: step {} after step {last_step}; the file up to it: {}",
+                            s.step,
+                            before(i)
                         );
                         if let Some(kept) = after_regroup.take() {
-                            assert_eq!(s.step, kept + 1, "rank {rank}: the step after a regroup");
+                            assert_eq!(
+                                s.step,
+                                kept + 1,
+                                "rank {rank}: the step after a regroup; the file up to it: {}",
+                                before(i)
+                            );
                         }
                         last_step = s.step;
                     }
                     // The worker that writes this file from here on (the rank's new holder)
                     // goes on from the step it kept, having dropped none it completed.
                     Record::Regroup(g) => {
-                        assert_eq!(g.steps_dropped, 0, "rank {rank}: {g:?}");
+                        assert_eq!(
+                            g.steps_dropped,
+                            0,
+                            "rank {rank}: {g:?}; the file up to it: {}",
+                            before(i)
+                        );
                         last_step = g.step;
                         after_regroup = Some(g.step);
                         old_group =
