@@ -208,9 +208,10 @@ impl Running {
                 return status;
             }
             if Instant::now() > deadline {
+                let stacks = live_workers_stacks(&self.seen);
                 let _ = self.child.kill();
                 panic!(
-                    "still running after {timeout:?}; output:\n{}",
+                    "still running after {timeout:?}; output:\n{}{stacks}",
                     self.seen.join("\n")
                 );
             }
@@ -257,6 +258,32 @@ pub fn worker_pids(lines: &[String]) -> Vec<(u32, i32)> {
             Some((rank.parse().ok()?, rest.trim_end_matches(')').parse().ok()?))
         })
         .collect()
+}
+
+/// Where the workers this output started and that still run are (their Python stacks, read
+/// as the launcher's hang watch reads them), for the message of a process that did not end: a
+/// hang seen once is read from it.
+fn live_workers_stacks(lines: &[String]) -> String {
+    let mut out = String::new();
+    for (rank, pid) in worker_pids(lines) {
+        if !alive(pid) {
+            continue;
+        }
+        let dump = launcher::stacks::dump(pid as u32);
+        out.push_str(&format!(
+            "\n--- worker rank {rank} (pid {pid}), still running:"
+        ));
+        if let Some(problem) = &dump.problem {
+            out.push_str(&format!(" (Python stacks unreadable: {problem})"));
+        }
+        for thread in &dump.threads {
+            out.push_str(&format!("\n  thread {}", thread.name));
+            for frame in &thread.frames {
+                out.push_str(&format!("\n    {frame}"));
+            }
+        }
+    }
+    out
 }
 
 /// Whether a process with this pid exists (a zombie counts as gone: it runs nothing).
