@@ -291,6 +291,10 @@ impl InRound<'_> {
     /// lost peer, the workers' state, then (unless another node closed the job) the round.
     fn look(&mut self, group: &mut Group, events: &mut dyn FnMut(LaunchEvent)) -> Option<Looked> {
         if let Some(signal) = self.launch.signals.received() {
+            // Whether this node may leave alone depends on its workers having said they
+            // regroup: a SIGTERM soon after they started (a pod deleted as it came up) must
+            // not find that word still unread and stop the whole job instead.
+            group.read_messages();
             return Some(Looked::just(Seen::Signal(signal)));
         }
         let mut lost = None;

@@ -62,6 +62,9 @@ pub(crate) struct Group {
     /// Since when a worker has exited as a lost peer's consequence (exit 75) while no local
     /// failure explains it yet.
     consequence_since: Option<Instant>,
+    /// What the workers said that [`Group::read_messages`] read and [`Group::messages`] has not
+    /// handed over yet.
+    said: Vec<(u32, ToAgent)>,
 }
 
 /// How long a worker's exit 75 (its peer vanished) waits for a local worker's own failure to
@@ -140,6 +143,7 @@ impl Group {
             hang_timeout: spec.hang_timeout,
             regroup_timeout: spec.regroup_timeout,
             consequence_since: None,
+            said: Vec::new(),
         };
         let files = Files {
             logs: attempt_dir.as_deref(),
@@ -175,7 +179,16 @@ impl Group {
     /// are about a group already replaced, and left out. A channel that fails is left alone:
     /// its worker's exit shows in [`Group::poll`].
     pub(crate) fn messages(&mut self) -> Vec<(u32, ToAgent)> {
-        let mut said = Vec::new();
+        self.read_messages();
+        std::mem::take(&mut self.said)
+    }
+
+    /// Reads what the workers said so far, keeping it for the next [`Group::messages`]: a
+    /// worker's word that it regroups counts at once, so that a decision taken before the
+    /// messages are acted on (a SIGTERM's: leave, or stop the whole job) knows every worker
+    /// that has said it.
+    pub(crate) fn read_messages(&mut self) {
+        let said = &mut self.said;
         for w in &mut self.workers {
             let Some(channel) = w.control.as_mut() else {
                 continue;
@@ -198,7 +211,6 @@ impl Group {
                 said.push((w.local_rank, message));
             }
         }
-        said
     }
 
     /// Whether every worker is running and has said it regroups in place.
