@@ -343,9 +343,10 @@ impl Cluster {
     }
 
     /// Exactly once, as the metrics say: in every rank's file the global steps only rise (no
-    /// step trained again; a regroup record starts the count again from the step its writer
-    /// kept, as the file may change hands, and the previous holder's last record may still
-    /// come after it), a regroup goes on at the step after the one it kept and drops none, and
+    /// step trained again; a regroup or start record starts the count again from the step its
+    /// writer kept or started at, as the file may change hands, and after a regroup the
+    /// previous holder's last record may still come), a regroup or start goes on at the step
+    /// after that one, a regroup drops none, and
     /// every epoch of every rank trained each image once (its samples' digest).
     fn verify_exactly_once(&self) {
         self.verify_every_image_once(true);
@@ -403,6 +404,15 @@ impl Cluster {
                         after_regroup = Some(g.step);
                         old_group =
                             (g.world_size_before != g.world_size).then_some(g.world_size_before);
+                    }
+                    // A worker that starts (the job's start, a restart, a node joining) holds
+                    // this file from the step it starts at (a joiner's taken from a peer), as a
+                    // regroup's new holder does: a regroup's holder may have gone on under
+                    // another rank before a step here, the rank then empty until this start.
+                    Record::Start(st) => {
+                        last_step = st.step;
+                        after_regroup = Some(st.step);
+                        old_group = None;
                     }
                     Record::Epoch(e) => assert_eq!(
                         e.samples_digest.as_deref(),
