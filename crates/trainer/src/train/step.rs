@@ -281,9 +281,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// What `ProcessGroup::all_reduce_mean` does to the ranks' limbs: an f32 sum (the ring's
-    /// order differs, but sums of whole numbers below 2^24 are exact in any order), then a
-    /// scale by `1 / world`.
+    /// What the step's all-reduce and scaling (`Step::run`) do to the ranks' limbs: an f32
+    /// sum (the ring's order differs, but sums of whole numbers below 2^24 are exact in any
+    /// order), then a scale by `1 / world`.
     fn through_the_mean(digests: &[u64]) -> u64 {
         let world = digests.len();
         let mut mean = [0.0f32; DIGEST_LIMBS];
