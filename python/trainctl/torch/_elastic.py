@@ -44,6 +44,8 @@ VERSION = "0.1.0"
 
 # Interrupts a group start whose round is over (Elastic installs a handler that does nothing).
 INTERRUPT = signal.SIGUSR2
+# One try at connecting to a round's store (see Elastic._connect_store), in seconds.
+STORE_TRY_S = 5.0
 
 _STOP = object()
 _LEAVE = object()
@@ -543,9 +545,12 @@ class Elastic:
         self._round_over = False
         # While the group starts, an abort breaks what it has opened so far (see _abort_links).
         self._starting = set(before.values())
-        self._wait_for_store()
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
+        store = self._connect_store(kwargs.get("timeout") or _default_timeout(self.backend))
+        if store is not None:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            kwargs.update(store=store, rank=rank, world_size=world_size)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         _reset_group_names()
@@ -663,27 +668,38 @@ class Elastic:
             except Exception:  # noqa: BLE001 - a broken group is gone either way
                 pass
 
-    def _wait_for_store(self):
-        """Every rank but the store's host (rank 0) first waits, in short tries, until the
-        round's store answers, and gives up as soon as the round is over. torch's own connect
-        loop retries through the interrupt _on_message sends until its timeout (20 s and more
-        lost, long enough for the next round's store to give up on this rank in turn)."""
+    def _connect_store(self, timeout):
+        """Every rank but the store's host (rank 0, which init_process_group makes host it, as
+        torchrun's env:// does) connects to the round's store itself: it waits until the store
+        answers, then connects in tries of a few seconds, and gives up as soon as the round is
+        over. torch's own connect retries through the interrupt _on_message sends, and through
+        a store gone meanwhile, until the whole timeout (20 s and more lost: long enough for
+        the next round's store to give up on this rank in turn). Returns None on rank 0."""
         if os.environ.get("RANK", "0") == "0" or not os.environ.get("MASTER_ADDR"):
-            return
-        address = (os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0))
-        timeout = float(os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT") or 1800)
-        deadline = time.monotonic() + timeout
+            return None
+        host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0)
+        world_size = int(os.environ["WORLD_SIZE"])
+        deadline = time.monotonic() + timeout.total_seconds()
+        one_try = datetime.timedelta(seconds=min(STORE_TRY_S, timeout.total_seconds()))
         while not self._round_over:
             try:
-                socket.create_connection(address, timeout=0.5).close()
-                return
-            except OSError:
+                socket.create_connection((host, port), timeout=0.5).close()
+                store = dist.TCPStore(host, port, world_size, False, one_try)
+            except (OSError, RuntimeError) as e:
+                # Not answering yet, or gone between the probe and the connect (torch's
+                # DistNetworkError is a RuntimeError).
                 if time.monotonic() > deadline:
-                    return  # torch's own connect says why
+                    raise RuntimeError(
+                        f"the round's store at {host}:{port} did not answer in "
+                        f"{timeout.total_seconds():g} s (`trainctl run --collective-timeout` waits "
+                        f"longer): {_why(e)}"
+                    ) from e
                 time.sleep(0.1)
-        raise RuntimeError(
-            f"the round was over before its store at {address[0]}:{address[1]} answered"
-        )
+                continue
+            store.set_timeout(timeout)
+            # The prefix init_process_group gives only a store it made itself (rank 0's).
+            return dist.PrefixStore("default_pg", store)
+        raise RuntimeError(f"the round was over before its store at {host}:{port} answered")
 
     def _on_message(self, message):
         """The agent's messages as they arrive (the control channel's reader thread): an Abort
@@ -965,6 +981,14 @@ def _reset_group_names():
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
         world.group_count = 0
+
+
+def _default_timeout(backend):
+    """torch's own default for a group's timeout (30 min; NCCL's 10)."""
+    try:
+        return dist.distributed_c10d._get_default_timeout(backend)
+    except AttributeError:  # another torch: the documented constant
+        return dist.default_pg_timeout
 
 
 def _why(e):
