@@ -152,8 +152,10 @@ class Elastic:
         self._assignments = 0
         self._leaving = False
         self._order_cache = None
-        # The sockets that were open before the group now starting (None: no group starting).
+        # The sockets that were open before the group now starting (None: no group starting);
+        # set under _start_lock, which _keep_breaking holds while it breaks a start's links.
         self._starting = None
+        self._start_lock = threading.Lock()
         # Set (by the control channel's thread) when the round of the group now starting is
         # over before the group has started.
         self._round_over = False
@@ -544,7 +546,8 @@ class Elastic:
         before = _sockets()
         self._round_over = False
         # While the group starts, an abort breaks what it has opened so far (see _abort_links).
-        self._starting = set(before.values())
+        with self._start_lock:
+            self._starting = set(before.values())
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
         store = self._connect_store(kwargs.get("timeout") or _default_timeout(self.backend))
@@ -565,7 +568,8 @@ class Elastic:
         self._ddp.register_comm_hook(None, self._comm_hook)
         after = _sockets()
         self._links = [(fd, inode) for fd, inode in after.items() if inode not in set(before.values())]
-        self._starting = None
+        with self._start_lock:
+            self._starting = None
         self._generation += 1
         return synced
 
@@ -656,7 +660,8 @@ class Elastic:
 
     def _teardown(self):
         self._links = []
-        self._starting = None
+        with self._start_lock:
+            self._starting = None
         if self._ddp is not None:
             # The wrapper (its reducer holds the group and threads of its own) goes before the
             # group; it may sit in a reference cycle, hence the collection.
@@ -690,9 +695,9 @@ class Elastic:
                 # DistNetworkError is a RuntimeError).
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"the round's store at {host}:{port} did not answer in "
-                        f"{timeout.total_seconds():g} s (`trainctl run --collective-timeout` waits "
-                        f"longer): {_why(e)}"
+                        f"the round's store at {host}:{port} timed out after "
+                        f"{timeout.total_seconds():g} s without answering (`trainctl run "
+                        f"--collective-timeout` waits longer): {_why(e)}"
                     ) from e
                 time.sleep(0.1)
                 continue
@@ -716,6 +721,21 @@ class Elastic:
             # fail.
             if starting and self._main_thread is not None:
                 signal.pthread_kill(self._main_thread, INTERRUPT)
+            if starting:
+                start = self._starting
+                threading.Thread(target=self._keep_breaking, args=(start,), daemon=True).start()
+
+    def _keep_breaking(self, start):
+        """A start whose round is over may open new links after the abort broke the first
+        ones: torch's store client reconnects within its try, and a store that takes the
+        connection and never answers (its host stopped, not gone) would hold it there for good.
+        Until that start has given up, what it opens is broken too, every half second."""
+        while True:
+            time.sleep(0.5)
+            with self._start_lock:
+                if self._starting is not start:
+                    return
+                self._abort_links()
 
     def _abort_links(self):
         """An Abort from the agent (a node of the group is gone): break the group's links so a
