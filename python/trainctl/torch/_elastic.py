@@ -710,7 +710,8 @@ class Elastic:
         """The agent's messages as they arrive (the control channel's reader thread): an Abort
         breaks the group's links; an assignment while a group is still starting means that
         group's round is already over (a node of it went), so its start is broken too."""
-        starting = self._starting is not None
+        start = self._starting
+        starting = start is not None
         if isinstance(message, ctl.Abort) or (isinstance(message, ctl.Assign) and starting):
             self._abort_links()
             if starting:
@@ -722,7 +723,6 @@ class Elastic:
             if starting and self._main_thread is not None:
                 signal.pthread_kill(self._main_thread, INTERRUPT)
             if starting:
-                start = self._starting
                 threading.Thread(target=self._keep_breaking, args=(start,), daemon=True).start()
 
     def _keep_breaking(self, start):
