@@ -270,18 +270,7 @@ fn live_workers_stacks(lines: &[String]) -> String {
             continue;
         }
         let dump = launcher::stacks::dump(pid as u32);
-        out.push_str(&format!(
-            "\n--- worker rank {rank} (pid {pid}), still running:"
-        ));
-        if let Some(problem) = &dump.problem {
-            out.push_str(&format!(" (Python stacks unreadable: {problem})"));
-        }
-        for thread in &dump.threads {
-            out.push_str(&format!("\n  thread {}", thread.name));
-            for frame in &thread.frames {
-                out.push_str(&format!("\n    {frame}"));
-            }
-        }
+        out.push_str(&format!("\n--- worker rank {rank}, still running: {dump}"));
     }
     out
 }
