@@ -11,7 +11,7 @@
    --nproc-per-node 2 train` against `torchrun --standalone --nproc-per-node 2
    bench/pytorch_ddp.py` on the same data, whole-process wall time.
 
-Usage: bench/.venv/bin/python bench/compare.py [--threads 1,2] [--steps 5] [--rounds 2]
+Usage: bench/.venv/bin/python bench/compare.py [--threads 1,2] [--steps 5] [--warmup 5] [--rounds 2]
        [--models seed-cnn:32:128,resnet18:64:32] [--epoch 5120] [--baseline PATH_TO_AN_EARLIER_TRAINCTL]    (bench/run.sh builds both profiles and calls this)
 """
 
@@ -46,21 +46,26 @@ def last_json(text):
 
 
 def step_table(threads, steps, rounds, baseline=None, model=("seed-cnn", 32, 128), precisions=("fp32",),
-               dev=True):
+               dev=True, warmup=5):
     name_, size, batch = model
     shape = ["--model", name_, "--image-size", str(size), "--batch-size", str(batch)]
+    # Every implementation runs the same untimed steps first (`trainctl bench --warmup`).
+    timing = ["--steps", str(steps), "--warmup", str(warmup)]
     impls = {}
     for p in precisions:
         suffix = "" if precisions == ("fp32",) else f" {p}"
         prec = ["--precision", p]
-        impls[f"trainctl release{suffix}"] = lambda t, prec=prec: ["target/release/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape + prec
+        impls[f"trainctl release{suffix}"] = lambda t, prec=prec: ["target/release/trainctl", "bench", "--step-only", str(t)] + timing + shape + prec
         if dev:
-            impls[f"trainctl dev{suffix}"] = lambda t, prec=prec: ["target/debug/trainctl", "bench", "--step-only", str(t), "--steps", str(steps)] + shape + prec
-        impls[f"pytorch{suffix}"] = lambda t, prec=prec: [PYTHON, "bench/pytorch_step.py", "--threads", str(t), "--steps", str(steps),
-                                                          "--allreduce-ranks", ""] + shape + prec
+            impls[f"trainctl dev{suffix}"] = lambda t, prec=prec: ["target/debug/trainctl", "bench", "--step-only", str(t)] + timing + shape + prec
+        impls[f"pytorch{suffix}"] = lambda t, prec=prec: ([PYTHON, "bench/pytorch_step.py", "--threads", str(t)] + timing
+                                                           + ["--allreduce-ranks", ""] + shape + prec)
     if baseline:
         # Another build (an earlier commit's release binary), alternated with the others.
-        impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t), "--steps", str(steps)] + shape
+        # A build from before `--warmup` runs its one warm-up step.
+        help_text = subprocess.run([baseline, "bench", "--help"], capture_output=True, text=True).stdout
+        base_timing = timing if "--warmup" in help_text else ["--steps", str(steps)]
+        impls["baseline release"] = lambda t: [baseline, "bench", "--step-only", str(t)] + base_timing + shape
     results = {}
     for _ in range(rounds):
         for t in threads:
@@ -124,7 +129,8 @@ def epoch_table(images, precisions=("fp32",), dev=True):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per process; each figure is their median")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them, the same for every implementation")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epoch", type=int, default=0, help="images for the whole-job epoch (0: skip)")
     p.add_argument("--baseline", help="another trainctl binary (an earlier build) timed alongside")
@@ -136,7 +142,7 @@ def main():
     for spec in a.models.split(","):
         name, size, batch = spec.split(":")
         step_table([int(t) for t in a.threads.split(",")], a.steps, a.rounds, a.baseline,
-                   (name, int(size), int(batch)), tuple(a.precision.split(",")), not a.no_dev)
+                   (name, int(size), int(batch)), tuple(a.precision.split(",")), not a.no_dev, a.warmup)
     if a.epoch:
         epoch_table(a.epoch, tuple(a.precision.split(",")), not a.no_dev)
 

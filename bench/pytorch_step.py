@@ -1,7 +1,7 @@
 """The seed CNN's (or a torchvision ResNet's) training step in PyTorch, timed the way
 `trainctl bench` times trainctl's.
 
-Usage: python bench/pytorch_step.py [--threads 1,2] [--batch-size 128] [--steps 5]
+Usage: python bench/pytorch_step.py [--threads 1,2] [--batch-size 128] [--steps 5] [--warmup 5]
        [--model seed-cnn|resnet18|resnet34|resnet50|resnet101] [--image-size 32]
        [--precision fp32|bf16]
 With --precision bf16 the forward runs under torch.autocast("cpu", dtype=torch.bfloat16), as
@@ -47,7 +47,7 @@ def network(name):
     return getattr(torchvision.models, name)(num_classes=200), 200
 
 
-def step_times(threads, batch_size, steps, name="seed-cnn", size=32, precision="fp32"):
+def step_times(threads, batch_size, steps, name="seed-cnn", size=32, precision="fp32", warmup=5):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, classes = network(name)
@@ -56,7 +56,7 @@ def step_times(threads, batch_size, steps, name="seed-cnn", size=32, precision="
     x = torch.randn(batch_size, 3, size, size)
     y = torch.randint(0, classes, (batch_size,))
     times = []
-    for i in range(steps + 1):
+    for i in range(warmup + steps):
         t = time.perf_counter()
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -64,12 +64,12 @@ def step_times(threads, batch_size, steps, name="seed-cnn", size=32, precision="
         loss.backward()
         opt.step()
         loss.item()
-        if i > 0:
+        if i >= warmup:
             times.append(time.perf_counter() - t)
     step = statistics.median(times)
     return {"impl": "pytorch", "torch": torch.__version__, "model": name, "image_size": size,
             "threads": threads, "precision": precision,
-            "batch_size": batch_size, "steps": steps, "step_s": step,
+            "batch_size": batch_size, "steps": steps, "warmup_steps": warmup, "step_s": step,
             "images_per_s": batch_size / step}
 
 
@@ -123,7 +123,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--threads", default="1,2")
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps; the figure is their median")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps before them (as many as `trainctl bench --warmup`)")
     p.add_argument("--model", default="seed-cnn")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--allreduce-ranks", default="2,4")
@@ -136,7 +138,7 @@ def main():
             print(json.dumps(row), flush=True)
         return 0
     for t in a.threads.split(","):
-        print(json.dumps(step_times(int(t), a.batch_size, a.steps, a.model, a.image_size, a.precision)),
+        print(json.dumps(step_times(int(t), a.batch_size, a.steps, a.model, a.image_size, a.precision, a.warmup)),
               flush=True)
     floats = sum(p.numel() for p in seed_cnn().parameters())
     import socket

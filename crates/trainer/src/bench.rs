@@ -30,6 +30,8 @@ pub struct StepTimes {
     pub threads: usize,
     pub batch_size: usize,
     pub steps: usize,
+    /// Untimed steps before the timed ones (see [`WARMUP_STEPS`]).
+    pub warmup_steps: usize,
     /// The convolutions' arithmetic (`crate::device::set_precision`): fp32 or bf16.
     pub precision: &'static str,
     pub step_s: f64,
@@ -45,8 +47,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `steps` training steps (after one warm-up) of `model` on `image_size`² images with
-/// `threads` CPU threads: the same work as a step of `trainctl train` minus the all-reduce.
+/// Untimed steps `trainctl bench` runs before it times any (bench/pytorch_step.py runs as many
+/// for PyTorch). A process's memory grows through its first steps: trainctl's allocator
+/// (mimalloc) places each step's large buffers first-fit in its arena, and until their places
+/// settle some land on memory never touched before, which the kernel must zero (resnet18 at
+/// batch 32: 17 new 2 MiB pages in step 1, 7 in step 4, 5 in step 5, none after; resnet50 at 2
+/// threads 42, 3, 3 and 9 in steps 1 to 5). On this project's virtual machines a new page
+/// sometimes costs 4.5 ms, and with one warm-up step a median of 5 timed steps could be one of
+/// those steps: a process's figure came out 10–25 % slow at random. A long run pays this once.
+pub const WARMUP_STEPS: usize = 5;
+
+/// Times `steps` training steps (after `warmup` untimed ones) of `model` on `image_size`² images
+/// with `threads` CPU threads: the same work as a step of `trainctl train` minus the all-reduce.
 ///
 /// # Panics
 /// The seed CNN at any size but 32 (its classifier is sized for 32×32 inputs).
@@ -56,8 +68,16 @@ pub fn training_step(
     threads: usize,
     batch_size: usize,
     steps: usize,
+    warmup: usize,
 ) -> StepTimes {
-    timed_training(model, image_size, threads, batch_size, steps, false)
+    timed_training(
+        model,
+        image_size,
+        threads,
+        batch_size,
+        (steps, warmup),
+        false,
+    )
 }
 
 /// One operation of trainctl's at one shape in a training step: what `trainctl bench --layers`
@@ -112,8 +132,16 @@ pub fn layer_profile(
     threads: usize,
     batch_size: usize,
     steps: usize,
+    warmup: usize,
 ) -> (StepTimes, Vec<OpRow>, Vec<PhaseRow>) {
-    let times = timed_training(model, image_size, threads, batch_size, steps, true);
+    let times = timed_training(
+        model,
+        image_size,
+        threads,
+        batch_size,
+        (steps, warmup),
+        true,
+    );
     let recorded = crate::ops::profile::finish();
     let per_step = |seconds: f64| seconds / steps.max(1) as f64;
     let step_s = times.step_s;
@@ -176,7 +204,7 @@ fn timed_training(
     image_size: usize,
     threads: usize,
     batch_size: usize,
-    steps: usize,
+    (steps, warmup): (usize, usize),
     profile: bool,
 ) -> StepTimes {
     set_cpu_threads(threads);
@@ -205,7 +233,7 @@ fn timed_training(
         Model::new(model, bench_classes(model), &device),
         (&pixels, &labels, image_size),
         batch_size,
-        steps,
+        (steps, warmup),
         profile,
     );
     times.model = model.name();
@@ -218,7 +246,7 @@ fn time_steps(
     mut model: Model,
     (pixels, labels, image_size): (&[f32], &[i64], usize),
     batch_size: usize,
-    steps: usize,
+    (steps, warmup): (usize, usize),
     profile: bool,
 ) -> StepTimes {
     let device = training_device();
@@ -226,9 +254,9 @@ fn time_steps(
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let mut grads_flat = Vec::new();
     let mut parts: [Vec<f64>; 5] = Default::default();
-    for i in 0..steps + 1 {
-        if profile && i == 1 {
-            // After the warm-up step.
+    for i in 0..warmup + steps {
+        if profile && i == warmup {
+            // After the warm-up steps.
             crate::ops::profile::start();
             kernels::phases::start();
         }
@@ -266,7 +294,7 @@ fn time_steps(
         model = load(model, None, &bufs);
         let t4 = Instant::now();
         assert!(loss_value.is_finite());
-        if i > 0 {
+        if i >= warmup {
             for (slot, d) in parts
                 .iter_mut()
                 .zip([t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3])
@@ -283,6 +311,7 @@ fn time_steps(
         precision: "",
         batch_size,
         steps,
+        warmup_steps: warmup,
         step_s: step,
         forward_s: forward,
         backward_s: backward,

@@ -21,9 +21,14 @@ pub struct Args {
     /// Image side in pixels (the seed CNN: 32 only; the ResNets: 32 or more).
     #[arg(long, default_value_t = 32)]
     image_size: usize,
-    /// Timed steps per thread count (after one warm-up step).
+    /// Timed steps per thread count; the figure is their median.
     #[arg(long, default_value_t = 5)]
     steps: usize,
+    /// Untimed steps before them: a process's memory grows through its first few steps, and
+    /// the pages it touches first cost it time once (bench/pytorch_step.py --warmup runs as
+    /// many for PyTorch).
+    #[arg(long, default_value_t = trainer::bench::WARMUP_STEPS)]
+    warmup: usize,
     /// World sizes for the all-reduce.
     #[arg(long, value_delimiter = ',', default_values_t = [2, 4])]
     ranks: Vec<usize>,
@@ -137,6 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 threads,
                 args.batch_size,
                 args.steps,
+                args.warmup,
             );
             println!("{}", serde_json::to_string(&step)?);
             for row in rows {
@@ -153,6 +159,7 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
             threads,
             args.batch_size,
             args.steps,
+            args.warmup,
         );
         println!("{}", serde_json::to_string(&t)?);
         return Ok(0);
@@ -169,6 +176,8 @@ pub fn run(args: Args) -> anyhow::Result<i32> {
                 &args.batch_size.to_string(),
                 "--steps",
                 &args.steps.to_string(),
+                "--warmup",
+                &args.warmup.to_string(),
                 "--model",
                 model.name(),
                 "--image-size",
