@@ -9,7 +9,9 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::scratch::{par_filled, par_filled_pair};
+use std::mem::MaybeUninit;
+
+use crate::scratch::{par_written, par_written_pair};
 
 /// Rows per block of the passes and reductions, at most...
 const BLOCK_ROWS: usize = 512;
@@ -106,6 +108,10 @@ pub fn normalize(
     relu: bool,
 ) -> Vec<f32> {
     let channels = gamma.len();
+    assert!(
+        channels > 0 && x.len().is_multiple_of(channels),
+        "rows of {channels} channels"
+    );
     if let Some(r) = residual {
         assert_eq!(r.len(), x.len(), "batch norm residual size");
     }
@@ -117,23 +123,27 @@ pub fn normalize(
         })
         .unzip();
     let block = block_len(channels);
-    par_filled(x.len(), block, |i, y| {
-        let x = &x[i * block..][..y.len()];
-        let r = residual.map(|r| &r[i * block..][..y.len()]);
-        match (r, relu) {
-            (None, false) => tail::<false, false>(y, x, x, &scale, &shift),
-            (None, true) => tail::<false, true>(y, x, x, &scale, &shift),
-            (Some(r), false) => tail::<true, false>(y, x, r, &scale, &shift),
-            (Some(r), true) => tail::<true, true>(y, x, r, &scale, &shift),
-        }
-    })
+    // SAFETY: `tail` writes every element of its run: its loop goes over the run's whole rows
+    // (`block` and the length are multiples of `channels`, so every run is whole rows).
+    unsafe {
+        par_written(x.len(), block, |i, y| {
+            let x = &x[i * block..][..y.len()];
+            let r = residual.map(|r| &r[i * block..][..y.len()]);
+            match (r, relu) {
+                (None, false) => tail::<false, false>(y, x, x, &scale, &shift),
+                (None, true) => tail::<false, true>(y, x, x, &scale, &shift),
+                (Some(r), false) => tail::<true, false>(y, x, r, &scale, &shift),
+                (Some(r), true) => tail::<true, true>(y, x, r, &scale, &shift),
+            }
+        })
+    }
 }
 
 /// `y = x·scale + shift` per channel, `+ r` when `ADD`, then ReLU when `RELU`: one pass, one
 /// loop per case.
 #[multiversion(targets = "simd")]
 fn tail<const ADD: bool, const RELU: bool>(
-    y: &mut [f32],
+    y: &mut [MaybeUninit<f32>],
     x: &[f32],
     r: &[f32],
     scale: &[f32],
@@ -148,7 +158,7 @@ fn tail<const ADD: bool, const RELU: bool>(
         for ((((o, v), rv), a), b) in yr.iter_mut().zip(xr).zip(rr).zip(scale).zip(shift) {
             let value = if ADD { v * a + b + rv } else { v * a + b };
             // `<`, not `max`: a NaN stays a NaN, as in PyTorch.
-            *o = if RELU && value < 0.0 { 0.0 } else { value };
+            o.write(if RELU && value < 0.0 { 0.0 } else { value });
         }
     }
 }
@@ -176,6 +186,10 @@ pub fn backward(
     residual: bool,
 ) -> NormGrads {
     let channels = gamma.len();
+    assert!(
+        channels > 0 && x.len().is_multiple_of(channels),
+        "rows of {channels} channels"
+    );
     assert_eq!(x.len(), dy.len(), "batch norm gradient size");
     if let Some(y) = relu_output {
         assert_eq!(y.len(), dy.len(), "batch norm output size");
@@ -227,7 +241,7 @@ pub fn backward(
         coefficients[1][ch] = f as f32;
         coefficients[2][ch] = (-f * dbeta[ch] / rows - xa * mean[ch]) as f32;
     }
-    let write = |i: usize, dx: &mut [f32], dr: Option<&mut [f32]>| {
+    let write = |i: usize, dx: &mut [MaybeUninit<f32>], dr: Option<&mut [MaybeUninit<f32>]>| {
         let [x, dy, y] = [x, dy, y].map(|v| &v[i * block..][..dx.len()]);
         if masked {
             input_gradient::<true>(dx, dr, x, dy, y, &coefficients);
@@ -236,11 +250,18 @@ pub fn backward(
         }
     };
     // The residual's gradient is g itself: written in the same pass.
-    let (dx, dr) = if residual {
-        let (dx, dr) = par_filled_pair(x.len(), block, |i, dx, dr| write(i, dx, Some(dr)));
-        (dx, Some(dr))
-    } else {
-        (par_filled(x.len(), block, |i, dx| write(i, dx, None)), None)
+    // SAFETY: `input_gradient` writes every element of its runs: its loops go over the runs'
+    // whole rows (`block` and the length are multiples of `channels`), and over all of `dr`.
+    let (dx, dr) = unsafe {
+        if residual {
+            let (dx, dr) = par_written_pair(x.len(), block, |i, dx, dr| write(i, dx, Some(dr)));
+            (dx, Some(dr))
+        } else {
+            (
+                par_written(x.len(), block, |i, dx| write(i, dx, None)),
+                None,
+            )
+        }
     };
     NormGrads {
         input: dx,
@@ -291,8 +312,8 @@ fn gradient_sums<const MASK: bool>(
 /// into `dr` too when there is one.
 #[multiversion(targets = "simd")]
 fn input_gradient<const MASK: bool>(
-    dx: &mut [f32],
-    dr: Option<&mut [f32]>,
+    dx: &mut [MaybeUninit<f32>],
+    dr: Option<&mut [MaybeUninit<f32>]>,
     x: &[f32],
     dy: &[f32],
     y: &[f32],
@@ -311,12 +332,13 @@ fn input_gradient<const MASK: bool>(
             .zip(gr.iter().zip(yr))
             .zip(a.iter().zip(b).zip(k))
         {
-            *o = xv * a + through_relu::<MASK>(d, yv) * b + k;
+            o.write(xv * a + through_relu::<MASK>(d, yv) * b + k);
         }
     }
     if let Some(dr) = dr {
+        assert_eq!(dr.len(), dy.len(), "residual gradient run");
         for ((g, &d), &yv) in dr.iter_mut().zip(dy).zip(y) {
-            *g = through_relu::<MASK>(d, yv);
+            g.write(through_relu::<MASK>(d, yv));
         }
     }
 }

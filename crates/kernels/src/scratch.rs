@@ -5,6 +5,7 @@
 //! A process-wide pool rather than per-thread buffers: a kernel holding its scratch may wait in
 //! a rayon join, during which its thread runs other chunks that need scratch of their own.
 
+use std::mem::MaybeUninit;
 use std::ops::{Deref, DerefMut};
 use std::sync::Mutex;
 
@@ -140,26 +141,45 @@ pub(crate) fn par_filled(
     v
 }
 
-/// [`par_filled`] for two vectors of `len` elements that `fill` writes run by run together.
-pub(crate) fn par_filled_pair(
+/// [`par_filled`] without the zeros, for a `fill` that writes every element of its run (each
+/// run lies whole in one of `fill`'s passes: batch norm's, element by element). The zeroing
+/// pass, in cache as it is, took 1.3 % of a resnet50 step's samples in batch norm alone.
+///
+/// # Safety
+/// `fill` must initialise every element of the run it is given: the vector is handed out as
+/// written.
+pub(crate) unsafe fn par_written(
     len: usize,
     chunk: usize,
-    fill: impl Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync + Send,
+) -> Vec<f32> {
+    let mut v = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .for_each(|(i, run)| fill(i, run));
+    // SAFETY: the runs cover the first `len` elements, within the capacity, and the caller
+    // vouches that `fill` initialised each (had it panicked, the panic would have left first).
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// [`par_written`] for two vectors that `fill` writes run by run together.
+///
+/// # Safety
+/// `fill` must initialise every element of both runs it is given.
+pub(crate) unsafe fn par_written_pair(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync + Send,
 ) -> (Vec<f32>, Vec<f32>) {
     let (mut a, mut b) = (Vec::with_capacity(len), Vec::with_capacity(len));
     a.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk.max(1))
         .zip(b.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)))
         .enumerate()
-        .for_each(|(i, (ra, rb))| {
-            ra.fill(std::mem::MaybeUninit::new(0.0));
-            rb.fill(std::mem::MaybeUninit::new(0.0));
-            // SAFETY: every element of both runs was initialised just above.
-            fill(i, unsafe { ra.assume_init_mut() }, unsafe {
-                rb.assume_init_mut()
-            });
-        });
-    // SAFETY: as in `par_filled`, for each of the two.
+        .for_each(|(i, (ra, rb))| fill(i, ra, rb));
+    // SAFETY: as in `par_written`, for each of the two.
     unsafe {
         a.set_len(len);
         b.set_len(len);
