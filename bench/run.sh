@@ -2,7 +2,7 @@
 # Side-by-side figures for docs/PERFORMANCE.md: trainctl and PyTorch, same machine, same run.
 # Installs PyTorch from PyPI into bench/.venv on first use; builds trainctl's release and dev
 # profiles (the dev profile is what `cargo run` and the tests use).
-#   bench/run.sh [--threads 1,2] [--steps 5] [--rounds 2] [--epoch 5120]
+#   bench/run.sh [--threads 1,2] [--steps 5] [--warmup 5] [--rounds 2] [--epoch 5120]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x bench/.venv/bin/python ] || ! bench/.venv/bin/python -c "import torch" 2>/dev/null; then
