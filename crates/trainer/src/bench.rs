@@ -11,7 +11,8 @@ use kernels::sgd::Sgd;
 use crate::data::synthetic;
 use crate::device::{on_compute_threads, set_cpu_threads, training_device};
 use crate::model::{
-    Architecture, Model, Net, buffers, gradients, load, sgd_step, snapshot, to_vec,
+    Architecture, Model, Net, ParamGradients, StepGradients, buffers, load, sgd_step, snapshot,
+    to_vec,
 };
 
 /// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
@@ -252,7 +253,6 @@ fn time_steps(
     let device = training_device();
     let mut momentum = vec![0.0; snapshot(&model).params.len()];
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let mut grads_flat = Vec::new();
     let mut parts: [Vec<f64>; 5] = Default::default();
     for i in 0..warmup + steps {
         if profile && i == warmup {
@@ -262,7 +262,7 @@ fn time_steps(
         }
         let t0 = Instant::now();
         // As the trainer's step runs them (`train::step`).
-        let (loss_value, t1, t2) = on_compute_threads(|| {
+        let (loss_value, t1, t2, taken) = on_compute_threads(|| {
             let x = Tensor::<4>::from_data(
                 TensorData::new(pixels.to_vec(), [batch_size, 3, image_size, image_size]),
                 &device,
@@ -276,9 +276,10 @@ fn time_steps(
             let t1 = Instant::now();
             let mut grads = loss.backward();
             let t2 = Instant::now();
-            gradients(&model, &mut grads, &mut grads_flat);
+            // As one rank alone takes them (`train::step`): no flat buffer to sum.
+            let taken = ParamGradients::take(&model, &mut grads);
             model.settle();
-            (loss_value, t1, t2)
+            (loss_value, t1, t2, taken)
         });
         let t3 = Instant::now();
         // The trainer's update with bench/pytorch_step.py's hyper-parameters.
@@ -289,7 +290,9 @@ fn time_steps(
             first: i == 0,
             grad_scale: 1.0,
         };
-        model = sgd_step(model, &mut momentum, &grads_flat, sgd);
+        model = sgd_step(model, &mut momentum, StepGradients::Parts(&taken), sgd);
+        // Freed before the next step, as `train::step` frees them.
+        drop(taken);
         let bufs = buffers(&model);
         model = load(model, None, &bufs);
         let t4 = Instant::now();

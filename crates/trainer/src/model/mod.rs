@@ -16,7 +16,10 @@ use burn::tensor::{Device, Tensor};
 
 pub use cnn::SeedCnn;
 pub(crate) use flat::to_vec;
-pub use flat::{Entry, Snapshot, buffers, gradients, load, sgd_step, snapshot, update};
+pub use flat::{
+    Entry, ParamGradients, Snapshot, StepGradients, buffers, gradients, load, sgd_step, snapshot,
+    update,
+};
 use resnet::{Arch, ResNet};
 
 /// Which network `trainctl train --model` trains.

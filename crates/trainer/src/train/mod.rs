@@ -117,7 +117,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         cfg,
         world: world.clone(),
         setup: &setup,
-        step: Step::new(model, &device, setup.image_size, state.param_count()),
+        step: Step::new(model, &device, setup.image_size),
         state,
         template,
         recorder,

@@ -6,7 +6,7 @@ use kernels::sgd::Sgd;
 use super::record::Recorder;
 use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint};
 use crate::error::{Result, TrainError};
-use crate::model::{Net, Snapshot, sgd_step, snapshot};
+use crate::model::{Net, Snapshot, StepGradients, sgd_step, snapshot};
 
 use super::{Event, TrainConfig};
 
@@ -239,7 +239,7 @@ impl TrainState {
         &mut self,
         model: M,
         cfg: &TrainConfig,
-        grads: &[f32],
+        grads: StepGradients,
         grad_scale: f32,
     ) -> M {
         let sgd = Sgd {

@@ -11,7 +11,7 @@ use super::state::TrainState;
 use super::stragglers::{self, RankTimes};
 use crate::device::on_compute_threads;
 use crate::error::Result;
-use crate::model::{Model, Net, buffers, gradients, load, to_vec};
+use crate::model::{Model, Net, ParamGradients, StepGradients, buffers, load, to_vec};
 
 /// The model being trained and what a step needs beside it.
 pub(super) struct Step {
@@ -20,8 +20,8 @@ pub(super) struct Step {
     loss_fn: CrossEntropyLoss,
     device: Device,
     image_size: usize,
-    /// The gradients, then the loss, the accuracy, every rank's times, the samples' digest and
-    /// the flags, all-reduced together.
+    /// The gradients (with more than one rank), then the loss, the accuracy, every rank's
+    /// times, the samples' digest and the flags, all-reduced together.
     reduced: Vec<f32>,
 }
 
@@ -79,13 +79,13 @@ pub(super) struct StepOutcome {
 
 impl Step {
     /// `model` must hold `state`'s parameters and buffers.
-    pub(super) fn new(model: Model, device: &Device, image_size: usize, params: usize) -> Step {
+    pub(super) fn new(model: Model, device: &Device, image_size: usize) -> Step {
         Step {
             model: Some(model),
             loss_fn: CrossEntropyLossConfig::new().init(device),
             device: device.clone(),
             image_size,
-            reduced: Vec::with_capacity(params + 6 + DIGEST_LIMBS),
+            reduced: Vec::with_capacity(6 + DIGEST_LIMBS),
         }
     }
 
@@ -138,7 +138,8 @@ impl Step {
         let timer = Instant::now();
         let (device, image_size, loss_fn) = (&self.device, self.image_size, &self.loss_fn);
         let reduced = &mut self.reduced;
-        let gradients_len = on_compute_threads(|| {
+        let world_size = group.world_size();
+        let (gradients_len, alone) = on_compute_threads(|| {
             let x = Tensor::<4>::from_data(
                 TensorData::new(pixels, [n, 3, image_size, image_size]),
                 device,
@@ -147,17 +148,25 @@ impl Step {
             let logits = model.forward(x);
             let loss = loss_fn.forward(logits.clone(), y);
             let mut grads = loss.backward();
-            gradients(model, &mut grads, reduced);
+            let taken = ParamGradients::take(model, &mut grads);
+            // A rank alone sums nothing: the update reads each parameter's gradient where burn
+            // left it, and the gradients' buffer goes (it comes back if the world grows).
+            let alone = if world_size > 1 {
+                taken.flatten_into(reduced);
+                None
+            } else {
+                *reduced = Vec::new();
+                Some(taken)
+            };
             // On the thread that ran the forward: settling elsewhere misses its update.
             model.settle();
             let gradients_len = reduced.len();
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
-            gradients_len
+            (gradients_len, alone)
         });
         let mut compute_s = timer.elapsed().as_secs_f64();
         // Every rank's times ride the all-reduce in slots of their own (see `stragglers`).
-        let world_size = group.world_size();
         self.reduced.extend(stragglers::slots(
             group.rank(),
             world_size,
@@ -231,7 +240,11 @@ impl Step {
             .model
             .take()
             .expect("a step's model is back after every run");
-        let model = state.sgd_step(model, cfg, &self.reduced, grad_scale);
+        let grads = match &alone {
+            Some(parts) => StepGradients::Parts(parts),
+            None => StepGradients::Flat(&self.reduced),
+        };
+        let model = state.sgd_step(model, cfg, grads, grad_scale);
         self.model = Some(load(model, None, &synced));
         state.buffers = synced;
         compute_s += timer.elapsed().as_secs_f64();

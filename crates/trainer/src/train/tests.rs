@@ -12,7 +12,7 @@ use super::step::{Flags, Step, StepInput};
 use crate::checkpoint::ModelInfo;
 use crate::data::{DatasetName, DownloadOptions, Normalisation, synthetic};
 use crate::device::training_device;
-use crate::model::{Architecture, Model, Snapshot, load, snapshot};
+use crate::model::{Architecture, Model, Snapshot, StepGradients, load, snapshot};
 use crate::sampler::digest;
 
 fn config() -> TrainConfig {
@@ -86,7 +86,7 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     normalisation: Normalisation::Cifar,
                 };
                 let mut state = TrainState::fresh(&cfg, &start, ranks, 16, info);
-                let mut step = Step::new(model, &device, 32, state.param_count());
+                let mut step = Step::new(model, &device, 32);
                 let (pixels, labels) = batch(&indices);
                 let input = StepInput {
                     pixels,
@@ -323,7 +323,7 @@ fn the_flat_parameters_are_refused_after_an_update_until_taken_back() {
     );
     let mut state = TrainState::fresh(&cfg, &start, 1, 16, ModelInfo::seed_cifar());
     let grads = vec![1.0; state.param_count()];
-    let model = state.sgd_step(model, &cfg, &grads, 1.0);
+    let model = state.sgd_step(model, &cfg, StepGradients::Flat(&grads), 1.0);
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.params().len()));
     assert!(refused.is_err(), "old parameters were handed out");
     state.take_params(&model);
