@@ -59,7 +59,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub const WARMUP_STEPS: usize = 5;
 
 /// Times `steps` training steps (after `warmup` untimed ones) of `model` on `image_size`² images
-/// with `threads` CPU threads: the same work as a step of `trainctl train` minus the all-reduce.
+/// with `threads` CPU threads: the same work as a step of a lone `trainctl train` worker (the
+/// gradients never copied into an all-reduce buffer: see `model::StepGradients`).
 ///
 /// # Panics
 /// The seed CNN at any size but 32 (its classifier is sized for 32×32 inputs).
