@@ -6,10 +6,10 @@
 //! dispatch). Sums run over fixed blocks of rows whose partial sums (f64) are added in block
 //! order, so the result never depends on the thread count.
 
+use std::mem::MaybeUninit;
+
 use multiversion::multiversion;
 use rayon::prelude::*;
-
-use std::mem::MaybeUninit;
 
 use crate::scratch::{par_written, par_written_pair};
 

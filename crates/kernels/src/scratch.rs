@@ -143,7 +143,7 @@ pub(crate) fn par_filled(
 
 /// [`par_filled`] without the zeros, for a `fill` that writes every element of its run (each
 /// run lies whole in one of `fill`'s passes: batch norm's, element by element). The zeroing
-/// pass, in cache as it is, took 1.3 % of a resnet50 step's samples in batch norm alone.
+/// pass, in cache as it is, cost batch norm about 2 ms of a 320 ms resnet50 step at 1 thread.
 ///
 /// # Safety
 /// `fill` must initialise every element of the run it is given: the vector is handed out as

@@ -360,7 +360,7 @@ pub fn sgd_step<M: Net>(model: M, momentum: &mut [f32], grads: StepGradients, sg
 /// Gradients of the trainable parameters in parameter order, each as burn handed it over (its
 /// values moved out of burn, uncopied): element counts, and `None` where a parameter got no
 /// gradient.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ParamGradients {
     parts: Vec<(usize, Option<Vec<f32>>)>,
 }
