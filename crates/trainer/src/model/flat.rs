@@ -316,7 +316,7 @@ pub fn update<M: Net>(model: M, update: &mut dyn FnMut(usize, &mut [f32])) -> M 
 /// A step's gradients as the update reads them, in parameter order.
 #[derive(Clone, Copy, Debug)]
 pub enum StepGradients<'a> {
-    /// One flat buffer: what the all-reduce sums ([`gradients`]).
+    /// One flat buffer: what the all-reduce sums ([`ParamGradients::flatten_into`]).
     Flat(&'a [f32]),
     /// Each parameter's own, as burn handed it over ([`ParamGradients`]): a rank alone has
     /// nothing to sum, and the copy into one buffer (a pass over every gradient, 2.4 ms of
@@ -435,12 +435,6 @@ impl ParamGradients {
     }
 }
 
-/// Gradients of the trainable parameters, flattened in parameter order
-/// ([`ParamGradients::flatten_into`]).
-pub fn gradients<M: Net>(model: &M, grads: &mut burn::tensor::Gradients, out: &mut Vec<f32>) {
-    ParamGradients::take(model, grads).flatten_into(out);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -528,7 +522,7 @@ mod tests {
             .sum();
         let mut grads = loss.backward();
         let mut flat = Vec::new();
-        gradients(&model, &mut grads, &mut flat);
+        ParamGradients::take(&model, &mut grads).flatten_into(&mut flat);
         drop(grads);
         let mut second = Vec::new();
         let _ = update(model, &mut |_, values| {

@@ -17,8 +17,7 @@ use burn::tensor::{Device, Tensor};
 pub use cnn::SeedCnn;
 pub(crate) use flat::to_vec;
 pub use flat::{
-    Entry, ParamGradients, Snapshot, StepGradients, buffers, gradients, load, sgd_step, snapshot,
-    update,
+    Entry, ParamGradients, Snapshot, StepGradients, buffers, load, sgd_step, snapshot, update,
 };
 use resnet::{Arch, ResNet};
 
@@ -127,7 +126,7 @@ impl Net for Model {
 }
 
 /// A network whose tensors move to and from flat buffers ([`snapshot`], [`load`],
-/// [`gradients`]): the seed CNN, the ResNets, [`Model`].
+/// [`ParamGradients`]): the seed CNN, the ResNets, [`Model`].
 pub trait Net: Module + Sized {
     /// PyTorch's `state_dict` key of the tensor at burn path `path` (e.g. `conv12.weight`).
     fn torch_name(&self, path: &str) -> String;

@@ -276,7 +276,7 @@ pub fn torch_name(path: &str) -> String {
 mod tests {
     use super::*;
     use crate::device::training_device;
-    use crate::model::{gradients, snapshot, to_vec};
+    use crate::model::{ParamGradients, snapshot, to_vec};
     use burn::tensor::TensorData;
 
     /// The parameter counts torchvision's models have with 1000 classes
@@ -358,7 +358,7 @@ mod tests {
             assert!(values.iter().all(|v| v.is_finite()), "{values:?}");
             let mut grads = logits.sum().backward();
             let mut flat = Vec::new();
-            gradients(&model, &mut grads, &mut flat);
+            ParamGradients::take(&model, &mut grads).flatten_into(&mut flat);
             let snap = snapshot(&model);
             assert_eq!(flat.len(), snap.params.len());
             // Every tensor got a gradient (a parameter left out of the graph would be all zeros).
