@@ -7,6 +7,7 @@
 //! deterministic: the same inputs give bit-identical outputs whatever the thread count, which
 //! data-parallel training relies on (every rank must hold the same weights).
 
+pub mod awake;
 pub mod bench;
 pub mod conv;
 pub mod layout;
