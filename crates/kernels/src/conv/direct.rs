@@ -197,6 +197,7 @@ pub fn backward(
                 k,
                 Mat::rows(&g_pairs[..rows * co], rows, co).t(),
                 Mat::rows(&x_pairs[..rows * ci], rows, ci),
+                None,
                 weight.precision,
             );
         }

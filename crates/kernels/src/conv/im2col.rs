@@ -6,6 +6,8 @@
 //! ([`par_matmul`]), so a layer that is one chunk (a ResNet's deep layers at batch 32) still
 //! uses every thread.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::ConvShape;
@@ -13,8 +15,8 @@ use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, Wanted, accumulator_groups, check_backward_sizes,
     chunk_gradient, relu_in_place, sum_partials, tap_range, unpack,
 };
-use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed};
-use crate::scratch::{par_filled, with_scratch, zeros};
+use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed, par_matmul_uninit};
+use crate::scratch::{par_written, with_scratch, zeros};
 
 /// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
 fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
@@ -115,34 +117,59 @@ pub fn forward(
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
-    let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
+    let (rows_img, co) = (s.rows_per_image(), s.c_out);
     let per_chunk = s.images_per_chunk();
     let rhs = ForwardRhs::new(s, x, weight);
-    par_filled(s.output_len(), per_chunk * rows_img * co, |chunk, y| {
-        let images = y.len() / (rows_img * co);
-        let rows = images * rows_img;
-        let n0 = chunk * per_chunk;
-        with_scratch([col_len(s, images), 0, 0], |col, _, _| {
-            let patches = patch_matrix(s, x, n0, images, col);
-            if let Some(b) = bias {
+    // SAFETY: `forward_chunk` writes every element of its run (see there).
+    unsafe {
+        par_written(s.output_len(), per_chunk * rows_img * co, |chunk, y| {
+            forward_chunk(s, x, chunk * per_chunk, &rhs, weight, bias, relu, y)
+        })
+    }
+}
+
+/// The outputs `y` (whole images) of images `n0..` into memory not yet written, all of it: with
+/// a bias, each row set to it and the GEMM adding in; without, the GEMM writing the whole
+/// `rows × c_out` block and reading none of it (no zeroing pass first).
+#[allow(clippy::too_many_arguments)]
+fn forward_chunk(
+    s: &ConvShape,
+    x: &[f32],
+    n0: usize,
+    rhs: &ForwardRhs<'_>,
+    weight: &PackedWeight<'_>,
+    bias: Option<&[f32]>,
+    relu: bool,
+    y: &mut [MaybeUninit<f32>],
+) {
+    let (rows_img, k, co) = (s.rows_per_image(), s.k(), s.c_out);
+    let images = y.len() / (rows_img * co);
+    let rows = images * rows_img;
+    with_scratch([col_len(s, images), 0, 0], |col, _, _| {
+        let lhs = Mat::rows(patch_matrix(s, x, n0, images, col), rows, k);
+        let (mat, panels) = (rhs.mat(), rhs.panels(0..k));
+        let y = match bias {
+            Some(b) => {
                 for row in y.chunks_exact_mut(co) {
-                    row.copy_from_slice(b);
+                    for (o, v) in row.iter_mut().zip(b) {
+                        o.write(*v);
+                    }
                 }
+                // SAFETY: every row was set to the bias just above.
+                let y = unsafe { y.assume_init_mut() };
+                par_matmul_packed(y, co, lhs, mat, panels, true, weight.precision);
+                y
             }
-            par_matmul_packed(
-                y,
-                co,
-                Mat::rows(patches, rows, k),
-                rhs.mat(),
-                rhs.panels(0..k),
-                bias.is_some(),
-                weight.precision,
-            );
-            if relu {
-                relu_in_place(y);
+            None => {
+                par_matmul_uninit(y, co, lhs, mat, panels, weight.precision);
+                // SAFETY: the product wrote its whole `rows × c_out` block, `y` (stride c_out).
+                unsafe { y.assume_init_mut() }
             }
-        });
-    })
+        };
+        if relu {
+            relu_in_place(y);
+        }
+    });
 }
 
 /// [`super::backward`] as im2col + GEMM.
@@ -160,11 +187,15 @@ pub fn backward(
     let chunks = s.batch.div_ceil(per_chunk);
     let image_len = s.height * s.width * s.c_in;
 
-    let mut dx = wanted.input.then(|| zeros(s.input_len()));
+    // Each chunk of dx is written whole (see below): no zeroing pass over it first.
+    let mut dx = Vec::with_capacity(if wanted.input { s.input_len() } else { 0 });
+    let dx_runs = wanted
+        .input
+        .then(|| &mut dx.spare_capacity_mut()[..s.input_len()]);
     // dX = G · W for every chunk: in bf16, W packed once for all of them.
     let w = Mat::rows(&weight.data, co, k);
     let packed_w = PackedRhs::new(w, weight.precision);
-    let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
+    let work = accumulator_groups(dx_runs, per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
@@ -188,35 +219,37 @@ pub fn backward(
                         weight.precision,
                     );
                     if let Some(dx_chunk) = dx_chunk {
-                        // col2im of a pointwise layer is the identity: straight into dx; else
-                        // the im2col matrix is not needed any more: reuse it for dcol.
-                        let dcol = if s.is_pointwise() {
-                            &mut *dx_chunk
-                        } else {
-                            &mut *col
-                        };
-                        par_matmul_packed(
-                            dcol,
-                            k,
-                            Mat::rows(g, rows, co),
-                            w,
-                            packed_w.view(0..co, 0..k),
-                            false,
-                            weight.precision,
-                        );
+                        let g = Mat::rows(g, rows, co);
+                        let panels = packed_w.view(0..co, 0..k);
                         if s.is_pointwise() {
+                            // col2im of a pointwise layer is the identity: dX = G · W straight
+                            // into the chunk, all of it (`rows × c_in`).
+                            par_matmul_uninit(dx_chunk, k, g, w, panels, weight.precision);
                             return;
                         }
+                        // The im2col matrix is not needed any more: dcol goes in its place,
+                        // then into each image's zeros.
+                        par_matmul_packed(col, k, g, w, panels, false, weight.precision);
                         dx_chunk
                             .par_chunks_mut(image_len)
                             .zip(col.par_chunks(rows_img * k))
-                            .for_each(|(dx, dcol)| col2im(s, dcol, 1, dx));
+                            .for_each(|(dx, dcol)| {
+                                dx.fill(MaybeUninit::new(0.0));
+                                // SAFETY: every element was set on the line above.
+                                col2im(s, dcol, 1, unsafe { dx.assume_init_mut() })
+                            });
                     }
                 });
             }
             (dw, db)
         })
         .collect();
+    let dx = wanted.input.then(|| {
+        // SAFETY: the chunks tile the input gradient, and each was written whole above: a
+        // pointwise layer's by its product (`rows × c_in`, the chunk), another's zeroed first.
+        unsafe { dx.set_len(s.input_len()) };
+        dx
+    });
 
     let (dw, db) = sum_partials(partials, k * co, wanted.bias_len(co));
     ConvGrads {

@@ -128,19 +128,20 @@ pub(crate) fn unpack(shape: &ConvShape, packed: Vec<f32>, layout: WeightLayout) 
     transpose_each(&packed, taps, shape.c_in)
 }
 
-/// A group's chunks: the chunk index and, when the input gradient is wanted, its slice of it.
-pub(crate) type ChunkGroup<'a> = Vec<(usize, Option<&'a mut [f32]>)>;
+/// A group's chunks: the chunk index and, when the input gradient is wanted, its slice of it
+/// (`T`: `f32`, or `MaybeUninit<f32>` for a kernel that writes each chunk whole).
+pub(crate) type ChunkGroup<'a, T = f32> = Vec<(usize, Option<&'a mut [T]>)>;
 
 /// The backward pass's chunks, shared out to the weight gradient's accumulators: each group a
 /// contiguous, equal (±1) run of chunks, so that rayon's halving of the group list halves the
 /// work. Each chunk carries its slice of the input gradient when there is one.
-pub(crate) fn accumulator_groups(
-    dx: Option<&mut [f32]>,
+pub(crate) fn accumulator_groups<T>(
+    dx: Option<&mut [T]>,
     chunk_len: usize,
     chunks: usize,
-) -> Vec<ChunkGroup<'_>> {
+) -> Vec<ChunkGroup<'_, T>> {
     let groups = ACCUMULATORS.min(chunks);
-    let mut work: Vec<ChunkGroup> = (0..groups).map(|_| Vec::new()).collect();
+    let mut work: Vec<ChunkGroup<T>> = (0..groups).map(|_| Vec::new()).collect();
     let group_of = |chunk: usize| chunk * groups / chunks;
     match dx {
         Some(dx) => {

@@ -319,18 +319,19 @@ pub fn par_matmul_packed(
     }
 }
 
-/// [`par_matmul`] (`dst = lhs · rhs`) into memory not yet initialised: it writes every element
-/// of the `lhs.rows × rhs.cols` block at `dst` (rows `dst_stride` apart) and reads none. A
-/// kernel whose products tile its output whole thus skips zeroing it first (a pass out to memory
-/// and back for the direct layers' weight gradients).
+/// [`par_matmul_packed`] (`dst = lhs · rhs`) into memory not yet initialised: it writes every
+/// element of the `lhs.rows × rhs.cols` block at `dst` (rows `dst_stride` apart) and reads
+/// none. A kernel whose products tile its output whole thus skips zeroing it first (a pass out
+/// to memory and back: the direct layers' weight gradients, im2col's outputs).
 pub fn par_matmul_uninit(
     dst: &mut [std::mem::MaybeUninit<f32>],
     dst_stride: usize,
     lhs: Mat,
     rhs: Mat,
+    panels: Option<RhsPanels>,
     precision: Precision,
 ) {
-    check_product(dst.len(), dst_stride, &lhs, &rhs, None, precision);
+    check_product(dst.len(), dst_stride, &lhs, &rhs, panels, precision);
     // SAFETY: checked above; without `accumulate` the products write the block and never read
     // it (gemm with `read_dst` false, the bf16 kernel storing its first block of `k`, zeros
     // for k = 0), so its elements need not be initialised.
@@ -340,7 +341,7 @@ pub fn par_matmul_uninit(
             dst_stride,
             lhs,
             rhs,
-            None,
+            panels,
             false,
             precision,
         )
@@ -608,7 +609,7 @@ mod tests {
             let mut want = vec![f32::NAN; m * stride];
             par_matmul(&mut want, stride, lhs, rhs, false, precision);
             let mut got = vec![MaybeUninit::new(f32::NAN); m * stride];
-            par_matmul_uninit(&mut got, stride, lhs, rhs, precision);
+            par_matmul_uninit(&mut got, stride, lhs, rhs, None, precision);
             for (at, (g, w)) in got.iter().zip(&want).enumerate() {
                 // SAFETY: every element was initialised (to NaN) above.
                 let g = unsafe { g.assume_init() };

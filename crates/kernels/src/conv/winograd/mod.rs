@@ -16,6 +16,8 @@
 
 mod transforms;
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::shared::{
@@ -25,7 +27,7 @@ use super::shared::{
 use super::{Algorithm, ConvShape, phase_name};
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
 use crate::phases;
-use crate::scratch::{par_filled, with_scratch, zeros};
+use crate::scratch::{par_filled, par_written, with_scratch, zeros};
 pub use transforms::Tile;
 use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
 
@@ -276,38 +278,43 @@ pub fn forward(
     let per_chunk = images_per_chunk(s, &t);
     let out_image = t.oh * t.ow * co;
     let planes = u.packed_planes(ci, co, false);
-    par_filled(s.output_len(), per_chunk * out_image, |chunk, y| {
-        let images = y.len() / out_image;
-        let tiles = images * t.per_image();
-        let np = t.planes();
-        with_scratch([np * tiles * ci, np * tiles * co, 0], |v, m, _| {
-            phases::timed(t.tile.phase(s, "input transform"), || {
-                transform_inputs(s, &t, x, chunk * per_chunk, images, v)
+    // SAFETY: `output_transform` writes every element of the chunk's images (their tiles cover
+    // each output pixel, see `output_image`): no zeroing pass first.
+    unsafe {
+        par_written(s.output_len(), per_chunk * out_image, |chunk, y| {
+            let images = y.len() / out_image;
+            let tiles = images * t.per_image();
+            let np = t.planes();
+            with_scratch([np * tiles * ci, np * tiles * co, 0], |v, m, _| {
+                phases::timed(t.tile.phase(s, "input transform"), || {
+                    transform_inputs(s, &t, x, chunk * per_chunk, images, v)
+                });
+                let v = &*v;
+                phases::timed(t.tile.phase(s, "products"), || {
+                    m.par_chunks_mut(tiles * co)
+                        .enumerate()
+                        .for_each(|(xi, m)| {
+                            matmul_packed(
+                                m,
+                                co,
+                                Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
+                                u.plane(xi, ci, co),
+                                planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
+                                false,
+                                u.precision,
+                            );
+                        })
+                });
+                phases::timed(t.tile.phase(s, "output transform"), || {
+                    output_transform(s, &t, m, tiles, images, bias, relu, y)
+                });
             });
-            let v = &*v;
-            phases::timed(t.tile.phase(s, "products"), || {
-                m.par_chunks_mut(tiles * co)
-                    .enumerate()
-                    .for_each(|(xi, m)| {
-                        matmul_packed(
-                            m,
-                            co,
-                            Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci),
-                            u.plane(xi, ci, co),
-                            planes.get(xi).and_then(|p| p.view(0..ci, 0..co)),
-                            false,
-                            u.precision,
-                        );
-                    })
-            });
-            phases::timed(t.tile.phase(s, "output transform"), || {
-                output_transform(s, &t, m, tiles, images, bias, relu, y)
-            });
-        });
-    })
+        })
+    }
 }
 
-/// `y = Aᵀ M A` per tile, plus bias and ReLU, into the chunk's outputs.
+/// `y = Aᵀ M A` per tile, plus bias and ReLU, into the chunk's outputs: every element of its
+/// `images` images written once.
 #[allow(clippy::too_many_arguments)]
 fn output_transform(
     s: &ConvShape,
@@ -317,7 +324,7 @@ fn output_transform(
     images: usize,
     bias: Option<&[f32]>,
     relu: bool,
-    y: &mut [f32],
+    y: &mut [MaybeUninit<f32>],
 ) {
     let co = s.c_out;
     let zeros = vec![0.0f32; co];
@@ -339,7 +346,7 @@ fn output_image(
     co: usize,
     bias: &[f32],
     relu: bool,
-    y: &mut [f32],
+    y: &mut [MaybeUninit<f32>],
 ) {
     let (a, mo, tile_kind) = (t.tile.alpha(), t.tile.side(), t.tile);
     // Aᵀ M: mo rows of α vectors; then a row's mo outputs, each a vector of co.
@@ -371,7 +378,7 @@ fn output_image(
                     for ((d, v), b) in dst.iter_mut().zip(vals).zip(bias) {
                         let v = v + b;
                         // `<`: a NaN stays a NaN.
-                        *d = if relu && v < 0.0 { 0.0 } else { v };
+                        d.write(if relu && v < 0.0 { 0.0 } else { v });
                     }
                 }
             }
@@ -402,13 +409,18 @@ pub fn backward(
     let image_len = s.height * s.width * ci;
     let out_image = t.oh * t.ow * co;
 
-    let mut dx = wanted.input.then(|| zeros(s.input_len()));
+    // Each chunk of dx is zeroed by `input_grad_transform` as it adds into it, in cache: no
+    // zeroing pass over all of it first.
+    let mut dx = Vec::with_capacity(if wanted.input { s.input_len() } else { 0 });
+    let dx_runs = wanted
+        .input
+        .then(|| &mut dx.spare_capacity_mut()[..s.input_len()]);
     let planes = if wanted.input {
         u.packed_planes(ci, co, true)
     } else {
         Vec::new()
     };
-    let work = accumulator_groups(dx.as_deref_mut(), per_chunk * image_len, chunks);
+    let work = accumulator_groups(dx_runs, per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
@@ -477,6 +489,11 @@ pub fn backward(
         })
         .collect();
 
+    let dx = wanted.input.then(|| {
+        // SAFETY: the chunks tile the input gradient, and `input_grad_transform` wrote each whole.
+        unsafe { dx.set_len(s.input_len()) };
+        dx
+    });
     let (dw, db) = sum_partials(partials, np * ci * co, wanted.bias_len(co));
     ConvGrads {
         input: dx,
@@ -534,13 +551,23 @@ fn output_grad_image(t: &Tiling, g: &[f32], co: usize, planes: &mut [&mut [f32]]
 }
 
 /// `dd = B dV Bᵀ` per tile, added into the chunk's input gradient (dropping the padding), each
-/// image on its own thread.
-fn input_grad_transform(s: &ConvShape, t: &Tiling, dv: &[f32], tiles: usize, dx: &mut [f32]) {
+/// image on its own thread, which zeroes it first: all of `dx` is written.
+fn input_grad_transform(
+    s: &ConvShape,
+    t: &Tiling,
+    dv: &[f32],
+    tiles: usize,
+    dx: &mut [MaybeUninit<f32>],
+) {
     let c = s.c_in;
     let image_len = s.height * s.width * c;
     dx.par_chunks_mut(image_len)
         .enumerate()
-        .for_each(|(n, img)| input_grad_image(s, t, dv, tiles, n, img));
+        .for_each(|(n, img)| {
+            img.fill(MaybeUninit::new(0.0));
+            // SAFETY: every element was set on the line above.
+            input_grad_image(s, t, dv, tiles, n, unsafe { img.assume_init_mut() })
+        });
 }
 
 /// Image `n` of [`input_grad_transform`], compiled for the CPU's widest vectors.
