@@ -56,8 +56,10 @@ impl Backward<Flex, 3> for ConvBackward {
                 bias: node_b.is_some(),
             },
         );
-        let dx = g.input.map(|dx| input_gradient(dx, dims4(&x), spec.input));
-        // The clock stops before burn's part: registering sums with a gradient already there.
+        let dx = match (&node_x, g.input) {
+            (Some(node), Some(dx)) => input_gradient(node.id.value, dx, dims4(&x), spec.input),
+            _ => None,
+        };
         drop(timer);
         if let (Some(node), Some(dx)) = (node_x, dx) {
             grads.register::<Flex>(node.id, dx);
@@ -126,7 +128,10 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
             node_residual.is_some(),
         );
         let dx = from_nhwc(g.input, dims);
-        let dr = g.residual.map(|dr| input_gradient(dr, dims, spec.residual));
+        let dr = match (&node_residual, g.residual) {
+            (Some(node), Some(dr)) => input_gradient(node.id.value, dr, dims, spec.residual),
+            _ => None,
+        };
         drop(timer);
         if let Some(node) = node_x {
             grads.register::<Flex>(node.id, dx);

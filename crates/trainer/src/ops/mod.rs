@@ -11,6 +11,7 @@
 
 mod autodiff;
 mod flex;
+pub mod parts;
 pub mod profile;
 
 use std::borrow::Cow;
@@ -23,16 +24,15 @@ use burn::nn::pool::MaxPool2d;
 use burn::nn::{BatchNorm, PaddingConfig2d};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 use kernels::conv::{Algorithm, ConvShape, WeightLayout};
-use kernels::layout::{nchw_to_nhwc, nhwc_to_nchw};
+use kernels::layout::nchw_to_nhwc;
 use kernels::pool::PoolShape;
 
 /// Whether the model uses a tensor once or also elsewhere (a ResNet block's input goes to the
 /// block's first convolution and to the residual or the downsample path).
 ///
-/// burn sums the gradients of a tensor used twice, and does it in one fast pass only when both
-/// are stored NCHW: on channels-last ones its element-by-element walk crosses a page per element
-/// (3-4 ms a block of resnet50 at 64 px, a tenth of the step). So the gradient of a shared
-/// input is handed to burn NCHW, at the cost of a transpose each way.
+/// A shared input's gradient comes in two parts, one from each of the two operations of ours
+/// that read it (both marked `Shared`, never more): [`parts`] sums them channels-last and
+/// hands burn the sum, which burn's own add would walk element by element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Input {
     Once,
@@ -301,16 +301,15 @@ fn weight_gradient(data: Vec<f32>, dims: [usize; 4], layout: WeightLayout) -> Fl
     }
 }
 
-/// The gradient of an input (NHWC) as burn is to hold it: channels-last, or NCHW when the
-/// input is [`Input::Shared`].
-fn input_gradient(data: Vec<f32>, dims: [usize; 4], input: Input) -> FlexTensor {
-    match input {
-        Input::Once => from_nhwc(data, dims),
-        Input::Shared => {
-            let [_, c, h, w] = dims;
-            from_vec(nhwc_to_nchw(&data, c, h * w), &dims)
-        }
-    }
+/// The gradient (NHWC) of an input of autodiff node `node`, channels-last, as burn is to hold
+/// it: all of it, or for an [`Input::Shared`] input `None` until its second part comes
+/// ([`parts`]).
+fn input_gradient(node: u64, data: Vec<f32>, dims: [usize; 4], input: Input) -> Option<FlexTensor> {
+    let whole = match input {
+        Input::Once => Some(data),
+        Input::Shared => parts::add_part(node, data),
+    };
+    whole.map(|data| from_nhwc(data, dims))
 }
 
 /// An NHWC buffer as a `[n, c, h, w]` tensor stored channels-last.

@@ -109,8 +109,8 @@ fn convolutions_without_a_bias_match_burn() {
             .with_bias(false)
             .init(&training_device());
         assert!(layer.bias.is_none());
-        for (relu_after, uses) in [(false, Input::Once), (true, Input::Shared)] {
-            compare(&layer, [2, c_in, size, size], relu_after, uses);
+        for relu_after in [false, true] {
+            compare(&layer, [2, c_in, size, size], relu_after, Input::Once);
         }
     }
 }
@@ -149,12 +149,10 @@ proptest! {
         stride in 1usize..3,
         padding in 0usize..4,
         relu_after in any::<bool>(),
-        shared in any::<bool>(),
     ) {
         prop_assume!(size + 2 * padding >= kernel);
-        let uses = if shared { Input::Shared } else { Input::Once };
         let layer = conv(c_in, c_out, kernel, stride, padding);
-        compare(&layer, [batch, c_in, size, size], relu_after, uses);
+        compare(&layer, [batch, c_in, size, size], relu_after, Input::Once);
     }
 }
 
@@ -224,39 +222,42 @@ fn batch_norm_matches_burn_in_training_and_updates_the_running_statistics() {
 fn the_fused_norm_add_relu_matches_burns_three_operations() {
     use burn::nn::BatchNormConfig;
     let device = training_device();
-    for uses in [Input::Once, Input::Shared] {
-        let ours_bn = BatchNormConfig::new(6).init(&device);
-        let theirs_bn = BatchNormConfig::new(6).init(&device);
-        let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 2.0 + 0.5)
-            .require_grad();
-        let residual = Tensor::<4>::random([4, 6, 5, 5], Distribution::Uniform(-1.0, 1.0), &device)
-            .require_grad();
-        let ours = super::norm_add_relu(&ours_bn, x.clone(), Some((residual.clone(), uses)), true);
-        let y = theirs_bn.forward(x.clone()) + residual.clone();
-        let e = worst(&to_vec(ours.clone()), &to_vec(relu(y.clone())));
-        assert!(e < TOLERANCE, "output differs by {e}");
-        let values = to_vec(ours.clone());
-        assert!(values.contains(&0.0) && values.iter().any(|v| *v > 0.0));
+    let ours_bn = BatchNormConfig::new(6).init(&device);
+    let theirs_bn = BatchNormConfig::new(6).init(&device);
+    let x = (Tensor::<4>::random([4, 6, 5, 5], Distribution::Default, &device) * 2.0 + 0.5)
+        .require_grad();
+    let residual =
+        Tensor::<4>::random([4, 6, 5, 5], Distribution::Uniform(-1.0, 1.0), &device).require_grad();
+    let ours = super::norm_add_relu(
+        &ours_bn,
+        x.clone(),
+        Some((residual.clone(), Input::Once)),
+        true,
+    );
+    let y = theirs_bn.forward(x.clone()) + residual.clone();
+    let e = worst(&to_vec(ours.clone()), &to_vec(relu(y.clone())));
+    assert!(e < TOLERANCE, "output differs by {e}");
+    let values = to_vec(ours.clone());
+    assert!(values.contains(&0.0) && values.iter().any(|v| *v > 0.0));
 
-        let theirs = relu_as_ours(y, &ours);
-        let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
-        let (go, gt) = (
-            (ours * r.clone()).sum().backward(),
-            (theirs * r).sum().backward(),
-        );
-        for (name, t) in [("input", &x), ("residual", &residual)] {
-            let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
-            assert!(e < 1e-4, "{name} gradient differs by {e} ({uses:?})");
-        }
-        assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
+    let theirs = relu_as_ours(y, &ours);
+    let r = Tensor::<4>::random(ours.dims(), Distribution::Default, &device);
+    let (go, gt) = (
+        (ours * r.clone()).sum().backward(),
+        (theirs * r).sum().backward(),
+    );
+    for (name, t) in [("input", &x), ("residual", &residual)] {
+        let e = worst(&to_vec(t.grad(&go).unwrap()), &to_vec(t.grad(&gt).unwrap()));
+        assert!(e < 1e-4, "{name} gradient differs by {e}");
     }
+    assert_same_norm_parameter_gradients(&ours_bn, &go, &theirs_bn, &gt);
 }
 
 #[test]
 fn a_block_input_used_twice_gets_the_sum_of_both_gradients() {
     // As in a ResNet block: `h` (channels-last, the output of an op of ours) goes to a
-    // convolution and to the residual, both marked shared, so burn sums two NCHW gradients; and
-    // to a downsample convolution beside the first, both shared.
+    // convolution and to the residual, both marked shared, so that `parts` sums their two
+    // gradients; and to a downsample convolution beside the first, both shared.
     use burn::nn::BatchNormConfig;
     let device = training_device();
     let (stem, c1, down) = (
@@ -294,6 +295,7 @@ fn a_block_input_used_twice_gets_the_sum_of_both_gradients() {
             "output differs by {e} (downsample: {downsample})"
         );
         let (go, gt) = (ours.sum().backward(), theirs.sum().backward());
+        assert!(super::parts::none_parked(), "a part left waiting");
         let e = worst(&to_vec(x.grad(&go).unwrap()), &to_vec(x.grad(&gt).unwrap()));
         assert!(
             e < 1e-4,
