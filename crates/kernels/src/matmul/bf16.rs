@@ -56,7 +56,7 @@ fn pair(lo: f32, hi: f32) -> u32 {
 }
 
 /// A's pairs and how to find pair `p` of row `i`: at `i * row_stride + p * pair_stride`.
-struct PackedA {
+pub(super) struct PackedA {
     pairs: Scratch,
     row_stride: usize,
     pair_stride: usize,
@@ -109,6 +109,16 @@ unsafe fn pack_a(a: Mat) -> PackedA {
         row_stride: 1,
         pair_stride: m,
     }
+}
+
+/// A (`m × k`, any strides) in pairs, once for the many products that read all of it (the
+/// bands of columns of one product, `super::par_matmul`).
+///
+/// Panics unless [`available`].
+pub(super) fn pack_lhs(a: Mat) -> PackedA {
+    assert!(available(), "bf16 packing on a CPU without AVX512_BF16");
+    // SAFETY: the features were checked.
+    unsafe { pack_a(a) }
 }
 
 /// The index that interleaves the two halves of a 32-lane bf16 vector: lanes 0, 16, 1, 17, ...
@@ -369,12 +379,12 @@ fn pack_panel(b: Mat, panel: usize, dst: &mut [u32]) {
 }
 
 /// `dst (+)= lhs · rhs` with bf16 inputs and f32 sums; `dst` row-major, `dst_stride` apart;
-/// `packed`, when given, is `rhs` already in panels.
+/// `packed`, when given, is `rhs` already in panels, `packed_a` `lhs` already in pairs.
 ///
 /// # Safety
 /// [`available`] is true; `lhs` and `rhs` lie inside their slices (checked by the caller), `k`
-/// is not 0, `packed` (if any) packs a `k × n` matrix, and the `lhs.rows × rhs.cols` elements at
-/// `dst` are valid for reads and writes by this call alone.
+/// is not 0, `packed` (if any) packs a `k × n` matrix, `packed_a` (if any) packs `lhs`, and the
+/// `lhs.rows × rhs.cols` elements at `dst` are valid for reads and writes by this call alone.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn gemm(
     dst: *mut f32,
@@ -382,12 +392,20 @@ pub(super) unsafe fn gemm(
     lhs: Mat,
     rhs: Mat,
     packed: Option<PanelView>,
+    packed_a: Option<&PackedA>,
     accumulate: bool,
 ) {
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     let k2 = k.div_ceil(2);
-    // SAFETY: the caller checked the features.
-    let a = unsafe { pack_a(lhs) };
+    let own_a;
+    let a = match packed_a {
+        Some(a) => a,
+        None => {
+            // SAFETY: the caller checked the features.
+            own_a = unsafe { pack_a(lhs) };
+            &own_a
+        }
+    };
     let own;
     let b = match packed {
         Some(view) => {
