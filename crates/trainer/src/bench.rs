@@ -295,11 +295,14 @@ fn time_steps(
             first: i == 0,
             grad_scale: 1.0,
         };
-        model = sgd_step(model, &mut momentum, StepGradients::Parts(&taken), sgd);
-        // Freed before the next step, as `train::step` frees them.
-        drop(taken);
-        let bufs = buffers(&model);
-        model = load(model, None, &bufs);
+        // On the compute pool, as `train::step` runs it.
+        model = on_compute_threads(|| {
+            let model = sgd_step(model, &mut momentum, StepGradients::Parts(&taken), sgd);
+            // Freed before the next step, as `train::step` frees them.
+            drop(taken);
+            let bufs = buffers(&model);
+            load(model, None, &bufs)
+        });
         let t4 = Instant::now();
         assert!(loss_value.is_finite());
         if i >= warmup {

@@ -248,8 +248,13 @@ impl Step {
             Some(parts) => StepGradients::Parts(parts),
             None => StepGradients::Flat(&self.reduced),
         };
-        let model = state.sgd_step(model, cfg, grads, grad_scale);
-        self.model = Some(load(model, None, &synced));
+        // On the compute pool, as the forward and backward: from this thread each parameter's
+        // update loop would be handed to the pool and waited for.
+        let model = on_compute_threads(|| {
+            let model = state.sgd_step(model, cfg, grads, grad_scale);
+            load(model, None, &synced)
+        });
+        self.model = Some(model);
         state.buffers = synced;
         compute_s += timer.elapsed().as_secs_f64();
         Ok(outcome(compute_s, allreduce_s, times))
