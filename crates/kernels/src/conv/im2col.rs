@@ -16,7 +16,7 @@ use super::shared::{
     chunk_gradient, relu_in_place, sum_partials, tap_range, unpack,
 };
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed, par_matmul_uninit};
-use crate::scratch::{par_written, with_scratch, zeros};
+use crate::scratch::{par_written, with_scratch};
 
 /// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
 fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
@@ -199,9 +199,11 @@ pub fn backward(
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
-            let mut dw = zeros(k * co);
+            // The group's first chunk writes its weight gradient, the others add to it: no
+            // zeroing pass first.
+            let mut dw = Vec::with_capacity(k * co);
             let mut db = vec![0.0f32; wanted.bias_len(co)];
-            for (chunk, dx_chunk) in chunks {
+            for (i, (chunk, dx_chunk)) in chunks.into_iter().enumerate() {
                 let n0 = chunk * per_chunk;
                 let images = per_chunk.min(s.batch - n0);
                 let rows = images * rows_img;
@@ -210,14 +212,15 @@ pub fn backward(
                     let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
                     let patches = patch_matrix(s, x, n0, images, col);
                     // dW as the weight is packed, `[c_out][k]`: gᵀ · col.
-                    par_matmul(
-                        &mut dw,
-                        k,
-                        Mat::rows(g, rows, co).t(),
-                        Mat::rows(patches, rows, k),
-                        true,
-                        weight.precision,
-                    );
+                    let (gt, pm) = (Mat::rows(g, rows, co).t(), Mat::rows(patches, rows, k));
+                    if i == 0 {
+                        let block = &mut dw.spare_capacity_mut()[..k * co];
+                        par_matmul_uninit(block, k, gt, pm, None, weight.precision);
+                        // SAFETY: the product wrote its whole `c_out × k` block: all of dw.
+                        unsafe { dw.set_len(k * co) };
+                    } else {
+                        par_matmul(&mut dw, k, gt, pm, true, weight.precision);
+                    }
                     if let Some(dx_chunk) = dx_chunk {
                         let g = Mat::rows(g, rows, co);
                         let panels = packed_w.view(0..co, 0..k);

@@ -245,6 +245,32 @@ pub fn matmul_packed(
     }
 }
 
+/// [`matmul`] (`dst = lhs · rhs`) into memory not yet initialised, on the calling thread: it
+/// writes every element of the `lhs.rows × rhs.cols` block at `dst` and reads none (as
+/// [`par_matmul_uninit`]).
+pub fn matmul_uninit(
+    dst: &mut [std::mem::MaybeUninit<f32>],
+    dst_stride: usize,
+    lhs: Mat,
+    rhs: Mat,
+    precision: Precision,
+) {
+    check_product(dst.len(), dst_stride, &lhs, &rhs, None, precision);
+    // SAFETY: as in `par_matmul_uninit`: checked above, and without `accumulate` the product
+    // writes the block and never reads it.
+    unsafe {
+        gemm_unchecked(
+            dst.as_mut_ptr().cast::<f32>(),
+            dst_stride,
+            lhs,
+            rhs,
+            (None, None),
+            false,
+            precision,
+        )
+    }
+}
+
 /// Multiply-adds from which a product is worth a second tile (about 10 µs of one core): the
 /// direct kernel's products on resnet18's stride-2 128→256 layer at 8×8 (32 rows × 384 × 256,
 /// 3M) stayed whole at 2M, its forward 2.5–2.9 ms a step at 2 threads as at 1; split, 1.4–1.8...

@@ -25,9 +25,9 @@ use super::shared::{
     chunk_gradient, sum_partials,
 };
 use super::{Algorithm, ConvShape, phase_name};
-use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed};
+use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed, matmul_uninit};
 use crate::phases;
-use crate::scratch::{par_filled, par_written, with_scratch, zeros};
+use crate::scratch::{par_filled, par_written, with_scratch};
 pub use transforms::Tile;
 use transforms::{LANES, MAX_ALPHA, pieces, pieces_mut, transform_weights, weight_grad_block};
 
@@ -424,9 +424,11 @@ pub fn backward(
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
         .map(|chunks| {
-            let mut du = zeros(np * ci * co);
+            // The group's first chunk writes its planes' weight gradients, the others add to
+            // them: no zeroing pass first.
+            let mut du = Vec::with_capacity(np * ci * co);
             let mut db = vec![0.0f32; wanted.bias_len(co)];
-            for (chunk, dx_chunk) in chunks {
+            for (i, (chunk, dx_chunk)) in chunks.into_iter().enumerate() {
                 let n0 = chunk * per_chunk;
                 let images = per_chunk.min(s.batch - n0);
                 let tiles = images * t.per_image();
@@ -446,16 +448,27 @@ pub fn backward(
                         });
                         let dm = &*dm;
                         phases::timed(phase("weight gradient products"), || {
-                            du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
-                                matmul(
-                                    du,
-                                    co,
-                                    Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t(),
-                                    Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
-                                    true,
-                                    u.precision,
-                                );
-                            })
+                            let vt = |xi: usize| {
+                                Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t()
+                            };
+                            let dm = |xi: usize| {
+                                Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co)
+                            };
+                            if i > 0 {
+                                du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
+                                    matmul(du, co, vt(xi), dm(xi), true, u.precision)
+                                });
+                                return;
+                            }
+                            du.spare_capacity_mut()[..np * ci * co]
+                                .par_chunks_mut(ci * co)
+                                .enumerate()
+                                .for_each(|(xi, du)| {
+                                    matmul_uninit(du, co, vt(xi), dm(xi), u.precision)
+                                });
+                            // SAFETY: each plane's product wrote its whole `c_in × c_out`
+                            // block, and the planes tile du.
+                            unsafe { du.set_len(np * ci * co) };
                         });
                         if let Some(dx_chunk) = dx_chunk {
                             // V is not needed any more: dV goes in its place.
