@@ -402,8 +402,8 @@ unsafe fn par_gemm_unchecked(
         };
     }
     // In bf16, the operand every band reads whole is packed once, not once a band: B for bands
-    // of rows (unless it came packed), A for bands of columns (resnet50's bf16 step spent a
-    // quarter of its time packing, most of it the same operands again).
+    // of rows (unless it came packed), A for bands of columns (packing's share of resnet50's
+    // bf16 step: 26.7 % of the samples with a packing a band, 23.7 % with this).
     let shared = SharedOperands::new(lhs, rhs, panels, plan.by_rows, precision);
     let panels = shared.panels(panels, k, n);
     let dst = SharedDst(dst);
