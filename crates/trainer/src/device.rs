@@ -72,8 +72,8 @@ pub fn check_precision(precision: Precision, available: bool) -> Result<(), Stri
 /// ([`kernels::awake`]). The kernels' parallel loops started from a thread outside the pool are
 /// each handed to it and waited for (a wake-up and a sleep per loop: about 7,000 context
 /// switches in 9 resnet18 steps at 1 thread, 17 with the steps run here); started on one of its
-/// threads they are queued on that thread's own deque. Run a step's forward and backward
-/// through this; nothing that waits on the network or a disk.
+/// threads they are queued on that thread's own deque. Run a step's forward, backward and
+/// update through this; nothing that waits on the network or a disk.
 pub fn on_compute_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     kernels::awake::with_threads_awake(f)
 }

@@ -12,7 +12,7 @@
 //! marked so. burn runs a graph's backward steps one after the other on the thread that
 //! called `backward`, and both parts before the step that consumes their sum (the tensor's
 //! producer): the parked parts are that thread's, and none is left when `backward` returns
-//! ([`none_parked`]).
+//! ([`assert_none_parked`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -58,6 +58,15 @@ pub(super) fn add_part(node: u64, mut part: Vec<f32>) -> Option<Vec<f32>> {
 /// Whether no part waits for its second on this thread: true after every backward pass.
 pub fn none_parked() -> bool {
     PARKED.with(|parked| parked.borrow().is_empty())
+}
+
+/// Panics, saying why, unless [`none_parked`]: called after each backward pass of a step.
+pub fn assert_none_parked() {
+    assert!(
+        none_parked(),
+        "a shared input's gradient lost a part: an `Input::Shared` tensor must be read by \
+         exactly two of trainctl's operations, both marked `Shared`"
+    );
 }
 
 #[cfg(test)]
