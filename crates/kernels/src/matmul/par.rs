@@ -45,8 +45,9 @@ impl Tiling {
     }
 }
 
-/// [`matmul`](super::matmul) shared out to rayon's threads by the tiles of [`Tiling::of`]: bit-identical to
-/// itself whatever the thread count (not necessarily to [`matmul`](super::matmul)).
+/// [`matmul`](super::matmul) shared out to rayon's threads by the tiles of [`Tiling::of`]:
+/// bit-identical to itself whatever the thread count (not necessarily to
+/// [`matmul`](super::matmul)).
 pub fn par_matmul(
     dst: &mut [f32],
     dst_stride: usize,
