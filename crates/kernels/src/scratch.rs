@@ -164,15 +164,17 @@ pub(crate) unsafe fn par_written(
     v
 }
 
-/// [`par_written`] for two vectors that `fill` writes run by run together.
+/// [`par_written`] for two vectors of `len` elements each (of any types: batch norm's input
+/// gradient and its residual's, or its output and its ReLU's mask) that `fill` writes run by
+/// run together.
 ///
 /// # Safety
 /// `fill` must initialise every element of both runs it is given.
-pub(crate) unsafe fn par_written_pair(
+pub(crate) unsafe fn par_written_pair<A: Send, B: Send>(
     len: usize,
     chunk: usize,
-    fill: impl Fn(usize, &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync + Send,
-) -> (Vec<f32>, Vec<f32>) {
+    fill: impl Fn(usize, &mut [MaybeUninit<A>], &mut [MaybeUninit<B>]) + Sync + Send,
+) -> (Vec<A>, Vec<B>) {
     let (mut a, mut b) = (Vec::with_capacity(len), Vec::with_capacity(len));
     a.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk.max(1))

@@ -724,7 +724,8 @@ mod batch_norm {
         let beta = values(channels, 23);
         let dy = values(rows * channels, 24);
         let stats = norm::batch_stats(&x, channels);
-        let y = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
+        let (y, mask) = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
+        assert!(mask.is_none());
         let g = norm::backward(&x, &gamma, &stats, eps, &dy, None, false);
         assert!(g.residual.is_none());
         for c in 0..channels {
@@ -758,6 +759,28 @@ mod batch_norm {
     }
 
     #[test]
+    fn a_relu_mask_passes_only_positive_outputs() {
+        // Per channel: the output 0 (gamma and beta 0), NaN (beta NaN), 1; the gradient passes
+        // the third only, as it passes where a ReLU's output is positive.
+        let (rows, eps) = (700, 1e-5);
+        let x = values(rows * 3, 51);
+        let (gamma, beta) = ([0.0, 0.0, 0.0], [0.0, f32::NAN, 1.0]);
+        let stats = norm::batch_stats(&x, 3);
+        let (y, mask) = norm::normalize(&x, &gamma, &beta, &stats, eps, None, true);
+        assert!(
+            y.chunks(3)
+                .all(|r| r[0] == 0.0 && r[1].is_nan() && r[2] == 1.0)
+        );
+        let mask = mask.expect("a ReLU's mask");
+        assert_eq!(mask, norm::ReluMask::of_output(&y));
+        let dy = vec![1.0; rows * 3];
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy, Some(&mask), true);
+        let passed = g.residual.expect("the residual's gradient");
+        assert!(passed.chunks(3).all(|r| r == [0.0, 0.0, 1.0]));
+        assert_eq!(g.beta, [0.0, 0.0, rows as f32]);
+    }
+
+    #[test]
     fn the_residual_add_and_relu_fused_equal_the_three_operations() {
         let (channels, eps) = (5, 1e-5);
         let x = values(channels * 1300, 41);
@@ -765,15 +788,18 @@ mod batch_norm {
         let (gamma, beta) = (values(channels, 43), values(channels, 44));
         let dy = values(channels * 1300, 45);
         let stats = norm::batch_stats(&x, channels);
-        let plain = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
+        let (plain, _) = norm::normalize(&x, &gamma, &beta, &stats, eps, None, false);
         let want: Vec<f32> = plain
             .iter()
             .zip(&r)
             .map(|(v, r)| (v + r).max(0.0))
             .collect();
-        let y = norm::normalize(&x, &gamma, &beta, &stats, eps, Some(&r), true);
+        let (y, mask) = norm::normalize(&x, &gamma, &beta, &stats, eps, Some(&r), true);
         assert_eq!(y, want);
         assert!(y.contains(&0.0) && y.iter().any(|v| *v > 0.0));
+        // The mask is where the output is positive.
+        let mask = mask.expect("a ReLU's mask");
+        assert_eq!(mask, norm::ReluMask::of_output(&y));
         // Backward: the gradient through the ReLU goes to the residual as it is, and to the
         // norm's plain backward.
         let masked: Vec<f32> = dy
@@ -782,7 +808,7 @@ mod batch_norm {
             .map(|(d, o)| if *o > 0.0 { *d } else { 0.0 })
             .collect();
         let want = norm::backward(&x, &gamma, &stats, eps, &masked, None, false);
-        let g = norm::backward(&x, &gamma, &stats, eps, &dy, Some(&y), true);
+        let g = norm::backward(&x, &gamma, &stats, eps, &dy, Some(&mask), true);
         assert_eq!(g.residual.as_ref(), Some(&masked));
         assert_eq!(
             (&g.input, &g.gamma, &g.beta),
@@ -807,8 +833,8 @@ mod batch_norm {
                     .unwrap();
                 pool.install(|| {
                     let s = norm::batch_stats(&x, channels);
-                    let y = norm::normalize(&x, &gamma, &gamma, &s, 1e-5, None, true);
-                    let g = norm::backward(&x, &gamma, &s, 1e-5, &dy, Some(&y), false);
+                    let (_, mask) = norm::normalize(&x, &gamma, &gamma, &s, 1e-5, None, true);
+                    let g = norm::backward(&x, &gamma, &s, 1e-5, &dy, mask.as_ref(), false);
                     (s, g.input, g.gamma, g.beta)
                 })
             };

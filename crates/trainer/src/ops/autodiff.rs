@@ -11,7 +11,7 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Flex};
 use kernels::conv;
-use kernels::norm::{self, BatchStats};
+use kernels::norm::{self, BatchStats, ReluMask};
 use kernels::pool;
 
 use super::flex::{
@@ -99,13 +99,13 @@ impl Backward<Flex, 1> for PoolBackward {
 struct NormBackward<const N: usize>;
 
 impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
-    /// Input, gamma, the batch statistics, the spec, and the output when the ReLU is fused.
+    /// Input, gamma, the batch statistics, the spec, and the ReLU's mask when it is fused.
     type State = (
         FlexTensor,
         FlexTensor,
         Arc<BatchStats>,
         NormSpec,
-        Option<FlexTensor>,
+        Option<Arc<ReluMask>>,
     );
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -114,17 +114,16 @@ impl<const N: usize> Backward<Flex, N> for NormBackward<N> {
         let (node_x, node_gamma, node_beta, node_residual) =
             (parent(), parent(), parent(), parent());
         let dy = grads.consume::<Flex>(&ops.node);
-        let (x, gamma, stats, spec, y) = ops.state;
+        let (x, gamma, stats, spec, mask) = ops.state;
         let dims = dims4(&x);
         let timer = profile::Backward::start(|| norm_name(dims));
-        let y = y.as_ref().map(nhwc);
         let g = norm::backward(
             &nhwc(&x),
             &f32s(&gamma),
             &stats,
             spec.epsilon,
             &nhwc(&dy),
-            y.as_deref(),
+            mask.as_deref(),
             node_residual.is_some(),
         );
         let dx = from_nhwc(g.input, dims);
@@ -223,15 +222,15 @@ fn norm_add_relu<C: CheckpointStrategy>(
     let residual_node = residual.as_ref().map(|r| r.node());
     let (x, gamma) = (x.into_primitive(), gamma.into_primitive());
     let residual = residual.map(|r| r.into_primitive());
-    let out = flex_norm_add_relu(&x, &gamma, &beta.into_primitive(), residual.as_ref(), spec);
+    let (out, mask) =
+        flex_norm_add_relu(&x, &gamma, &beta.into_primitive(), residual.as_ref(), spec);
     let stats = Arc::new(BatchStats {
         mean: f32s(&out.mean).into_owned(),
         var: f32s(&out.var).into_owned(),
     });
     type Ad<C> = Autodiff<Flex, C>;
     let (mean, var) = (Ad::<C>::from_inner(out.mean), Ad::<C>::from_inner(out.var));
-    let saved_y = spec.relu.then(|| out.output.clone());
-    let state = (x, gamma, stats, spec, saved_y);
+    let state = (x, gamma, stats, spec, mask.map(Arc::new));
     let output = match residual_node {
         None => match NormBackward::<3>
             .prepare::<C>(nodes)

@@ -29,7 +29,7 @@ impl TrainctlOps for Flex {
         beta: FlexTensor,
         spec: NormSpec,
     ) -> NormOutput<Self> {
-        norm_add_relu(&x, &gamma, &beta, None, spec)
+        norm_add_relu(&x, &gamma, &beta, None, spec).0
     }
 
     fn batch_norm_add_train(
@@ -39,19 +39,19 @@ impl TrainctlOps for Flex {
         residual: FlexTensor,
         spec: NormSpec,
     ) -> NormOutput<Self> {
-        norm_add_relu(&x, &gamma, &beta, Some(&residual), spec)
+        norm_add_relu(&x, &gamma, &beta, Some(&residual), spec).0
     }
 }
 
 /// Batch norm with the batch's statistics, plus `residual` when there is one, then the ReLU if
-/// `spec.relu`.
+/// `spec.relu`, whose mask (channels-last, as `nhwc` gives the input) comes too.
 pub(super) fn norm_add_relu(
     x: &FlexTensor,
     gamma: &FlexTensor,
     beta: &FlexTensor,
     residual: Option<&FlexTensor>,
     spec: NormSpec,
-) -> NormOutput<Flex> {
+) -> (NormOutput<Flex>, Option<norm::ReluMask>) {
     let dims = dims4(x);
     profile::timed(
         || (norm_name(dims), profile::Flops::default()),
@@ -60,7 +60,7 @@ pub(super) fn norm_add_relu(
             let xs = nhwc(x);
             let stats = norm::batch_stats(&xs, dims[1]);
             let residual = residual.map(nhwc);
-            let y = norm::normalize(
+            let (y, mask) = norm::normalize(
                 &xs,
                 &f32s(gamma),
                 &f32s(beta),
@@ -69,11 +69,12 @@ pub(super) fn norm_add_relu(
                 residual.as_deref(),
                 spec.relu,
             );
-            NormOutput {
+            let out = NormOutput {
                 output: from_nhwc(y, dims),
                 mean: from_vec(stats.mean, &[dims[1]]),
                 var: from_vec(stats.var, &[dims[1]]),
-            }
+            };
+            (out, mask)
         },
     )
 }
