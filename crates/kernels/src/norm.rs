@@ -5,8 +5,8 @@
 //! would read the output.
 //!
 //! The per-block loops are compiled for the CPU's widest vectors (multiversion's runtime
-//! dispatch). Sums run over fixed blocks of rows whose partial sums (f64) are added in block
-//! order, so the result never depends on the thread count.
+//! dispatch). Sums run over fixed blocks of rows, each summed in f32, whose partial sums are
+//! added in f64 in block order, so the result never depends on the thread count.
 
 use std::mem::MaybeUninit;
 
@@ -262,7 +262,7 @@ pub fn backward(
     // Without the ReLU, `dy`'s bytes stand in for the mask (as long, or longer; never read).
     let (y, masked) = match relu {
         Some(mask) => (&mask.0[..], true),
-        None => (bytes(dy), false),
+        None => (bytemuck::cast_slice(dy), false),
     };
     let rows = (x.len() / channels).max(1) as f64;
     let inv: Vec<f64> = stats
@@ -345,12 +345,6 @@ pub fn backward(
 #[inline(always)]
 fn through_relu<const MASK: bool>(dy: f32, mask: u8) -> f32 {
     if !MASK || mask != 0 { dy } else { 0.0 }
-}
-
-/// The bytes of `v`, a stand-in for a mask that is not read.
-fn bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: any initialised memory may be read as bytes (alignment 1), for as long as `v`.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
 }
 
 /// Adds Σ g and Σ g·(x - mean) per channel over a block of rows to `sd` and `sdx`.
