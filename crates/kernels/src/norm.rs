@@ -260,7 +260,7 @@ pub fn backward(
     }
     let block = block_len(channels);
     // Without the ReLU, `dy`'s bytes stand in for the mask (as long, or longer; never read).
-    let (y, masked) = match relu {
+    let (mask, masked) = match relu {
         Some(mask) => (&mask.0[..], true),
         None => (bytemuck::cast_slice(dy), false),
     };
@@ -275,13 +275,13 @@ pub fn backward(
     // in f32, the blocks added in f64 (as `channel_sums`).
     let pairs: Vec<(Vec<f32>, Vec<f32>)> = x
         .par_chunks(block)
-        .zip(dy.par_chunks(block).zip(y.par_chunks(block)))
-        .map(|(x, (dy, y))| {
+        .zip(dy.par_chunks(block).zip(mask.par_chunks(block)))
+        .map(|(x, (dy, mask))| {
             let (mut sd, mut sdx) = (vec![0.0f32; channels], vec![0.0f32; channels]);
             if masked {
-                gradient_sums::<true>(x, dy, y, &stats.mean, &mut sd, &mut sdx);
+                gradient_sums::<true>(x, dy, mask, &stats.mean, &mut sd, &mut sdx);
             } else {
-                gradient_sums::<false>(x, dy, y, &stats.mean, &mut sd, &mut sdx);
+                gradient_sums::<false>(x, dy, mask, &stats.mean, &mut sd, &mut sdx);
             }
             (sd, sdx)
         })
@@ -312,11 +312,11 @@ pub fn backward(
     }
     let write = |i: usize, dx: &mut [MaybeUninit<f32>], dr: Option<&mut [MaybeUninit<f32>]>| {
         let [x, dy] = [x, dy].map(|v| &v[i * block..][..dx.len()]);
-        let y = &y[i * block..][..dx.len()];
+        let mask = &mask[i * block..][..dx.len()];
         if masked {
-            input_gradient::<true>(dx, dr, x, dy, y, &coefficients);
+            input_gradient::<true>(dx, dr, x, dy, mask, &coefficients);
         } else {
-            input_gradient::<false>(dx, dr, x, dy, y, &coefficients);
+            input_gradient::<false>(dx, dr, x, dy, mask, &coefficients);
         }
     };
     // The residual's gradient is g itself: written in the same pass.
@@ -352,25 +352,25 @@ fn through_relu<const MASK: bool>(dy: f32, mask: u8) -> f32 {
 fn gradient_sums<const MASK: bool>(
     x: &[f32],
     dy: &[f32],
-    y: &[u8],
+    mask: &[u8],
     mean: &[f32],
     sd: &mut [f32],
     sdx: &mut [f32],
 ) {
     let channels = mean.len();
-    for ((xr, gr), yr) in x
+    for ((xr, gr), mr) in x
         .chunks_exact(channels)
         .zip(dy.chunks_exact(channels))
-        .zip(y.chunks_exact(channels))
+        .zip(mask.chunks_exact(channels))
     {
-        for ((((s, sx), (&xv, &d)), &o), m) in sd
+        for ((((s, sx), (&xv, &d)), &pass), m) in sd
             .iter_mut()
             .zip(sdx.iter_mut())
             .zip(xr.iter().zip(gr))
-            .zip(yr)
+            .zip(mr)
             .zip(mean)
         {
-            let g = through_relu::<MASK>(d, o);
+            let g = through_relu::<MASK>(d, pass);
             *s += g;
             *sx += g * (xv - m);
         }
@@ -385,29 +385,29 @@ fn input_gradient<const MASK: bool>(
     dr: Option<&mut [MaybeUninit<f32>]>,
     x: &[f32],
     dy: &[f32],
-    y: &[u8],
+    mask: &[u8],
     [a, b, k]: &[Vec<f32>; 3],
 ) {
     let channels = a.len();
-    for (((o, xr), gr), yr) in dx
+    for (((o, xr), gr), mr) in dx
         .chunks_exact_mut(channels)
         .zip(x.chunks_exact(channels))
         .zip(dy.chunks_exact(channels))
-        .zip(y.chunks_exact(channels))
+        .zip(mask.chunks_exact(channels))
     {
-        for (((o, &xv), (&d, &yv)), ((a, b), k)) in o
+        for (((o, &xv), (&d, &pass)), ((a, b), k)) in o
             .iter_mut()
             .zip(xr)
-            .zip(gr.iter().zip(yr))
+            .zip(gr.iter().zip(mr))
             .zip(a.iter().zip(b).zip(k))
         {
-            o.write(xv * a + through_relu::<MASK>(d, yv) * b + k);
+            o.write(xv * a + through_relu::<MASK>(d, pass) * b + k);
         }
     }
     if let Some(dr) = dr {
         assert_eq!(dr.len(), dy.len(), "residual gradient run");
-        for ((g, &d), &yv) in dr.iter_mut().zip(dy).zip(y) {
-            g.write(through_relu::<MASK>(d, yv));
+        for ((g, &d), &pass) in dr.iter_mut().zip(dy).zip(mask) {
+            g.write(through_relu::<MASK>(d, pass));
         }
     }
 }
