@@ -107,7 +107,7 @@ fn worst_error(got: &[f32], want: &[f64]) -> f64 {
 const TOLERANCE: f64 = 1e-5;
 
 fn check(s: ConvShape, relu: bool, seed: u64) {
-    check_with(s, relu, seed, Algorithm::of(&s, Precision::F32))
+    check_with(s, relu, seed, Algorithm::of(&s))
 }
 
 /// F(4×4, 3×3)'s transforms scale values by up to 8 and 1/24 on the way: its error is 10–20×
@@ -509,11 +509,7 @@ fn small_outputs_skip_the_padding_taps_and_match_the_direct_convolution() {
         ..shape3x3(17, 6, 5, 3)
     };
     for s in [deep, down, single, wide] {
-        assert_eq!(
-            Algorithm::of(&s, Precision::F32),
-            Algorithm::Direct,
-            "{s:?}"
-        );
+        assert_eq!(Algorithm::of(&s), Algorithm::Direct, "{s:?}");
         check(s, true, 200);
         check(s, false, 201);
     }
@@ -524,12 +520,22 @@ fn small_outputs_skip_the_padding_taps_and_match_the_direct_convolution() {
 }
 
 #[test]
-fn winograd_takes_4x4_tiles_from_8x8_outputs_in_fp32_only() {
+fn winograd_takes_4x4_tiles_from_8x8_outputs_and_runs_them_in_fp32_only() {
     let (wide, small) = (shape3x3(2, 64, 64, 8), shape3x3(2, 64, 64, 4));
-    assert_eq!(Algorithm::of(&wide, Precision::F32), Algorithm::Winograd4);
-    assert_eq!(Algorithm::of(&small, Precision::F32), Algorithm::Winograd);
-    // bf16 rounds F(4×4)'s transformed values, scaled by up to 8, to 8 bits: 2×2 tiles.
-    assert_eq!(Algorithm::of(&wide, Precision::Bf16), Algorithm::Winograd);
+    assert_eq!(Algorithm::of(&wide), Algorithm::Winograd4);
+    assert_eq!(Algorithm::of(&small), Algorithm::Winograd);
+    // bf16 would round F(4×4)'s transformed values, scaled by up to 8, to 8 bits: asked for
+    // bf16, its products run in fp32, and give exactly fp32's result; F(2×2)'s take bf16.
+    let w = values(wide.weight_len(), 7);
+    let prepared = |s: &ConvShape, p| Prepared::new(s, Weight::torch(&w), p);
+    assert_eq!(prepared(&wide, Precision::Bf16).precision(), Precision::F32);
+    assert_eq!(
+        prepared(&small, Precision::Bf16).precision(),
+        Precision::Bf16
+    );
+    let x = values(wide.input_len(), 8);
+    let y = |p| conv::forward(&wide, &x, &prepared(&wide, p), None, false);
+    assert!(y(Precision::Bf16) == y(Precision::F32));
     // ResNet-wide channels (sums of 1,152 terms), a partial tile at the edge, no padding.
     check_with(shape3x3(2, 128, 96, 8), true, 31, Algorithm::Winograd4);
     let unpadded = ConvShape {

@@ -119,22 +119,20 @@ pub fn conv_layers(
                         gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
                     }
                 };
-                let im2col = Prepared::with(Algorithm::Im2col, &shape, Weight::torch(&w))
-                    .in_precision(precision);
-                let winograd = |algorithm| {
-                    winograd::applies(&shape, 1).then(|| {
-                        Prepared::with(algorithm, &shape, Weight::torch(&w)).in_precision(precision)
-                    })
+                // Each algorithm in the precision it would run in (F(4×4) in fp32 always).
+                let prepare = |algorithm: Algorithm| {
+                    Prepared::with(algorithm, &shape, Weight::torch(&w))
+                        .in_precision(algorithm.precision(precision))
                 };
+                let im2col = prepare(Algorithm::Im2col);
+                let winograd = |algorithm| winograd::applies(&shape, 1).then(|| prepare(algorithm));
                 let (winograd, winograd4) = (
                     winograd(Algorithm::Winograd),
                     winograd(Algorithm::Winograd4),
                 );
                 let [oh, ow] = shape.out_size();
-                let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS).then(|| {
-                    Prepared::with(Algorithm::Direct, &shape, Weight::torch(&w))
-                        .in_precision(precision)
-                });
+                let direct =
+                    (oh * ow <= direct::MAX_OUTPUT_PIXELS).then(|| prepare(Algorithm::Direct));
                 // The error without the ReLU: through it, an output of ±1e-7 either side of zero
                 // passes the whole upstream gradient or none of it, in either algorithm.
                 let plain = |prepared: &Prepared| {
@@ -179,7 +177,7 @@ pub fn conv_layers(
                     c_out,
                     kernel: shape.kernel[0],
                     stride: shape.stride[0],
-                    chosen: Algorithm::of(&shape, precision).name(),
+                    chosen: Algorithm::of(&shape).name(),
                     im2col: time(&im2col),
                     winograd: winograd.as_ref().map(time),
                     winograd4: winograd4.as_ref().map(time),

@@ -1,9 +1,9 @@
 //! 2-D convolution of NHWC `f32` tensors: the forward pass with the bias and ReLU fused in, and
-//! both gradients, by one of three algorithms that [`Algorithm::of`] picks from the shape and
-//! the precision: stride-1 3×3 layers with enough input channels and outputs run as Winograd
-//! ([`winograd`]: F(4×4, 3×3) from 8×8 outputs in fp32, F(2×2, 3×3) otherwise), other small
-//! outputs with taps in the padding pixel by pixel ([`direct`]), every other shape as batched
-//! im2col + GEMM ([`im2col`]).
+//! both gradients, by one of three algorithms that [`Algorithm::of`] picks from the shape:
+//! stride-1 3×3 layers with enough input channels and outputs run as Winograd ([`winograd`]:
+//! F(4×4, 3×3) from 8×8 outputs, always in fp32, F(2×2, 3×3) otherwise), other small outputs
+//! with taps in the padding pixel by pixel ([`direct`]), every other shape as batched im2col +
+//! GEMM ([`im2col`]).
 //!
 //! This module only dispatches. What the algorithms share (the shape, the packed weight, the
 //! backward's chunk groups and their ordered sums) lives in `shape` and `shared`; each
@@ -37,11 +37,14 @@ pub const WINOGRAD_MIN_CHANNELS: usize = 32;
 pub const WINOGRAD_MIN_SIDE: usize = 4;
 
 /// ...and the output side from which it takes 4×4 tiles (F(4×4, 3×3): 36 products for 16
-/// outputs, against F(2×2)'s 64), in fp32 only. On resnet18's 8×8 and 16×16 layers it took
-/// 25–35 % less time than F(2×2) (docs/PERFORMANCE.md); at 4×4 one tile covers the image, and
-/// its 36 planes of transformed weights (2.25× F(2×2)'s, every step) cost more than its GEMMs
-/// save. In bf16 its transforms (values scaled by up to 8 before rounding to 8 bits of
-/// mantissa) put the result 3–21 % off, against F(2×2)'s 1 %.
+/// outputs, against F(2×2)'s 64). On resnet18's 8×8 and 16×16 layers it took 25–35 % less
+/// time than F(2×2) (docs/PERFORMANCE.md); at 4×4 one tile covers the image, and its 36 planes
+/// of transformed weights (2.25× F(2×2)'s, every step) cost more than its GEMMs save.
+///
+/// Its products always run in fp32, bf16 mode too ([`Algorithm::precision`]): rounded to bf16,
+/// its transformed values (scaled by up to 8 before rounding to 8 bits of mantissa) put the
+/// result 3–21 % off, against F(2×2)'s 1 %; and F(4×4) in fp32 took less time than F(2×2) in
+/// bf16 (resnet18's step 12 % less in bf16 mode, docs/PERFORMANCE.md).
 pub const WINOGRAD4_MIN_SIDE: usize = 8;
 
 /// Whether [`Prepared::new`] computes `s` with Winograd.
@@ -56,7 +59,7 @@ pub enum Algorithm {
     /// Stride-1 3×3 layers from 4×4 outputs and 32 input channels (module `winograd`), by
     /// F(2×2, 3×3)...
     Winograd,
-    /// ...or, from 8×8 outputs in fp32, by F(4×4, 3×3).
+    /// ...or, from 8×8 outputs, by F(4×4, 3×3) (in fp32 only).
     Winograd4,
     /// Other small outputs with taps in the padding, pixel by pixel (module `direct`).
     Direct,
@@ -65,10 +68,10 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    /// The algorithm for `s` whose GEMMs round their inputs to `precision`.
-    pub fn of(s: &ConvShape, precision: Precision) -> Self {
+    /// The algorithm for `s`.
+    pub fn of(s: &ConvShape) -> Self {
         let [oh, ow] = s.out_size();
-        if winograd_pays(s) && precision == Precision::F32 && oh.min(ow) >= WINOGRAD4_MIN_SIDE {
+        if winograd_pays(s) && oh.min(ow) >= WINOGRAD4_MIN_SIDE {
             Algorithm::Winograd4
         } else if winograd_pays(s) {
             Algorithm::Winograd
@@ -94,6 +97,15 @@ impl Algorithm {
                 let [oh, ow] = s.out_size();
                 oh * ow * s.kernel[0] * s.kernel[1] * pairs
             }
+        }
+    }
+
+    /// What this algorithm's GEMMs round their inputs to when `asked` is: `asked`, but fp32
+    /// for F(4×4) Winograd (see [`WINOGRAD4_MIN_SIDE`]).
+    pub fn precision(self, asked: Precision) -> Precision {
+        match self {
+            Algorithm::Winograd4 => Precision::F32,
+            Algorithm::Winograd | Algorithm::Direct | Algorithm::Im2col => asked,
         }
     }
 
@@ -129,10 +141,11 @@ pub enum Prepared<'w> {
 }
 
 impl<'w> Prepared<'w> {
-    /// The algorithm for `s` in `precision` and the weight transformed for it, its GEMMs
-    /// rounding their inputs to `precision`.
+    /// The algorithm for `s` and the weight transformed for it, its GEMMs rounding their
+    /// inputs to `precision` where the algorithm takes it ([`Algorithm::precision`]).
     pub fn new(s: &ConvShape, weight: Weight<'w>, precision: Precision) -> Self {
-        Prepared::with(Algorithm::of(s, precision), s, weight).in_precision(precision)
+        let algorithm = Algorithm::of(s);
+        Prepared::with(algorithm, s, weight).in_precision(algorithm.precision(precision))
     }
 
     /// The weight transformed for `algorithm`, whether or not it is the one `s` gets (each

@@ -352,7 +352,7 @@ fn conv_shape(x: &FlexTensor, weight: &FlexTensor, spec: &ConvSpec) -> ConvShape
 
 /// A convolution's name in the operation profile, and its forward arithmetic.
 fn conv_profile(s: &ConvShape) -> (String, profile::Flops) {
-    let algorithm = Algorithm::of(s, crate::device::precision());
+    let algorithm = Algorithm::of(s);
     let name = kernels::conv::layer_name(s, algorithm);
     let flops = profile::Flops {
         nominal: 2.0 * (s.output_len() * s.k()) as f64,
