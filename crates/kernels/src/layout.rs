@@ -134,7 +134,7 @@ fn starts(n: usize, side: usize) -> impl Iterator<Item = usize> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx {
+pub(crate) mod avx {
     use std::arch::x86_64::*;
 
     /// Transposes the 8×8 block at `s` (rows `s_stride` apart) into `d` (rows `d_stride`
@@ -182,9 +182,7 @@ mod avx {
     }
 
     /// Transposes the 16×16 block at `s` (rows `s_stride` apart) into `d` (rows `d_stride`
-    /// apart), in four rounds of 16 shuffles: pairs of rows interleaved, then quads (each
-    /// 128-bit lane of `u[4q + m]` is column `4·lane + m` of rows `4q..4q + 4`), then lanes
-    /// gathered twice across registers until each holds one column whole.
+    /// apart), by [`transpose16_registers`].
     ///
     /// # Safety
     /// AVX-512F must be present; `s + r·s_stride + c` and `d + r·d_stride + c` must be valid
@@ -194,51 +192,61 @@ mod avx {
         // SAFETY: the caller vouches for every address read and written.
         unsafe {
             let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(s.add(i * s_stride)));
-            // t[2p] = rows 2p, 2p + 1 interleaved from each lane's first two columns, t[2p + 1]
-            // from its last two.
-            let t: [__m512; 16] = std::array::from_fn(|i| {
-                let (a, b) = (r[i & !1], r[i | 1]);
-                if i % 2 == 0 {
-                    _mm512_unpacklo_ps(a, b)
-                } else {
-                    _mm512_unpackhi_ps(a, b)
-                }
-            });
-            // u[4q + m], lane k: column 4k + m of rows 4q..4q + 4.
-            let u: [__m512; 16] = std::array::from_fn(|i| {
-                let (q, m) = (i / 4, i % 4);
-                let (a, b) = (t[4 * q + m / 2], t[4 * q + 2 + m / 2]);
-                if m % 2 == 0 {
-                    _mm512_shuffle_ps::<0x44>(a, b)
-                } else {
-                    _mm512_shuffle_ps::<0xEE>(a, b)
-                }
-            });
-            // v[8h + 4·odd + m]: lanes 0 and 2 (odd = 0: columns m and 8 + m) or 1 and 3
-            // (odd = 1: columns 4 + m and 12 + m) of u[8h + m], then of u[8h + 4 + m]: rows
-            // 8h..8h + 8.
-            let v: [__m512; 16] = std::array::from_fn(|i| {
-                let (half, odd, m) = (i / 8, (i / 4) % 2, i % 4);
-                let (a, b) = (u[8 * half + m], u[8 * half + 4 + m]);
-                if odd == 0 {
-                    _mm512_shuffle_f32x4::<0x88>(a, b)
-                } else {
-                    _mm512_shuffle_f32x4::<0xDD>(a, b)
-                }
-            });
-            // Column c = 4·odd + 8·high + m from v[4·odd + m] (rows 0..8) and v[8 + 4·odd + m]
-            // (rows 8..16).
-            for c in 0..16 {
-                let (high, odd, m) = ((c / 8) % 2, (c / 4) % 2, c % 4);
-                let (a, b) = (v[4 * odd + m], v[8 + 4 * odd + m]);
-                let column = if high == 0 {
-                    _mm512_shuffle_f32x4::<0x88>(a, b)
-                } else {
-                    _mm512_shuffle_f32x4::<0xDD>(a, b)
-                };
+            for (c, column) in transpose16_registers(r).into_iter().enumerate() {
                 _mm512_storeu_ps(d.add(c * d_stride), column);
             }
         }
+    }
+
+    /// The 16 columns of the 16 rows `r` (16 lanes each), in four rounds of 16 shuffles: pairs
+    /// of rows interleaved, then quads (each 128-bit lane of `u[4q + m]` is column `4·lane + m`
+    /// of rows `4q..4q + 4`), then lanes gathered twice across registers until each holds one
+    /// column whole. It only moves bits: any 32-bit lanes (a bf16 pair) go through as f32.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn transpose16_registers(r: [__m512; 16]) -> [__m512; 16] {
+        // t[2p] = rows 2p, 2p + 1 interleaved from each lane's first two columns, t[2p + 1]
+        // from its last two.
+        let t: [__m512; 16] = std::array::from_fn(|i| {
+            let (a, b) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 {
+                _mm512_unpacklo_ps(a, b)
+            } else {
+                _mm512_unpackhi_ps(a, b)
+            }
+        });
+        // u[4q + m], lane k: column 4k + m of rows 4q..4q + 4.
+        let u: [__m512; 16] = std::array::from_fn(|i| {
+            let (q, m) = (i / 4, i % 4);
+            let (a, b) = (t[4 * q + m / 2], t[4 * q + 2 + m / 2]);
+            if m % 2 == 0 {
+                _mm512_shuffle_ps::<0x44>(a, b)
+            } else {
+                _mm512_shuffle_ps::<0xEE>(a, b)
+            }
+        });
+        // v[8h + 4·odd + m]: lanes 0 and 2 (odd = 0: columns m and 8 + m) or 1 and 3
+        // (odd = 1: columns 4 + m and 12 + m) of u[8h + m], then of u[8h + 4 + m]: rows
+        // 8h..8h + 8.
+        let v: [__m512; 16] = std::array::from_fn(|i| {
+            let (half, odd, m) = (i / 8, (i / 4) % 2, i % 4);
+            let (a, b) = (u[8 * half + m], u[8 * half + 4 + m]);
+            if odd == 0 {
+                _mm512_shuffle_f32x4::<0x88>(a, b)
+            } else {
+                _mm512_shuffle_f32x4::<0xDD>(a, b)
+            }
+        });
+        // Column c = 4·odd + 8·high + m from v[4·odd + m] (rows 0..8) and v[8 + 4·odd + m]
+        // (rows 8..16).
+        std::array::from_fn(|c| {
+            let (high, odd, m) = ((c / 8) % 2, (c / 4) % 2, c % 4);
+            let (a, b) = (v[4 * odd + m], v[8 + 4 * odd + m]);
+            if high == 0 {
+                _mm512_shuffle_f32x4::<0x88>(a, b)
+            } else {
+                _mm512_shuffle_f32x4::<0xDD>(a, b)
+            }
+        })
     }
 }
 

@@ -22,7 +22,6 @@
 use std::arch::x86_64::*;
 
 use super::Mat;
-use crate::layout::transpose_into;
 use crate::scratch::{Scratch, scratch};
 
 /// Columns of C a microkernel call computes: two AVX-512 registers of f32.
@@ -178,26 +177,13 @@ fn convert_row(row: &[f32], out: &mut [u32]) {
     }
 }
 
-/// Pairs seen as f32 for the f32 transpose, which only moves bits.
-fn as_f32(pairs: &[u32]) -> &[f32] {
-    // SAFETY: u32 and f32 have the same size and alignment, and every bit pattern is an f32.
-    unsafe { std::slice::from_raw_parts(pairs.as_ptr().cast(), pairs.len()) }
-}
-
-fn as_f32_mut(pairs: &mut [u32]) -> &mut [f32] {
-    // SAFETY: as in `as_f32`; the borrow is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(pairs.as_mut_ptr().cast(), pairs.len()) }
-}
-
 /// An f32 scratch buffer seen as pairs.
 fn as_u32(floats: &[f32]) -> &[u32] {
-    // SAFETY: as in `as_f32`, the other way.
-    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast(), floats.len()) }
+    bytemuck::cast_slice(floats)
 }
 
 fn as_u32_mut(floats: &mut [f32]) -> &mut [u32] {
-    // SAFETY: as in `as_f32`, the other way; the borrow is exclusive.
-    unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast(), floats.len()) }
+    bytemuck::cast_slice_mut(floats)
 }
 
 fn mask16(w: usize) -> u16 {
@@ -311,18 +297,103 @@ unsafe fn pack_b_on(b: Mat, parallel: bool) -> PackedB {
     // SAFETY (both): the caller has the features.
     if parallel && out.len() >= PARALLEL_PACK_PAIRS {
         use rayon::prelude::*;
-        out.par_chunks_mut(k2 * NR)
+        // A few runs of panels per thread, so that each walks its rows in long runs.
+        let per_run = panels.div_ceil(4 * rayon::current_num_threads()).max(1);
+        out.par_chunks_mut(per_run * k2 * NR)
             .enumerate()
-            .for_each(|(panel, dst)| unsafe { pack_panel(b, panel, dst) });
+            .for_each(|(run, dst)| unsafe { pack_panels(b, run * per_run, dst) });
     } else {
-        for (panel, dst) in out.chunks_exact_mut(k2 * NR).enumerate() {
-            unsafe { pack_panel(b, panel, dst) };
-        }
+        unsafe { pack_panels(b, 0, out) };
     }
     PackedB {
         panels: buf,
         pairs: k2,
         cols: b.cols,
+    }
+}
+
+/// Pairs of rows a row-major B's panels take in turn ([`pack_panels`]): B is read 2 · this many
+/// rows at a time, each row from end to end.
+const ROW_PAIRS_AT_ONCE: usize = 8;
+
+/// Panels `first..` of B into `dst` (whole panels, `⌈k/2⌉ × NR` pairs each): each element a
+/// copy, rounded.
+///
+/// In the order B lies, so that the hardware sees long runs: a weight read panel by panel
+/// took 128 bytes from each row in turn, one page after another, and ran at a quarter of
+/// memory's bandwidth (docs/PERFORMANCE.md).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+fn pack_panels(b: Mat, first: usize, dst: &mut [u32]) {
+    let (k, n) = (b.rows, b.cols);
+    let k2 = k.div_ceil(2);
+    let panel_len = k2 * NR;
+    if b.col_stride == 1 {
+        // Row-major: a few pairs of rows at a time, each across all the panels.
+        let zeros = [0.0f32; NR];
+        for p0 in (0..k2).step_by(ROW_PAIRS_AT_ONCE) {
+            for (i, panel) in dst.chunks_exact_mut(panel_len).enumerate() {
+                let j0 = (first + i) * NR;
+                let w = NR.min(n - j0);
+                for p in p0..k2.min(p0 + ROW_PAIRS_AT_ONCE) {
+                    let lo = &b.data[2 * p * b.row_stride + j0..][..w];
+                    let hi = if 2 * p + 1 < k {
+                        &b.data[(2 * p + 1) * b.row_stride + j0..][..w]
+                    } else {
+                        &zeros[..w]
+                    };
+                    interleave(lo, hi, &mut panel[p * NR..][..w]);
+                }
+            }
+        }
+        return;
+    }
+    for (i, panel) in dst.chunks_exact_mut(panel_len).enumerate() {
+        let j0 = (first + i) * NR;
+        if b.row_stride == 1 && n - j0 >= NR {
+            // SAFETY: the panel's columns are whole (`j0 + NR <= n`).
+            unsafe { pack_transposed_panel(b, j0, panel) };
+        } else {
+            pack_panel(b, first + i, panel);
+        }
+    }
+}
+
+/// The whole panel of columns `j0..j0 + NR` of a transposed B (a weight `[c_out][k]` read as
+/// `[k][c_out]`: column j is a contiguous run whose pairs are adjacent floats): 16 columns'
+/// next 16 pairs converted into 16 registers, transposed there, stored as 16 rows of the panel.
+///
+/// # Safety
+/// `j0 + NR <= b.cols`, `b.row_stride == 1`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_transposed_panel(b: Mat, j0: usize, dst: &mut [u32]) {
+    use crate::layout::avx::transpose16_registers;
+    let k = b.rows;
+    let k2 = k.div_ceil(2);
+    debug_assert!(b.row_stride == 1 && j0 + NR <= b.cols && dst.len() == k2 * NR);
+    for p0 in (0..k2).step_by(16) {
+        let pairs = (k2 - p0).min(16);
+        // Floats of each column in this block: 2 · pairs, less one when k is odd at the end.
+        let floats = (k - 2 * p0).min(32);
+        let (lo_mask, hi_mask) = (mask16(floats.min(16)), mask16(floats.saturating_sub(16)));
+        for half in 0..NR / 16 {
+            let rows: [__m512; 16] = std::array::from_fn(|c| {
+                let column = &b.data[(j0 + 16 * half + c) * b.col_stride + 2 * p0..];
+                // SAFETY: the masked loads touch the column's floats 2·p0..2·p0 + floats,
+                // inside it (k long).
+                unsafe {
+                    let l = _mm512_maskz_loadu_ps(lo_mask, column.as_ptr());
+                    let h = _mm512_maskz_loadu_ps(hi_mask, column.as_ptr().wrapping_add(16));
+                    std::mem::transmute::<__m512bh, __m512>(_mm512_cvtne2ps_pbh(h, l))
+                }
+            });
+            let columns = transpose16_registers(rows);
+            for (q, v) in columns.into_iter().enumerate().take(pairs) {
+                // SAFETY: pair p0 + q < k2 of the panel, lanes 16·half..16·half + 16 < NR.
+                unsafe {
+                    _mm512_storeu_ps(dst.as_mut_ptr().add((p0 + q) * NR + 16 * half).cast(), v)
+                };
+            }
+        }
     }
 }
 
@@ -332,48 +403,32 @@ fn pack_b(b: Mat) -> PackedB {
     unsafe { pack_b_on(b, false) }
 }
 
-/// Panel `panel` of B (`⌈k/2⌉ × NR` pairs) into `dst`: each element a copy, rounded.
+/// Panel `panel` of B (`⌈k/2⌉ × NR` pairs) into `dst`, each element a copy, rounded, where
+/// [`pack_panels`] has no faster way: a transposed B's last panel when it is partial, and any
+/// B whose rows and columns are both strided.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 fn pack_panel(b: Mat, panel: usize, dst: &mut [u32]) {
     let (k, n) = (b.rows, b.cols);
     let k2 = k.div_ceil(2);
     let j0 = panel * NR;
     let w = NR.min(n - j0);
-    if b.row_stride == 1 && b.col_stride != 1 {
-        // A transposed source (a weight `[c_out][k]` read as `[k][c_out]`): column j is a
-        // contiguous run whose pairs are adjacent floats. The panel's columns are converted
-        // as runs, then the `NR × ⌈k/2⌉` block of pairs is transposed into the panel.
+    if b.row_stride == 1 {
+        // Column j is a contiguous run whose pairs are adjacent floats: converted as runs,
+        // then spread into the panel's lanes.
         let mut buf = scratch(NR * k2);
         let columns = as_u32_mut(&mut buf);
         for (lane, run) in columns.chunks_exact_mut(k2).take(w).enumerate() {
             convert_row(&b.data[(j0 + lane) * b.col_stride..][..k], run);
-        }
-        if w == NR {
-            transpose_into(as_f32(columns), as_f32_mut(dst), NR, k2);
-        } else {
-            for (lane, run) in columns.chunks_exact(k2).take(w).enumerate() {
-                for (p, pair) in run.iter().enumerate() {
-                    dst[p * NR + lane] = *pair;
-                }
+            for (p, pair) in run.iter().enumerate() {
+                dst[p * NR + lane] = *pair;
             }
         }
         return;
     }
-    let zeros = [0.0f32; NR];
     for (p, dst) in dst.chunks_exact_mut(NR).enumerate() {
-        if b.col_stride == 1 {
-            let lo = &b.data[2 * p * b.row_stride + j0..][..w];
-            let hi = if 2 * p + 1 < k {
-                &b.data[(2 * p + 1) * b.row_stride + j0..][..w]
-            } else {
-                &zeros[..w]
-            };
-            interleave(lo, hi, &mut dst[..w]);
-        } else {
-            for (j, d) in dst[..w].iter_mut().enumerate() {
-                let at = |r: usize| b.data[r * b.row_stride + (j0 + j) * b.col_stride];
-                *d = pair(at(2 * p), if 2 * p + 1 < k { at(2 * p + 1) } else { 0.0 });
-            }
+        for (j, d) in dst[..w].iter_mut().enumerate() {
+            let at = |r: usize| b.data[r * b.row_stride + (j0 + j) * b.col_stride];
+            *d = pair(at(2 * p), if 2 * p + 1 < k { at(2 * p + 1) } else { 0.0 });
         }
     }
 }
@@ -636,6 +691,46 @@ mod tests {
                                 "{m}×{n}×{k} layout {layout} accumulate {accumulate} ({i}, {j}): {got} vs {expected}"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every pair of every panel is the two elements of B it packs, rounded, whichever way B
+    /// lies (row-major, read as a transpose, any strides), with an odd `k`, a partial last
+    /// panel, and large enough to be packed on several threads in runs of panels.
+    #[test]
+    fn panels_hold_each_pair_of_b_whatever_its_layout() {
+        if skip() {
+            return;
+        }
+        for (k, n) in [(7, 5), (33, 64), (601, 70), (4608, 96), (1025, 512)] {
+            let data = values(k * (2 * n + 1) + 2 * n, k + n);
+            for layout in 0..3 {
+                let b = match layout {
+                    0 => Mat::rows(&data, k, n),
+                    1 => Mat::rows(&data, n, k).t(),
+                    _ => Mat {
+                        data: &data,
+                        rows: k,
+                        cols: n,
+                        row_stride: 2 * n + 1,
+                        col_stride: 2,
+                    },
+                };
+                let packed = PackedB::new(b);
+                let panels = as_u32(&packed.panels);
+                let at = |r: usize, j: usize| b.data[r * b.row_stride + j * b.col_stride];
+                for j in 0..n {
+                    for p in 0..k.div_ceil(2) {
+                        let hi = if 2 * p + 1 < k { at(2 * p + 1, j) } else { 0.0 };
+                        let got = panels[((j / NR) * k.div_ceil(2) + p) * NR + j % NR];
+                        assert_eq!(
+                            got,
+                            pair(at(2 * p, j), hi),
+                            "{k}×{n} layout {layout}: column {j}, pair {p}"
+                        );
                     }
                 }
             }
