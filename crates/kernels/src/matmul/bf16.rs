@@ -455,11 +455,11 @@ fn pack_panel(b: Mat, panel: usize, dst: &mut [u32]) {
     let j0 = panel * NR;
     let w = NR.min(n - j0);
     if b.row_stride == 1 {
-        // Column j is a contiguous run whose pairs are adjacent floats: converted as runs,
-        // then spread into the panel's lanes.
-        let mut buf = scratch(NR * k2);
-        let columns = as_u32_mut(&mut buf);
-        for (lane, run) in columns.chunks_exact_mut(k2).take(w).enumerate() {
+        // Column j is a contiguous run whose pairs are adjacent floats: converted as a run,
+        // then spread into its lane of the panel.
+        let mut buf = scratch(k2);
+        let run = as_u32_mut(&mut buf);
+        for lane in 0..w {
             convert_row(&b.data[(j0 + lane) * b.col_stride..][..k], run);
             for (p, pair) in run.iter().enumerate() {
                 dst[p * NR + lane] = *pair;
