@@ -96,6 +96,10 @@ pub(crate) fn timed<R>(name: impl FnOnce() -> String, f: impl FnOnce() -> R) -> 
 #[cfg(test)]
 mod tests {
     use crate::conv::{self, Algorithm, ConvShape, Prepared, Wanted, Weight};
+    use std::sync::Mutex;
+
+    /// Held by each test here: the recording is one for the whole process.
+    static RECORDING: Mutex<()> = Mutex::new(());
 
     /// A Winograd layer's forward and backward while recording: each of its passes is named
     /// with the layer and timed once a call; the same calls after `finish` record nothing.
@@ -111,6 +115,7 @@ mod tests {
             conv::backward(&s, &x, &prepared, None, &dy, Wanted::ALL);
             y
         };
+        let _alone = RECORDING.lock().unwrap_or_else(|e| e.into_inner());
         super::start();
         run();
         let recorded = super::finish();
@@ -143,5 +148,42 @@ mod tests {
                 .any(|k| k.starts_with("conv 3x3/1 8->8 at 4x4")),
             "recorded while off: {after:?}"
         );
+    }
+
+    /// An im2col layer (a 3×3 at stride 2, whose patches are copied and whose input gradient
+    /// goes back through col2im) names its passes too, the products apart from the patches.
+    #[test]
+    fn a_recorded_im2col_layer_names_its_products_apart_from_its_patches() {
+        let s = ConvShape {
+            stride: [2, 2],
+            ..ConvShape::same_3x3(2, 8, 8, 4)
+        };
+        let x: Vec<f32> = (0..s.input_len()).map(|i| (i % 7) as f32 - 3.0).collect();
+        let w: Vec<f32> = (0..s.weight_len()).map(|i| (i % 5) as f32 - 2.0).collect();
+        let dy = vec![1.0f32; s.output_len()];
+        let _alone = RECORDING.lock().unwrap_or_else(|e| e.into_inner());
+        super::start();
+        let prepared = Prepared::with(Algorithm::Im2col, &s, Weight::torch(&w));
+        conv::forward(&s, &x, &prepared, None, false);
+        conv::backward(&s, &x, &prepared, None, &dy, Wanted::ALL);
+        let recorded = super::finish();
+        for what in [
+            "weight layout",
+            "patches",
+            "products",
+            "output gradient (ReLU mask, bias)",
+            "weight gradient products",
+            "input gradient products",
+            "input gradient (col2im)",
+            "weight gradient sum",
+            "weight gradient layout",
+        ] {
+            let name = format!("conv 3x3/2 8->8 at 4x4 (im2col): {what}");
+            assert!(
+                recorded.get(&name).is_some_and(|p| p.calls >= 1),
+                "{name} in {:?}",
+                recorded.keys().collect::<Vec<_>>()
+            );
+        }
     }
 }

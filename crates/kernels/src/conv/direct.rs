@@ -24,15 +24,13 @@ use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, Wanted, check_backward_sizes, chunk_gradient,
     relu_in_place, tap_range, unpack,
 };
-use super::{Algorithm, ConvShape, phase_name};
+use super::{Algorithm, ConvShape};
 use crate::matmul::{Mat, PackedRhs, par_matmul_packed, par_matmul_uninit};
 use crate::phases;
 use crate::scratch::{scratch, zeros};
 
-/// `what`'s name in [`crate::phases`] on `s` (made only while recording).
-fn phase<'a>(s: &'a ConvShape, what: &'a str) -> impl FnOnce() -> String + 'a {
-    move || phase_name(s, Algorithm::Direct, what)
-}
+/// This module's algorithm, whose passes it names in [`crate::phases`].
+const ALGORITHM: Algorithm = Algorithm::Direct;
 
 /// Output pixels up to which the per-pixel GEMMs, whose rows are the batch, beat im2col's
 /// (measured on a ResNet's layers at 64 px: the stride-2 3×3 from 8×8 to 4×4 still gains about
@@ -106,7 +104,9 @@ pub fn forward(
     let (ci, co) = (s.c_in, s.c_out);
     let (image_in, image_out) = (s.input_len() / s.batch, s.output_len() / s.batch);
     // `[(ky, kx, c_in)][c_out]`: a span's taps are a run of its rows.
-    let rhs = phases::timed(phase(s, "weight layout"), || ForwardRhs::new(s, x, weight));
+    let rhs = phases::timed(ALGORITHM.phase(s, "weight layout"), || {
+        ForwardRhs::new(s, x, weight)
+    });
     let mut out = zeros(s.output_len());
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(co) {
@@ -115,7 +115,7 @@ pub fn forward(
     }
     let x = Mat::rows(x, s.batch, image_in);
     let mut written = vec![bias.is_some(); image_out / co];
-    phases::timed(phase(s, "products"), || {
+    phases::timed(ALGORITHM.phase(s, "products"), || {
         for span in spans(s) {
             let taps = span.tap * ci..(span.tap + span.len) * ci;
             par_matmul_packed(
@@ -168,46 +168,49 @@ pub fn backward(
     let most = (0..taps).map(|t| pairs_of(t).len()).max().unwrap_or(0);
     // Written block by block below, never zeroed as a whole first.
     let mut dw = Vec::with_capacity(s.weight_len());
-    phases::timed(phase(s, "weight gradient (gathers, products)"), || {
-        let (mut g_pairs, mut x_pairs) =
-            (scratch(most * s.batch * co), scratch(most * s.batch * ci));
-        let blocks = &mut dw.spare_capacity_mut()[..s.weight_len()];
-        for tap in 0..taps {
-            let pairs = pairs_of(tap);
-            if pairs.is_empty() {
-                // The tap only ever meets padding: its gradient is zero.
-                for row in blocks.chunks_exact_mut(k) {
-                    row[tap * ci..][..ci].fill(std::mem::MaybeUninit::new(0.0));
-                }
-                continue;
-            }
-            let rows = pairs.len() * s.batch;
-            g_pairs[..rows * co]
-                .par_chunks_mut(s.batch * co)
-                .zip(x_pairs[..rows * ci].par_chunks_mut(s.batch * ci))
-                .zip(&pairs)
-                .for_each(|((gp, xp), &(p, q))| {
-                    for n in 0..s.batch {
-                        gp[n * co..][..co].copy_from_slice(&gs[n * image_out + p * co..][..co]);
-                        xp[n * ci..][..ci].copy_from_slice(&x[n * image_in + q * ci..][..ci]);
+    phases::timed(
+        ALGORITHM.phase(s, "weight gradient (gathers, products)"),
+        || {
+            let (mut g_pairs, mut x_pairs) =
+                (scratch(most * s.batch * co), scratch(most * s.batch * ci));
+            let blocks = &mut dw.spare_capacity_mut()[..s.weight_len()];
+            for tap in 0..taps {
+                let pairs = pairs_of(tap);
+                if pairs.is_empty() {
+                    // The tap only ever meets padding: its gradient is zero.
+                    for row in blocks.chunks_exact_mut(k) {
+                        row[tap * ci..][..ci].fill(std::mem::MaybeUninit::new(0.0));
                     }
-                });
-            par_matmul_uninit(
-                &mut blocks[tap * ci..],
-                k,
-                Mat::rows(&g_pairs[..rows * co], rows, co).t(),
-                Mat::rows(&x_pairs[..rows * ci], rows, ci),
-                None,
-                weight.precision,
-            );
-        }
-    });
+                    continue;
+                }
+                let rows = pairs.len() * s.batch;
+                g_pairs[..rows * co]
+                    .par_chunks_mut(s.batch * co)
+                    .zip(x_pairs[..rows * ci].par_chunks_mut(s.batch * ci))
+                    .zip(&pairs)
+                    .for_each(|((gp, xp), &(p, q))| {
+                        for n in 0..s.batch {
+                            gp[n * co..][..co].copy_from_slice(&gs[n * image_out + p * co..][..co]);
+                            xp[n * ci..][..ci].copy_from_slice(&x[n * image_in + q * ci..][..ci]);
+                        }
+                    });
+                par_matmul_uninit(
+                    &mut blocks[tap * ci..],
+                    k,
+                    Mat::rows(&g_pairs[..rows * co], rows, co).t(),
+                    Mat::rows(&x_pairs[..rows * ci], rows, ci),
+                    None,
+                    weight.precision,
+                );
+            }
+        },
+    );
     // SAFETY: the taps' blocks (columns `tap·ci..(tap + 1)·ci` of each of the `c_out` rows of
     // `k`) tile the whole weight gradient, and the loop wrote each whole: a product writes
     // every element of its `c_out × c_in` block, the others were filled with zeros.
     unsafe { dw.set_len(s.weight_len()) };
     let dx = wanted.input.then(|| {
-        phases::timed(phase(s, "input gradient products"), || {
+        phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
             let mut dx = zeros(s.input_len());
             // In bf16, W packed once for every span's product (each a run of its columns).
             let packed = PackedRhs::new(w, weight.precision);

@@ -10,13 +10,17 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::ConvShape;
 use super::shared::{
     ConvGrads, ForwardRhs, PackedWeight, Wanted, accumulator_groups, check_backward_sizes,
     chunk_gradient, relu_in_place, sum_partials, tap_range, unpack,
 };
+use super::{Algorithm, ConvShape};
 use crate::matmul::{Mat, PackedRhs, par_matmul, par_matmul_packed, par_matmul_uninit};
+use crate::phases;
 use crate::scratch::{par_written, with_scratch};
+
+/// This module's algorithm, whose passes it names in [`crate::phases`].
+const ALGORITHM: Algorithm = Algorithm::Im2col;
 
 /// Fills `col` (`images · oh · ow` rows of `k`) with the patches of images `n0..n0 + images`.
 fn im2col(s: &ConvShape, x: &[f32], n0: usize, images: usize, col: &mut [f32]) {
@@ -119,7 +123,9 @@ pub fn forward(
 ) -> Vec<f32> {
     let (rows_img, co) = (s.rows_per_image(), s.c_out);
     let per_chunk = s.images_per_chunk();
-    let rhs = ForwardRhs::new(s, x, weight);
+    let rhs = phases::timed(ALGORITHM.phase(s, "weight layout"), || {
+        ForwardRhs::new(s, x, weight)
+    });
     // SAFETY: `forward_chunk` writes every element of its run (see there).
     unsafe {
         par_written(s.output_len(), per_chunk * rows_img * co, |chunk, y| {
@@ -146,7 +152,10 @@ fn forward_chunk(
     let images = y.len() / (rows_img * co);
     let rows = images * rows_img;
     with_scratch([col_len(s, images), 0, 0], |col, _, _| {
-        let lhs = Mat::rows(patch_matrix(s, x, n0, images, col), rows, k);
+        let patches = phases::timed(ALGORITHM.phase(s, "patches"), || {
+            patch_matrix(s, x, n0, images, col)
+        });
+        let lhs = Mat::rows(patches, rows, k);
         let (mat, panels) = (rhs.mat(), rhs.panels(0..k));
         let y = match bias {
             Some(b) => {
@@ -157,11 +166,15 @@ fn forward_chunk(
                 }
                 // SAFETY: every row was set to the bias just above.
                 let y = unsafe { y.assume_init_mut() };
-                par_matmul_packed(y, co, lhs, mat, panels, true, weight.precision);
+                phases::timed(ALGORITHM.phase(s, "products"), || {
+                    par_matmul_packed(y, co, lhs, mat, panels, true, weight.precision)
+                });
                 y
             }
             None => {
-                par_matmul_uninit(y, co, lhs, mat, panels, weight.precision);
+                phases::timed(ALGORITHM.phase(s, "products"), || {
+                    par_matmul_uninit(y, co, lhs, mat, panels, weight.precision)
+                });
                 // SAFETY: the product wrote its whole `rows × c_out` block, `y` (stride c_out).
                 unsafe { y.assume_init_mut() }
             }
@@ -194,7 +207,9 @@ pub fn backward(
         .then(|| &mut dx.spare_capacity_mut()[..s.input_len()]);
     // dX = G · W for every chunk: in bf16, W packed once for all of them.
     let w = Mat::rows(&weight.data, co, k);
-    let packed_w = PackedRhs::new(w, weight.precision);
+    let packed_w = phases::timed(ALGORITHM.phase(s, "weight layout"), || {
+        PackedRhs::new(w, weight.precision)
+    });
     let work = accumulator_groups(dx_runs, per_chunk * image_len, chunks);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = work
         .into_par_iter()
@@ -209,38 +224,51 @@ pub fn backward(
                 let rows = images * rows_img;
                 let span = n0 * rows_img * co..(n0 * rows_img + rows) * co;
                 with_scratch([col_len(s, images), rows * co, 0], |col, masked, _| {
-                    let g = chunk_gradient(dy, relu_output, span, masked, &mut db);
-                    let patches = patch_matrix(s, x, n0, images, col);
+                    let g = phases::timed(
+                        ALGORITHM.phase(s, "output gradient (ReLU mask, bias)"),
+                        || chunk_gradient(dy, relu_output, span, masked, &mut db),
+                    );
+                    let patches = phases::timed(ALGORITHM.phase(s, "patches"), || {
+                        patch_matrix(s, x, n0, images, col)
+                    });
                     // dW as the weight is packed, `[c_out][k]`: gᵀ · col.
                     let (gt, pm) = (Mat::rows(g, rows, co).t(), Mat::rows(patches, rows, k));
-                    if i == 0 {
-                        let block = &mut dw.spare_capacity_mut()[..k * co];
-                        par_matmul_uninit(block, k, gt, pm, None, weight.precision);
-                        // SAFETY: the product wrote its whole `c_out × k` block: all of dw.
-                        unsafe { dw.set_len(k * co) };
-                    } else {
-                        par_matmul(&mut dw, k, gt, pm, true, weight.precision);
-                    }
+                    phases::timed(ALGORITHM.phase(s, "weight gradient products"), || {
+                        if i == 0 {
+                            let block = &mut dw.spare_capacity_mut()[..k * co];
+                            par_matmul_uninit(block, k, gt, pm, None, weight.precision);
+                            // SAFETY: the product wrote its whole `c_out × k` block: all of dw.
+                            unsafe { dw.set_len(k * co) };
+                        } else {
+                            par_matmul(&mut dw, k, gt, pm, true, weight.precision);
+                        }
+                    });
                     if let Some(dx_chunk) = dx_chunk {
                         let g = Mat::rows(g, rows, co);
                         let panels = packed_w.view(0..co, 0..k);
                         if s.is_pointwise() {
                             // col2im of a pointwise layer is the identity: dX = G · W straight
                             // into the chunk, all of it (`rows × c_in`).
-                            par_matmul_uninit(dx_chunk, k, g, w, panels, weight.precision);
+                            phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
+                                par_matmul_uninit(dx_chunk, k, g, w, panels, weight.precision)
+                            });
                             return;
                         }
                         // The im2col matrix is not needed any more: dcol goes in its place,
                         // then into each image's zeros.
-                        par_matmul_packed(col, k, g, w, panels, false, weight.precision);
-                        dx_chunk
-                            .par_chunks_mut(image_len)
-                            .zip(col.par_chunks(rows_img * k))
-                            .for_each(|(dx, dcol)| {
-                                dx.fill(MaybeUninit::new(0.0));
-                                // SAFETY: every element was set on the line above.
-                                col2im(s, dcol, 1, unsafe { dx.assume_init_mut() })
-                            });
+                        phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
+                            par_matmul_packed(col, k, g, w, panels, false, weight.precision)
+                        });
+                        phases::timed(ALGORITHM.phase(s, "input gradient (col2im)"), || {
+                            dx_chunk
+                                .par_chunks_mut(image_len)
+                                .zip(col.par_chunks(rows_img * k))
+                                .for_each(|(dx, dcol)| {
+                                    dx.fill(MaybeUninit::new(0.0));
+                                    // SAFETY: every element was set on the line above.
+                                    col2im(s, dcol, 1, unsafe { dx.assume_init_mut() })
+                                })
+                        });
                     }
                 });
             }
@@ -254,10 +282,14 @@ pub fn backward(
         dx
     });
 
-    let (dw, db) = sum_partials(partials, k * co, wanted.bias_len(co));
+    let (dw, db) = phases::timed(ALGORITHM.phase(s, "weight gradient sum"), || {
+        sum_partials(partials, k * co, wanted.bias_len(co))
+    });
     ConvGrads {
         input: dx,
-        weight: unpack(s, dw, weight.layout),
+        weight: phases::timed(ALGORITHM.phase(s, "weight gradient layout"), || {
+            unpack(s, dw, weight.layout)
+        }),
         bias: wanted.bias.then_some(db),
     }
 }

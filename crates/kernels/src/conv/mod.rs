@@ -126,10 +126,12 @@ pub fn layer_name(s: &ConvShape, algorithm: Algorithm) -> String {
     format!("conv {} ({})", s.label(), algorithm.name())
 }
 
-/// A pass of `algorithm` on `s` as [`crate::phases`] names it: `conv 3x3/1 256->256 at 4x4
-/// (winograd): input transform`.
-pub(crate) fn phase_name(s: &ConvShape, algorithm: Algorithm, what: &str) -> String {
-    format!("{}: {what}", layer_name(s, algorithm))
+impl Algorithm {
+    /// The name of its pass `what` on `s` in [`crate::phases`], made only while recording:
+    /// `conv 3x3/1 256->256 at 4x4 (winograd): input transform`.
+    pub(crate) fn phase<'a>(self, s: &'a ConvShape, what: &'a str) -> impl FnOnce() -> String + 'a {
+        move || format!("{}: {what}", layer_name(s, self))
+    }
 }
 
 /// A layer's weight, transformed for the algorithm its shape gets.

@@ -45,7 +45,8 @@ pub struct Args {
     /// direct algorithm's arithmetic and as the arithmetic its own algorithm executes (to set
     /// against the peak of --gemm), then the passes inside each kernel (a Winograd layer's
     /// transforms, products and weight transforms; a direct layer's weight layout, products and
-    /// gradients), ms a step each.
+    /// gradients; an im2col layer's weight layout, patches, products and gradients), ms a step
+    /// each.
     #[arg(long)]
     layers: bool,
     /// Time the data loader alone instead, on the training images of this data set (CIFAR-10

@@ -24,7 +24,7 @@ use super::shared::{
     ConvGrads, Wanted, Weight, WeightLayout, accumulator_groups, check_backward_sizes,
     chunk_gradient, sum_partials,
 };
-use super::{Algorithm, ConvShape, phase_name};
+use super::{Algorithm, ConvShape};
 use crate::matmul::{Mat, PackedRhs, Precision, matmul, matmul_packed, matmul_uninit};
 use crate::phases;
 use crate::scratch::{par_filled, par_written, with_scratch};
@@ -39,7 +39,7 @@ impl Tile {
             Tile::F2 => Algorithm::Winograd,
             Tile::F4 => Algorithm::Winograd4,
         };
-        move || phase_name(s, algorithm, what)
+        algorithm.phase(s, what)
     }
 }
 
