@@ -1,7 +1,7 @@
 //! A slow node, for real: a worker slowed on purpose by stopping and continuing it (SIGSTOP /
 //! SIGCONT, a duty cycle from the test) is named by the ranks within a few steps, and with
-//! `--stragglers evict` drops out through a regroup in place; a job slowed as a whole, or one
-//! at its minimum size, evicts nobody.
+//! `--stragglers evict` drops out through a regroup in place; a job slowed as a whole (its
+//! workers throttled alike by CPU cgroups), or one at its minimum size, evicts nobody.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -220,21 +220,29 @@ fn c10d_a_job_slowed_as_a_whole_or_at_its_minimum_evicts_nobody() {
             workers_of(&c.agents[a])[0]
         })
         .collect();
-    {
-        let _both = DutyCycle::start(pids.clone(), STOPPED, RUNNING);
-        // Three windows of steps, both slow.
-        c.wait_for_step_at(2, at_two.max(c.last_step()) + 12);
-    }
+    let name = format!("trainctl-no-evict-{}", std::process::id());
+    // Both slowed alike: each worker throttled to the same share of a core over 20 ms periods,
+    // every step slowed about as much. (Both stopped and continued together by one duty cycle,
+    // 30 ms running in 150, whichever got a core first in each 30 ms finished its step first:
+    // the other, slowed as much, was named a straggler in three periods in a row once, with
+    // the suite's other tests on the two cores, and in one of two periods alone.)
+    let Some(both) = Throttle::start(&name, &pids, 20) else {
+        eprintln!(
+            "SKIPPED c10d-no-evict: no CPU cgroup can be made here (root and a cpu controller are needed)"
+        );
+        return;
+    };
+    // Three windows of steps, both slow.
+    c.wait_for_step_at(2, at_two.max(c.last_step()) + 12);
     // Found while both were slowed (a busy machine may name one before, at the start).
     let named_after = |c: &Cluster, from: u64| -> bool {
         c.stragglers().iter().any(|s| s.slow && s.step > from + 4)
     };
     let mut slowed_from = at_two.max(1);
-    // The suite's other tests share the two cores: they can slow one of the two workers more
-    // than the other for a window (the record shows it, its compute time above the other's:
-    // seen once in several full runs, and once twice in a row). That earns another period of
-    // both slowed, twice at most, in the last of which no straggler may be named (enough
-    // epochs for three periods and the rest).
+    // The suite's other tests share the two cores: they can still slow one of the two workers
+    // more than the other for a window (the record shows it, its compute time above the
+    // other's). That earns another period of both slowed, twice at most, in the last of which
+    // no straggler may be named (enough epochs for three periods and the rest).
     for _ in 0..2 {
         if !named_after(&c, slowed_from) {
             break;
@@ -244,7 +252,6 @@ fn c10d_a_job_slowed_as_a_whole_or_at_its_minimum_evicts_nobody() {
             c.stragglers()
         );
         slowed_from = c.last_step();
-        let _both = DutyCycle::start(pids.clone(), STOPPED, RUNNING);
         c.wait_for_step_at(2, slowed_from + 12);
     }
     assert!(
@@ -252,6 +259,14 @@ fn c10d_a_job_slowed_as_a_whole_or_at_its_minimum_evicts_nobody() {
         "a job slowed as a whole has no straggler: {:?}",
         c.stragglers()
     );
+    // The throttle held the workers back (on a machine busy enough, their steps may have
+    // been as slow before it: its own count of the periods it stopped them in says it acted).
+    let throttled = both.throttled_periods();
+    assert!(
+        throttled >= 20,
+        "both workers throttled in {throttled} periods of 20 ms only"
+    );
+    drop(both);
     let one = DutyCycle::start(vec![pids[1]], STOPPED, RUNNING);
     let stays = c.agents[agents[1]].wait_for_line(JOB_TIMEOUT, |l| l.contains("but stays"));
     drop(one);
@@ -330,6 +345,74 @@ impl Drop for CpuLimit {
         // Empty once its processes are gone.
         let _ = std::fs::remove_dir(&self.dir);
     }
+}
+
+/// Running processes throttled alike until dropped: each moved into a [`CpuLimit`] of its own
+/// at the same share of a core, then back into the CPU cgroup it came from.
+struct Throttle {
+    /// Each process and the `cgroup.procs` of the CPU cgroup it came from.
+    moved: Vec<(i32, PathBuf)>,
+    /// Dropped after `moved` is restored (`Drop::drop` runs before the fields drop), when
+    /// they are empty and can go.
+    limits: Vec<CpuLimit>,
+}
+
+impl Throttle {
+    /// The periods in which the kernel stopped a process for its quota, all cgroups together
+    /// (`nr_throttled` of `cpu.stat`, cgroup v1 and v2 alike).
+    fn throttled_periods(&self) -> u64 {
+        self.limits
+            .iter()
+            .filter_map(|limit| std::fs::read_to_string(limit.dir.join("cpu.stat")).ok())
+            .filter_map(|stat| {
+                let line = stat.lines().find_map(|l| l.strip_prefix("nr_throttled "))?;
+                line.trim().parse::<u64>().ok()
+            })
+            .sum()
+    }
+
+    /// `None` where no CPU cgroup can be made or a process can't be moved.
+    fn start(name: &str, pids: &[i32], percent: u32) -> Option<Throttle> {
+        let mut throttle = Throttle {
+            moved: Vec::new(),
+            limits: Vec::new(),
+        };
+        for (i, &pid) in pids.iter().enumerate() {
+            let home = cpu_cgroup_procs(pid)?;
+            let limit = CpuLimit::new(&format!("{name}-{i}"), percent)?;
+            limit.add(pid).ok()?;
+            throttle.moved.push((pid, home));
+            throttle.limits.push(limit);
+        }
+        Some(throttle)
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        for (pid, home) in &self.moved {
+            let _ = std::fs::write(home, pid.to_string());
+        }
+    }
+}
+
+/// The `cgroup.procs` file of the CPU cgroup `pid` is in: cgroup v2's one hierarchy
+/// (`0::/path`), or v1's `cpu` controller (`N:cpu,cpuacct:/path`).
+fn cpu_cgroup_procs(pid: i32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let v2 = PathBuf::from("/sys/fs/cgroup/cgroup.controllers").is_file();
+    text.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let root = if v2 && controllers.is_empty() {
+            PathBuf::from("/sys/fs/cgroup")
+        } else if !v2 && controllers.split(',').any(|c| c == "cpu") {
+            PathBuf::from("/sys/fs/cgroup/cpu")
+        } else {
+            return None;
+        };
+        Some(root.join(path.trim_start_matches('/')).join("cgroup.procs"))
+    })
 }
 
 /// `--health-check refuse`: two nodes train; a third, its CPU limited to 5 % of a core before
