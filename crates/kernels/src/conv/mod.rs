@@ -117,6 +117,12 @@ impl Algorithm {
             Algorithm::Im2col => "im2col",
         }
     }
+
+    /// The name of its pass `what` on `s` in [`crate::phases`], made only while recording:
+    /// `conv 3x3/1 256->256 at 4x4 (winograd): input transform`.
+    pub(crate) fn phase<'a>(self, s: &'a ConvShape, what: &'a str) -> impl FnOnce() -> String + 'a {
+        move || format!("{}: {what}", layer_name(s, self))
+    }
 }
 
 /// `conv 3x3/1 256->256 at 4x4 (winograd)`: a convolution as `trainctl bench --layers` names
@@ -124,14 +130,6 @@ impl Algorithm {
 /// passes of [`crate::phases`] alike).
 pub fn layer_name(s: &ConvShape, algorithm: Algorithm) -> String {
     format!("conv {} ({})", s.label(), algorithm.name())
-}
-
-impl Algorithm {
-    /// The name of its pass `what` on `s` in [`crate::phases`], made only while recording:
-    /// `conv 3x3/1 256->256 at 4x4 (winograd): input transform`.
-    pub(crate) fn phase<'a>(self, s: &'a ConvShape, what: &'a str) -> impl FnOnce() -> String + 'a {
-        move || format!("{}: {what}", layer_name(s, self))
-    }
 }
 
 /// A layer's weight, transformed for the algorithm its shape gets.
