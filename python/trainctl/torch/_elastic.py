@@ -1,30 +1,35 @@
 """``Elastic``: the training loop's state and its regroup in place (see the package's doc).
 
+The loop's calls into the job are its *boundaries*: the batch iterator asking for the next
+batch, ``job.epochs()`` asking for the next epoch, ``job.evaluate()`` and ``job.finish()``.
+What a step's agreement decides (pause for a new round, stop, checkpoint) is carried out at
+the next boundary, after the loop's own code between steps (its scheduler step, its logging)
+has run on every rank: the state that then travels to a joiner or into the checkpoint is the
+state a rank holds at the top of the next step, which is where a rank that starts the
+program afresh comes in. A lost peer is handled at once: its collective failed, and the step
+is dropped.
+
 A group's start is the same collectives for a worker that has just started and one that
 regroups (``init_process_group``, ``_sync``, the DDP wrapper's own), so both can be in the
 same new group. ``_sync`` makes every rank's state the same: the lowest rank of those
-furthest on streams model, optimizer, scheduler, sampler position and user state to the
+furthest on streams model, optimizer, scheduler, GradScaler, position and user state to the
 others; when every rank holds the same step nothing travels; at a job's start rank 0's fresh
 or resumed state goes to all.
 
-Each step's flags (stop, pause, leave, the samples trained and their digest) ride the last
-bucket of DDP's gradient all-reduce (``_comm_hook``), or, when that cannot carry them, an
-all-reduce of their own (``_agree``); the optimizer steps after it: a step is applied on a rank
-only once every rank agreed it is whole, so after a peer is lost the survivors hold the same
-step or one step apart, and the furthest streams.
+Each step's flags (stop, pause, leave, the samples trained and their digest, each rank's state
+hash and times) ride the last bucket of DDP's gradient all-reduce (``_comm_hook``), or, when
+that cannot carry them, an all-reduce of their own (``_agree``); the optimizer steps after it:
+a step is applied on a rank only once every rank agreed it is whole, so after a peer is lost
+the survivors hold the same step or one step apart, and the furthest streams.
 """
 
-import datetime
-import gc
-import io
+from __future__ import annotations
+
 import os
-import signal
-import socket
-import struct
+import re
 import sys
-import threading
 import time
-import zlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,97 +38,182 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import control as ctl
 from .. import stragglers
 from ..records import SCHEMA_VERSION, Metrics
-from ..sampler import MASK, Shard, digest
+from ..sampler import MASK, digest
+from . import _check, _data, _guards, _state
+from ._group import Group, say, why
 
 # contract::exit: a worker that stopped or left at a step boundary, and one that lost a peer
 # and could not go on in place.
 EXIT_PREEMPTED = 143
 EXIT_PEER_LOST = 75
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 
-# Interrupts a group start whose round is over (Elastic installs a handler that does nothing).
-INTERRUPT = signal.SIGUSR2
-# One try at connecting to a round's store (see Elastic._connect_store), in seconds.
-STORE_TRY_S = 5.0
+# A run id that torchrun makes anew at every launch (--standalone, or one node without an
+# endpoint): a relaunch would not find its checkpoint under it.
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+# The step's flags before the ranks' slots: stop, pause, leaving, rank 0 leaving, samples,
+# and the samples' digest in eight 8-bit limbs.
+_FLAGS = 13
 
 _STOP = object()
 _LEAVE = object()
 
 
-def _say(message):
-    print(f"trainctl.torch: {message}", file=sys.stderr, flush=True)
-
-
 class Step:
-    """One step inside ``with job.step() as step:``. Set ``step.loss`` (and ``step.correct``,
-    the right predictions of this rank's batch) for the records and the loss lines."""
+    """One ``with job.step() as step:`` block: one micro-batch. Set ``step.loss`` (and
+    ``step.correct``, the right predictions of this rank's batch) for the records and the loss
+    lines. ``step.sync`` is True on the micro-batch whose end applies the update (always, unless
+    ``accumulate`` > 1)."""
 
-    def __init__(self, job):
+    def __init__(self, job: Elastic):
         self.job = job
-        self.loss = None
-        self.correct = None
+        self.loss: Any = None
+        self.correct: Any = None
+        self.sync = True
 
-    def __enter__(self):
+    def __enter__(self) -> Step:
         self.job._enter_step(self)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         return self.job._exit_step(self, exc)
 
 
-class Elastic:
-    """The state of a data-parallel training run that regroups in place.
+class _Flow:
+    """Where this rank stands, in the loop's own code between steps, against the others of its
+    group. A rank that joined (or resumed mid-epoch) runs the loop from its top: the others
+    made the calls of ``job.evaluate()`` and ``scheduler.step()`` before the point where it
+    came in, so it skips them; and when a newcomer comes in while the others are between
+    steps, they skip the evaluations it cannot be part of."""
 
-    ``model`` (an ``nn.Module``, wrapped in DDP here as ``job.model``) and ``optimizer`` are
-    required; ``scheduler`` and ``state`` (any object with ``state_dict``/``load_state_dict``,
-    whose state holds tensors and plain values) travel with them to joiners and into the
-    checkpoint. ``dataset_size`` and ``batch_size`` (per rank) define the epoch's steps; its
-    order is ``DistributedSampler``'s (``torch.randperm`` seeded by ``seed`` + epoch).
-    The run's files go to ``OUT/RUN_ID/`` as the built-in trainer's do: ``metrics/rank-N.jsonl``
-    and ``checkpoint.pt`` (rank 0, every epoch and every ``checkpoint_every`` steps; read at a
-    start that no rank can take from a peer). SIGTERM (the whole job stopped) finishes the step
-    under way on every rank, checkpoints it and exits 143: the constructor installs that
-    handler.
+    def __init__(self) -> None:
+        # The last `with job.step()` applied no update (dropped, a micro-batch before its
+        # step's last, or none yet on a rank that came in mid-loop): scheduler.step() waits.
+        self.void = False
+        # None: evaluations run. "step": none until an update is applied. "batches": none until
+        # the epoch's batches end, then `skip` more.
+        self.evaluate_from: str | None = None
+        self.skip = 0
+
+    def came_in(self, epoch_complete: bool, begun: int) -> None:
+        """This rank took a state mid-loop: at a step boundary, or with its epoch's batches
+        done and ``begun`` evaluations begun since."""
+        self.void = True
+        self.evaluate_from = "batches" if epoch_complete else "step"
+        self.skip = begun if epoch_complete else 0
+
+    def newcomer_arrived(self, epoch_complete: bool) -> None:
+        """A rank came into this rank's group while it was between steps: the evaluation under
+        way is dropped, and mid-epoch every evaluation until the next step."""
+        self.evaluate_from = None if epoch_complete else "step"
+        self.skip = 0
+
+    def step_ended(self, applied: bool) -> None:
+        self.void = not applied
+        if applied and self.evaluate_from == "step":
+            self.evaluate_from = None
+
+    def batches_ended(self) -> None:
+        self.void = False
+        if self.evaluate_from == "batches":
+            self.evaluate_from = None
+
+    def evaluation_runs(self) -> bool:
+        if self.evaluate_from is not None:
+            return False
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+
+class Elastic:
+    """A data-parallel training run that regroups in place.
+
+    Required: ``model`` (an ``nn.Module``; ``job.model`` is it wrapped in DDP, ``job.module``
+    the model itself), ``optimizer``, ``dataset_size`` and ``batch_size`` (samples per rank in
+    one forward and backward). Optional:
+
+    - ``accumulate``: micro-batches per update (gradient accumulation; one ``with
+      job.step():`` per micro-batch, the gradients all-reduced once, on the last).
+    - ``scheduler``: the LR scheduler you step after ``with job.step():`` (per step or per
+      epoch); it travels to joiners and into the checkpoint, and a ``scheduler.step()`` that
+      follows no applied update (a dropped step, a micro-batch) does nothing.
+    - ``scaler``: a ``torch.amp.GradScaler``; the job steps the optimizer through it and
+      updates it; you call ``scaler.scale(loss).backward()``.
+    - ``state``: any object with ``state_dict``/``load_state_dict`` (tensors and plain values)
+      to travel with the model, such as your best accuracy so far.
+    - ``start_epoch``: the epoch to start at when neither a peer nor the job's checkpoint has a
+      state (you loaded a checkpoint of your own into the model and optimizer).
+    - ``on_resize(old, new)``: called on every rank when the world size the state was trained
+      at changes (a regroup, a resume at another size), to rescale the learning rate.
+    - ``seed``: the epoch's order is ``DistributedSampler``'s (``torch.randperm`` seeded by
+      seed + epoch).
+    - ``out``, ``run_id``, ``checkpoint``, ``checkpoint_every``: files go to ``OUT/RUN_ID/``
+      (``metrics/rank-N.jsonl``; ``checkpoint.pt``, written by rank 0 every epoch and every
+      ``checkpoint_every`` steps, read at a start that no rank can take from a peer). The run
+      id is ``TORCHELASTIC_RUN_ID``, or ``local`` on one node (torchrun's ``--standalone``
+      makes a new one at every launch, which a relaunch would not find).
+    - ``print_freq``, ``config``, ``backend``, ``ddp`` (more arguments of
+      ``DistributedDataParallel``), ``straggler_factor``, ``straggler_window``.
+
+    ``job.rank`` and ``job.world_size`` are this rank's place now (they change at a regroup).
+    SIGTERM (the whole job stopped) finishes the step under way on every rank, checkpoints it
+    and exits 143: the constructor installs that handler.
     """
 
     def __init__(
         self,
-        model,
-        optimizer,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
         *,
-        dataset_size,
-        batch_size,
-        seed=0,
-        scheduler=None,
-        state=None,
-        out="runs",
-        checkpoint=None,
-        checkpoint_every=None,
-        print_freq=0,
-        backend=None,
-        config=None,
-        straggler_factor=1.5,
-        straggler_window=5,
+        dataset_size: int,
+        batch_size: int,
+        accumulate: int = 1,
+        seed: int = 0,
+        scheduler: Any = None,
+        scaler: Any = None,
+        state: Any = None,
+        start_epoch: int = 0,
+        on_resize: Callable[[int, int], None] | None = None,
+        out: str = "runs",
+        run_id: str | None = None,
+        checkpoint: str | None = None,
+        checkpoint_every: int | None = None,
+        print_freq: int = 0,
+        backend: str | None = None,
+        ddp: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
+        straggler_factor: float = 1.5,
+        straggler_window: int = 5,
     ):
-        if dataset_size <= 0 or batch_size <= 0:
+        if dataset_size <= 0 or batch_size <= 0 or accumulate <= 0:
             raise ValueError(
-                f"dataset_size {dataset_size} and batch_size {batch_size}: both must be positive"
+                f"dataset_size {dataset_size}, batch_size {batch_size} and accumulate {accumulate}: "
+                "each must be positive"
             )
+        _refuse_at_start(model, optimizer, scheduler)
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.scaler = scaler
         self.user_state = state
         self.dataset_size = int(dataset_size)
         self.batch_size = int(batch_size)
+        self.accumulate = int(accumulate)
         self.seed = int(seed)
+        self.on_resize = on_resize
         self.checkpoint_every = checkpoint_every
         self.print_freq = print_freq
         self.config = dict(config or {})
-        self.distributed = "WORLD_SIZE" in os.environ
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        self.ddp_options = dict(ddp or {})
+        # Under a launcher (torchrun, trainctl run); otherwise a group of one.
+        self.launched = "WORLD_SIZE" in os.environ
+        self.rank = int(os.environ.get("RANK", "0")) if self.launched else 0
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if self.launched else 1
+        self.run_id = run_id or _run_id(self.launched)
         self.run_dir = os.path.join(out, self.run_id)
         self.checkpoint_path = checkpoint or os.path.join(self.run_dir, "checkpoint.pt")
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -132,74 +222,76 @@ class Elastic:
             if self.backend == "nccl"
             else torch.device("cpu")
         )
-        self.progress = {
-            "epoch": 0,
-            "position": 0,
-            "global_step": 0,
-            "samples_seen": 0,
-            "epoch_digest": 0,
-        }
+        self.progress = dict(_state.PROGRESS_DEFAULTS, epoch=int(start_epoch))
         # A state this worker trained (or took whole from a peer), not a stream cut off.
         self.live = False
         self.stop_requested = False
-        self._ddp = None
-        self._links = []
-        self._aborted = False
+        self.group = Group(self.backend, self.device, self.launched)
+        self._ddp: DistributedDataParallel | None = None
         self._generation = 0
-        self._current = None
-        self._pending = None
-        self._assigned = None
+        # The micro-batches handed to the loop and not yet trained (one at most: see _enter_step).
+        self._handed: list[_data.Micro] = []
+        # What the last step's agreement decided, for the next boundary: (kind, saver rank).
+        self._pending: tuple[str, int] | None = None
+        self._assigned: list[tuple[str, str]] | None = None
         self._assignments = 0
         self._leaving = False
-        self._order_cache = None
-        # The sockets that were open before the group now starting (None: no group starting);
-        # set under _start_lock, which _keep_breaking holds while it breaks a start's links.
-        self._starting = None
-        self._start_lock = threading.Lock()
-        # Set (by the control channel's thread) when the round of the group now starting is
-        # over before the group has started.
-        self._round_over = False
-        self._flags_out = None
-        self._flags_in = None
+        self._order_cache: tuple[int, list[int]] | None = None
+        self._flow = _Flow()
+        self._in_step = False
+        self._stepping = False
+        # The samples of the step under way (its micro-batches so far), and its batch size.
+        self._step_trained: list[int] = []
+        self._step_samples = 0
+        self._flags_out: torch.Tensor | None = None
+        self._flags_in: torch.Tensor | None = None
+        self._hook_ran = False
+        self._weights_fp = 0
+        self._skipped_said = False
         # The straggler watch (as the built-in trainer's; window 0: none) and the step's times.
-        self._watch = (
-            stragglers.Watch(straggler_factor, straggler_window) if straggler_window else None
-        )
-        self._last_exit = None
-        self._step_started = None
+        self._watch = stragglers.Watch(straggler_factor, straggler_window) if straggler_window else None
+        self._last_exit: float | None = None
+        self._step_started: float | None = None
         self._step_data_s = 0.0
-        self._epoch_mark = None
-        self._window = []
-        self._metrics = None
+        self._epoch_mark: tuple[int, float, int] | None = None
+        # The steps since the last loss line: (loss, images), and when the first began.
+        self._window: list[tuple[float, int]] = []
+        self._window_started = 0.0
+        self._metrics: Metrics | None = None
         self._started = False
-        self._gloo_ifname_set = False
-        self._main_thread = None
+        self.epochs_total = 0
+        import signal
+        import threading
+
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
-            # A signal of its own interrupts a group start blocked in a system call (the
-            # store's connect loop) when its round is over: see _on_message.
-            signal.signal(INTERRUPT, lambda signum, frame: None)
-            signal.siginterrupt(INTERRUPT, True)
-            self._main_thread = threading.get_ident()
+        self._hook = _guards.guard_optimizer(self, optimizer)
+        if scheduler is not None:
+            _guards.gate_scheduler(self, scheduler)
+        if scaler is not None:
+            _guards.guard_scaler(self, scaler)
+        _guards.refuse_stray_scalers()
+        _guards.set_live(self)
         self.control = None
-        if self.distributed:
+        if self.launched:
             try:
-                self.control = ctl.Channel.from_env(on_message=self._on_message)
+                self.control = ctl.Channel.from_env(on_message=self.group.on_message)
                 if self.control is not None:
                     self.control.send(ctl.ready())
             except ctl.ControlError as e:
-                _say(f"the agent's control channel cannot be used: {e}; a change of group restarts this worker")
+                say(f"the agent's control channel cannot be used: {e}; a change of group restarts this worker")
                 self.control = None
         self._synced = self._start_group()
 
     # --- what the training loop uses ---------------------------------------------------------
 
     @property
-    def model(self):
-        """The model to call: wrapped in ``DistributedDataParallel`` (again after a regroup)."""
+    def model(self) -> torch.nn.Module:
+        """The model to train: wrapped in ``DistributedDataParallel`` (again after a regroup),
+        so read it inside each step, not once."""
         return self._ddp if self._ddp is not None else self.module
 
-    def epochs(self, n):
+    def epochs(self, n: int) -> Iterator[int]:
         """The epochs left of ``n`` (0-based), from where the run stands."""
         self.epochs_total = int(n)
         if not self._started:
@@ -207,113 +299,312 @@ class Elastic:
             self._write_start()
         while self.progress["epoch"] < self.epochs_total:
             yield self.progress["epoch"]
+            # After the loop's own code at the epoch's end; an epoch whose batches the loop
+            # left before their end goes on.
+            self._boundary()
+            if self.progress["position"] >= self.dataset_size:
+                self._end_epoch()
 
-    def batches(self):
-        """This rank's sample indices for each step of the epoch, re-sharded from the position
-        all ranks agree on after a regroup. Train each inside ``with job.step():``."""
-        epoch = self.progress["epoch"]
-        if self._epoch_mark is None or self._epoch_mark[0] != epoch:
-            done = -(-self.progress["position"] // (self.batch_size * self.world_size))
-            self._epoch_mark = (epoch, time.monotonic(), self.progress["global_step"] - done)
-        while True:
-            shard = Shard(
-                self._order(epoch), self.progress["position"], self.world_size, self.rank, self.batch_size
-            )
-            generation = self._generation
-            regrouped = False
-            for s in range(shard.steps):
-                self._current = (shard, s)
-                self._pending = True
-                yield shard.batch(s)
-                if self._pending:
-                    raise RuntimeError(
-                        "each batch from job.batches() must be trained inside `with job.step():`"
-                    )
-                if self._generation != generation or self.progress["epoch"] != epoch:
-                    regrouped = True
-                    break
-            if self.progress["epoch"] != epoch:
-                return
-            if not regrouped:
-                break
-        self._end_epoch()
+    def batches(self) -> _data.Batches:
+        """This rank's sample indices for each micro-batch left in the epoch, re-sharded from
+        the position all ranks agree on after a regroup: iterate it, or give it to a DataLoader
+        as ``batch_sampler`` (without worker processes: ``job.loader()`` has them). Train each
+        inside ``with job.step():`` before asking for the next."""
+        return _data.Batches(self)
 
-    def step(self):
-        """The context of one step: the optimizer steps at its end once every rank agreed the
-        step is whole; a lost peer drops it and the workers regroup in place."""
+    def loader(self, dataset: Any, **kwargs: Any) -> _data.Loader:
+        """A DataLoader of ``dataset`` over this rank's batches of the rest of the epoch;
+        ``kwargs`` are DataLoader's (``num_workers``, ``collate_fn``, ``pin_memory``,
+        ``persistent_workers``, ...), not the batching, which is the job's. When the group
+        changes, what its workers read ahead is dropped and loading goes on as the new group
+        shards the epoch."""
+        return _data.Loader(self, dataset, kwargs)
+
+    def step(self) -> Step:
+        """One micro-batch: the optimizer steps at the end of a step's last one, once every
+        rank agreed the step is whole; a lost peer drops the step and the workers regroup in
+        place (the block's exception is swallowed, and the loop goes on)."""
         return Step(self)
 
-    def finish(self):
-        """The run's end: every rank says where it ended (its weights' fingerprint), and the
-        group and the channel are closed."""
+    def evaluate(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` between steps, with the collectives it runs made elastic: a
+        peer lost meanwhile regroups the workers in place and ``fn`` runs again in the new
+        group. Returns what ``fn`` returns, or None on the ranks that must skip it: a rank that
+        came into the group skips the evaluations the others made before it came in, and when
+        a newcomer arrives in one, every rank skips that one (``fn`` would wait for it)."""
+        if self._in_step:
+            raise _guards.UsageError(
+                "job.evaluate() inside `with job.step():`: evaluate between steps (after the block, "
+                "or after the epoch's batches)"
+            )
+        p = self.progress
+        synced = self._boundary()
+        if p["epoch_end_evals"] >= 0:
+            p["epoch_end_evals"] += 1
+        if synced is not None and synced["fresh"]:
+            self._flow.newcomer_arrived(p["position"] >= self.dataset_size)
+            return self._skip_evaluation("a node joined the group at this step")
+        if not self._flow.evaluation_runs():
+            return self._skip_evaluation("this rank came into the group after the others made it")
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if self.control is None or not self.group.is_collective_error(e):
+                    raise
+                synced = self._regroup(why(e), saver=self.rank == 0, lost=True)
+                if synced["fresh"]:
+                    self._flow.newcomer_arrived(p["position"] >= self.dataset_size)
+                    return self._skip_evaluation("a node joined the group while it ran")
+
+    def finish(self) -> None:
+        """The run's end: every rank checks that all hold the same weights, says where it ended
+        (its weights' fingerprint), and the group and the channel are closed."""
+        self._boundary()
+        if self.world_size > 1 and dist.is_initialized():
+            # Every rank past its last collective before any tears the group down (a group
+            # torn down under a peer's gloo thread can abort that process), and the weights
+            # compared one last time.
+            self._weights_fp = _check.fingerprint(self.module)
+            mine = torch.tensor([_check.state_hash(_check.counters(self))], dtype=torch.int64, device=self.device)
+            everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            try:
+                dist.all_gather(everyone, mine)
+            except Exception:  # noqa: BLE001 - at the end, a peer gone changes nothing
+                everyone = []
+            if everyone:
+                _check.compare(self, [int(t.item()) for t in everyone], "at the end of the run")
         p = self.progress
         print(
             f"rank {self.rank} finished after {p['global_step']} steps; weights fingerprint "
             f"{self.fingerprint():08x} (world size {self.world_size}, {p['samples_seen']} samples trained in all)",
             flush=True,
         )
-        # Every rank past its last collective before any tears the group down (a group torn
-        # down under a peer's gloo thread can abort that process); the DDP wrapper goes first.
-        if self.distributed and dist.is_initialized():
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - at the end, a peer gone changes nothing
-                pass
         self._teardown()
         if self.control is not None:
             self.control.close()
         if self._metrics is not None:
             self._metrics.close()
+        self._hook.remove()
+        _guards.set_live(None)
 
-    def fingerprint(self):
+    def fingerprint(self) -> int:
         """A CRC32 of the model's parameters and buffers: equal on ranks that hold the same."""
+        import zlib
+
         crc = 0
         for t in self.module.state_dict().values():
-            crc = zlib.crc32(t.detach().cpu().contiguous().numpy().tobytes(), crc)
+            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
-    # --- one step ----------------------------------------------------------------------------
+    # --- the loop's boundaries -----------------------------------------------------------------
 
-    def _enter_step(self, step):
-        if self._current is None:
-            raise RuntimeError("job.step() is for the batches of job.batches()")
-        self._drain()
-        step.started = time.monotonic()
-        # Waiting for this batch: since the last step ended (the loop's own loading).
-        step.data_s = step.started - self._last_exit if self._last_exit is not None else 0.0
-        self._step_started, self._step_data_s = step.started, step.data_s
-        shard, s = self._current
-        step.flags = self._flags(shard.unpadded_batch(s))
-        # For the gradient all-reduce's last bucket to carry (`_comm_hook`); unless it does
-        # (no backward, gradients that are not float32), `_agree` reduces them on their own.
-        self._flags_out = torch.tensor(step.flags, dtype=torch.float32, device=self.device)
-        self._flags_in = None
+    def _iterate(self, on_plan: Callable[[list[_data.Micro]], None] | None = None) -> Iterator[_data.Micro]:
+        """The rest of the epoch, one micro-batch at a time, with a boundary after each; planned
+        again after a regroup."""
+        self._handed.clear()
+        self._boundary()
+        self._mark_epoch()
+        while True:
+            planned = self._plan()
+            if not planned:
+                self._batches_ended()
+                return
+            if on_plan is not None:
+                on_plan(planned)
+            generation = self._generation
+            for micro in planned:
+                self._handed.append(micro)
+                yield micro
+                if self._handed and self._handed[0] is micro:
+                    raise _guards.UsageError(
+                        "a batch of the job was not trained: train each inside `with job.step():` "
+                        "before asking for the next"
+                    )
+                self._boundary()
+                if self._generation != generation:
+                    break
 
-    def _exit_step(self, step, exc):
+    def _boundary(self) -> dict[str, Any] | None:
+        """Carries out what the last step's agreement decided. Returns the new group's sync
+        when it regrouped."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        kind, saver = pending
+        if kind == "checkpoint":
+            self._checkpoint()
+        elif kind == "stop":
+            self._stop(saver)
+        elif kind == "pause":
+            if self._leaving:
+                self._leave()
+            return self._regroup("paused for a new round", saver=self.rank == saver, lost=False)
+        return None
+
+    def _stop(self, saver: int) -> None:
+        # The rank that saves: rank 0, or the lowest that stays when rank 0's node goes.
+        if self.rank == saver:
+            self._checkpoint(force=True)
         try:
-            return self._end_step(step, exc)
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the checkpoint is written; a peer gone changes nothing
+            pass
+        say(f"rank {self.rank} stopped after step {self.progress['global_step']} (SIGTERM); the checkpoint holds it")
+        self._teardown()
+        sys.exit(EXIT_PREEMPTED)
+
+    def _skip_evaluation(self, reason: str) -> None:
+        if not self._skipped_said:
+            say(f"rank {self.rank} skips an evaluation ({reason}); job.evaluate() returns None where it skips")
+            self._skipped_said = True
+        return None
+
+    def _scheduler_may_step(self) -> bool:
+        """Whether the loop's ``scheduler.step()`` steps (see ``_guards.gate_scheduler``)."""
+        if self._in_step:
+            raise _guards.UsageError(
+                "scheduler.step() inside `with job.step():`: the job steps the optimizer at the "
+                "block's end, so step the scheduler after the block (per step or per epoch), as "
+                "PyTorch documents (after optimizer.step())"
+            )
+        return not self._flow.void
+
+    # --- epochs --------------------------------------------------------------------------------
+
+    def _plan(self) -> list[_data.Micro]:
+        p = self.progress
+        return _data.plan(
+            self._order(p["epoch"]),
+            p["position"],
+            self.world_size,
+            self.rank,
+            self.batch_size,
+            self.accumulate,
+            self._generation,
+        )
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            self._order_cache = (epoch, torch.randperm(self.dataset_size, generator=g).tolist())
+        return self._order_cache[1]
+
+    def _mark_epoch(self) -> None:
+        epoch = self.progress["epoch"]
+        if self._epoch_mark is None or self._epoch_mark[0] != epoch:
+            done = -(-self.progress["position"] // (self.batch_size * self.accumulate * self.world_size))
+            self._epoch_mark = (epoch, time.monotonic(), self.progress["global_step"] - done)
+
+    def _batches_ended(self) -> None:
+        """The epoch's batches are all trained: its record (the digest proves each sample was
+        trained once), once."""
+        came_in_here = self._flow.evaluate_from == "batches"
+        self._flow.batches_ended()
+        p = self.progress
+        if p["epoch_end_evals"] >= 0:
+            if came_in_here:
+                # Its evaluations count from here, as the others' did (see _Flow).
+                p["epoch_end_evals"] = 0
+            return
+        p["epoch_end_evals"] = 0
+        mark = self._epoch_mark or (p["epoch"], time.monotonic(), p["global_step"])
+        seconds = time.monotonic() - mark[1]
+        self._metrics_file().write(
+            "epoch",
+            rank=self.rank,
+            epoch=p["epoch"] + 1,
+            step=p["global_step"],
+            seconds=seconds,
+            samples_digest=f"{p['epoch_digest']:016x}",
+        )
+        if self.rank == 0:
+            total = f" of {self.epochs_total}" if self.epochs_total else ""
+            print(f"epoch {p['epoch']} done ({p['epoch'] + 1}{total}) in {seconds:.1f} s", flush=True)
+
+    def _end_epoch(self) -> None:
+        """After the loop's own code at the epoch's end (its evaluation, its scheduler step):
+        the next epoch, its state checked and checkpointed."""
+        if self.progress["epoch_end_evals"] < 0:
+            self._batches_ended()
+        p = self.progress
+        p["epoch"] += 1
+        p["position"] = 0
+        p["epoch_digest"] = 0
+        p["epoch_end_evals"] = -1
+        self._flow = _Flow()
+        self._weights_fp = _check.fingerprint(self.module)
+        self._checkpoint()
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def _enter_step(self, step: Step) -> None:
+        if self._in_step:
+            raise _guards.UsageError("`with job.step():` inside another: one block per micro-batch")
+        if not self._handed:
+            raise _guards.UsageError(
+                "`with job.step():` without a batch of the job: each step trains the next batch of "
+                "job.batches() or job.loader()"
+            )
+        if len(self._handed) > 1:
+            raise _guards.UsageError(
+                f"job.batches() was read {len(self._handed) - 1} batch(es) ahead of training (a "
+                "DataLoader with worker processes prefetches): a regroup re-plans the epoch, and "
+                "what was read ahead would be trained at the wrong place. Use "
+                "job.loader(dataset, num_workers=..., ...) instead (the DataLoader's own arguments), "
+                "or num_workers=0"
+            )
+        _guards.refuse_stray_scheduler(self.optimizer, self.scheduler)
+        micro = self._handed[0]
+        self._in_step = True
+        self._drain()
+        now = time.monotonic()
+        if micro.part == 0:
+            self._step_trained, self._step_samples = [], 0
+            # Waiting for this batch: since the last step ended (the loop's own loading).
+            self._step_started = now
+            self._step_data_s = now - self._last_exit if self._last_exit is not None else 0.0
+        step.started, step.data_s = self._step_started, self._step_data_s
+        self._step_trained += micro.trained
+        self._step_samples += len(micro.indices)
+        step.sync = micro.last
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = micro.last
+        if micro.last:
+            # For the gradient all-reduce's last bucket to carry (`_comm_hook`); unless it does
+            # (no backward, gradients that are not float32), `_agree` reduces them on their own.
+            flags = self._flags(self._step_trained)
+            flags += _check.slots(self.rank, self.world_size, _check.state_hash(_check.counters(self)))
+            self._flags_out = torch.tensor(flags, dtype=torch.float32, device=self.device)
+            self._flags_in = None
+            self._hook_ran = False
+
+    def _exit_step(self, step: Step, exc: BaseException | None) -> bool:
+        self._in_step = False
+        micro = self._handed.pop(0)
+        try:
+            if exc is not None:
+                if self.control is not None and self.group.is_collective_error(exc):
+                    self._drop(exc)
+                    return True
+                return False
+            if not micro.last:
+                self._flow.step_ended(applied=False)
+                return False
+            try:
+                outcome = self._agree()
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if self.control is not None and self.group.is_collective_error(e):
+                    self._drop(e)
+                    return False
+                raise
+            self._apply(step, micro, outcome)
+            return False
         finally:
             self._last_exit = time.monotonic()
 
-    def _end_step(self, step, exc):
-        shard, s = self._current
-        self._pending = False
-        if exc is None:
-            try:
-                outcome = self._agree(step)
-            except Exception as e:  # noqa: BLE001 - sorted below
-                if self.control is not None and self._collective_error(e):
-                    self._lost(e)
-                    return False
-                raise
-            self._apply(step, shard, s, outcome)
-            return False
-        if self.control is not None and self._collective_error(exc):
-            self._lost(exc)
-            return True
-        return False
-
-    def _drain(self):
+    def _drain(self) -> None:
         """The agent's messages that came while training: an assignment (the next round, taken
         after the step all ranks pause at) or this node's leave."""
         if self.control is None:
@@ -328,14 +619,14 @@ class Elastic:
                 return
             self._take(message)
 
-    def _take(self, message):
+    def _take(self, message: Any) -> None:
         if isinstance(message, ctl.Assign):
             self._assigned = message.env
             self._assignments += 1
         elif isinstance(message, ctl.Leave):
             self._leaving = True
 
-    def _flags(self, trained):
+    def _flags(self, trained: list[int]) -> list[float]:
         """This rank's part of the step's agreement: stop, pause, leave, whether rank 0 leaves,
         and the samples trained with their digest in eight 8-bit limbs (summed exactly in
         float32 by up to 65,536 ranks)."""
@@ -348,9 +639,11 @@ class Elastic:
             len(trained),
         ] + [(d >> (8 * k)) & 0xFF for k in range(8)]
 
-    def _comm_hook(self, _state, bucket):
+    def _comm_hook(self, _state, bucket):  # type: ignore[no-untyped-def]
         """DDP's gradient all-reduce (averaged, as DDP's own), whose last bucket also carries
-        the step's flags: the agreement costs no collective of its own."""
+        the step's flags: the agreement costs no collective of its own. (No annotations: DDP
+        checks the hook's, and takes only its own classes there.)"""
+        self._hook_ran = True
         t = bucket.buffer()
         n, world = t.numel(), dist.get_world_size()
         flags = self._flags_out
@@ -359,7 +652,7 @@ class Elastic:
             joined = torch.cat([t, flags, self._time_slots(t.device)])
             fut = dist.all_reduce(joined, async_op=True).get_future()
 
-            def split(fut):
+            def split(fut: Any) -> torch.Tensor:
                 out = fut.value()[0]
                 self._flags_in = out[n:].clone()
                 return out[:n].div_(world)
@@ -368,27 +661,30 @@ class Elastic:
         fut = dist.all_reduce(t, async_op=True).get_future()
         return fut.then(lambda fut: fut.value()[0].div_(world))
 
-    def _agree(self, step):
+    def _agree(self) -> dict[str, Any]:
         """The step's flags over all ranks: from the gradient all-reduce when it carried them,
         else by an all-reduce of their own."""
-        t = self._flags_in
+        t, flags_out = self._flags_in, self._flags_out
         self._flags_in = self._flags_out = None
+        world = self.world_size
         if t is None:
-            t = torch.cat(
-                [
-                    torch.tensor(step.flags, dtype=torch.float32, device=self.device),
-                    self._time_slots(self.device),
-                ]
-            )
-            if self.distributed:
-                dist.all_reduce(t)
+            if not self._hook_ran and any(p.grad is not None for p in self.module.parameters()):
+                raise _guards.UsageError(
+                    "this step's gradients were not all-reduced: its backward ran under no_sync(), "
+                    "or through the model itself instead of job.model, and the ranks would part. "
+                    "For gradient accumulation give Elastic accumulate=K (one `with job.step():` "
+                    "per micro-batch; the job all-reduces on the last) and drop no_sync()"
+                )
+            assert flags_out is not None
+            t = torch.cat([flags_out, self._time_slots(self.device)])
+            dist.all_reduce(t)
         values = t.tolist()
-        n = len(step.flags)
-        v = [int(round(x)) for x in values[:n]]
-        world = dist.get_world_size() if self.distributed else 1
-        times = stragglers.unpack(values[n:], world) if len(values) == n + stragglers.SLOTS * world else []
+        v = [int(round(x)) for x in values[:_FLAGS]]
+        checks = _FLAGS + _check.SLOTS * world
+        times = values[checks:]
         return {
-            "times": times,
+            "hashes": _check.unpack(values[_FLAGS:checks], world),
+            "times": stragglers.unpack(times, world) if len(times) == stragglers.SLOTS * world else [],
             "stop": v[0] > 0,
             "pause": v[1] > 0,
             "leaving": v[2],
@@ -397,58 +693,69 @@ class Elastic:
             "digest": sum(v[5 + k] << (8 * k) for k in range(8)) & MASK,
         }
 
-    def _apply(self, step, shard, s, outcome):
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def _apply(self, step: Step, micro: _data.Micro, outcome: dict[str, Any]) -> None:
         p = self.progress
+        _check.compare(self, outcome["hashes"], f"at step {p['global_step'] + 1} (epoch {p['epoch']})")
+        self._update()
         p["global_step"] += 1
-        p["position"] = shard.position_after(s + 1)
+        p["position"] = micro.position_after
         p["samples_seen"] += outcome["samples"]
         p["epoch_digest"] = (p["epoch_digest"] + outcome["digest"]) & MASK
+        self._flow.step_ended(applied=True)
         times = outcome["times"]
         speeds = stragglers.relative_speeds(times) if times else []
-        self._record_step(step, shard, s, speeds[self.rank] if self.rank < len(speeds) else None)
+        self._record_step(step, speeds[self.rank] if self.rank < len(speeds) else None)
         if self._watch is not None and times:
             change = self._watch.step(times)
             if change is not None:
                 self._straggler(change)
+        # The lowest rank that stays saves when rank 0's node goes.
+        saver = outcome["leaving"] if outcome["rank0_leaving"] else 0
         if outcome["stop"]:
-            # Rank 0 saves what all hold (the lowest rank that stays when rank 0's node goes).
-            saver = outcome["leaving"] if outcome["rank0_leaving"] else 0
-            if self.rank == saver:
-                self._checkpoint(force=True)
-            if self.distributed:
-                dist.barrier()
-            _say(f"rank {self.rank} stopped after step {p['global_step']} (SIGTERM); the checkpoint holds it")
-            self._teardown()
-            sys.exit(EXIT_PREEMPTED)
-        if outcome["pause"]:
-            if self._leaving:
-                self._leave()
-            saver = outcome["leaving"] if outcome["rank0_leaving"] else 0
-            self._regroup("paused for a new round", saver=self.rank == saver, lost=False)
-            return
-        every = self.checkpoint_every
-        if every and p["global_step"] % every == 0 and p["position"] < self.dataset_size:
-            self._checkpoint()
+            self._pending = ("stop", saver)
+        elif outcome["pause"]:
+            self._pending = ("pause", saver)
+        elif self.checkpoint_every and p["global_step"] % self.checkpoint_every == 0 and p["position"] < self.dataset_size:
+            self._pending = ("checkpoint", 0)
 
-    def _time_slots(self, device):
+    def _update(self) -> None:
+        """The step's update: the optimizer's step (through the GradScaler, and its update,
+        when there is one), the gradients cleared."""
+        self._stepping = True
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        finally:
+            self._stepping = False
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _drop(self, e: BaseException) -> None:
+        """A peer lost in the step under way: its gradients dropped, the workers regrouped."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_trained, self._step_samples = [], 0
+        self._flow.step_ended(applied=False)
+        self._regroup(why(e), saver=self.rank == 0, lost=True)
+
+    def _time_slots(self, device: torch.device) -> torch.Tensor:
         """This rank's times before the all-reduce, in its own slots of the step's agreement."""
-        world = dist.get_world_size() if self.distributed else 1
         started = self._step_started if self._step_started is not None else time.monotonic()
         v = stragglers.slots(
             self.rank,
-            world,
+            self.world_size,
             self._step_data_s,
             time.monotonic() - started,
             int(os.environ.get("GROUP_RANK", "0")),
         )
         return torch.tensor(v, dtype=torch.float32, device=device)
 
-    def _straggler(self, change):
+    def _straggler(self, change: Any) -> None:
         """A straggler found or gone: rank 0 says so and records it; the straggler's own node
         (its local rank 0) tells its agent, which may evict it (``--stragglers evict``)."""
         p = self.progress
+        assert self._watch is not None
         if change[0] == "started":
             s = change[1]
             slow, node, text = True, s["node"], stragglers.started_text(s, self._watch.window)
@@ -468,14 +775,16 @@ class Elastic:
                 # A broken channel shows when the worker next needs it.
                 pass
 
-    def _record_step(self, step, shard, s, slowdown=None):
+    def _record_step(self, step: Step, slowdown: float | None = None) -> None:
         p = self.progress
+        assert self._epoch_mark is not None
         now = time.monotonic()
         seconds = now - step.started
         iter_ = p["global_step"] - self._epoch_mark[2]
-        steps_in_epoch = iter_ + shard.steps - (s + 1)
+        per_step = self.batch_size * self.accumulate * self.world_size
+        steps_in_epoch = iter_ + -(-max(self.dataset_size - p["position"], 0) // per_step)
         loss = float(step.loss) if step.loss is not None else 0.0
-        batch = len(shard.batch(s))
+        batch = self._step_samples
         images = batch * self.world_size
         correct = float(step.correct) if step.correct is not None else 0.0
         self._metrics_file().write(
@@ -498,10 +807,12 @@ class Elastic:
             allreduce_s=0.0,
             **({"slowdown": slowdown} if slowdown is not None else {}),
         )
+        if not self._window:
+            self._window_started = step.started
         self._window.append((loss, images))
         if self.rank == 0 and self.print_freq and iter_ % self.print_freq == 0:
             mean = sum(x for x, _ in self._window) / len(self._window)
-            elapsed = now - self._epoch_mark[1]
+            elapsed = now - self._window_started
             print(
                 f"[{p['epoch'] + 1}, {iter_:5d}] loss: {mean:.3f}  ({iter_}/{steps_in_epoch} steps, "
                 f"{sum(n for _, n in self._window) / max(elapsed, 1e-9):.1f} images/s)",
@@ -509,330 +820,119 @@ class Elastic:
             )
             self._window = []
 
-    def _end_epoch(self):
-        p = self.progress
-        epoch_digest = p["epoch_digest"]
-        p["epoch"] += 1
-        p["position"] = 0
-        p["epoch_digest"] = 0
-        self._checkpoint()
-        seconds = time.monotonic() - self._epoch_mark[1]
-        self._metrics_file().write(
-            "epoch",
-            rank=self.rank,
-            epoch=p["epoch"],
-            step=p["global_step"],
-            seconds=seconds,
-            samples_digest=f"{epoch_digest:016x}",
-        )
-        if self.rank == 0:
-            print(f"epoch {p['epoch']} done in {seconds:.1f} s", flush=True)
+    # --- the group -----------------------------------------------------------------------------
 
-    def _order(self, epoch):
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            self._order_cache = (epoch, torch.randperm(self.dataset_size, generator=g).tolist())
-        return self._order_cache[1]
-
-    # --- the group ---------------------------------------------------------------------------
-
-    def _start_group(self):
+    def _start_group(self) -> dict[str, Any]:
         """Joins the group the environment names (the job's first, or a round's), makes every
         rank's state the same and wraps the model."""
-        if not self.distributed:
-            return self._sync()
-        self._choose_interface()
-        before = _sockets()
-        self._round_over = False
-        # While the group starts, an abort breaks what it has opened so far (see _abort_links).
-        with self._start_lock:
-            self._starting = set(before.values())
-        timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
-        kwargs = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
-        store = self._connect_store(kwargs.get("timeout") or _default_timeout(self.backend))
-        if store is not None:
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            kwargs.update(store=store, rank=rank, world_size=world_size)
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-        _reset_group_names()
-        dist.init_process_group(self.backend, **kwargs)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self._aborted = False
+        self.group.begin()
+        self.rank, self.world_size = self.group.init()
         synced = self._sync()
-        self._ddp = DistributedDataParallel(
-            self.module, device_ids=[self.device.index] if self.backend == "nccl" else None
-        )
+        device_ids = [self.device.index] if self.backend == "nccl" else None
+        self._ddp = DistributedDataParallel(self.module, device_ids=device_ids, **self.ddp_options)
         self._ddp.register_comm_hook(None, self._comm_hook)
-        after = _sockets()
-        self._links = [(fd, inode) for fd, inode in after.items() if inode not in set(before.values())]
-        with self._start_lock:
-            self._starting = None
+        self.group.established()
         self._generation += 1
         return synced
 
-    def _choose_interface(self):
-        """gloo binds the address its host name resolves to, which another host may not reach
-        (network namespaces, some containers): unless the user chose, the interface on the
-        route to MASTER_ADDR."""
-        if self.backend != "gloo" or ("GLOO_SOCKET_IFNAME" in os.environ and not self._gloo_ifname_set):
-            return
-        name = _route_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        if name:
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            self._gloo_ifname_set = True
-
-    def _sync(self):
-        held_mine = self.progress["global_step"] + 1 if self.live else 0
-        if self.distributed:
-            t = torch.tensor([held_mine], dtype=torch.int64, device=self.device)
-            out = [torch.zeros_like(t) for _ in range(self.world_size)]
-            dist.all_gather(out, t)
-            held = [int(x.item()) for x in out]
-        else:
-            held = [held_mine]
+    def _sync(self) -> dict[str, Any]:
+        """Every rank's state made the same (see the module's doc); the ranks at the furthest
+        step are checked to hold the same state before anything travels."""
+        if self.live:
+            self._weights_fp = _check.fingerprint(self.module)
+        mine = [self.progress["global_step"] + 1, _check.state_hash(_check.counters(self))] if self.live else [0, 0]
+        t = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        held = [int(x[0].item()) for x in out]
+        hashes = [int(x[1].item()) for x in out]
         furthest = max(held)
-        resumed = False
-        if furthest == 0:
-            source = 0
-            if self.rank == 0:
-                resumed = self._load_checkpoint()
-        elif all(h == furthest for h in held):
+        _check.compare(
+            self,
+            [h if held[r] == furthest else 0 for r, h in enumerate(hashes)],
+            f"as the group of world size {self.world_size} started, at step {max(furthest - 1, 0)}",
+        )
+        result = {"resumed": False, "received": False, "bytes": 0, "fresh": furthest > 0 and min(held) == 0}
+        if furthest > 0 and all(h == furthest for h in held):
             self.live = True
-            return {"resumed": False, "received": False, "bytes": 0}
-        else:
-            source = held.index(furthest)
+            self._resized()
+            return result
+        source = held.index(furthest) if furthest > 0 else 0
+        resumed = False
+        if furthest == 0 and self.rank == 0:
+            resumed = _state.read_checkpoint(self)
         if held[self.rank] != furthest:
             self.live = False
-        nbytes = 0
-        if self.distributed:
-            nbytes, resumed = self._broadcast_state(source, resumed)
+        nbytes, resumed = _state.broadcast(self, source, resumed)
         self.live = True
+        self._weights_fp = _check.fingerprint(self.module)
         from_peer = furthest > 0
-        return {
-            "resumed": resumed,
-            "received": from_peer and held[self.rank] != furthest,
-            "bytes": nbytes if from_peer else 0,
-        }
-
-    def _broadcast_state(self, source, resumed):
-        if self.rank == source:
-            buf = io.BytesIO()
-            torch.save(self._state(resumed), buf)
-            blob = buf.getvalue()
-            size = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=source)
-        n = int(size.item())
-        if self.rank == source:
-            data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
-        else:
-            data = torch.empty(n, dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, src=source)
-        if self.rank == source:
-            return n, resumed
-        state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
-        self._load_state(state)
-        return n, bool(state["resumed"])
-
-    def _state(self, resumed):
-        return {
-            "format": "trainctl.torch/1",
-            "resumed": bool(resumed),
-            "progress": dict(self.progress),
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "user": self.user_state.state_dict() if self.user_state is not None else None,
-        }
-
-    def _load_state(self, state):
-        self.progress = {k: int(v) for k, v in state["progress"].items()}
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.user_state is not None and state.get("user") is not None:
-            self.user_state.load_state_dict(state["user"])
-
-    def _teardown(self):
-        self._links = []
-        with self._start_lock:
-            self._starting = None
-        if self._ddp is not None:
-            # The wrapper (its reducer holds the group and threads of its own) goes before the
-            # group; it may sit in a reference cycle, hence the collection.
-            self._ddp = None
-            gc.collect()
-        if self.distributed and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group is gone either way
-                pass
-
-    def _connect_store(self, timeout):
-        """Every rank but the store's host (rank 0, which init_process_group makes host it, as
-        torchrun's env:// does) connects to the round's store itself: it waits until the store
-        answers, then connects in tries of a few seconds, and gives up as soon as the round is
-        over. torch's own connect retries through the interrupt _on_message sends, and through
-        a store gone meanwhile, until the whole timeout (20 s and more lost: long enough for
-        the next round's store to give up on this rank in turn). Returns None on rank 0."""
-        if os.environ.get("RANK", "0") == "0" or not os.environ.get("MASTER_ADDR"):
-            return None
-        host, port = os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "0") or 0)
-        world_size = int(os.environ["WORLD_SIZE"])
-        deadline = time.monotonic() + timeout.total_seconds()
-        one_try = datetime.timedelta(seconds=min(STORE_TRY_S, timeout.total_seconds()))
-        while not self._round_over:
-            try:
-                socket.create_connection((host, port), timeout=0.5).close()
-                store = dist.TCPStore(host, port, world_size, False, one_try)
-            except (OSError, RuntimeError) as e:
-                # Not answering yet, or gone between the probe and the connect (torch's
-                # DistNetworkError is a RuntimeError).
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the round's store at {host}:{port} timed out after "
-                        f"{timeout.total_seconds():g} s without answering (`trainctl run "
-                        f"--collective-timeout` waits longer): {_why(e)}"
-                    ) from e
-                time.sleep(0.1)
-                continue
-            store.set_timeout(timeout)
-            # The prefix init_process_group gives only a store it made itself (rank 0's).
-            return dist.PrefixStore("default_pg", store)
-        raise RuntimeError(f"the round was over before its store at {host}:{port} answered")
-
-    def _on_message(self, message):
-        """The agent's messages as they arrive (the control channel's reader thread): an Abort
-        breaks the group's links; an assignment while a group is still starting means that
-        group's round is already over (a node of it went), so its start is broken too."""
-        start = self._starting
-        starting = start is not None
-        if isinstance(message, ctl.Abort) or (isinstance(message, ctl.Assign) and starting):
-            self._abort_links()
-            if starting:
-                # After the abort, so that the start's failure reads as the group's loss.
-                self._round_over = True
-            # A start may also wait where no socket is open yet (connecting to a store that
-            # is gone, retrying): the signal makes that system call return, and the start
-            # fail.
-            if starting and self._main_thread is not None:
-                signal.pthread_kill(self._main_thread, INTERRUPT)
-            if starting:
-                threading.Thread(target=self._keep_breaking, args=(start,), daemon=True).start()
-
-    def _keep_breaking(self, start):
-        """A start whose round is over may open new links after the abort broke the first
-        ones: torch's store client reconnects within its try, and a store that takes the
-        connection and never answers (its host stopped, not gone) would hold it there for good.
-        Until that start has given up, what it opens is broken too, every half second."""
-        while True:
-            time.sleep(0.5)
-            with self._start_lock:
-                if self._starting is not start:
-                    return
-                self._abort_links()
-
-    def _abort_links(self):
-        """An Abort from the agent (a node of the group is gone): break the group's links so a
-        collective blocked on it fails now, not after the timeout. gloo: shut its sockets down
-        (the ones the group opened); NCCL: abort the communicators, as PyTorch documents."""
-        self._aborted = True
-        if self.backend == "nccl":
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception:  # noqa: BLE001 - older torch: the backend's own abort
-                try:
-                    dist.group.WORLD._get_backend(self.device).abort()
-                except Exception:  # noqa: BLE001
-                    pass
-            return
-        store_port = int(os.environ.get("MASTER_PORT", "0") or 0)
-        links = list(self._links)
-        starting = self._starting
-        if starting is not None:
-            # A group still starting (its store's rendezvous, gloo's pairs): what it has opened
-            # so far, its store client included, which is what a start waits on.
-            links = [(fd, inode) for fd, inode in _sockets().items() if inode not in starting]
-        for fd, inode in links:
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
-                    continue
-                s = socket.socket(fileno=os.dup(fd))
-                try:
-                    # Only the links to peers: gloo's listener and the store (their threads
-                    # end the process on an error) are left to the group's teardown.
-                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        continue
-                    if s.family not in (socket.AF_INET, socket.AF_INET6):
-                        continue
-                    # The store's server side is left alone; its clients only while starting.
-                    if s.getsockname()[1] == store_port:
-                        continue
-                    if starting is None and s.getpeername()[1] == store_port:
-                        continue
-                    s.shutdown(socket.SHUT_RDWR)
-                finally:
-                    s.close()
-            except OSError:
-                pass
-
-    def _collective_error(self, e):
-        dist_error = getattr(dist, "DistError", None)
-        if dist_error is not None and isinstance(e, dist_error):
-            return True
-        # After an abort, PyTorch's `_abort_process_group` has also removed the default group:
-        # a collective then raises ValueError ("not initialized"), part of the same loss.
-        if self._aborted and isinstance(e, (RuntimeError, ValueError)):
-            return True
-        if not isinstance(e, RuntimeError):
-            return False
-        text = str(e)
-        return any(
-            k in text
-            for k in ("gloo", "Gloo", "NCCL", "onnection", "imed out", "closed by peer", "Socket")
+        # A rank that runs the loop from its top into a state taken mid-loop (see _Flow).
+        came_in = (from_peer and held[self.rank] != furthest) or (resumed and self.progress["position"] > 0)
+        if came_in:
+            self._flow.came_in(self.progress["position"] >= self.dataset_size, max(self.progress["epoch_end_evals"], 0))
+        self._resized()
+        result.update(
+            resumed=resumed,
+            received=from_peer and held[self.rank] != furthest,
+            bytes=nbytes if from_peer else 0,
         )
+        return result
 
-    def _lost(self, e):
-        self.optimizer.zero_grad(set_to_none=True)
-        self._regroup(_why(e), saver=self.rank == 0, lost=True)
+    def _resized(self) -> None:
+        """Tells ``on_resize`` when the state was trained at another world size."""
+        p = self.progress
+        old, new = p["world_size"], self.world_size
+        p["world_size"] = new
+        if old and old != new and self.on_resize is not None:
+            self.on_resize(old, new)
 
-    def _regroup(self, reason, saver, lost):
+    def _teardown(self) -> None:
+        def drop_wrapper() -> None:
+            self._ddp = None
+
+        self.group.teardown(drop_wrapper)
+
+    def _regroup(self, reason: str, saver: bool, lost: bool) -> dict[str, Any]:
         """Leaves the group and goes on in the next round's, with every rank's state the same.
         Joining can fail (another node lost meanwhile): the worker says so and waits for the
         round after."""
+        if self.control is None:
+            raise RuntimeError(f"{reason}: the group cannot change without trainctl run's agent")
         left = time.monotonic()
         world_size_before = self.world_size
         step_left = self.progress["global_step"]
         self._teardown()
-        why = reason
+        cause = reason
         if lost:
             reason = f"peer lost: {reason}"
         while True:
-            nxt = self._next_round(why, lost)
+            nxt = self._next_round(cause, lost)
             if nxt is _LEAVE:
                 self._leave()
             if nxt is _STOP:
                 if saver:
                     self._checkpoint(force=True)
-                _say(f"rank {self.rank} stopped (SIGTERM) while waiting for the next round")
+                say(f"rank {self.rank} stopped (SIGTERM) while waiting for the next round")
                 sys.exit(EXIT_PREEMPTED)
+            assert isinstance(nxt, list)
             os.environ.update(dict(nxt))
             saver = os.environ.get("RANK") == "0"
             try:
                 synced = self._start_group()
                 break
             except Exception as e:  # noqa: BLE001 - a collective of the new group failed
-                if not self._collective_error(e):
+                if not self.group.is_collective_error(e):
                     raise
-                _say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
+                say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
                 self._teardown()
-                why, lost = f"joining the new group: {_why(e)}", True
-        seconds = time.monotonic() - left
+                cause, lost = f"joining the new group: {why(e)}", True
+        self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left)
+        return synced
+
+    def _report_regroup(
+        self, reason: str, world_size_before: int, step_left: int, synced: dict[str, Any], seconds: float
+    ) -> None:
         p = self.progress
         regrouped = {
             "world_size_before": world_size_before,
@@ -849,6 +949,7 @@ class Elastic:
             self._metrics.close()
             self._metrics = None
         self._metrics_file().write("regroup", reason=reason, **regrouped)
+        assert self.control is not None
         try:
             self.control.send(
                 ctl.regrouped(
@@ -866,10 +967,11 @@ class Elastic:
             # The agent's report of the regroup; training goes on without it.
             pass
 
-    def _next_round(self, why, lost):
+    def _next_round(self, why: str, lost: bool) -> Any:
         """Tells the agent why this worker left its group, then waits for the next round's
         environment, a stop, or the word that this node goes. A closed channel: the agent
         restarts this node's workers, so this one exits as a lost peer's would."""
+        assert self.control is not None
         step = self.progress["global_step"]
         try:
             if lost:
@@ -904,27 +1006,25 @@ class Elastic:
                 else:
                     self._take(message)
         except ctl.ControlError as e:
-            _say(f"{why}; the agent did not regroup this worker ({e})")
+            say(f"{why}; the agent did not regroup this worker ({e})")
             sys.exit(EXIT_PEER_LOST)
 
-    def _leave(self):
-        _say(
-            f"rank {self.rank} leaves the job after step {self.progress['global_step']}: its node was asked to go"
-        )
+    def _leave(self) -> None:
+        say(f"rank {self.rank} leaves the job after step {self.progress['global_step']}: its node was asked to go")
         self._teardown()
         sys.exit(EXIT_PREEMPTED)
 
-    def _on_sigterm(self, signum, frame):
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
 
-    # --- files -------------------------------------------------------------------------------
+    # --- files ---------------------------------------------------------------------------------
 
-    def _metrics_file(self):
+    def _metrics_file(self) -> Metrics:
         if self._metrics is None:
             self._metrics = Metrics(self.run_dir, self.rank)
         return self._metrics
 
-    def _write_start(self):
+    def _write_start(self) -> None:
         group = self.optimizer.param_groups[0]
         self._metrics_file().write(
             "start",
@@ -953,110 +1053,38 @@ class Elastic:
             },
         )
 
-    def _checkpoint(self, force=False):
-        """Rank 0 (or, with ``force``, the rank a stop chose) writes the state all ranks hold,
-        atomically: a temporary file, synced, then renamed; torch's format checksums each
-        record."""
+    def _checkpoint(self, force: bool = False) -> None:
+        """Rank 0 (or, with ``force``, the rank a stop chose) writes the state all ranks hold."""
         if self.rank != 0 and not force:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(self.checkpoint_path)), exist_ok=True)
-        tmp = f"{self.checkpoint_path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(self._state(False), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.checkpoint_path)
-        dirfd = os.open(os.path.dirname(os.path.abspath(self.checkpoint_path)), os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        _state.write_checkpoint(self)
         p = self.progress
         self._metrics_file().write(
             "checkpoint", rank=self.rank, step=p["global_step"], epoch=p["epoch"], position=p["position"]
         )
 
-    def _load_checkpoint(self):
-        if not os.path.isfile(self.checkpoint_path):
-            return False
-        try:
-            state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
-            if state.get("format") != "trainctl.torch/1":
-                raise ValueError("not a trainctl.torch checkpoint")
-        except Exception as e:  # noqa: BLE001 - say which file and why
-            raise RuntimeError(
-                f"{self.checkpoint_path}: cannot resume from it ({e}); move it away to start afresh"
-            ) from None
-        self._load_state(state)
-        p = self.progress
-        _say(f"resuming from {self.checkpoint_path}: epoch {p['epoch'] + 1}, step {p['global_step']}")
-        return True
+
+def _run_id(launched: bool) -> str:
+    """The launcher's run id, or ``local`` for a one-node run whose id torchrun makes anew at
+    every launch (a UUID) and for a run with no launcher, as ``trainctl run`` names it."""
+    given = os.environ.get("TORCHELASTIC_RUN_ID", "") if launched else ""
+    if not given or _UUID.match(given):
+        return "local"
+    return given
 
 
-def _reset_group_names():
-    """PyTorch names a group by a per-process count of the groups created (its store keys carry
-    the name), which `destroy_process_group` resets, but a start that failed half-way leaves
-    counted: ranks whose starts failed differently would then wait for each other's keys under
-    different names. Every group start begins from the same name, as a fresh process's does."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
-        world.group_count = 0
-
-
-def _default_timeout(backend):
-    """torch's own default for a group's timeout (30 min; NCCL's 10)."""
-    try:
-        return dist.distributed_c10d._get_default_timeout(backend)
-    except AttributeError:  # another torch: the documented constant
-        return dist.default_pg_timeout
-
-
-def _why(e):
-    """A collective's error in one line, without gloo's boilerplate."""
-    text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
-    return first.split(" This is typically caused by")[0].strip()
-
-
-def _sockets():
-    """This process's socket descriptors: descriptor → inode."""
-    found = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found[int(name)] = target
-    return {fd: t[len("socket:[") : -1] for fd, t in found.items()}
-
-
-def _route_interface(host):
-    """The name of the interface this host reaches ``host`` through, or ``None``."""
-    try:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect((host, 9))
-            ip = probe.getsockname()[0]
-        finally:
-            probe.close()
-    except OSError:
-        return None
-    import fcntl
-
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            except OSError:
-                continue
-            if socket.inet_ntoa(raw[20:24]) == ip:
-                return name
-    finally:
-        s.close()
-    return None
+def _refuse_at_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    if isinstance(model, DistributedDataParallel):
+        raise _guards.UsageError(
+            "Elastic was given a DistributedDataParallel model: give it the model itself; "
+            "job.model is the model wrapped in DDP, wrapped again after each regroup"
+        )
+    if dist.is_available() and dist.is_initialized():
+        raise _guards.UsageError(
+            "a process group is already initialized: Elastic starts (and restarts) the group "
+            "itself; remove your dist.init_process_group(...)"
+        )
+    live = _guards.live_job()
+    if live is not None:
+        raise _guards.UsageError("another Elastic job runs in this process: call job.finish() on it first")
+    _guards.refuse_stray_scheduler(optimizer, scheduler)

@@ -449,7 +449,7 @@ fn the_elastic_example_is_plain_ddp_under_torchrun() {
 /// the whole group timeout, which outlast the next round's patience (the PyTorch elastic
 /// scenarios' regroup took 40 s once this way), nor never: torch's client waits for good on a
 /// store that takes the connection and never answers. The script stands in for
-/// `_start_group` at its connect: its store takes the worker's first connection and is then
+/// a group's start at its connect: its store takes the worker's first connection and is then
 /// gone, or stays and never answers (its host stopped); the next round comes a second later.
 #[test]
 fn a_worker_connecting_to_a_round_that_is_over_gives_it_up_at_once() {
@@ -462,7 +462,7 @@ fn a_worker_connecting_to_a_round_that_is_over_gives_it_up_at_once() {
     let script = r#"
 import datetime, faulthandler, os, signal, socket, sys, threading, time
 from trainctl import control
-from trainctl.torch._elastic import INTERRUPT, Elastic, _sockets
+from trainctl.torch._group import Group
 
 faulthandler.dump_traceback_later(120, exit=True)  # broken: a stack in 2 min, not a 10 min wait
 server = socket.create_server(("127.0.0.1", 0))
@@ -476,13 +476,10 @@ def serve():
 threading.Thread(target=serve, daemon=True).start()
 os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=str(server.getsockname()[1]))
-worker = Elastic.__new__(Elastic)
-worker.backend, worker._links, worker._round_over = "gloo", [], False
-worker._starting, worker._start_lock = set(_sockets().values()), threading.Lock()
-signal.signal(INTERRUPT, lambda signum, frame: None)
-signal.siginterrupt(INTERRUPT, True)
-worker._main_thread = threading.get_ident()
-threading.Timer(1.0, worker._on_message, [control.Assign([("RANK", "1")])]).start()
+import torch
+worker = Group("gloo", torch.device("cpu"), launched=True)
+worker.begin()
+threading.Timer(1.0, worker.on_message, [control.Assign([("RANK", "1")])]).start()
 start = time.monotonic()
 try:
     worker._connect_store(datetime.timedelta(seconds=600))

@@ -1,0 +1,146 @@
+"""The safety net: the ranks compare, in collectives the job already runs, what must be equal
+on all of them, and a difference stops the job, naming the ranks, the step and what differed.
+
+Every step's agreement carries each rank's *state hash*: a CRC32 of its counters (the steps
+applied, the scheduler's place and the learning rates and other hyperparameters of every
+parameter group: plain Python numbers, no device synchronisation) and of its weights'
+fingerprint as of its last check (a CRC32 of the parameters, taken at every epoch's end and
+after every regroup). A group's start compares the same hash among the ranks that hold the
+same step before any state travels, and ``job.finish()`` compares the final weights. Whatever
+pattern made the ranks part (gradients not all-reduced, a scheduler stepped on some ranks,
+weights changed on one), it shows within a step of the counters parting or an epoch of the
+weights parting, not in the model the user ships.
+
+A hash rides the step's float32 all-reduce as two 16-bit halves in slots of the rank's own
+(summing one non-zero value per slot is exact).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ._elastic import Elastic
+
+SLOTS = 2
+"""Float32 slots per rank in a step's agreement."""
+
+
+class DivergedError(RuntimeError):
+    """The ranks no longer hold the same training state: training on would give a wrong model."""
+
+
+def fingerprint(module: torch.nn.Module) -> int:
+    """A CRC32 of the module's parameters (buffers differ between DDP's ranks between two
+    forwards, as DDP broadcasts them from rank 0 at each)."""
+    crc = 0
+    for _, p in module.named_parameters():
+        crc = zlib.crc32(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as a plain value; a tensor on a device is left out (reading it would
+    synchronise the device every step)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        return value.item()
+    return "?"
+
+
+def counters(job: Elastic) -> dict[str, Any]:
+    """What every rank must hold alike, in a form to print."""
+    p = job.progress
+    groups = [
+        {k: _plain(v) for k, v in sorted(g.items()) if k != "params"} for g in job.optimizer.param_groups
+    ]
+    out: dict[str, Any] = {"step": p["global_step"], "hyperparameters": groups, "weights": job._weights_fp}
+    if job.scheduler is not None:
+        out["scheduler steps"] = getattr(job.scheduler, "last_epoch", None)
+    return out
+
+
+def state_hash(values: dict[str, Any]) -> int:
+    """``values`` as a non-zero 32-bit number (0 marks a rank that has nothing to compare)."""
+    return (zlib.crc32(repr(sorted(values.items())).encode()) or 1) & 0xFFFFFFFF
+
+
+def slots(rank: int, world_size: int, value: int) -> list[float]:
+    """``value`` in this rank's slots of a step's agreement, zeros in the others'."""
+    out = [0.0] * (SLOTS * world_size)
+    out[SLOTS * rank] = float(value & 0xFFFF)
+    out[SLOTS * rank + 1] = float(value >> 16)
+    return out
+
+
+def unpack(summed: list[float], world_size: int) -> list[int]:
+    """Every rank's value from the summed slots."""
+    return [int(round(summed[SLOTS * r])) | (int(round(summed[SLOTS * r + 1])) << 16) for r in range(world_size)]
+
+
+def _ranks(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+HINTS = {
+    "weights": "weights that parted: gradients not all-reduced (a backward under no_sync(), or "
+    "through the model itself instead of job.model), or weights changed on some ranks only",
+    "hyperparameters": "learning rates or other hyperparameters that parted: an LR scheduler not "
+    "given to Elastic (scheduler=), or one changed on some ranks only",
+    "scheduler steps": "a scheduler stepped a different number of times on some ranks",
+    "step": "ranks at different steps",
+}
+
+
+def describe(details: list[dict[str, Any]], where: str) -> str:
+    """The message for ranks whose ``details`` (``counters``, one per rank, with ``rank``)
+    differ."""
+    lines = [f"the ranks no longer hold the same training state {where}:"]
+    hints = []
+    keys = [k for k in details[0] if k != "rank"]
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for d in details:
+            by_value.setdefault(repr(d.get(key)), []).append(d["rank"])
+        if len(by_value) > 1:
+            shown = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
+            lines.append(f"  {key}: {shown}")
+            hints.append(HINTS.get(key, key))
+    if len(lines) == 1:
+        lines.append("  (their state hashes differ; the details did not)")
+    lines.append(
+        "Likely: " + "; ".join(dict.fromkeys(hints)) + ". The job stops here: training on would give a "
+        "wrong model. See the Python package's README for the loop patterns that stay exact."
+    )
+    return "\n".join(lines)
+
+
+def compare(job: Elastic, hashes: list[int], where: str) -> None:
+    """Raises ``DivergedError`` when the non-zero ``hashes`` differ, after every rank of the
+    group has gathered every rank's details (all ranks see the same hashes, so all come here)."""
+    seen = {h for h in hashes if h}
+    if len(seen) <= 1:
+        return
+    import torch.distributed as dist
+
+    mine = {"rank": job.rank, **counters(job)}
+    details: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(details, mine)
+    except Exception:  # noqa: BLE001 - the group broke meanwhile: say what this rank knows
+        details = [mine]
+    details = [d for d in details if d is not None and hashes[d["rank"]]]
+    raise DivergedError(describe(details, where))

@@ -1,0 +1,138 @@
+"""What a rank trains next: the rest of the epoch as micro-batches, planned from the position
+every rank agrees on, and the two ways a training loop reads them (``job.batches()``, sample
+indices; ``job.loader(dataset)``, a DataLoader's batches).
+
+A step is ``accumulate`` micro-batches of ``batch_size`` samples per rank. The plan is
+re-made after every regroup (another world size re-shards the rest of the epoch), so a loop
+must not read ahead of training: ``job.batches()`` refuses a reader that does (a DataLoader
+with worker processes prefetches), and ``job.loader()`` is the DataLoader that can be read
+ahead, because it drops what it prefetched when the plan changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+
+from ..sampler import Shard
+
+if TYPE_CHECKING:
+    from ._elastic import Elastic
+
+# DataLoader arguments the job decides: which samples each batch holds, and in what order.
+_PLANNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+class Micro(NamedTuple):
+    """One micro-batch of this rank's plan."""
+
+    generation: int
+    """The group it was planned for (a regroup makes the rest of the plan stale)."""
+    part: int
+    """Its place in its step, from 0; the step's optimizer update follows part ``parts - 1``."""
+    parts: int
+    indices: list[int]
+    """This rank's samples, padding included (DistributedSampler pads the epoch's end)."""
+    trained: list[int]
+    """The epoch's own samples among them: what the step's digest counts."""
+    position_after: int
+    """The epoch's global position once its step is done."""
+
+    @property
+    def last(self) -> bool:
+        return self.part == self.parts - 1
+
+
+def plan(
+    order: list[int], position: int, world_size: int, rank: int, batch_size: int, accumulate: int, generation: int
+) -> list[Micro]:
+    """The rest of the epoch for ``rank`` of ``world_size``: each step's batch
+    (``batch_size * accumulate`` samples, the last one maybe fewer) cut into micro-batches of
+    ``batch_size``. Every rank's step has as many micro-batches: the sampler pads each rank's
+    share to the same length."""
+    shard = Shard(order, position, world_size, rank, batch_size * accumulate)
+    out = []
+    for s in range(shard.steps):
+        batch = shard.batch(s)
+        own = len(shard.unpadded_batch(s))
+        parts = -(-len(batch) // batch_size)
+        after = shard.position_after(s + 1)
+        for p in range(parts):
+            lo, hi = p * batch_size, min((p + 1) * batch_size, len(batch))
+            out.append(Micro(generation, p, parts, batch[lo:hi], batch[lo : min(hi, max(own, lo))], after))
+    return out
+
+
+class Batches:
+    """``job.batches()``: this rank's sample indices of each micro-batch left in the epoch.
+
+    Iterate it directly, or hand it to a DataLoader as ``batch_sampler`` without worker
+    processes; each iteration is the rest of the current epoch. Train each batch inside
+    ``with job.step():`` before asking for the next."""
+
+    def __init__(self, job: Elastic):
+        self._job = job
+
+    def __len__(self) -> int:
+        return len(self._job._plan())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        job = self._job
+        for micro in job._iterate():
+            yield micro.indices
+
+
+class _Segment:
+    """The batch sampler of ``Loader``'s DataLoader: the micro-batches of the plan it runs now."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(list(self.batches))
+
+
+class Loader:
+    """``job.loader(dataset, **kwargs)``: a DataLoader over ``dataset`` (``kwargs`` are the
+    DataLoader's own: ``num_workers``, ``collate_fn``, ``pin_memory``, ...) that yields this
+    rank's batches of the rest of the epoch. Its workers may read ahead: when the group
+    changes, what they prefetched for the old plan is dropped and the rest of the epoch is
+    loaded as the new group shards it."""
+
+    def __init__(self, job: Elastic, dataset: Any, kwargs: dict[str, Any]):
+        from torch.utils.data import DataLoader
+
+        from ._guards import UsageError
+
+        taken = [k for k in _PLANNED if k in kwargs]
+        if taken:
+            raise UsageError(
+                f"job.loader() was given {', '.join(taken)}: the job decides each batch's samples "
+                "(Elastic's batch_size, the epoch's order re-sharded over the group): drop "
+                f"{'it' if len(taken) == 1 else 'them'}"
+            )
+        self._job = job
+        self._segment = _Segment()
+        self._loader = DataLoader(dataset, batch_sampler=self._segment, **kwargs)
+        # A new plan since the DataLoader's iterator was made (see __iter__).
+        self._fresh = True
+
+    def __len__(self) -> int:
+        return len(self._job._plan())
+
+    def __iter__(self) -> Iterator[Any]:
+        job = self._job
+        loaded: Iterator[Any] | None = None
+        for _micro in job._iterate(on_plan=self._start):
+            if self._fresh:
+                # A plan cut short (the group changed) is dropped with its iterator: its
+                # workers stop, or, persistent, start over on the new plan.
+                loaded, self._fresh = iter(self._loader), False
+            assert loaded is not None
+            yield next(loaded)
+
+    def _start(self, planned: list[Micro]) -> None:
+        self._segment.batches = [m.indices for m in planned]
+        self._fresh = True

@@ -1,0 +1,177 @@
+"""What keeps a training loop exact around ``Elastic``: the optimizer is stepped by the job
+alone (once every rank agreed the step is whole), the LR scheduler steps only after an update
+the job made, and a GradScaler is the job's. Each guard refuses, at once and saying what to
+do, the use that would otherwise train a wrong model without a word.
+
+The guards change nothing the objects save: the optimizer gets a step pre-hook (PyTorch's own
+extension point); the scheduler and the scaler get a subclass of their own class made here
+(``state_dict`` and ``load_state_dict`` are the class's, so their checkpoints are plain).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ._elastic import Elastic
+
+
+class UsageError(RuntimeError):
+    """A use of ``trainctl.torch`` that it cannot make exact; the message says what to do."""
+
+
+# The job each guarded object belongs to (kept out of the objects' own ``__dict__``, which
+# an LR scheduler's ``state_dict`` returns whole).
+_JOBS: weakref.WeakKeyDictionary[Any, Elastic] = weakref.WeakKeyDictionary()
+# The job of this process while it trains (one at a time).
+_LIVE: list[weakref.ReferenceType[Elastic]] = []
+
+
+def live_job() -> Elastic | None:
+    job = _LIVE[0]() if _LIVE else None
+    return job
+
+
+def set_live(job: Elastic | None) -> None:
+    _LIVE.clear()
+    if job is not None:
+        _LIVE.append(weakref.ref(job))
+
+
+# --- the optimizer ------------------------------------------------------------------------
+
+
+def guard_optimizer(job: Elastic, optimizer: torch.optim.Optimizer) -> Any:
+    """Refuses every ``optimizer.step()`` but the job's (``scaler.step(optimizer)`` included),
+    before it changes anything. Returns the hook's handle."""
+
+    def pre_hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if not job._stepping:
+            raise UsageError(
+                "optimizer.step() was called by the training loop: with trainctl.torch the job "
+                "steps the optimizer at the end of each `with job.step():`, once every rank agreed "
+                "the step is whole (a second step would apply the update twice). Remove your "
+                "optimizer.step() (and scaler.step()/scaler.update(): give the GradScaler to "
+                "Elastic as scaler=...)"
+            )
+
+    return optimizer.register_step_pre_hook(pre_hook)
+
+
+def refuse_stray_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """An LR scheduler that steps this optimizer but was not given to Elastic would not travel
+    to a joining node, nor into the checkpoint: the ranks' learning rates would part."""
+    if scheduler is None and getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        raise UsageError(
+            "an LR scheduler was made for this optimizer but not given to Elastic: pass it as "
+            "Elastic(..., scheduler=scheduler) (it then travels to joining nodes and into the "
+            "checkpoint, and steps only after an update the job made); with several, give the "
+            "one you step (a SequentialLR or ChainedScheduler of them)"
+        )
+
+
+# --- the scheduler and the scaler ---------------------------------------------------------
+
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def _subclass(base: type, kind: str, methods: dict[str, Callable[..., Any]]) -> type:
+    """``base`` with ``methods``: named as ``base``, and pickled as a plain ``base`` (a copy
+    outside the job is the user's own object again)."""
+    key = (base, kind)
+    if key not in _SUBCLASSES:
+
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            guarded = self.__class__
+            self.__class__ = base
+            try:
+                return base.__reduce_ex__(self, protocol)
+            finally:
+                self.__class__ = guarded
+
+        body = {"__module__": base.__module__, "__reduce_ex__": __reduce_ex__, **methods}
+        _SUBCLASSES[key] = type(base.__name__, (base,), body)
+    return _SUBCLASSES[key]
+
+
+def _unguarded(obj: Any) -> type:
+    """The user's class of ``obj``, whether or not a guard subclassed it already."""
+    cls = type(obj)
+    return cls.__mro__[1] if cls in set(_SUBCLASSES.values()) else cls
+
+
+def gate_scheduler(job: Elastic, scheduler: Any) -> None:
+    """``scheduler.step()`` steps it only when the job applied an update since its last step:
+    after a dropped step (a peer lost) or a micro-batch of an accumulation, it does nothing.
+    Wherever the loop steps it after ``with job.step()``, per step or per epoch, every rank's
+    schedule then follows the updates the job applied, a joiner's too."""
+    base = _unguarded(scheduler)
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = _JOBS.get(self)
+        if owner is not None and not owner._scheduler_may_step():
+            return None
+        return base.step(self, *args, **kwargs)
+
+    scheduler.__class__ = _subclass(base, "scheduler", {"step": step})
+    _JOBS[scheduler] = job
+
+
+def guard_scaler(job: Elastic, scaler: Any) -> None:
+    """The job steps the optimizer through ``scaler`` and updates it; the loop's own
+    ``scaler.step()``/``scaler.update()`` are refused (scaling, ``unscale_`` for clipping and
+    ``get_scale`` are the loop's)."""
+    base = _unguarded(scaler)
+
+    def refuse(name: str) -> Callable[..., Any]:
+        own = getattr(base, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            owner = _JOBS.get(self)
+            if owner is not None and not owner._stepping:
+                raise UsageError(
+                    f"scaler.{name}() was called by the training loop: the GradScaler given to "
+                    "Elastic is stepped and updated by the job at the end of each `with "
+                    "job.step():`, once every rank agreed the step is whole. Remove your "
+                    "scaler.step(optimizer) and scaler.update(); keep scaler.scale(loss).backward()"
+                )
+            return own(self, *args, **kwargs)
+
+        return method
+
+    scaler.__class__ = _subclass(base, "scaler", {"step": refuse("step"), "update": refuse("update")})
+    _JOBS[scaler] = job
+
+
+def _grad_scaler_class() -> type | None:
+    amp = getattr(torch, "amp", None)
+    return getattr(amp, "GradScaler", None)
+
+
+_SCALE_PATCHED: list[Callable[..., Any]] = []
+
+
+def refuse_stray_scalers() -> None:
+    """A GradScaler not given to Elastic scales the loss, and the job would step the optimizer
+    on gradients thousands of times too large: its ``scale()`` is refused while a job trains."""
+    cls = _grad_scaler_class()
+    if cls is None or _SCALE_PATCHED:
+        return
+    original = cls.scale
+    _SCALE_PATCHED.append(original)
+
+    def scale(self: Any, outputs: Any) -> Any:
+        job = live_job()
+        if job is not None and job.scaler is not self and getattr(self, "_enabled", True):
+            raise UsageError(
+                "a GradScaler that was not given to Elastic scales the loss: the job steps the "
+                "optimizer, and would step it on scaled gradients. Pass it as "
+                "Elastic(..., scaler=scaler) and remove your scaler.step(optimizer) and "
+                "scaler.update()"
+            )
+        return original(self, outputs)
+
+    cls.scale = scale
