@@ -33,6 +33,9 @@ class DivergedError(RuntimeError):
     """The ranks no longer hold the same training state: training on would give a wrong model."""
 
 
+DivergedError.__module__ = "trainctl.torch"
+
+
 def fingerprint(module: torch.nn.Module) -> int:
     """A CRC32 of the module's parameters (buffers differ between DDP's ranks between two
     forwards, as DDP broadcasts them from rank 0 at each)."""
@@ -55,14 +58,16 @@ def _plain(value: Any) -> Any:
 
 
 def counters(job: Elastic) -> dict[str, Any]:
-    """What every rank must hold alike, in a form to print."""
-    p = job.progress
-    groups = [
-        {k: _plain(v) for k, v in sorted(g.items()) if k != "params"} for g in job.optimizer.param_groups
-    ]
-    out: dict[str, Any] = {"step": p["global_step"], "hyperparameters": groups, "weights": job._weights_fp}
+    """What every rank must hold alike, by name, in a form to print: the step, the weights'
+    fingerprint, the scheduler's steps and every hyperparameter of every parameter group."""
+    out: dict[str, Any] = {"step": job.progress["global_step"], "weights": f"{job._weights_fp:08x}"}
     if job.scheduler is not None:
         out["scheduler steps"] = getattr(job.scheduler, "last_epoch", None)
+    groups = job.optimizer.param_groups
+    for i, g in enumerate(groups):
+        for k, v in sorted(g.items()):
+            if k != "params":
+                out[k if len(groups) == 1 else f"{k} (param group {i})"] = _plain(v)
     return out
 
 
@@ -98,11 +103,13 @@ def _ranks(ranks: list[int]) -> str:
 HINTS = {
     "weights": "weights that parted: gradients not all-reduced (a backward under no_sync(), or "
     "through the model itself instead of job.model), or weights changed on some ranks only",
-    "hyperparameters": "learning rates or other hyperparameters that parted: an LR scheduler not "
-    "given to Elastic (scheduler=), or one changed on some ranks only",
     "scheduler steps": "a scheduler stepped a different number of times on some ranks",
     "step": "ranks at different steps",
 }
+HYPERPARAMETERS = (
+    "hyperparameters that parted: an LR scheduler not given to Elastic (scheduler=), or a "
+    "learning rate changed on some ranks only"
+)
 
 
 def describe(details: list[dict[str, Any]], where: str) -> str:
@@ -118,7 +125,7 @@ def describe(details: list[dict[str, Any]], where: str) -> str:
         if len(by_value) > 1:
             shown = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
             lines.append(f"  {key}: {shown}")
-            hints.append(HINTS.get(key, key))
+            hints.append(HINTS.get(key, HYPERPARAMETERS))
     if len(lines) == 1:
         lines.append("  (their state hashes differ; the details did not)")
     lines.append(

@@ -25,6 +25,7 @@ the survivors hold the same step or one step apart, and the furthest streams.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import sys
@@ -229,8 +230,8 @@ class Elastic:
         self.group = Group(self.backend, self.device, self.launched)
         self._ddp: DistributedDataParallel | None = None
         self._generation = 0
-        # The micro-batches handed to the loop and not yet trained (one at most: see _enter_step).
-        self._handed: list[_data.Micro] = []
+        # The micro-batch handed to the loop and not yet trained (the loop may not read ahead).
+        self._handed: _data.Micro | None = None
         # What the last step's agreement decided, for the next boundary: (kind, saver rank).
         self._pending: tuple[str, int] | None = None
         self._assigned: list[tuple[str, str]] | None = None
@@ -272,6 +273,12 @@ class Elastic:
             _guards.guard_scaler(self, scaler)
         _guards.refuse_stray_scalers()
         _guards.set_live(self)
+        # A loop that ends by an exception still tears the group down (a process that exits
+        # with gloo's threads running aborts, hiding the exception's exit code), and a
+        # collective that lost a peer outside the job's steps says where collectives go.
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+        atexit.register(self._at_exit)
         self.control = None
         if self.launched:
             try:
@@ -363,13 +370,17 @@ class Elastic:
         self._boundary()
         if self.world_size > 1 and dist.is_initialized():
             # Every rank past its last collective before any tears the group down (a group
-            # torn down under a peer's gloo thread can abort that process), and the weights
-            # compared one last time.
+            # torn down under a peer's gloo thread can abort that process), the weights
+            # compared one last time, and rank 0's buffers (batch norm's running statistics,
+            # which DDP sends from rank 0 at each forward) made every rank's: whichever rank
+            # saves the model saves the same one.
             self._weights_fp = _check.fingerprint(self.module)
             mine = torch.tensor([_check.state_hash(_check.counters(self))], dtype=torch.int64, device=self.device)
             everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
             try:
                 dist.all_gather(everyone, mine)
+                for b in self.module.buffers():
+                    dist.broadcast(b.data, src=0)
             except Exception:  # noqa: BLE001 - at the end, a peer gone changes nothing
                 everyone = []
             if everyone:
@@ -387,6 +398,8 @@ class Elastic:
             self._metrics.close()
         self._hook.remove()
         _guards.set_live(None)
+        sys.excepthook = self._excepthook
+        atexit.unregister(self._at_exit)
 
     def fingerprint(self) -> int:
         """A CRC32 of the model's parameters and buffers: equal on ranks that hold the same."""
@@ -402,7 +415,7 @@ class Elastic:
     def _iterate(self, on_plan: Callable[[list[_data.Micro]], None] | None = None) -> Iterator[_data.Micro]:
         """The rest of the epoch, one micro-batch at a time, with a boundary after each; planned
         again after a regroup."""
-        self._handed.clear()
+        self._handed = None
         self._boundary()
         self._mark_epoch()
         while True:
@@ -414,12 +427,15 @@ class Elastic:
                 on_plan(planned)
             generation = self._generation
             for micro in planned:
-                self._handed.append(micro)
+                self._handed = micro
                 yield micro
-                if self._handed and self._handed[0] is micro:
+                if self._handed is not None:
                     raise _guards.UsageError(
-                        "a batch of the job was not trained: train each inside `with job.step():` "
-                        "before asking for the next"
+                        "the next batch was asked for before this one was trained: a DataLoader with "
+                        "worker processes reads job.batches() ahead, and a regroup would re-plan the "
+                        "epoch under it. Use job.loader(dataset, num_workers=..., ...) (the "
+                        "DataLoader's own arguments; it drops what it read ahead when the group "
+                        "changes), or num_workers=0; and train every batch inside `with job.step():`"
                     )
                 self._boundary()
                 if self._generation != generation:
@@ -542,21 +558,13 @@ class Elastic:
     def _enter_step(self, step: Step) -> None:
         if self._in_step:
             raise _guards.UsageError("`with job.step():` inside another: one block per micro-batch")
-        if not self._handed:
+        if self._handed is None:
             raise _guards.UsageError(
                 "`with job.step():` without a batch of the job: each step trains the next batch of "
                 "job.batches() or job.loader()"
             )
-        if len(self._handed) > 1:
-            raise _guards.UsageError(
-                f"job.batches() was read {len(self._handed) - 1} batch(es) ahead of training (a "
-                "DataLoader with worker processes prefetches): a regroup re-plans the epoch, and "
-                "what was read ahead would be trained at the wrong place. Use "
-                "job.loader(dataset, num_workers=..., ...) instead (the DataLoader's own arguments), "
-                "or num_workers=0"
-            )
         _guards.refuse_stray_scheduler(self.optimizer, self.scheduler)
-        micro = self._handed[0]
+        micro = self._handed
         self._in_step = True
         self._drain()
         now = time.monotonic()
@@ -582,7 +590,8 @@ class Elastic:
 
     def _exit_step(self, step: Step, exc: BaseException | None) -> bool:
         self._in_step = False
-        micro = self._handed.pop(0)
+        micro, self._handed = self._handed, None
+        assert micro is not None
         try:
             if exc is not None:
                 if self.control is not None and self.group.is_collective_error(exc):
@@ -1016,6 +1025,21 @@ class Elastic:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
+
+    def _on_uncaught(self, kind: Any, value: BaseException, tb: Any) -> None:
+        self._excepthook(kind, value, tb)
+        if self.control is not None and isinstance(value, Exception) and self.group.is_collective_error(value):
+            say(
+                "a collective outside `with job.step():` and job.evaluate() lost a peer, and the job "
+                "cannot go on from there: run the loop's collectives (an evaluation's all_reduce) "
+                "inside job.evaluate(fn), which regroups and runs fn again"
+            )
+
+    def _at_exit(self) -> None:
+        try:
+            self._teardown()
+        except Exception:  # noqa: BLE001 - the process ends either way
+            pass
 
     # --- files ---------------------------------------------------------------------------------
 

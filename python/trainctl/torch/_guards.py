@@ -23,6 +23,9 @@ class UsageError(RuntimeError):
     """A use of ``trainctl.torch`` that it cannot make exact; the message says what to do."""
 
 
+UsageError.__module__ = "trainctl.torch"
+
+
 # The job each guarded object belongs to (kept out of the objects' own ``__dict__``, which
 # an LR scheduler's ``state_dict`` returns whole).
 _JOBS: weakref.WeakKeyDictionary[Any, Elastic] = weakref.WeakKeyDictionary()

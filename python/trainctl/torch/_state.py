@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._group import say
+from ._guards import UsageError
 
 if TYPE_CHECKING:
     from ._elastic import Elastic
@@ -115,7 +116,7 @@ def read_checkpoint(job: Elastic) -> bool:
         raise RuntimeError(f"{path}: cannot resume from it ({e}); move it away to start afresh") from None
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         keys = ", ".join(sorted(map(str, saved))[:6]) if isinstance(saved, dict) else type(saved).__name__
-        raise RuntimeError(
+        raise UsageError(
             f"{path} is not a trainctl.torch checkpoint (it holds {keys}): to start from a "
             "checkpoint of your own, load it into the model and optimizer (and scheduler) before "
             "Elastic(...) and pass start_epoch=THE_EPOCH_IT_REACHED; give Elastic a checkpoint "

@@ -13,6 +13,7 @@ use testkit::{EtcdServer, Network};
 
 use crate::support::*;
 
+mod patterns;
 mod stragglers;
 
 const TRAIN_IMAGES: u64 = 320;
@@ -31,9 +32,13 @@ enum Store {
 enum Program {
     /// `trainctl train`.
     Builtin,
-    /// examples/pytorch/elastic_cifar.py under this Python (with torch), `trainctl.torch`
-    /// from the checkout.
-    PyTorch(PathBuf),
+    /// A PyTorch program under this Python (with torch), `trainctl.torch` from the checkout:
+    /// examples/pytorch/elastic_cifar.py, or with `patterns` the loop of
+    /// fixtures/loop_patterns.py with those flags.
+    PyTorch {
+        python: PathBuf,
+        patterns: Option<Vec<&'static str>>,
+    },
 }
 
 struct Cluster {
@@ -156,7 +161,10 @@ impl Cluster {
                 ])
                 .args(&self.train_args)
                 .arg("--no-eval"),
-            Program::PyTorch(python) => cmd
+            Program::PyTorch {
+                python,
+                patterns: None,
+            } => cmd
                 .env("PYTHONPATH", testkit::python_package())
                 .arg("--")
                 .arg(python)
@@ -167,6 +175,20 @@ impl Cluster {
                 .args(["--data", "data", "--out", "runs"])
                 .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
                 .args(["--threads", "1", "--print-freq", "2"]),
+            Program::PyTorch {
+                python,
+                patterns: Some(flags),
+            } => cmd
+                .env("PYTHONPATH", testkit::python_package())
+                .arg("--")
+                .arg(python)
+                .arg(
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                        .join("tests/cli/fixtures/loop_patterns.py"),
+                )
+                .args(["--data", "data", "--out", "runs"])
+                .args(["--epochs", &self.epochs.to_string()])
+                .args(flags),
         };
         cmd
     }
@@ -182,7 +204,10 @@ impl Cluster {
             return None;
         };
         let mut c = Cluster::new(store, name)?;
-        c.program = Program::PyTorch(python);
+        c.program = Program::PyTorch {
+            python,
+            patterns: None,
+        };
         c.epochs = 12;
         Some(c)
     }
@@ -192,16 +217,21 @@ impl Cluster {
     fn wait_for_progress(&self, step: u64) {
         match self.program {
             Program::Builtin => self.wait_for_step(step),
-            Program::PyTorch(_) => self.wait_for_recorded_step(step),
+            Program::PyTorch { .. } => self.wait_for_recorded_step(step),
         }
     }
 
     /// The job's end, as its program shows it (see `verify_finished` and
     /// `verify_pytorch_finished`).
     fn verify_end(&self, outputs: &[String], world_size: usize) {
-        match self.program {
+        match &self.program {
             Program::Builtin => self.verify_finished(outputs, world_size),
-            Program::PyTorch(_) => self.verify_pytorch_finished(outputs, world_size),
+            Program::PyTorch { patterns, .. } => {
+                self.verify_pytorch_finished(outputs, world_size);
+                if let Some(flags) = patterns {
+                    patterns::verify(outputs, world_size, flags);
+                }
+            }
         }
     }
 
@@ -235,8 +265,9 @@ impl Cluster {
             )),
             "{all}"
         );
+        let example = matches!(self.program, Program::PyTorch { patterns: None, .. });
         assert!(
-            all.contains("Accuracy of the network on the 64 test images"),
+            !example || all.contains("Accuracy of the network on the 64 test images"),
             "{all}"
         );
     }

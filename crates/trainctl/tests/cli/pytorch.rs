@@ -8,6 +8,8 @@ use std::path::PathBuf;
 
 use crate::support::*;
 
+mod patterns;
+
 fn python_with_torch() -> Option<PathBuf> {
     testkit::python_with_torch()
 }

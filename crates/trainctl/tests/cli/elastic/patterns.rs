@@ -1,0 +1,133 @@
+//! The loops PyTorch users write, through kills, joins and leaves: fixtures/loop_patterns.py
+//! (a per-step or per-epoch LR scheduler, gradient accumulation, fp16 autocast with a
+//! GradScaler, DataLoader worker processes, an evaluation whose result is all-reduced) under
+//! three agents. Every rank ends with the same weights, learning rate and scheduler place, a
+//! per-step scheduler has stepped once per step the job applied, every epoch trained each
+//! image once, and the survivors' workers are never restarted. (The same loop against plain
+//! DDP, step for step, and the loops the package refuses are in `pytorch::patterns`.)
+
+use super::*;
+
+/// The three-agent cluster running the patterns loop with `flags`.
+fn cluster(store: Store, name: &str, flags: Vec<&'static str>) -> Option<Cluster> {
+    let mut c = Cluster::pytorch(store, name)?;
+    if let Program::PyTorch { patterns, .. } = &mut c.program {
+        *patterns = Some(flags);
+    }
+    Some(c)
+}
+
+/// `PATTERNS rank R world W steps G lr L scheduler S weights CRC` of every rank.
+#[derive(Debug, PartialEq)]
+struct Ended {
+    world: usize,
+    steps: u64,
+    lr: String,
+    scheduler: String,
+    weights: String,
+}
+
+fn ended(all: &str) -> Vec<Ended> {
+    all.lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split("PATTERNS ").nth(1)?.split_whitespace().collect();
+            let field = |name: &str| {
+                w.iter()
+                    .position(|x| *x == name)
+                    .and_then(|i| w.get(i + 1))
+                    .map(|s| s.to_string())
+            };
+            Some(Ended {
+                world: field("world")?.parse().ok()?,
+                steps: field("steps")?.parse().ok()?,
+                lr: field("lr")?,
+                scheduler: field("scheduler")?,
+                weights: field("weights")?,
+            })
+        })
+        .collect()
+}
+
+/// The patterns' end on every rank alike (see the module's doc).
+pub(super) fn verify(outputs: &[String], world_size: usize, flags: &[&str]) {
+    let all = outputs.join("\n");
+    let ends = ended(&all);
+    assert_eq!(ends.len(), world_size, "a PATTERNS line per rank:\n{all}");
+    assert!(
+        ends.iter().all(|e| e == &ends[0] && e.world == world_size),
+        "every rank ends with the same weights, learning rate and scheduler: {ends:#?}\n{all}"
+    );
+    if flags.contains(&"onecycle") {
+        assert_eq!(
+            ends[0].scheduler,
+            ends[0].steps.to_string(),
+            "a per-step scheduler steps once per update the job applied: {ends:#?}"
+        );
+    }
+    if flags.contains(&"--evaluate") {
+        let mut epochs: Vec<&str> = all
+            .lines()
+            .filter_map(|l| l.split("EVAL epoch ").nth(1)?.split(' ').next())
+            .collect();
+        let said = epochs.len();
+        epochs.dedup();
+        assert_eq!(said, epochs.len(), "each evaluation once:\n{all}");
+        assert!(said >= 10, "an evaluation every epoch (12):\n{all}");
+    }
+    assert!(
+        !all.contains("DivergedError") && !all.contains("UsageError"),
+        "{all}"
+    );
+}
+
+/// A node lost and another joining, under a per-step OneCycleLR, accumulation over two
+/// micro-batches, fp16 autocast with a GradScaler (whose first scales overflow: skipped
+/// updates), DataLoader worker processes and an evaluation every epoch.
+#[test]
+fn c10d_pytorch_patterns_lost_and_added_stay_exact() {
+    agent_lost_and_another_added(cluster(
+        Store::C10d,
+        "c10d-py-patterns-lost-added",
+        vec![
+            "--scheduler",
+            "onecycle",
+            "--accumulate",
+            "2",
+            "--amp",
+            "--workers",
+            "2",
+            "--evaluate",
+        ],
+    ));
+}
+
+/// A node joining a job that steps ReduceLROnPlateau on its evaluation's loss after every
+/// epoch, and accumulates over three micro-batches: the joiner takes the scheduler's state and
+/// comes in where the others are, its evaluations and scheduler steps aligned with theirs.
+#[test]
+fn c10d_pytorch_patterns_joiner_follows_a_per_epoch_scheduler() {
+    agent_added(cluster(
+        Store::C10d,
+        "c10d-py-patterns-join",
+        vec![
+            "--scheduler",
+            "plateau",
+            "--accumulate",
+            "3",
+            "--evaluate",
+        ],
+    ));
+}
+
+/// A node told to go (SIGTERM) under a per-epoch StepLR and an evaluation every epoch.
+#[test]
+fn c10d_pytorch_patterns_leaver_under_a_per_epoch_scheduler() {
+    agent_told_to_go(
+        cluster(
+            Store::C10d,
+            "c10d-py-patterns-leave",
+            vec!["--scheduler", "steplr", "--evaluate", "--workers", "1"],
+        ),
+        3,
+    );
+}

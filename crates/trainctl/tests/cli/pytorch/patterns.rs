@@ -1,0 +1,230 @@
+//! The loops PyTorch users write, converted to `trainctl.torch`, against the same loops in
+//! plain DDP (fixtures/loop_patterns.py): with nothing failing, the two end with bit-identical
+//! weights, learning rates and scheduler places, and print the same evaluations; the loops the
+//! package cannot make exact are refused at once, saying what to do; and a run resumes the way
+//! users resume. (The same loops through kills, joins and leaves: `elastic::patterns`.)
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use crate::support::*;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/loop_patterns.py")
+}
+
+/// The patterns loop on two local workers under `trainctl run`, in `dir` (its data in
+/// `dir/data`).
+fn two_workers(python: &Path, dir: &Path, flags: &[&str]) -> Command {
+    let mut cmd = trainctl();
+    cmd.current_dir(dir)
+        .env("PYTHONPATH", testkit::python_package())
+        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+        .arg(python)
+        .arg(fixture())
+        .args(flags);
+    cmd
+}
+
+/// The loop alone: no launcher, a world of one.
+fn alone(python: &Path, dir: &Path, flags: &[&str]) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.current_dir(dir)
+        .env("PYTHONPATH", testkit::python_package())
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .env_remove("TORCHELASTIC_RUN_ID")
+        .arg(fixture())
+        .args(flags);
+    cmd
+}
+
+/// The lines both loops print for the comparison: rank 0's evaluations and every rank's end,
+/// without the launcher's `[R]:` prefix, sorted by rank.
+fn outcome(out: &Output) -> Vec<String> {
+    let all = text(&out.stdout);
+    let mut lines: Vec<String> = all
+        .lines()
+        .filter_map(|l| {
+            let l = l.split_once("]:").map_or(l, |(_, rest)| rest);
+            (l.starts_with("PATTERNS ") || l.starts_with("EVAL ")).then(|| l.to_string())
+        })
+        .collect();
+    lines.sort();
+    lines
+}
+
+macro_rules! python_or_skip {
+    ($name:expr) => {
+        match testkit::python_with_torch() {
+            Some(p) => p,
+            None => {
+                eprintln!(
+                    "SKIPPED {}: no Python with torch (scripts/test installs it; or set TRAINCTL_TEST_PYTHON)",
+                    $name
+                );
+                return;
+            }
+        }
+    };
+}
+
+/// With nothing failing, each pattern trains as plain DDP does, bit for bit: the same sample
+/// order (DistributedSampler's), the gradients all-reduced once per update (accumulation),
+/// the GradScaler's skipped and applied steps, a per-step or per-epoch scheduler stepped as
+/// often, DataLoader workers, and the same evaluation.
+#[test]
+fn each_pattern_trains_as_plain_ddp_does() {
+    let python = python_or_skip!("each_pattern_trains_as_plain_ddp_does");
+    let job = Job::new(160, 32);
+    let common = ["--epochs", "2", "--data", "data"];
+    for (run, flags) in [
+        &[
+            "--scheduler",
+            "onecycle",
+            "--accumulate",
+            "2",
+            "--amp",
+            "--workers",
+            "2",
+            "--evaluate",
+        ][..],
+        &["--scheduler", "plateau", "--accumulate", "3", "--evaluate"][..],
+        &["--scheduler", "steplr"][..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // A run of its own each (the same folder would resume the last one's checkpoint).
+        let out = format!("runs-{run}");
+        let args: Vec<&str> = common.iter().chain(flags).copied().chain(["--out", &out]).collect();
+        let plain = run_ok(two_workers(&python, job.dir.path(), &args).arg("--plain"));
+        let elastic = run_ok(&mut two_workers(&python, job.dir.path(), &args));
+        let (plain, elastic) = (outcome(&plain), outcome(&elastic));
+        assert_eq!(plain.len(), 2 + flags.contains(&"--evaluate") as usize * 2, "{flags:?}: {plain:?}");
+        assert_eq!(elastic, plain, "{flags:?}: trainctl.torch against plain DDP");
+    }
+}
+
+/// The loops that would train a wrong model without a word are refused with what to do: run
+/// alone (no launcher: a world of one, which also shows such a loop runs without one), and
+/// the ranks' own divergence under `trainctl run`.
+#[test]
+fn loops_the_package_cannot_make_exact_are_refused() {
+    let python = python_or_skip!("loops_the_package_cannot_make_exact_are_refused");
+    let job = Job::new(64, 16);
+    for (misuse, said) in [
+        (
+            "own-step",
+            "optimizer.step() was called by the training loop: with trainctl.torch the job steps the optimizer",
+        ),
+        (
+            "no-sync",
+            "this step's gradients were not all-reduced: its backward ran under no_sync()",
+        ),
+        (
+            "stray-scaler",
+            "a GradScaler that was not given to Elastic scales the loss",
+        ),
+        (
+            "stray-scheduler",
+            "an LR scheduler was made for this optimizer but not given to Elastic: pass it as Elastic(..., scheduler=scheduler)",
+        ),
+        (
+            "scheduler-inside",
+            "scheduler.step() inside `with job.step():`",
+        ),
+        (
+            "read-ahead",
+            "the next batch was asked for before this one was trained: a DataLoader with worker processes reads job.batches() ahead",
+        ),
+    ] {
+        let flags = ["--scheduler", "onecycle", "--misuse", misuse, "--out", misuse];
+        let out = alone(&python, job.dir.path(), &flags).output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
+        assert!(err.contains(&format!("trainctl.torch.UsageError: {said}")), "{misuse}: {err}");
+    }
+    for (misuse, said) in [
+        ("diverge-weights", "  weights: rank 0: "),
+        ("diverge-lr", "  lr: rank 0: "),
+    ] {
+        let flags = ["--data", "data", "--misuse", misuse, "--out", misuse];
+        let out = two_workers(&python, job.dir.path(), &flags).output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
+        assert!(
+            err.contains("trainctl.torch.DivergedError: the ranks no longer hold the same training state at step ")
+                && err.contains(said)
+                && err.contains("The job stops here: training on would give a wrong model."),
+            "{misuse}: {err}"
+        );
+    }
+}
+
+/// With no launcher the loop is a world of one whose collectives (its evaluation's
+/// all_reduce) work as in a one-process group, and it trains as the same loop on two workers
+/// would not, but as itself: run twice, the same weights.
+#[test]
+fn a_loop_runs_alone_with_its_collectives() {
+    let python = python_or_skip!("a_loop_runs_alone_with_its_collectives");
+    let job = Job::new(64, 16);
+    let flags = ["--scheduler", "onecycle", "--evaluate", "--epochs", "2", "--out"];
+    let first = run_ok(alone(&python, job.dir.path(), &flags).arg("first"));
+    let second = run_ok(alone(&python, job.dir.path(), &flags).arg("second"));
+    let (first, second) = (outcome(&first), outcome(&second));
+    assert!(first.iter().any(|l| l.starts_with("EVAL epoch 1 ")), "{first:?}");
+    assert!(first.iter().any(|l| l.starts_with("PATTERNS rank 0 world 1 ")), "{first:?}");
+    assert_eq!(first, second);
+}
+
+/// A run resumes the way users resume: under torchrun's `--standalone`, whose run id is new at
+/// every launch, the checkpoint is `OUT/local/`'s and a relaunch resumes from it; a run seeded
+/// from a checkpoint of the user's own (loaded by the loop, `start_epoch=` given) trains on as
+/// the plain loop that wrote it would have; and that checkpoint given to the package as its
+/// own is refused, saying how to start from it.
+#[test]
+fn runs_resume_the_way_users_resume() {
+    let python = python_or_skip!("runs_resume_the_way_users_resume");
+    let job = Job::new(96, 16);
+    let torchrun = |epochs: &str| {
+        let mut cmd = Command::new(&python);
+        cmd.current_dir(job.dir.path())
+            .env("PYTHONPATH", testkit::python_package())
+            .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+            .arg(fixture())
+            .args(["--scheduler", "steplr", "--epochs", epochs]);
+        run_ok(&mut cmd)
+    };
+    torchrun("1");
+    assert!(job.path("runs/local/checkpoint.pt").is_file());
+    let again = torchrun("2");
+    let said = format!("{}{}", text(&again.stdout), text(&again.stderr));
+    assert!(said.contains("resuming from") && said.contains("epoch 2, step "), "{said}");
+
+    // Plain DDP for one epoch saves its own checkpoint; the package's loop starts from it at
+    // epoch 1 and ends where plain DDP's two epochs end.
+    let flags = ["--scheduler", "steplr", "--data", "data", "--out", "seeded"];
+    let two = run_ok(two_workers(&python, job.dir.path(), &flags).args(["--plain", "--epochs", "2"]));
+    run_ok(two_workers(&python, job.dir.path(), &flags).args(["--plain", "--epochs", "1", "--save-own", "own.pt"]));
+    let seeded = run_ok(two_workers(&python, job.dir.path(), &flags).args(["--epochs", "2", "--start-from", "own.pt"]));
+    let ends = |o: &Output| -> Vec<String> {
+        // The steps count from where each run began: the rest is compared.
+        outcome(o)
+            .iter()
+            .filter_map(|l| Some(l.strip_prefix("PATTERNS ")?.split_once(" lr ")?.1.to_string()))
+            .collect()
+    };
+    assert_eq!(ends(&seeded), ends(&two), "seeded from the plain loop's epoch-1 checkpoint");
+
+    let out = alone(&python, job.dir.path(), &["--epochs", "1", "--checkpoint", "own.pt"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("own.pt is not a trainctl.torch checkpoint (it holds epoch, model, optimizer, scheduler): to start from a checkpoint of your own, load it into the model and optimizer")
+            && err.contains("pass start_epoch=THE_EPOCH_IT_REACHED"),
+        "{err}"
+    );
+}
