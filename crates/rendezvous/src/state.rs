@@ -235,10 +235,21 @@ impl State {
         next
     }
 
-    /// This round, started. The nodes it expected are no longer needed (a reopened round
-    /// expects the participants): every agent reads the record, so it stays small.
+    /// This round, started. The nodes of the round before keep their order ahead of the nodes
+    /// new to the job (stable: those in join order), so a regroup leaves every surviving rank
+    /// where it was: rank 0's node, with the workers' store and whatever a program keeps on
+    /// rank 0 only, stays rank 0 unless it is the one gone. The nodes it expected are then no
+    /// longer needed (a reopened round expects the participants): every agent reads the
+    /// record, so it stays small.
     fn running(&self) -> State {
         let mut next = self.clone();
+        let before = |n: &Node| {
+            self.expected
+                .iter()
+                .position(|id| *id == n.id)
+                .unwrap_or(usize::MAX)
+        };
+        next.participants.sort_by_key(before);
         next.phase = Phase::Running;
         next.expected.clear();
         next.written()

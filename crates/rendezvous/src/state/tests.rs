@@ -114,6 +114,12 @@ fn a_new_node_reopens_the_round_and_the_next_one_completes_without_a_last_call()
     let b = assigned(join(&mut state, "b", &live, false));
     assert_eq!((b.nnodes, b.round), (3, round + 1));
     assert_eq!(b.restart_count, 0, "a membership change is not a failure");
+    // The newcomer joined the round first, and still comes after the nodes it joins.
+    let ranks: Vec<u32> = ["a", "b", "c"]
+        .iter()
+        .map(|id| assigned(join(&mut state, id, &live, false)).node_rank)
+        .collect();
+    assert_eq!(ranks, [0, 1, 2]);
 }
 
 #[test]
@@ -130,7 +136,12 @@ fn a_lost_node_reopens_the_round_and_the_survivors_go_on_at_once() {
     state = Some(next);
     join(&mut state, "c", &live, false);
     let a = assigned(join(&mut state, "a", &live, false));
-    assert_eq!((a.nnodes, a.node_rank), (2, 1), "c joined first this time");
+    let c = assigned(join(&mut state, "c", &live, false));
+    assert_eq!(
+        (a.nnodes, a.node_rank, c.node_rank),
+        (2, 0, 1),
+        "c joined first this time, and the survivors keep their order"
+    );
 }
 
 #[test]
