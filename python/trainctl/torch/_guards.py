@@ -88,16 +88,22 @@ def _subclass(base: type, kind: str, methods: dict[str, Callable[..., Any]]) -> 
     if key not in _SUBCLASSES:
 
         def __reduce_ex__(self: Any, protocol: Any) -> Any:
-            guarded = self.__class__
-            self.__class__ = base
-            try:
-                return base.__reduce_ex__(self, protocol)
-            finally:
-                self.__class__ = guarded
+            state = self.__getstate__() if hasattr(self, "__getstate__") else dict(self.__dict__)
+            return (_plain, (base, state))
 
         body = {"__module__": base.__module__, "__reduce_ex__": __reduce_ex__, **methods}
         _SUBCLASSES[key] = type(base.__name__, (base,), body)
     return _SUBCLASSES[key]
+
+
+def _plain(cls: type, state: Any) -> Any:
+    """An unpickled guarded object: ``cls`` itself, with its state."""
+    obj = cls.__new__(cls)
+    if hasattr(obj, "__setstate__"):
+        obj.__setstate__(state)
+    else:
+        obj.__dict__.update(state)
+    return obj
 
 
 def _unguarded(obj: Any) -> type:

@@ -109,13 +109,7 @@ fn c10d_pytorch_patterns_joiner_follows_a_per_epoch_scheduler() {
     agent_added(cluster(
         Store::C10d,
         "c10d-py-patterns-join",
-        vec![
-            "--scheduler",
-            "plateau",
-            "--accumulate",
-            "3",
-            "--evaluate",
-        ],
+        vec!["--scheduler", "plateau", "--accumulate", "3", "--evaluate"],
     ));
 }
 

@@ -97,12 +97,24 @@ fn each_pattern_trains_as_plain_ddp_does() {
     {
         // A run of its own each (the same folder would resume the last one's checkpoint).
         let out = format!("runs-{run}");
-        let args: Vec<&str> = common.iter().chain(flags).copied().chain(["--out", &out]).collect();
+        let args: Vec<&str> = common
+            .iter()
+            .chain(flags)
+            .copied()
+            .chain(["--out", &out])
+            .collect();
         let plain = run_ok(two_workers(&python, job.dir.path(), &args).arg("--plain"));
         let elastic = run_ok(&mut two_workers(&python, job.dir.path(), &args));
         let (plain, elastic) = (outcome(&plain), outcome(&elastic));
-        assert_eq!(plain.len(), 2 + flags.contains(&"--evaluate") as usize * 2, "{flags:?}: {plain:?}");
-        assert_eq!(elastic, plain, "{flags:?}: trainctl.torch against plain DDP");
+        assert_eq!(
+            plain.len(),
+            2 + flags.contains(&"--evaluate") as usize * 2,
+            "{flags:?}: {plain:?}"
+        );
+        assert_eq!(
+            elastic, plain,
+            "{flags:?}: trainctl.torch against plain DDP"
+        );
     }
 }
 
@@ -139,18 +151,30 @@ fn loops_the_package_cannot_make_exact_are_refused() {
             "the next batch was asked for before this one was trained: a DataLoader with worker processes reads job.batches() ahead",
         ),
     ] {
-        let flags = ["--scheduler", "onecycle", "--misuse", misuse, "--out", misuse];
+        let flags = [
+            "--scheduler",
+            "onecycle",
+            "--misuse",
+            misuse,
+            "--out",
+            misuse,
+        ];
         let out = alone(&python, job.dir.path(), &flags).output().unwrap();
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
-        assert!(err.contains(&format!("trainctl.torch.UsageError: {said}")), "{misuse}: {err}");
+        assert!(
+            err.contains(&format!("trainctl.torch.UsageError: {said}")),
+            "{misuse}: {err}"
+        );
     }
     for (misuse, said) in [
         ("diverge-weights", "  weights: rank 0: "),
         ("diverge-lr", "  lr: rank 0: "),
     ] {
         let flags = ["--data", "data", "--misuse", misuse, "--out", misuse];
-        let out = two_workers(&python, job.dir.path(), &flags).output().unwrap();
+        let out = two_workers(&python, job.dir.path(), &flags)
+            .output()
+            .unwrap();
         let err = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
         assert!(
@@ -169,12 +193,27 @@ fn loops_the_package_cannot_make_exact_are_refused() {
 fn a_loop_runs_alone_with_its_collectives() {
     let python = python_or_skip!("a_loop_runs_alone_with_its_collectives");
     let job = Job::new(64, 16);
-    let flags = ["--scheduler", "onecycle", "--evaluate", "--epochs", "2", "--out"];
+    let flags = [
+        "--scheduler",
+        "onecycle",
+        "--evaluate",
+        "--epochs",
+        "2",
+        "--out",
+    ];
     let first = run_ok(alone(&python, job.dir.path(), &flags).arg("first"));
     let second = run_ok(alone(&python, job.dir.path(), &flags).arg("second"));
     let (first, second) = (outcome(&first), outcome(&second));
-    assert!(first.iter().any(|l| l.starts_with("EVAL epoch 1 ")), "{first:?}");
-    assert!(first.iter().any(|l| l.starts_with("PATTERNS rank 0 world 1 ")), "{first:?}");
+    assert!(
+        first.iter().any(|l| l.starts_with("EVAL epoch 1 ")),
+        "{first:?}"
+    );
+    assert!(
+        first
+            .iter()
+            .any(|l| l.starts_with("PATTERNS rank 0 world 1 ")),
+        "{first:?}"
+    );
     assert_eq!(first, second);
 }
 
@@ -191,7 +230,13 @@ fn runs_resume_the_way_users_resume() {
         let mut cmd = Command::new(&python);
         cmd.current_dir(job.dir.path())
             .env("PYTHONPATH", testkit::python_package())
-            .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+            .args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+            ])
             .arg(fixture())
             .args(["--scheduler", "steplr", "--epochs", epochs]);
         run_ok(&mut cmd)
@@ -200,26 +245,56 @@ fn runs_resume_the_way_users_resume() {
     assert!(job.path("runs/local/checkpoint.pt").is_file());
     let again = torchrun("2");
     let said = format!("{}{}", text(&again.stdout), text(&again.stderr));
-    assert!(said.contains("resuming from") && said.contains("epoch 2, step "), "{said}");
+    assert!(
+        said.contains("resuming from") && said.contains("epoch 2, step "),
+        "{said}"
+    );
 
     // Plain DDP for one epoch saves its own checkpoint; the package's loop starts from it at
     // epoch 1 and ends where plain DDP's two epochs end.
     let flags = ["--scheduler", "steplr", "--data", "data", "--out", "seeded"];
-    let two = run_ok(two_workers(&python, job.dir.path(), &flags).args(["--plain", "--epochs", "2"]));
-    run_ok(two_workers(&python, job.dir.path(), &flags).args(["--plain", "--epochs", "1", "--save-own", "own.pt"]));
-    let seeded = run_ok(two_workers(&python, job.dir.path(), &flags).args(["--epochs", "2", "--start-from", "own.pt"]));
+    let two =
+        run_ok(two_workers(&python, job.dir.path(), &flags).args(["--plain", "--epochs", "2"]));
+    run_ok(two_workers(&python, job.dir.path(), &flags).args([
+        "--plain",
+        "--epochs",
+        "1",
+        "--save-own",
+        "own.pt",
+    ]));
+    let seeded = run_ok(two_workers(&python, job.dir.path(), &flags).args([
+        "--epochs",
+        "2",
+        "--start-from",
+        "own.pt",
+    ]));
     let ends = |o: &Output| -> Vec<String> {
         // The steps count from where each run began: the rest is compared.
         outcome(o)
             .iter()
-            .filter_map(|l| Some(l.strip_prefix("PATTERNS ")?.split_once(" lr ")?.1.to_string()))
+            .filter_map(|l| {
+                Some(
+                    l.strip_prefix("PATTERNS ")?
+                        .split_once(" lr ")?
+                        .1
+                        .to_string(),
+                )
+            })
             .collect()
     };
-    assert_eq!(ends(&seeded), ends(&two), "seeded from the plain loop's epoch-1 checkpoint");
+    assert_eq!(
+        ends(&seeded),
+        ends(&two),
+        "seeded from the plain loop's epoch-1 checkpoint"
+    );
 
-    let out = alone(&python, job.dir.path(), &["--epochs", "1", "--checkpoint", "own.pt"])
-        .output()
-        .unwrap();
+    let out = alone(
+        &python,
+        job.dir.path(),
+        &["--epochs", "1", "--checkpoint", "own.pt"],
+    )
+    .output()
+    .unwrap();
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -227,4 +302,28 @@ fn runs_resume_the_way_users_resume() {
             && err.contains("pass start_epoch=THE_EPOCH_IT_REACHED"),
         "{err}"
     );
+}
+
+/// The package's own unit tests (python/tests: the flow of a rank that came into a group, the
+/// epoch's plan, the safety net's slots and message, the guards), with the standard library's
+/// unittest and this Python's torch.
+#[test]
+fn the_packages_unit_tests_pass() {
+    let python = python_or_skip!("the_packages_unit_tests_pass");
+    let package = testkit::python_package();
+    let out = Command::new(&python)
+        .current_dir(&package)
+        .env("PYTHONPATH", &package)
+        .args(["-m", "unittest", "discover", "-s", "tests"])
+        .output()
+        .unwrap();
+    let said = text(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let ran: usize = said
+        .split("Ran ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(ran >= 15, "{said}");
 }
