@@ -74,6 +74,25 @@ pub(super) fn verify(outputs: &[String], world_size: usize, flags: &[&str]) {
         assert_eq!(said, epochs.len(), "each evaluation once:\n{all}");
         assert!(said >= 10, "an evaluation every epoch (12):\n{all}");
     }
+    if flags.contains(&"--rescale-lr") && flags.contains(&"steplr") {
+        // StepLR's 0.7 a epoch from 0.01, times the world size's changes (each survivor
+        // says each regroup; the first one's lines are the job's).
+        let changed: f64 = outputs[0]
+            .lines()
+            .filter_map(|l| {
+                let sizes = l.split("regrouped in place: world size ").nth(1)?;
+                let (from, to) = sizes.split_once(" → ")?;
+                let to = to.split(',').next()?;
+                Some(to.parse::<f64>().ok()? / from.parse::<f64>().ok()?)
+            })
+            .product();
+        let expected = 0.01 * 0.7f64.powi(12) * changed;
+        let lr: f64 = ends[0].lr.parse().unwrap();
+        assert!(
+            changed != 1.0 && ((lr - expected) / expected).abs() < 1e-9,
+            "on_resize rescaled the learning rate by {changed}: {lr} against {expected}\n{all}"
+        );
+    }
     assert!(
         !all.contains("DivergedError") && !all.contains("UsageError"),
         "{all}"
@@ -113,15 +132,61 @@ fn c10d_pytorch_patterns_joiner_follows_a_per_epoch_scheduler() {
     ));
 }
 
-/// A node told to go (SIGTERM) under a per-epoch StepLR and an evaluation every epoch.
+/// A node told to go (SIGTERM) under a per-epoch StepLR, an evaluation every epoch, and
+/// `on_resize` scaling the learning rate with the world size: every rank's rate follows it.
 #[test]
 fn c10d_pytorch_patterns_leaver_under_a_per_epoch_scheduler() {
     agent_told_to_go(
         cluster(
             Store::C10d,
             "c10d-py-patterns-leave",
-            vec!["--scheduler", "steplr", "--evaluate", "--workers", "1"],
+            vec![
+                "--scheduler",
+                "steplr",
+                "--evaluate",
+                "--workers",
+                "1",
+                "--rescale-lr",
+            ],
         ),
         3,
     );
+}
+
+/// A node lost while the ranks evaluate (killed while their all_reduce waits): the others'
+/// collective fails inside `job.evaluate()`, they regroup in place and evaluate again in the
+/// new group, which prints the evaluation once.
+#[test]
+fn c10d_pytorch_a_node_lost_while_evaluating_the_others_evaluate_again() {
+    let Some(mut c) = cluster(
+        Store::C10d,
+        "c10d-py-patterns-eval-lost",
+        vec!["--evaluate", "--slow-eval", "2"],
+    ) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.agents[agents[0]].wait_for_line(JOB_TIMEOUT, |l| l.contains("EVALUATING rank 0 of 3"));
+    c.kill(agents[2]);
+    let outputs = vec![c.succeeds(agents[0]), c.succeeds(agents[1])];
+    let all = outputs.join("\n");
+    c.verify_end(&outputs, 2);
+    c.verify_exactly_once();
+    assert!(
+        outputs
+            .iter()
+            .all(|o| o.contains("regrouped in place") && o.contains("world size 3 → 2")),
+        "{all}"
+    );
+    assert!(
+        all.contains("EVALUATING rank 0 of 2"),
+        "evaluated again at world size 2:\n{all}"
+    );
+    for &a in &agents[..2] {
+        assert_eq!(
+            workers_of(&c.agents[a]).len(),
+            1,
+            "no worker restarted:\n{all}"
+        );
+    }
 }
