@@ -3,6 +3,11 @@
 regroups the workers in place (no restart, no checkpoint read, every sample once); under plain
 ``torchrun``, or run alone, it is ordinary DDP and resumes from its checkpoint when restarted.
 
+Its loop has what real ones have, each behind a flag: a per-step LR schedule
+(``--lr-schedule onecycle``), gradient accumulation (``--accumulate K``), mixed precision with
+a GradScaler (``--amp``), DataLoader worker processes (``--workers N``), and an evaluation on
+the test set every epoch whose result the ranks all-reduce.
+
     pip install ./python
     trainctl run --standalone --nproc-per-node 2 -- python examples/pytorch/elastic_cifar.py --data ./data
     trainctl run --nnodes 2:4 --rdzv-endpoint host-a --rdzv-id job1 -- \\
@@ -15,12 +20,15 @@ trainer's; ``trainctl report OUT/RUN_ID`` draws them.
 """
 
 import argparse
+import math
 import os
 import pickle
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from trainctl.torch import Elastic
 
@@ -77,14 +85,32 @@ def load_cifar(root, train):
     return images, labels
 
 
+def test_accuracy(model, images, labels, device):
+    """This rank's share of the test set, summed over the ranks: a collective, so the loop runs
+    it inside ``job.evaluate()``, which regroups and runs it again if a node is lost meanwhile."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.eval()
+    with torch.no_grad():
+        x, y = images[rank::world].to(device), labels[rank::world].to(device)
+        counts = torch.stack([(model(x).argmax(1) == y).sum().float(), torch.tensor(float(len(y)), device=device)])
+    model.train()
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="./data", help="CIFAR-10 (either official layout)")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128, help="images per step on each worker")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per forward on each worker")
+    parser.add_argument("--accumulate", type=int, default=1, help="forwards per update (gradient accumulation)")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--lr-schedule", choices=["constant", "onecycle"], default="constant",
+                        help="onecycle: OneCycleLR up to 10x the learning rate, stepped after every step")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--out", default="./runs", help="OUT/RUN_ID/ gets the metrics and the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--print-freq", type=int, default=10, help="a loss line every N steps")
@@ -93,39 +119,58 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
 
-    images, labels = load_cifar(args.data, train=True)
+    train = TensorDataset(*load_cifar(args.data, train=True))
+    test_images, test_labels = load_cifar(args.data, train=False)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=args.learning_rate, momentum=args.momentum, weight_decay=args.weight_decay
     )
+    scheduler = None
+    if args.lr_schedule == "onecycle":
+        # Steps counted at world size 1, the most a run can take: a smaller world takes more
+        # steps per epoch (each step's global batch is batch size x accumulate x world size).
+        steps = args.epochs * math.ceil(len(train) / (args.batch_size * args.accumulate))
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=10 * args.learning_rate, total_steps=steps)
+    scaler = torch.amp.GradScaler(device.type) if args.amp else None
     job = Elastic(
         model,
         optimizer,
-        dataset_size=len(labels),
+        dataset_size=len(train),
         batch_size=args.batch_size,
+        accumulate=args.accumulate,
+        scheduler=scheduler,
+        scaler=scaler,
         seed=args.seed,
         out=args.out,
         checkpoint_every=args.checkpoint_every,
         print_freq=args.print_freq,
         config={"data": args.data, "model": "seed-cnn", "image_size": 32},
     )
-    for _epoch in job.epochs(args.epochs):
-        for indices in job.batches():
-            x, y = images[indices], labels[indices]
+    loader = job.loader(train, num_workers=args.workers, pin_memory=cuda)
+    for epoch in job.epochs(args.epochs):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
             with job.step() as step:
-                out = job.model(x)
-                loss = F.cross_entropy(out, y)
-                loss.backward()
-                step.loss = loss.item()
+                with torch.autocast(device.type, dtype=torch.float16, enabled=args.amp):
+                    out = job.model(x)
+                    loss = F.cross_entropy(out, y) / args.accumulate
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                step.loss = loss.item() * args.accumulate
                 step.correct = (out.argmax(1) == y).sum().item()
+            if scheduler is not None:
+                scheduler.step()
+        accuracy = job.evaluate(test_accuracy, job.module, test_images, test_labels, device)
+        if accuracy is not None and job.rank == 0:
+            print(f"epoch {epoch}: test accuracy {100 * accuracy:.1f} %", flush=True)
 
     if job.rank == 0:
-        test_images, test_labels = load_cifar(args.data, train=False)
         model.eval()
         with torch.no_grad():
-            predicted = torch.cat([model(b).argmax(1) for b in test_images.split(500)])
+            predicted = torch.cat([model(b.to(device)).argmax(1).cpu() for b in test_images.split(500)])
         right = (predicted == test_labels).sum().item()
         print(f"Accuracy of the network on the {len(test_labels)} test images: {100 * right / len(test_labels):.1f} %")
         for c, name in enumerate(CLASSES):

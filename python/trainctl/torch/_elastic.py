@@ -131,7 +131,26 @@ class _Flow:
 
 
 class Elastic:
-    """A data-parallel training run that regroups in place.
+    """A data-parallel training run that regroups in place. A loop with a per-step scheduler,
+    gradient accumulation, mixed precision, DataLoader workers and an evaluation::
+
+        job = Elastic(model, optimizer, dataset_size=len(train), batch_size=64, accumulate=2,
+                      scheduler=scheduler, scaler=scaler, out="runs")
+        loader = job.loader(train, num_workers=2)      # DataLoader's arguments
+        for epoch in job.epochs(10):
+            for x, y in loader:
+                with job.step() as step:                # one micro-batch
+                    with torch.autocast("cuda", dtype=torch.float16):
+                        loss = F.cross_entropy(job.model(x), y) / 2
+                    scaler.scale(loss).backward()       # the job steps optimizer and scaler
+                    step.loss = loss.item() * 2
+                scheduler.step()                        # only after an update the job applied
+            accuracy = job.evaluate(test_accuracy, job.module, test_images, test_labels)
+        job.finish()
+
+    (``test_accuracy`` all-reduces: collectives go inside ``job.step()`` or
+    ``job.evaluate()``.) What each pattern needs, and what is refused: docs/PYTORCH.md in the
+    trainctl repository.
 
     Required: ``model`` (an ``nn.Module``; ``job.model`` is it wrapped in DDP, ``job.module``
     the model itself), ``optimizer``, ``dataset_size`` and ``batch_size`` (samples per rank in

@@ -327,3 +327,35 @@ fn the_packages_unit_tests_pass() {
         .unwrap_or(0);
     assert!(ran >= 15, "{said}");
 }
+
+/// README's whole program ("Your own PyTorch program, elastic"), as written, on two workers:
+/// every name it uses is defined, and it trains to the end with every rank's weights the same.
+#[test]
+fn readmes_program_runs_as_written() {
+    let python = python_or_skip!("readmes_program_runs_as_written");
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let readme = std::fs::read_to_string(repo.join("README.md")).unwrap();
+    let program = readme
+        .split("A whole program, with what real loops have")
+        .nth(1)
+        .and_then(|rest| rest.split("```python\n").nth(1))
+        .and_then(|block| block.split("```").next())
+        .expect("README's program");
+    let job = Job::new(256, 32);
+    std::fs::write(job.path("program.py"), program).unwrap();
+    let paths =
+        std::env::join_paths([testkit::python_package(), repo.join("examples/pytorch")]).unwrap();
+    let out = run_ok(
+        trainctl()
+            .current_dir(job.dir.path())
+            .env("PYTHONPATH", paths)
+            .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+            .arg(&python)
+            .arg("program.py"),
+    );
+    let said = text(&out.stdout);
+    assert!(said.contains("[0]:epoch 9: test accuracy "), "{said}");
+    let ends = finished(&said);
+    assert_eq!(ends.len(), 2, "{said}");
+    assert_eq!(ends[0].2, ends[1].2, "{said}");
+}
