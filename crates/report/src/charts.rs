@@ -51,6 +51,25 @@ const MARKERS: [(MarkerKind, RGBColor, &str); 5] = [
 /// The colours of the ranks' lines, in turn.
 const PALETTE: [RGBColor; 7] = [BLUE, ORANGE, GREEN, RED, PURPLE, GREY, TEAL];
 
+/// Where a marker's label lies on the chart: pixels from the plot's left, and its row.
+struct Span {
+    left: f64,
+    right: f64,
+    row: i32,
+}
+
+/// The first row where a label from `left` to `right` (pixels) crosses none of `placed`.
+fn free_row(placed: &[Span], left: f64, right: f64) -> i32 {
+    let gap = 4.0;
+    (0..)
+        .find(|&row| {
+            !placed
+                .iter()
+                .any(|p| p.row == row && left < p.right + gap && p.left < right + gap)
+        })
+        .unwrap_or(0)
+}
+
 /// A marker's label is drawn to the right of its line, or to the left when it would run past
 /// the plot's right edge (about this many pixels a character at the labels' size).
 const LABEL_CHAR_PX: i32 = 7;
@@ -268,7 +287,7 @@ fn step_chart(
             }
         }
         let plot_px = chart.plotting_area().dim_in_pixel().0 as f64;
-        let mut labelled: Vec<u64> = Vec::new();
+        let mut labelled: Vec<Span> = Vec::new();
         for (kind, colour, legend) in MARKERS {
             let marks: Vec<_> = data.markers.iter().filter(|m| m.kind == kind).collect();
             if marks.is_empty() {
@@ -285,13 +304,11 @@ fn step_chart(
             drawn.label(legend).legend(move |(x, y)| {
                 PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
             });
-            // Labels at one step go one under the other; a label that would cross the
-            // right edge goes to the left of its line.
+            // A label that would cross the right edge goes to the left of its line; labels
+            // that would overlap another go one row under it.
             let placed: Vec<_> = marks
                 .iter()
                 .map(|m| {
-                    let row = labelled.iter().filter(|&&s| s == m.step).count() as i32;
-                    labelled.push(m.step);
                     let width = m.label.chars().count() as i32 * LABEL_CHAR_PX;
                     let x_px = (m.step as f64 - x_min) / (x_max - x_min) * plot_px;
                     let dx = if x_px + 5.0 + width as f64 > plot_px {
@@ -299,6 +316,13 @@ fn step_chart(
                     } else {
                         5
                     };
+                    let left = x_px + dx as f64;
+                    let row = free_row(&labelled, left, left + width as f64);
+                    labelled.push(Span {
+                        left,
+                        right: left + width as f64,
+                        row,
+                    });
                     (m, (dx, 4 + 16 * row))
                 })
                 .collect();
@@ -565,4 +589,24 @@ fn heat(share: f64) -> RGBColor {
     let s = share.clamp(0.0, 1.0);
     let mix = |from: u8, to: u8| (from as f64 + (to as f64 - from as f64) * s).round() as u8;
     RGBColor(mix(247, 8), mix(251, 48), mix(255, 107))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Span, free_row};
+
+    #[test]
+    fn labels_that_would_overlap_go_one_row_under_the_other() {
+        let mut placed = Vec::new();
+        for (left, right, row) in [
+            (10.0, 100.0, 0),
+            (60.0, 150.0, 1),
+            (120.0, 200.0, 0),
+            (70.0, 90.0, 2),
+            (300.0, 350.0, 0),
+        ] {
+            assert_eq!(free_row(&placed, left, right), row, "{left}..{right}");
+            placed.push(Span { left, right, row });
+        }
+    }
 }
