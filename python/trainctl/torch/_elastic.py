@@ -279,6 +279,8 @@ class Elastic:
         self._window_started = 0.0
         self._metrics: Metrics | None = None
         self._started = False
+        # Until this process's first group has started (see _sync's `came_in`).
+        self._first_start = True
         self.epochs_total = 0
         import signal
         import threading
@@ -368,7 +370,6 @@ class Elastic:
         if p["epoch_end_evals"] >= 0:
             p["epoch_end_evals"] += 1
         if synced is not None and synced["fresh"]:
-            self._flow.newcomer_arrived(p["position"] >= self.dataset_size)
             return self._skip_evaluation("a node joined the group at this step")
         if not self._flow.evaluation_runs():
             return self._skip_evaluation("this rank came into the group after the others made it")
@@ -380,7 +381,6 @@ class Elastic:
                     raise
                 synced = self._regroup(why(e), saver=self.rank == 0, lost=True)
                 if synced["fresh"]:
-                    self._flow.newcomer_arrived(p["position"] >= self.dataset_size)
                     return self._skip_evaluation("a node joined the group while it ran")
 
     def finish(self) -> None:
@@ -861,6 +861,7 @@ class Elastic:
         self._ddp.register_comm_hook(None, self._comm_hook)
         self.group.established()
         self._generation += 1
+        self._first_start = False
         return synced
 
     def _sync(self) -> dict[str, Any]:
@@ -895,8 +896,12 @@ class Elastic:
         self.live = True
         self._weights_fp = _check.fingerprint(self.module)
         from_peer = furthest > 0
-        # A rank that runs the loop from its top into a state taken mid-loop (see _Flow).
-        came_in = (from_peer and held[self.rank] != furthest) or (resumed and self.progress["position"] > 0)
+        # A process that starts the loop from its top in a state taken mid-loop (see _Flow). A
+        # survivor one step behind, which takes the furthest's state in a regroup, is at the
+        # others' place in the loop already.
+        came_in = self._first_start and (
+            (from_peer and held[self.rank] != furthest) or (resumed and self.progress["position"] > 0)
+        )
         if came_in:
             self._flow.came_in(self.progress["position"] >= self.dataset_size, max(self.progress["epoch_end_evals"], 0))
         self._resized()
@@ -956,6 +961,10 @@ class Elastic:
                 self._teardown()
                 cause, lost = f"joining the new group: {why(e)}", True
         self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left)
+        if synced["fresh"]:
+            # A newcomer runs the loop from its top: the evaluations it cannot be part of are
+            # skipped here too (see _Flow).
+            self._flow.newcomer_arrived(self.progress["position"] >= self.dataset_size)
         return synced
 
     def _report_regroup(
