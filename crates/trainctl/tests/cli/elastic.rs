@@ -820,6 +820,12 @@ fn kills_and_joins_at_random(store: Store, name: &str) {
         return;
     };
     c.epochs = 4;
+    soak(c, name);
+}
+
+/// Three kills of a node other than the store's host, each at a step drawn at random and
+/// followed by a replacement node (see [`kills_and_joins_at_random`]).
+fn soak(mut c: Cluster, name: &str) {
     #[allow(clippy::disallowed_methods)] // a test's own knob, not the worker environment
     let seed = std::env::var("TRAINCTL_SOAK_SEED")
         .ok()
@@ -840,7 +846,7 @@ fn kills_and_joins_at_random(store: Store, name: &str) {
     for _ in 0..3 {
         // Steps of batch 16 at world size 3 or less: 30 to 80 steps in all.
         step += 2 + 2 * draw(3);
-        c.wait_for_step(step);
+        c.wait_for_progress(step);
         let victim = draw(2) as usize;
         c.kill(running[victim]);
         running[victim] = c.start(victim + 2, 3);
@@ -849,7 +855,7 @@ fn kills_and_joins_at_random(store: Store, name: &str) {
         .iter()
         .map(|&a| c.succeeds(a))
         .collect();
-    c.verify_finished(&outputs, 3);
+    c.verify_end(&outputs, 3);
     c.verify_exactly_once();
     assert_eq!(workers_of(&c.agents[first]).len(), 1, "{}", outputs[0]);
 }

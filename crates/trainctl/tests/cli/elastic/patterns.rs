@@ -190,3 +190,28 @@ fn c10d_pytorch_a_node_lost_while_evaluating_the_others_evaluate_again() {
         );
     }
 }
+
+/// The soak of [`kills_and_joins_at_random`] on the loop with every pattern at once: three
+/// nodes killed at random steps, each replaced, under a per-step OneCycleLR, accumulation, a
+/// GradScaler, DataLoader workers and an evaluation every epoch.
+#[test]
+fn c10d_pytorch_patterns_kills_and_joins_at_random_stay_exact() {
+    let name = "c10d-py-patterns-soak";
+    let Some(c) = cluster(
+        Store::C10d,
+        name,
+        vec![
+            "--scheduler",
+            "onecycle",
+            "--accumulate",
+            "2",
+            "--amp",
+            "--workers",
+            "1",
+            "--evaluate",
+        ],
+    ) else {
+        return;
+    };
+    soak(c, name);
+}
