@@ -161,34 +161,22 @@ impl Cluster {
                 ])
                 .args(&self.train_args)
                 .arg("--no-eval"),
-            Program::PyTorch {
-                python,
-                patterns: None,
-            } => cmd
-                .env("PYTHONPATH", testkit::python_package())
-                .arg("--")
-                .arg(python)
-                .arg(
-                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                        .join("../../examples/pytorch/elastic_cifar.py"),
-                )
-                .args(["--data", "data", "--out", "runs"])
-                .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
-                .args(["--threads", "1", "--print-freq", "2"]),
-            Program::PyTorch {
-                python,
-                patterns: Some(flags),
-            } => cmd
-                .env("PYTHONPATH", testkit::python_package())
-                .arg("--")
-                .arg(python)
-                .arg(
-                    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                        .join("tests/cli/fixtures/loop_patterns.py"),
-                )
-                .args(["--data", "data", "--out", "runs"])
-                .args(["--epochs", &self.epochs.to_string()])
-                .args(flags),
+            Program::PyTorch { python, patterns } => {
+                let (program, flags) = match patterns {
+                    None => (
+                        "../../examples/pytorch/elastic_cifar.py",
+                        vec!["--batch-size", "16", "--threads", "1", "--print-freq", "2"],
+                    ),
+                    Some(flags) => ("tests/cli/fixtures/loop_patterns.py", flags.clone()),
+                };
+                cmd.env("PYTHONPATH", testkit::python_package())
+                    .arg("--")
+                    .arg(python)
+                    .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(program))
+                    .args(["--data", "data", "--out", "runs"])
+                    .args(["--epochs", &self.epochs.to_string()])
+                    .args(flags)
+            }
         };
         cmd
     }

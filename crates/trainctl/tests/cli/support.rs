@@ -450,3 +450,17 @@ pub fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
     }
     (entries, commands)
 }
+
+/// fixtures/loop_patterns.py's flags for every pattern at once: a per-step OneCycleLR,
+/// accumulation over two micro-batches, fp16 autocast with a GradScaler, two DataLoader
+/// workers and an evaluation every epoch.
+pub const EVERY_PATTERN: [&str; 8] = [
+    "--scheduler",
+    "onecycle",
+    "--accumulate",
+    "2",
+    "--amp",
+    "--workers",
+    "2",
+    "--evaluate",
+];

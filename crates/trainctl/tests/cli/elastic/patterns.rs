@@ -107,16 +107,7 @@ fn c10d_pytorch_patterns_lost_and_added_stay_exact() {
     agent_lost_and_another_added(cluster(
         Store::C10d,
         "c10d-py-patterns-lost-added",
-        vec![
-            "--scheduler",
-            "onecycle",
-            "--accumulate",
-            "2",
-            "--amp",
-            "--workers",
-            "2",
-            "--evaluate",
-        ],
+        EVERY_PATTERN.to_vec(),
     ));
 }
 
@@ -197,20 +188,7 @@ fn c10d_pytorch_a_node_lost_while_evaluating_the_others_evaluate_again() {
 #[test]
 fn c10d_pytorch_patterns_kills_and_joins_at_random_stay_exact() {
     let name = "c10d-py-patterns-soak";
-    let Some(c) = cluster(
-        Store::C10d,
-        name,
-        vec![
-            "--scheduler",
-            "onecycle",
-            "--accumulate",
-            "2",
-            "--amp",
-            "--workers",
-            "1",
-            "--evaluate",
-        ],
-    ) else {
+    let Some(c) = cluster(Store::C10d, name, EVERY_PATTERN.to_vec()) else {
         return;
     };
     soak(c, name);

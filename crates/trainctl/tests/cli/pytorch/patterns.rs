@@ -79,16 +79,7 @@ fn each_pattern_trains_as_plain_ddp_does() {
     let job = Job::new(160, 32);
     let common = ["--epochs", "2", "--data", "data"];
     for (run, flags) in [
-        &[
-            "--scheduler",
-            "onecycle",
-            "--accumulate",
-            "2",
-            "--amp",
-            "--workers",
-            "2",
-            "--evaluate",
-        ][..],
+        &EVERY_PATTERN[..],
         &["--scheduler", "plateau", "--accumulate", "3", "--evaluate"][..],
         &["--scheduler", "steplr"][..],
     ]
