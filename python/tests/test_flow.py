@@ -1,9 +1,9 @@
-"""Where a rank stands between steps against the others (``_Flow``): which of the loop's
+"""Where a rank stands between steps against the others (``Flow``): which of the loop's
 ``job.evaluate()`` and ``scheduler.step()`` calls run on it."""
 
 import unittest
 
-from trainctl.torch._elastic import _Flow
+from trainctl.torch._flow import Flow
 
 
 def runs(flow, n):
@@ -12,20 +12,20 @@ def runs(flow, n):
 
 class FlowTest(unittest.TestCase):
     def test_a_rank_that_trains_along_runs_every_evaluation_and_scheduler_step(self):
-        flow = _Flow()
+        flow = Flow()
         self.assertEqual(runs(flow, 3), [True] * 3)
         flow.step_ended(applied=True)
         self.assertFalse(flow.void)
 
     def test_a_dropped_step_or_a_micro_batch_holds_the_scheduler_until_an_update(self):
-        flow = _Flow()
+        flow = Flow()
         flow.step_ended(applied=False)
         self.assertTrue(flow.void)
         flow.step_ended(applied=True)
         self.assertFalse(flow.void)
 
     def test_a_rank_that_came_in_mid_epoch_skips_until_its_first_update(self):
-        flow = _Flow()
+        flow = Flow()
         flow.came_in(epoch_complete=False, begun=3)
         # The epoch's start code it runs, which the others ran before it came in.
         self.assertTrue(flow.void)
@@ -37,7 +37,7 @@ class FlowTest(unittest.TestCase):
         self.assertEqual(runs(flow, 2), [True, True])
 
     def test_a_rank_that_came_in_at_an_epochs_end_skips_what_the_others_began(self):
-        flow = _Flow()
+        flow = Flow()
         flow.came_in(epoch_complete=True, begun=2)
         self.assertEqual(runs(flow, 2), [False, False])  # the epoch's start code
         flow.batches_ended()
@@ -46,12 +46,12 @@ class FlowTest(unittest.TestCase):
         self.assertEqual(runs(flow, 4), [False, False, True, True])
 
     def test_the_others_skip_the_evaluation_a_newcomer_arrived_in(self):
-        mid = _Flow()
+        mid = Flow()
         mid.newcomer_arrived(epoch_complete=False)
         self.assertEqual(runs(mid, 2), [False, False])
         mid.step_ended(applied=True)
         self.assertEqual(runs(mid, 1), [True])
-        end = _Flow()
+        end = Flow()
         end.newcomer_arrived(epoch_complete=True)
         self.assertEqual(runs(end, 2), [True, True], "the next ones have the newcomer")
 

@@ -38,17 +38,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import control as ctl
 from .. import stragglers
-from ..records import SCHEMA_VERSION, Metrics
 from ..sampler import MASK, digest
 from . import _check, _data, _guards, _state
+from ._flow import Flow
 from ._group import Group, say, why
+from ._records import Records
 
 # contract::exit: a worker that stopped or left at a step boundary, and one that lost a peer
 # and could not go on in place.
 EXIT_PREEMPTED = 143
 EXIT_PEER_LOST = 75
-
-VERSION = "0.2.0"
 
 # A run id that torchrun makes anew at every launch (--standalone, or one node without an
 # endpoint): a relaunch would not find its checkpoint under it.
@@ -80,54 +79,6 @@ class Step:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         return self.job._exit_step(self, exc)
-
-
-class _Flow:
-    """Where this rank stands, in the loop's own code between steps, against the others of its
-    group. A rank that joined (or resumed mid-epoch) runs the loop from its top: the others
-    made the calls of ``job.evaluate()`` and ``scheduler.step()`` before the point where it
-    came in, so it skips them; and when a newcomer comes in while the others are between
-    steps, they skip the evaluations it cannot be part of."""
-
-    def __init__(self) -> None:
-        # The last `with job.step()` applied no update (dropped, a micro-batch before its
-        # step's last, or none yet on a rank that came in mid-loop): scheduler.step() waits.
-        self.void = False
-        # None: evaluations run. "step": none until an update is applied. "batches": none until
-        # the epoch's batches end, then `skip` more.
-        self.evaluate_from: str | None = None
-        self.skip = 0
-
-    def came_in(self, epoch_complete: bool, begun: int) -> None:
-        """This rank took a state mid-loop: at a step boundary, or with its epoch's batches
-        done and ``begun`` evaluations begun since."""
-        self.void = True
-        self.evaluate_from = "batches" if epoch_complete else "step"
-        self.skip = begun if epoch_complete else 0
-
-    def newcomer_arrived(self, epoch_complete: bool) -> None:
-        """A rank came into this rank's group while it was between steps: the evaluation under
-        way is dropped, and mid-epoch every evaluation until the next step."""
-        self.evaluate_from = None if epoch_complete else "step"
-        self.skip = 0
-
-    def step_ended(self, applied: bool) -> None:
-        self.void = not applied
-        if applied and self.evaluate_from == "step":
-            self.evaluate_from = None
-
-    def batches_ended(self) -> None:
-        self.void = False
-        if self.evaluate_from == "batches":
-            self.evaluate_from = None
-
-    def evaluation_runs(self) -> bool:
-        if self.evaluate_from is not None:
-            return False
-        if self.skip:
-            self.skip -= 1
-            return False
-        return True
 
 
 class Elastic:
@@ -257,7 +208,7 @@ class Elastic:
         self._assignments = 0
         self._leaving = False
         self._order_cache: tuple[int, list[int]] | None = None
-        self._flow = _Flow()
+        self._flow = Flow()
         self._in_step = False
         self._stepping = False
         # The samples of the step under way (its micro-batches so far), and its batch size.
@@ -274,10 +225,7 @@ class Elastic:
         self._step_started: float | None = None
         self._step_data_s = 0.0
         self._epoch_mark: tuple[int, float, int] | None = None
-        # The steps since the last loss line: (loss, images), and when the first began.
-        self._window: list[tuple[float, int]] = []
-        self._window_started = 0.0
-        self._metrics: Metrics | None = None
+        self._records = Records(self.run_dir, print_freq)
         self._started = False
         # Until this process's first group has started (see _sync's `came_in`).
         self._first_start = True
@@ -324,7 +272,7 @@ class Elastic:
         self.epochs_total = int(n)
         if not self._started:
             self._started = True
-            self._write_start()
+            self._records.start(self)
         while self.progress["epoch"] < self.epochs_total:
             yield self.progress["epoch"]
             # After the loop's own code at the epoch's end; an epoch whose batches the loop
@@ -413,8 +361,7 @@ class Elastic:
         self._teardown()
         if self.control is not None:
             self.control.close()
-        if self._metrics is not None:
-            self._metrics.close()
+        self._records.close()
         self._hook.remove()
         _guards.set_live(None)
         sys.excepthook = self._excepthook
@@ -540,23 +487,12 @@ class Elastic:
         p = self.progress
         if p["epoch_end_evals"] >= 0:
             if came_in_here:
-                # Its evaluations count from here, as the others' did (see _Flow).
+                # Its evaluations count from here, as the others' did (see Flow).
                 p["epoch_end_evals"] = 0
             return
         p["epoch_end_evals"] = 0
         mark = self._epoch_mark or (p["epoch"], time.monotonic(), p["global_step"])
-        seconds = time.monotonic() - mark[1]
-        self._metrics_file().write(
-            "epoch",
-            rank=self.rank,
-            epoch=p["epoch"] + 1,
-            step=p["global_step"],
-            seconds=seconds,
-            samples_digest=f"{p['epoch_digest']:016x}",
-        )
-        if self.rank == 0:
-            total = f" of {self.epochs_total}" if self.epochs_total else ""
-            print(f"epoch {p['epoch']} done ({p['epoch'] + 1}{total}) in {seconds:.1f} s", flush=True)
+        self._records.epoch(self, time.monotonic() - mark[1])
 
     def _end_epoch(self) -> None:
         """After the loop's own code at the epoch's end (its evaluation, its scheduler step):
@@ -568,7 +504,7 @@ class Elastic:
         p["position"] = 0
         p["epoch_digest"] = 0
         p["epoch_end_evals"] = -1
-        self._flow = _Flow()
+        self._flow = Flow()
         self._weights_fp = _check.fingerprint(self.module)
         self._checkpoint()
 
@@ -732,7 +668,7 @@ class Elastic:
         self._flow.step_ended(applied=True)
         times = outcome["times"]
         speeds = stragglers.relative_speeds(times) if times else []
-        self._record_step(step, speeds[self.rank] if self.rank < len(speeds) else None)
+        self._records.step(self, step, speeds[self.rank] if self.rank < len(speeds) else None)
         if self._watch is not None and times:
             change = self._watch.step(times)
             if change is not None:
@@ -794,7 +730,7 @@ class Elastic:
             record = {"slow": False, "node": node, "ranks": [], "slowdown": slowdown or 0.0}
         if self.rank == 0:
             print(text, flush=True)
-            self._metrics_file().write("straggler", rank=0, step=p["global_step"], **record)
+            self._records.write(0, "straggler", rank=0, step=p["global_step"], **record)
         mine = node == int(os.environ.get("GROUP_RANK", "0"))
         if mine and os.environ.get("LOCAL_RANK", "0") == "0" and self.control is not None:
             try:
@@ -802,51 +738,6 @@ class Elastic:
             except ctl.ControlError:
                 # A broken channel shows when the worker next needs it.
                 pass
-
-    def _record_step(self, step: Step, slowdown: float | None = None) -> None:
-        p = self.progress
-        assert self._epoch_mark is not None
-        now = time.monotonic()
-        seconds = now - step.started
-        iter_ = p["global_step"] - self._epoch_mark[2]
-        per_step = self.batch_size * self.accumulate * self.world_size
-        steps_in_epoch = iter_ + -(-max(self.dataset_size - p["position"], 0) // per_step)
-        loss = float(step.loss) if step.loss is not None else 0.0
-        batch = self._step_samples
-        images = batch * self.world_size
-        correct = float(step.correct) if step.correct is not None else 0.0
-        self._metrics_file().write(
-            "step",
-            rank=self.rank,
-            world_size=self.world_size,
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            epoch=p["epoch"] + 1,
-            step=p["global_step"],
-            iter=iter_,
-            steps_in_epoch=steps_in_epoch,
-            loss=loss,
-            accuracy=correct / max(batch, 1),
-            lr=float(self.optimizer.param_groups[0].get("lr", 0.0)),
-            images=images,
-            images_per_sec=images / max(seconds, 1e-9),
-            step_s=seconds,
-            data_s=step.data_s,
-            compute_s=seconds,
-            allreduce_s=0.0,
-            **({"slowdown": slowdown} if slowdown is not None else {}),
-        )
-        if not self._window:
-            self._window_started = step.started
-        self._window.append((loss, images))
-        if self.rank == 0 and self.print_freq and iter_ % self.print_freq == 0:
-            mean = sum(x for x, _ in self._window) / len(self._window)
-            elapsed = now - self._window_started
-            print(
-                f"[{p['epoch'] + 1}, {iter_:5d}] loss: {mean:.3f}  ({iter_}/{steps_in_epoch} steps, "
-                f"{sum(n for _, n in self._window) / max(elapsed, 1e-9):.1f} images/s)",
-                flush=True,
-            )
-            self._window = []
 
     # --- the group -----------------------------------------------------------------------------
 
@@ -896,7 +787,7 @@ class Elastic:
         self.live = True
         self._weights_fp = _check.fingerprint(self.module)
         from_peer = furthest > 0
-        # A process that starts the loop from its top in a state taken mid-loop (see _Flow). A
+        # A process that starts the loop from its top in a state taken mid-loop (see Flow). A
         # survivor one step behind, which takes the furthest's state in a regroup, is at the
         # others' place in the loop already.
         came_in = self._first_start and (
@@ -963,7 +854,7 @@ class Elastic:
         self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left)
         if synced["fresh"]:
             # A newcomer runs the loop from its top: the evaluations it cannot be part of are
-            # skipped here too (see _Flow).
+            # skipped here too (see Flow).
             self._flow.newcomer_arrived(self.progress["position"] >= self.dataset_size)
         return synced
 
@@ -981,11 +872,8 @@ class Elastic:
             "received": synced["received"],
             "seconds": seconds,
         }
-        # The file of this worker's rank in the new group.
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
-        self._metrics_file().write("regroup", reason=reason, **regrouped)
+        # In the file of this worker's rank in the new group.
+        self._records.write(self.rank, "regroup", reason=reason, **regrouped)
         assert self.control is not None
         try:
             self.control.send(
@@ -1071,49 +959,12 @@ class Elastic:
 
     # --- files ---------------------------------------------------------------------------------
 
-    def _metrics_file(self) -> Metrics:
-        if self._metrics is None:
-            self._metrics = Metrics(self.run_dir, self.rank)
-        return self._metrics
-
-    def _write_start(self) -> None:
-        group = self.optimizer.param_groups[0]
-        self._metrics_file().write(
-            "start",
-            v=SCHEMA_VERSION,
-            rank=self.rank,
-            world_size=self.world_size,
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            step=self.progress["global_step"],
-            resumed=bool(self._synced["resumed"]),
-            from_peer=bool(self._synced["received"]),
-            config={
-                "run_id": self.run_id,
-                "epochs": self.epochs_total,
-                "batch_size": self.batch_size,
-                "learning_rate": float(group.get("lr", 0.0)),
-                "momentum": float(group.get("momentum", 0.0) or 0.0),
-                "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
-                "seed": self.seed,
-                "threads": torch.get_num_threads(),
-                "checkpoint_every": self.checkpoint_every,
-                "data": str(self.config.get("data", "")),
-                "backend": f"pytorch-{self.backend}",
-                "version": f"trainctl.torch {VERSION}, torch {torch.__version__}",
-                "model": str(self.config.get("model", type(self.module).__name__)),
-                "image_size": int(self.config.get("image_size", 0)),
-            },
-        )
-
     def _checkpoint(self, force: bool = False) -> None:
         """Rank 0 (or, with ``force``, the rank a stop chose) writes the state all ranks hold."""
         if self.rank != 0 and not force:
             return
         _state.write_checkpoint(self)
-        p = self.progress
-        self._metrics_file().write(
-            "checkpoint", rank=self.rank, step=p["global_step"], epoch=p["epoch"], position=p["position"]
-        )
+        self._records.checkpoint(self)
 
 
 def _run_id(launched: bool) -> str:
