@@ -28,8 +28,11 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
 import sys
+import threading
 import time
+import zlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -125,8 +128,8 @@ class Elastic:
     - ``out``, ``run_id``, ``checkpoint``, ``checkpoint_every``: files go to ``OUT/RUN_ID/``
       (``metrics/rank-N.jsonl``; ``checkpoint.pt``, written by rank 0 every epoch and every
       ``checkpoint_every`` steps, read at a start that no rank can take from a peer). The run
-      id is ``TORCHELASTIC_RUN_ID``, or ``local`` on one node (torchrun's ``--standalone``
-      makes a new one at every launch, which a relaunch would not find).
+      id is ``TORCHELASTIC_RUN_ID``, or ``local`` with no launcher and where torchrun makes a
+      new one at every launch (``--standalone``: a UUID, which a relaunch would not find).
     - ``print_freq``, ``config``, ``backend``, ``ddp`` (more arguments of
       ``DistributedDataParallel``), ``straggler_factor``, ``straggler_window``.
 
@@ -230,9 +233,6 @@ class Elastic:
         # Until this process's first group has started (see _sync's `came_in`).
         self._first_start = True
         self.epochs_total = 0
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._hook = _guards.guard_optimizer(self, optimizer)
@@ -369,8 +369,6 @@ class Elastic:
 
     def fingerprint(self) -> int:
         """A CRC32 of the model's parameters and buffers: equal on ranks that hold the same."""
-        import zlib
-
         crc = 0
         for t in self.module.state_dict().values():
             crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
