@@ -286,57 +286,7 @@ fn step_chart(
                 }
             }
         }
-        let plot_px = chart.plotting_area().dim_in_pixel().0 as f64;
-        let mut labelled: Vec<Span> = Vec::new();
-        for (kind, colour, legend) in MARKERS {
-            let marks: Vec<_> = data.markers.iter().filter(|m| m.kind == kind).collect();
-            if marks.is_empty() {
-                continue;
-            }
-            let drawn = chart
-                .draw_series(marks.iter().map(|m| {
-                    PathElement::new(
-                        [(m.step as f64, 0.0), (m.step as f64, y_max)],
-                        colour.stroke_width(2),
-                    )
-                }))
-                .map_err(|e| e.to_string())?;
-            drawn.label(legend).legend(move |(x, y)| {
-                PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
-            });
-            // A label that would cross the right edge goes to the left of its line; labels
-            // that would overlap another go one row under it.
-            let placed: Vec<_> = marks
-                .iter()
-                .map(|m| {
-                    let width = m.label.chars().count() as i32 * LABEL_CHAR_PX;
-                    let x_px = (m.step as f64 - x_min) / (x_max - x_min) * plot_px;
-                    let dx = if x_px + 5.0 + width as f64 > plot_px {
-                        -5 - width
-                    } else {
-                        5
-                    };
-                    let left = x_px + dx as f64;
-                    let row = free_row(&labelled, left, left + width as f64);
-                    labelled.push(Span {
-                        left,
-                        right: left + width as f64,
-                        row,
-                    });
-                    (m, (dx, 4 + 16 * row))
-                })
-                .collect();
-            chart
-                .draw_series(placed.into_iter().map(|(m, offset)| {
-                    EmptyElement::at((m.step as f64, y_max))
-                        + Text::new(
-                            m.label.clone(),
-                            offset,
-                            (FONT, 13).into_font().color(&colour),
-                        )
-                }))
-                .map_err(|e| e.to_string())?;
-        }
+        draw_markers(&mut chart, data, x_min..x_max, y_max)?;
         // Lower left: marker labels take the top, a falling loss the lower right.
         legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         Ok(())
@@ -346,6 +296,70 @@ fn step_chart(
         title: title.into(),
         series,
     })
+}
+
+/// A vertical line at each marker of `data`, a legend entry per kind, and each marker's label
+/// at the top of its line (see [`place_label`]).
+fn draw_markers<'a, 'b: 'a>(
+    chart: &mut StepChart<'a, 'b>,
+    data: &RunData,
+    steps: std::ops::Range<f64>,
+    y_max: f64,
+) -> Result<(), String> {
+    let plot_px = chart.plotting_area().dim_in_pixel().0 as f64;
+    let mut labelled: Vec<Span> = Vec::new();
+    for (kind, colour, legend) in MARKERS {
+        let marks: Vec<_> = data.markers.iter().filter(|m| m.kind == kind).collect();
+        if marks.is_empty() {
+            continue;
+        }
+        let drawn = chart
+            .draw_series(marks.iter().map(|m| {
+                PathElement::new(
+                    [(m.step as f64, 0.0), (m.step as f64, y_max)],
+                    colour.stroke_width(2),
+                )
+            }))
+            .map_err(|e| e.to_string())?;
+        drawn
+            .label(legend)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2)));
+        let placed: Vec<_> = marks
+            .iter()
+            .map(|m| {
+                let x_px = (m.step as f64 - steps.start) / (steps.end - steps.start) * plot_px;
+                let width = m.label.chars().count() as i32 * LABEL_CHAR_PX;
+                (m, place_label(&mut labelled, x_px, width, plot_px))
+            })
+            .collect();
+        chart
+            .draw_series(placed.into_iter().map(|(m, offset)| {
+                EmptyElement::at((m.step as f64, y_max))
+                    + Text::new(
+                        m.label.clone(),
+                        offset,
+                        (FONT, 13).into_font().color(&colour),
+                    )
+            }))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Where a label `width` pixels wide goes against its line at `x_px`, as an offset: to the
+/// right of the line, or to its left when it would cross the plot's right edge; one row under
+/// any label already `placed` that it would overlap. It joins `placed`.
+fn place_label(placed: &mut Vec<Span>, x_px: f64, width: i32, plot_px: f64) -> (i32, i32) {
+    let dx = if x_px + 5.0 + width as f64 > plot_px {
+        -5 - width
+    } else {
+        5
+    };
+    let left = x_px + dx as f64;
+    let right = left + width as f64;
+    let row = free_row(placed, left, right);
+    placed.push(Span { left, right, row });
+    (dx, 4 + 16 * row)
 }
 
 /// Each rank's time before the all-reduce (waiting for data and computing) at each step: a
@@ -593,7 +607,15 @@ fn heat(share: f64) -> RGBColor {
 
 #[cfg(test)]
 mod tests {
-    use super::{Span, free_row};
+    use super::{Span, free_row, place_label};
+
+    #[test]
+    fn a_label_past_the_right_edge_goes_left_of_its_line() {
+        let mut placed = Vec::new();
+        assert_eq!(place_label(&mut placed, 100.0, 50, 400.0), (5, 4));
+        assert_eq!(place_label(&mut placed, 380.0, 50, 400.0), (-55, 4));
+        assert_eq!(place_label(&mut placed, 120.0, 50, 400.0), (5, 20));
+    }
 
     #[test]
     fn labels_that_would_overlap_go_one_row_under_the_other() {
