@@ -18,9 +18,10 @@ A hash rides the step's float32 all-reduce as two 16-bit halves in slots of the 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from ._elastic import Elastic
@@ -36,13 +37,18 @@ class DivergedError(RuntimeError):
 DivergedError.__module__ = "trainctl.torch"
 
 
+def crc32(tensors: Iterable[torch.Tensor]) -> int:
+    """A CRC32 of the tensors' bytes, in order (whatever their dtype or device)."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
 def fingerprint(module: torch.nn.Module) -> int:
     """A CRC32 of the module's parameters (buffers differ between DDP's ranks between two
     forwards, as DDP broadcasts them from rank 0 at each)."""
-    crc = 0
-    for _, p in module.named_parameters():
-        crc = zlib.crc32(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
-    return crc
+    return crc32(module.parameters())
 
 
 def _plain(value: Any) -> Any:
@@ -141,8 +147,6 @@ def compare(job: Elastic, hashes: list[int], where: str) -> None:
     seen = {h for h in hashes if h}
     if len(seen) <= 1:
         return
-    import torch.distributed as dist
-
     mine = {"rank": job.rank, **counters(job)}
     details: list[Any] = [None] * dist.get_world_size()
     try:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
+from torch.utils.data import DataLoader
+
 from ..sampler import Shard
+from ._guards import UsageError
 
 if TYPE_CHECKING:
     from ._elastic import Elastic
@@ -102,10 +105,6 @@ class Loader:
     loaded as the new group shards it."""
 
     def __init__(self, job: Elastic, dataset: Any, kwargs: dict[str, Any]):
-        from torch.utils.data import DataLoader
-
-        from ._guards import UsageError
-
         taken = [k for k in _PLANNED if k in kwargs]
         if taken:
             raise UsageError(

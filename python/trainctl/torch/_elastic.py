@@ -32,7 +32,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -75,6 +74,9 @@ class Step:
         self.loss: Any = None
         self.correct: Any = None
         self.sync = True
+        # When its step's first micro-batch began, and how long the loop took to bring it.
+        self.started = 0.0
+        self.data_s = 0.0
 
     def __enter__(self) -> Step:
         self.job._enter_step(self)
@@ -369,10 +371,7 @@ class Elastic:
 
     def fingerprint(self) -> int:
         """A CRC32 of the model's parameters and buffers: equal on ranks that hold the same."""
-        crc = 0
-        for t in self.module.state_dict().values():
-            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
-        return crc
+        return _check.crc32(self.module.state_dict().values())
 
     # --- the loop's boundaries -----------------------------------------------------------------
 
@@ -434,7 +433,7 @@ class Elastic:
         self._teardown()
         sys.exit(EXIT_PREEMPTED)
 
-    def _skip_evaluation(self, reason: str) -> None:
+    def _skip_evaluation(self, reason: str) -> Any:
         if not self._skipped_said:
             say(f"rank {self.rank} skips an evaluation ({reason}); job.evaluate() returns None where it skips")
             self._skipped_said = True

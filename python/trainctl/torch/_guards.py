@@ -34,8 +34,7 @@ _LIVE: list[weakref.ReferenceType[Elastic]] = []
 
 
 def live_job() -> Elastic | None:
-    job = _LIVE[0]() if _LIVE else None
-    return job
+    return _LIVE[0]() if _LIVE else None
 
 
 def set_live(job: Elastic | None) -> None:

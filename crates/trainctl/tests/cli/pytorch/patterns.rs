@@ -150,9 +150,7 @@ fn loops_the_package_cannot_make_exact_are_refused() {
             "--out",
             misuse,
         ];
-        let out = alone(&python, job.dir.path(), &flags).output().unwrap();
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
+        let err = run_failing(&mut alone(&python, job.dir.path(), &flags));
         assert!(
             err.contains(&format!("trainctl.torch.UsageError: {said}")),
             "{misuse}: {err}"
@@ -163,11 +161,7 @@ fn loops_the_package_cannot_make_exact_are_refused() {
         ("diverge-lr", "  lr: rank 0: "),
     ] {
         let flags = ["--data", "data", "--misuse", misuse, "--out", misuse];
-        let out = two_workers(&python, job.dir.path(), &flags)
-            .output()
-            .unwrap();
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{misuse}: {err}");
+        let err = run_failing(&mut two_workers(&python, job.dir.path(), &flags));
         assert!(
             err.contains("trainctl.torch.DivergedError: the ranks no longer hold the same training state at step ")
                 && err.contains(said)
@@ -177,9 +171,8 @@ fn loops_the_package_cannot_make_exact_are_refused() {
     }
 }
 
-/// With no launcher the loop is a world of one whose collectives (its evaluation's
-/// all_reduce) work as in a one-process group, and it trains as the same loop on two workers
-/// would not, but as itself: run twice, the same weights.
+/// With no launcher the loop is a group of one: its collectives (its evaluation's all_reduce)
+/// work, and two runs of it end with the same weights.
 #[test]
 fn a_loop_runs_alone_with_its_collectives() {
     let python = python_or_skip!("a_loop_runs_alone_with_its_collectives");
@@ -279,15 +272,11 @@ fn runs_resume_the_way_users_resume() {
         "seeded from the plain loop's epoch-1 checkpoint"
     );
 
-    let out = alone(
+    let err = run_failing(&mut alone(
         &python,
         job.dir.path(),
         &["--epochs", "1", "--checkpoint", "own.pt"],
-    )
-    .output()
-    .unwrap();
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    ));
     assert!(
         err.contains("own.pt is not a trainctl.torch checkpoint (it holds epoch, model, optimizer, scheduler): to start from a checkpoint of your own, load it into the model and optimizer")
             && err.contains("pass start_epoch=THE_EPOCH_IT_REACHED"),
