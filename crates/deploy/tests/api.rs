@@ -2346,3 +2346,127 @@ async fn a_finished_jobs_etcd_is_scaled_to_zero() {
         api.requests()
     );
 }
+
+/// A running Indexed Job of `completions` pods launched with `--nnodes` `bounds`.
+fn elastic_job(completions: u32, bounds: Option<&str>) -> Value {
+    let mut j = job(json!({ "active": completions }));
+    j["spec"]["completions"] = json!(completions);
+    j["spec"]["parallelism"] = json!(completions);
+    if let Some(bounds) = bounds {
+        j["metadata"]["annotations"] = json!({
+            "trainctl.dev/nnodes": bounds,
+            "trainctl.dev/trainer": "built-in",
+        });
+    }
+    j
+}
+
+#[tokio::test]
+async fn scale_patches_completions_and_parallelism_within_the_jobs_bounds() {
+    use deploy::kube_api::ScaleError;
+    let api = MockApi::default();
+    api.get(JOB, elastic_job(4, Some("2:4")));
+    api.on(Method::PATCH, JOB, vec![ok(elastic_job(2, Some("2:4")))]);
+    let kube = api.kube();
+    let scaled = kube.scale("cifar10", 2).await.unwrap();
+    assert_eq!((scaled.from, scaled.to, scaled.launcher), (4, 2, "indexed"));
+    assert!(!scaled.program);
+    let bodies = api.bodies.lock().unwrap().clone();
+    assert_eq!(
+        bodies,
+        vec![json!({ "spec": { "completions": 2, "parallelism": 2 } })],
+        "one merge patch, both fields together (the API refuses one alone)"
+    );
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.starts_with("PATCH ") && r.contains("/jobs/cifar10")),
+        "{:?}",
+        api.requests()
+    );
+
+    for asked in [1, 5] {
+        let err = kube.scale("cifar10", asked).await.unwrap_err();
+        assert!(err.is_usage(), "{err}");
+        let said = err.to_string();
+        assert!(
+            said.contains("--nnodes 2:4") && said.contains(&format!("not {asked}")),
+            "{said}"
+        );
+    }
+    assert_eq!(
+        api.bodies.lock().unwrap().len(),
+        1,
+        "a refused size patches nothing"
+    );
+
+    // A job launched before `job scale` (no bounds on it): refused, saying what to do.
+    let api = MockApi::default();
+    api.get(JOB, elastic_job(3, None));
+    let err = api.kube().scale("cifar10", 2).await.unwrap_err();
+    assert!(
+        matches!(err, ScaleError::Cannot { .. }) && err.to_string().contains("relaunch"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn scale_of_a_finished_job_or_a_trainjob_is_refused_saying_why() {
+    let api = MockApi::default();
+    let mut done = elastic_job(2, Some("1:4"));
+    done["status"] = json!({
+        "conditions": [{ "type": "Complete", "status": "True" }],
+    });
+    api.get(JOB, done);
+    let err = api.kube().scale("cifar10", 3).await.unwrap_err();
+    assert!(err.to_string().contains("succeeded already"), "{err}");
+
+    let api = MockApi::default();
+    api.get(
+        "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs/cifar10",
+        json!({
+            "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+            "metadata": { "name": "cifar10", "namespace": "default" },
+            "spec": {},
+        }),
+    );
+    let err = api.kube().scale("cifar10", 3).await.unwrap_err();
+    let said = err.to_string();
+    assert!(
+        said.contains("only while") && said.contains("--launcher indexed"),
+        "{said}"
+    );
+    assert!(api.bodies.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn status_says_which_pods_train_wait_and_leave() {
+    let api = MockApi::default();
+    api.get(JOB, elastic_job(3, Some("2:4")));
+    let mut leaving = pod(2, "Running", Some("n1"), json!({ "containerStatuses": [running_container(0)] }));
+    leaving["metadata"]["deletionTimestamp"] = json!("2026-11-28T10:00:00Z");
+    let unschedulable = json!({
+        "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/1 nodes are available: 1 Insufficient cpu.",
+        }],
+    });
+    let running = |i| pod(i, "Running", Some("n1"), json!({ "containerStatuses": [running_container(0)] }));
+    api.get(
+        PODS,
+        list(
+            "PodList",
+            vec![running(0), running(1), leaving, pod(3, "Pending", None, unschedulable)],
+        ),
+    );
+    let status = api.kube().status("cifar10").await.unwrap();
+    let text = status.render();
+    assert!(
+        text.contains("pods: 2 running, 1 pending, 1 leaving"),
+        "{text}"
+    );
+    let row = text.lines().find(|l| l.contains("cifar10-2-")).unwrap();
+    assert!(row.contains("Leaving") && row.contains("leaves the job"), "{row}");
+    let row = text.lines().find(|l| l.contains("cifar10-3-")).unwrap();
+    assert!(row.contains("Pending") && row.contains("Insufficient cpu"), "{row}");
+}

@@ -135,6 +135,17 @@ pub enum LaunchEvent {
     },
     /// The job finished before this agent joined.
     JobAlreadyOver,
+    /// This node's workers finished; it waits (the exit barrier) for the nodes named, whose
+    /// workers have not, `waited` so far.
+    AwaitingOthers {
+        nodes: Vec<String>,
+        waited: std::time::Duration,
+    },
+    /// The exit barrier gave up on the nodes named: this node exits anyway.
+    OthersUnfinished {
+        nodes: Vec<String>,
+        waited: std::time::Duration,
+    },
     /// The rendezvous store cannot be reached; the workers go on.
     StoreUnreachable(String),
     /// A worker failed and the store cannot record it: the agent joins again, waiting up to

@@ -17,6 +17,9 @@ pub struct Config {
     pub last_call_timeout: Duration,
     /// Longest an agent tries to mark the job finished or failed in the store.
     pub close_timeout: Duration,
+    /// The exit barrier: how long a node whose workers finished waits for the others' to
+    /// (torchrun: exit_barrier_timeout, 300 s), so that its exit says the job is done.
+    pub exit_barrier_timeout: Duration,
     /// Time between two heartbeats of an agent.
     pub heartbeat: Duration,
     /// An agent silent this long is gone (torchrun: 5 s × 3 attempts). A killed agent's store
@@ -41,6 +44,7 @@ impl Config {
             join_timeout: Duration::from_secs(600),
             last_call_timeout: Duration::from_secs(1),
             close_timeout: Duration::from_secs(10),
+            exit_barrier_timeout: Duration::from_secs(300),
             heartbeat: Duration::from_millis(500),
             heartbeat_timeout: Duration::from_secs(2),
             store_timeout: Duration::from_secs(3),
@@ -55,7 +59,7 @@ pub enum ConfError {
     #[error("--rdzv-conf: {0:?} is not key=value")]
     NotKeyValue(String),
     #[error(
-        "--rdzv-conf: unknown key {0:?} (known: join_timeout, last_call_timeout, join_window, close_timeout, heartbeat, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, timeout, read_timeout, is_host)"
+        "--rdzv-conf: unknown key {0:?} (known: join_timeout, last_call_timeout, join_window, close_timeout, exit_barrier_timeout, heartbeat, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, timeout, read_timeout, is_host)"
     )]
     UnknownKey(String),
     #[error("--rdzv-conf: {key}={value:?} is not {expected}")]
@@ -92,6 +96,7 @@ pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<Option<bool>, ConfErro
             "last_call_timeout" => cfg.last_call_timeout = secs()?,
             "join_window" => cfg.join_window = secs()?,
             "close_timeout" => cfg.close_timeout = secs()?,
+            "exit_barrier_timeout" => cfg.exit_barrier_timeout = secs()?,
             "heartbeat" | "keep_alive_interval" => cfg.heartbeat = secs()?,
             "heartbeat_timeout" => cfg.heartbeat_timeout = secs()?,
             "timeout" | "read_timeout" => cfg.store_timeout = secs()?,

@@ -635,7 +635,63 @@ impl Rendezvous {
             }
         }
     }
+
+    /// This node's workers finished: the job is closed as succeeded (if no node closed it
+    /// yet) and this node is counted among the finished ([`state::finish_step`]).
+    pub fn finish(&mut self) -> Result<(), RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let read = self.backend.read()?;
+            let Some(next) = state::finish_step(read.state.as_ref(), &self.me.id) else {
+                return Ok(());
+            };
+            if self.backend.write(read.token.as_deref(), &next)? {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(RendezvousError::Store {
+                    endpoint: self.backend.describe(),
+                    problem: "could not mark this node finished (too much contention)".into(),
+                });
+            }
+        }
+    }
+
+    /// After [`Rendezvous::finish`], the exit barrier: waits until every live participant's
+    /// workers have finished too, or `wait` at most, so that this node's exit says the whole
+    /// job is done. `waiting` hears, every [`EXIT_BARRIER_SAY_EVERY`], the nodes still waited
+    /// for. Returns those still unfinished when it gave up (empty when none are); a store that
+    /// cannot be read ends the wait (nothing more can be learnt).
+    pub fn await_finished(
+        &mut self,
+        wait: Duration,
+        waiting: &mut dyn FnMut(&[String], Duration),
+    ) -> Vec<String> {
+        let start = Instant::now();
+        let mut said = start;
+        loop {
+            let pending = match self.read() {
+                Ok((read, alive)) => read
+                    .state
+                    .as_ref()
+                    .map(|s| state::unfinished(s, &alive))
+                    .unwrap_or_default(),
+                Err(_) => return Vec::new(),
+            };
+            if pending.is_empty() || start.elapsed() >= wait {
+                return pending;
+            }
+            if said.elapsed() >= EXIT_BARRIER_SAY_EVERY {
+                said = Instant::now();
+                waiting(&pending, start.elapsed());
+            }
+            std::thread::sleep(self.cfg.poll.max(Duration::from_millis(100)));
+        }
+    }
 }
+
+/// How often a finished node waiting for the others says whom it waits for.
+pub const EXIT_BARRIER_SAY_EVERY: Duration = Duration::from_secs(10);
 
 impl Rendezvous {
     /// Once the job is over: an agent that hosts the store keeps it up until every other agent

@@ -76,6 +76,11 @@ pub struct State {
     /// one each. Any other reason to open a round resets it.
     #[serde(default)]
     pub admissions: u32,
+    /// Once the job succeeded: the nodes whose workers have finished. A node that finishes
+    /// waits until every live participant is here before it exits ([`unfinished`]), so that
+    /// a node's exit 0 says the whole job is done (rank 0's model saved and uploaded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub finished: Vec<String>,
 }
 
 impl Default for State {
@@ -93,6 +98,7 @@ impl Default for State {
             root_cause_at: None,
             reason: None,
             admissions: 0,
+            finished: Vec::new(),
         }
     }
 }
@@ -548,6 +554,38 @@ pub fn close_step(state: Option<&State>, succeeded: bool, report: Option<&str>) 
         next.root_cause = report.map(str::to_string);
     }
     Some(next.written())
+}
+
+/// Node `me`'s workers finished: the job is closed as succeeded (if no node closed it yet)
+/// and `me` is counted among the finished. None when there is nothing to write (already
+/// counted, or the job was closed as failed).
+pub fn finish_step(state: Option<&State>, me: &str) -> Option<State> {
+    let mut next = state.cloned().unwrap_or_default();
+    match next.closed() {
+        Some(Closed {
+            succeeded: false, ..
+        }) => return None,
+        Some(_) if next.finished.iter().any(|id| id == me) => return None,
+        Some(_) => {}
+        None => next.phase = Phase::Closed { succeeded: true },
+    }
+    next.finished.push(me.to_string());
+    Some(next.written())
+}
+
+/// The live participants of a succeeded job whose workers have not finished yet: those a
+/// finished node waits for before it exits (a node gone is not waited for).
+pub fn unfinished(state: &State, alive: &BTreeSet<String>) -> Vec<String> {
+    if state.closed().is_none_or(|c| !c.succeeded) {
+        return Vec::new();
+    }
+    state
+        .participants
+        .iter()
+        .map(|n| &n.id)
+        .filter(|id| alive.contains(*id) && !state.finished.contains(id))
+        .cloned()
+        .collect()
 }
 
 mod join;

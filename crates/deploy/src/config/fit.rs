@@ -93,9 +93,10 @@ impl Project {
 
     /// The training pods against the nodes they are pinned to: a request larger than a node
     /// is refused, one larger than what a node has left for pods is warned about, and a job
-    /// needing more pods than `cluster.nodes` nodes hold is refused: an Indexed Job (and a
-    /// PyTorchJob) ends only when every pod has, so pods that cannot be placed would wait for
-    /// the others to finish and then start alone.
+    /// needing more pods than `cluster.nodes` nodes hold is refused, unless it is elastic, its
+    /// MIN fits and its launcher ends the job with pods still Pending (an Indexed Job's
+    /// successPolicy): a PyTorchJob ends only when every pod has, so pods that cannot be
+    /// placed would wait for the others to finish and then start alone.
     fn training_pods_fit(&self) -> Result<Vec<String>, ConfigError> {
         let t = self.cluster.instance_type;
         let pinned = self
@@ -175,6 +176,16 @@ impl Project {
         let per_node = per_node.max(1);
         let room = u64::from(self.cluster.nodes) * per_node;
         let pods = u64::from(self.job.max_nodes);
+        let min = u64::from(self.job.min_nodes);
+        if pods > room && self.job.launcher.ends_with_pods_pending() && min <= room {
+            // An elastic job that ends whatever its size: it starts with the pods that fit and
+            // the others join as room appears (a node the autoscaler adds, one freed).
+            warnings.push(format!(
+                "{pods} pods of {} CPU and {} memory, but {} {} nodes (cluster.nodes) hold                  {room} ({per_node} a node): the job starts with the pods that fit (at least                  --nnodes MIN = {min}) and the others wait Pending, joining the training as                  room appears; `trainctl job status` shows them and why they wait",
+                self.job.cpu, self.job.memory, self.cluster.nodes, t.name
+            ));
+            return Ok(warnings);
+        }
         if pods > room {
             let fits = if self.job.is_elastic() && u64::from(self.job.min_nodes) <= room {
                 format!("{}:{room}", self.job.min_nodes)

@@ -8,13 +8,15 @@
 mod error;
 mod launch;
 mod logs;
+mod scale;
 mod status;
 mod top;
 
 pub use crate::config::{bytes, millicores};
 pub use error::ApiError;
 pub use launch::MIN_KUBERNETES_MINOR;
-pub use status::{Condition, JobStatus, Phase, PodStatus};
+pub use scale::{ScaleError, Scaled};
+pub use status::{Condition, JobStatus, Phase, PodStatus, Round, last_round};
 pub use top::{Top, Usage};
 
 use std::collections::BTreeMap;
@@ -173,10 +175,21 @@ impl Kube {
 
     /// The job `name`, of whichever launcher ([`crate::launchers::KINDS`]), or None.
     async fn find_job(&self, name: &str) -> Result<Option<JobStatus>, ApiError> {
-        for kind in crate::launchers::KINDS {
+        Ok(self
+            .find_object(name)
+            .await?
+            .map(|(kind, job)| kind.status(&job)))
+    }
+
+    /// The object of job `name` and its launcher, or None.
+    async fn find_object(
+        &self,
+        name: &str,
+    ) -> Result<Option<(&'static dyn crate::launchers::Kind, DynamicObject)>, ApiError> {
+        for kind in crate::launchers::KINDS.iter().copied() {
             let resource = &kind.resources()[0];
             match self.api(resource, true).get_opt(name).await {
-                Ok(Some(job)) => return Ok(Some(kind.status(&job))),
+                Ok(Some(job)) => return Ok(Some((kind, job))),
                 Ok(None) => {}
                 // Not served (no CRD): then there is no such job either.
                 Err(e) if is_not_found(&e) && is_custom(resource) => {}
@@ -197,6 +210,31 @@ impl Kube {
             .await;
         status.settle();
         Ok(status)
+    }
+
+    /// The latest rendezvous round the job's running training pods say they joined (the
+    /// last `round R: node rank N of M` line of each one's recent output), into `status`: the
+    /// size the job trains at. A pod whose log cannot be read is left out.
+    pub async fn read_training_round(&self, status: &mut JobStatus) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        let mut latest: Option<Round> = None;
+        for pod in &status.pods {
+            if pod.phase != "Running" || pod.leaving || pod.node_problem.is_some() {
+                continue;
+            }
+            let params = kube::api::LogParams {
+                container: Some(pod.container.clone()),
+                tail_lines: Some(2000),
+                ..kube::api::LogParams::default()
+            };
+            if let Ok(log) = pods.logs(&pod.name, &params).await
+                && let Some(round) = last_round(&log)
+                && latest.is_none_or(|l| round.round > l.round)
+            {
+                latest = Some(round);
+            }
+        }
+        status.training = latest;
     }
 
     /// A pod on a node that is NotReady (its kubelet stopped reporting) still reads Running and

@@ -59,6 +59,34 @@ pub struct JobStatus {
     pub companions: Vec<PodStatus>,
     /// The operator that reconciles the job, when it is an operator's.
     pub operator: Option<Operator>,
+    /// The latest rendezvous round its pods' logs show (`job status` reads them).
+    pub training: Option<Round>,
+}
+
+/// A rendezvous round, as a training pod's `trainctl run` said it joined one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Round {
+    pub round: u64,
+    pub nodes: u32,
+    pub world_size: u32,
+}
+
+/// The last round `log` (a training pod's output) says its node joined: `trainctl run: round
+/// R: node rank N of M, first rank F, world size W, ...`.
+pub fn last_round(log: &str) -> Option<Round> {
+    log.lines().rev().find_map(|line| {
+        let rest = &line[line.find("trainctl run: round ")? + "trainctl run: round ".len()..];
+        let (round, rest) = rest.split_once(": node rank ")?;
+        let (_, rest) = rest.split_once(" of ")?;
+        let (nodes, rest) = rest.split_once(',')?;
+        let (_, rest) = rest.split_once("world size ")?;
+        let world_size = rest.split(',').next()?;
+        Some(Round {
+            round: round.trim().parse().ok()?,
+            nodes: nodes.trim().parse().ok()?,
+            world_size: world_size.trim().parse().ok()?,
+        })
+    })
 }
 
 impl JobStatus {
@@ -91,6 +119,7 @@ impl JobStatus {
             pods: Vec::new(),
             companions: Vec::new(),
             operator: None,
+            training: None,
         }
     }
 
@@ -138,6 +167,7 @@ impl JobStatus {
             pods: Vec::new(),
             companions: Vec::new(),
             operator,
+            training: None,
         }
     }
 
@@ -170,6 +200,33 @@ impl JobStatus {
             .find(|c| c.type_ == "Failed" && c.status == "True")
     }
 
+    /// `training: round 7, 3 nodes, world size 3; pods: 3 running, 1 pending, 1 leaving`:
+    /// the size the job trains at and where its pods stand, for a job still running.
+    fn size_summary(&self) -> Option<String> {
+        if self.phase.is_finished() || self.pods.is_empty() {
+            return None;
+        }
+        let count = |f: &dyn Fn(&PodStatus) -> bool| self.pods.iter().filter(|p| f(p)).count();
+        let leaving = count(&|p| p.leaving);
+        let running = count(&|p| !p.leaving && p.phase == "Running");
+        let pending = count(&|p| !p.leaving && p.phase == "Pending");
+        let mut parts = vec![format!("{running} running")];
+        if pending > 0 {
+            parts.push(format!("{pending} pending"));
+        }
+        if leaving > 0 {
+            parts.push(format!("{leaving} leaving"));
+        }
+        let pods = parts.join(", ");
+        Some(match self.training {
+            Some(r) => format!(
+                "training: round {}, {} nodes, world size {}; pods: {pods}",
+                r.round, r.nodes, r.world_size
+            ),
+            None => format!("pods: {pods}"),
+        })
+    }
+
     /// `job status` as text: the job line, conditions, then one row per pod.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -193,6 +250,9 @@ impl JobStatus {
         if let Some(unreconciled) = self.unreconciled() {
             let _ = writeln!(s, "  {unreconciled}");
         }
+        if let Some(summary) = self.size_summary() {
+            let _ = writeln!(s, "  {summary}");
+        }
         if self.pods.is_empty() {
             s.push_str("  no pods yet\n");
             if self.companions.is_empty() {
@@ -215,7 +275,7 @@ impl JobStatus {
                 "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  {}",
                 p.name,
                 p.index.map_or("-".into(), |i| i.to_string()),
-                p.phase,
+                if p.leaving { "Leaving" } else { p.phase.as_str() },
                 if p.ready { "yes" } else { "no" },
                 p.restarts,
                 on(p),
@@ -384,6 +444,8 @@ pub struct PodStatus {
     /// What is wrong with its node ("node n2 is NotReady (...)", "node n2 is gone"): its
     /// kubelet cannot serve its logs, and the API's word on the pod is stale.
     pub node_problem: Option<String>,
+    /// Deleted, and stopping (scaled away, evicted, deleted by hand): its node leaves the job.
+    pub leaving: bool,
 }
 
 /// The pod's first container: the one trainctl runs in (init containers aside).
@@ -465,6 +527,14 @@ impl PodStatus {
                 }
             }
         }
+        let leaving = p.metadata.deletion_timestamp.is_some()
+            && matches!(status.phase.as_deref(), Some("Running" | "Pending"));
+        if leaving {
+            why.insert(
+                0,
+                "deleted: its node leaves the job (a `job scale`, an eviction or a delete)".into(),
+            );
+        }
         PodStatus {
             name: p.metadata.name.clone().unwrap_or_default(),
             uid: p.metadata.uid.clone().unwrap_or_default(),
@@ -482,6 +552,7 @@ impl PodStatus {
             why: why.join("; "),
             last_words: last_words.filter(|m: &String| !m.trim().is_empty()),
             node_problem: None,
+            leaving,
         }
     }
 
@@ -494,5 +565,29 @@ impl PodStatus {
             Some(i) => format!("[{} pod {i}] ", self.name),
             None => format!("[{}] ", self.name),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Round, last_round};
+
+    #[test]
+    fn the_last_round_a_pod_joined_is_read_from_its_output() {
+        let log = "\
+2026-11-28T08:00:00Z trainctl run: round 1: node rank 0 of 3, first rank 0, world size 3, restart count 0, store at a:1
+[rank 0] loss: 2.1
+trainctl run: round 2: node rank 1 of 2, first rank 1, world size 2, restart count 0, store at a:1
+trainctl run: regrouped in place: world size 3 → 2, from step 9";
+        assert_eq!(
+            last_round(log),
+            Some(Round {
+                round: 2,
+                nodes: 2,
+                world_size: 2
+            })
+        );
+        assert_eq!(last_round("[rank 0] loss: 2.1\n"), None);
+        assert_eq!(last_round("trainctl run: round x: node rank"), None);
     }
 }

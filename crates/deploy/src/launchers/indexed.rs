@@ -1,14 +1,22 @@
 //! `--launcher indexed`: an Indexed Job and its headless Service. Needs no operator: each pod
 //! gets a stable name (NAME-INDEX) and DNS name, a lost pod is replaced under its index, and
 //! the podFailurePolicy tells evictions and trainctl's own exits apart from failures.
+//!
+//! Elastic: `job scale` patches completions and parallelism together (Kubernetes' elastic
+//! Indexed Job, 1.27+): the Job controller deletes the pods of the indexes removed (their
+//! agents leave gracefully) and creates the new ones (they join in place). The successPolicy
+//! ends the job, Succeeded, when one pod has (1.31+): a node's agent exits 0 only once every
+//! node's workers have finished (the rendezvous' exit barrier), so one success says training
+//! is over, and a pod still Pending then is removed instead of keeping the job running.
 
-use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::batch::v1::{Job, SuccessPolicy, SuccessPolicyRule};
 use kube::api::{ApiResource, DynamicObject};
 
 use crate::config::Project;
 use crate::kube_api::JobStatus;
 use crate::manifests::{
-    Manifest, Token, headless_service, job, queue_label, rendezvous_objects, worker_template,
+    Manifest, Token, headless_service, job, queue_label, rendezvous_objects, sizing_annotations,
+    worker_template,
 };
 
 use super::Kind;
@@ -46,8 +54,17 @@ impl Kind for Indexed {
             // drop both fields and keep backoffLimit, the whole job's limit.
             spec.backoff_limit_per_index = Some(j.max_restarts as i32);
             spec.max_failed_indexes = Some(0);
+            // Training is over when one pod has succeeded (its agent passed the exit barrier:
+            // every node's workers finished), whatever the job's size then.
+            spec.success_policy = Some(SuccessPolicy {
+                rules: vec![SuccessPolicyRule {
+                    succeeded_count: Some(1),
+                    succeeded_indexes: None,
+                }],
+            });
         }
         queue_label(project, &mut job.metadata);
+        sizing_annotations(project, &mut job.metadata);
         let mut out = rendezvous_objects(project, token);
         out.push(Manifest::of(&service));
         out.push(Manifest::of(&job));
@@ -74,5 +91,24 @@ impl Kind for Indexed {
 
     fn pod_job_label(&self) -> &'static str {
         "batch.kubernetes.io/job-name"
+    }
+
+    fn scales(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+
+    fn size(&self, object: &DynamicObject) -> Option<u32> {
+        object.data["spec"]["completions"]
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+    }
+
+    fn size_patch(&self, nodes: u32) -> Option<serde_json::Value> {
+        // Kubernetes takes a new completions only with the same parallelism.
+        Some(serde_json::json!({ "spec": { "completions": nodes, "parallelism": nodes } }))
+    }
+
+    fn ends_with_pods_pending(&self) -> bool {
+        true
     }
 }

@@ -83,6 +83,27 @@ pub trait Kind: Sync {
     fn operator(&self) -> Option<Operator> {
         None
     }
+
+    /// Whether a running job of this kind can change its number of nodes in place (`job
+    /// scale`), and why not when it cannot.
+    fn scales(&self) -> Result<(), &'static str>;
+
+    /// The number of nodes a running job asks for now, read from its object.
+    fn size(&self, _object: &DynamicObject) -> Option<u32> {
+        None
+    }
+
+    /// The JSON merge patch that asks for `nodes` nodes (only where [`Kind::scales`]).
+    fn size_patch(&self, _nodes: u32) -> Option<serde_json::Value> {
+        None
+    }
+
+    /// Whether the job still ends when it trains with some of its pods never scheduled: then
+    /// a MAX the cluster cannot hold yet is no reason to refuse the launch (the job starts at
+    /// what fits and grows as room appears).
+    fn ends_with_pods_pending(&self) -> bool {
+        false
+    }
 }
 
 /// An operator a launcher needs.

@@ -145,6 +145,11 @@ impl Kind for MpiJob {
         "training.kubeflow.org/job-name"
     }
 
+    fn scales(&self) -> Result<(), &'static str> {
+        Err("mpirun starts every rank once, on the hosts it was given at launch: an MPI world \
+             cannot grow or shrink; launch with --launcher indexed to scale in place")
+    }
+
     fn operator(&self) -> Option<Operator> {
         Some(Operator {
             name: "the MPI Operator",

@@ -16,7 +16,7 @@ use crate::config::{Project, RdzvBackend};
 use crate::kube_api::JobStatus;
 use crate::manifests::{
     CONTAINER, ETCD_PORT, Manifest, Token, etcd_name, launch_flags, object_meta, queue_label,
-    rdzv_flags, rendezvous_objects, worker_template,
+    rdzv_flags, rendezvous_objects, sizing_annotations, worker_template,
 };
 
 use super::{Kind, Operator};
@@ -101,6 +101,7 @@ impl Kind for PyTorchJob {
         });
         let mut metadata = object_meta(project, &j.name, "worker");
         queue_label(project, &mut metadata);
+        sizing_annotations(project, &mut metadata);
         let job = PyTorchJobObject {
             metadata,
             spec: PyTorchJobSpec {
@@ -156,6 +157,24 @@ impl Kind for PyTorchJob {
 
     fn pod_job_label(&self) -> &'static str {
         "training.kubeflow.org/job-name"
+    }
+
+    fn scales(&self) -> Result<(), &'static str> {
+        // The operator reconciles the Worker replicas to the spec (what its elasticPolicy's
+        // HPA patches): it deletes the pods past the count and creates the missing ones.
+        Ok(())
+    }
+
+    fn size(&self, object: &DynamicObject) -> Option<u32> {
+        object.data["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+    }
+
+    fn size_patch(&self, nodes: u32) -> Option<serde_json::Value> {
+        Some(serde_json::json!({
+            "spec": { "pytorchReplicaSpecs": { "Worker": { "replicas": nodes } } }
+        }))
     }
 
     fn operator(&self) -> Option<Operator> {

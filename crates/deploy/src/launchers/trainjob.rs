@@ -217,6 +217,13 @@ impl Kind for TrainJob {
         "jobset.sigs.k8s.io/jobset-name"
     }
 
+    fn scales(&self) -> Result<(), &'static str> {
+        Err("Trainer v2 applies a TrainJob's changes (numNodes too) to its JobSet only while \
+             the TrainJob is suspended, and a suspended job's pods are deleted: a new size is a \
+             restart of every pod from the checkpoint, not a regroup (Trainer v2.2 removed the \
+             elastic policy); launch with --launcher indexed to scale in place")
+    }
+
     fn operator(&self) -> Option<Operator> {
         Some(Operator {
             name: "Kubeflow Trainer v2",

@@ -33,7 +33,7 @@ pub use training::{
 pub(crate) use pod::{headless_service, job};
 pub(crate) use training::{
     launch_flags, mpi_template, node_flags, queue_label, rdzv_flags, rendezvous_objects,
-    worker_template,
+    sizing_annotations, worker_template,
 };
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
@@ -44,6 +44,14 @@ pub const JOB_LABEL: &str = "trainctl.dev/job";
 pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 /// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
+/// On a training job's object: its node bounds `MIN:MAX` (`--nnodes`), which `job scale`
+/// keeps to.
+pub const NNODES_ANNOTATION: &str = "trainctl.dev/nnodes";
+/// On a training job's object: `program` when its pods run the user's program, `built-in`
+/// for trainctl's trainer (`job scale` says which regroups in place).
+pub const TRAINER_ANNOTATION: &str = "trainctl.dev/trainer";
+/// Kueue's opt-in to elastic jobs (workload slices): a queued job may change its size.
+pub const KUEUE_ELASTIC_ANNOTATION: &str = "kueue.x-k8s.io/elastic-job";
 /// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
 pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
 /// The container that runs `trainctl run` in the training pods of an Indexed Job or a

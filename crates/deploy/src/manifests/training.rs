@@ -13,7 +13,8 @@ use crate::config::{Project, RdzvBackend};
 use super::pod::{PodOptions, pod_template};
 use super::services::{etcd, etcd_name};
 use super::{
-    ETCD_PORT, FETCH_DIR, Manifest, QUEUE_LABEL, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, meta,
+    ETCD_PORT, FETCH_DIR, KUEUE_ELASTIC_ANNOTATION, Manifest, NNODES_ANNOTATION, QUEUE_LABEL,
+    TERMINATION_GRACE_SECONDS, TERMINATION_LOG, TRAINER_ANNOTATION, meta,
 };
 
 /// The job token's place in its Secret, which every training pod reads
@@ -218,5 +219,19 @@ pub(crate) fn queue_label(project: &Project, meta: &mut ObjectMeta) {
         meta.labels
             .get_or_insert_with(BTreeMap::new)
             .insert(QUEUE_LABEL.into(), queue.clone());
+    }
+}
+
+/// What `job scale` reads from a training job that can change its size: its node bounds and
+/// whether it runs the user's program; with a queue, Kueue's opt-in to elastic jobs (without
+/// it Kueue would suspend and requeue a job whose size changed: a restart).
+pub(crate) fn sizing_annotations(project: &Project, meta: &mut ObjectMeta) {
+    let j = &project.job;
+    let annotations = meta.annotations.get_or_insert_with(BTreeMap::new);
+    annotations.insert(NNODES_ANNOTATION.into(), format!("{}:{}", j.min_nodes, j.max_nodes));
+    let trainer = if j.command.is_some() { "program" } else { "built-in" };
+    annotations.insert(TRAINER_ANNOTATION.into(), trainer.into());
+    if j.queue.is_some() && j.is_elastic() {
+        annotations.insert(KUEUE_ELASTIC_ANNOTATION.into(), "true".into());
     }
 }

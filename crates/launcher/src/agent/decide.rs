@@ -68,9 +68,10 @@ pub(crate) enum Next {
     /// This node is a straggler: leave the job as [`Next::Leave`] does, unless the others
     /// cannot go on without it (then train on).
     Evict,
-    /// The job succeeded: stop what still runs and end; `close` when this node's workers
-    /// finished it (the rendezvous is closed for the others).
-    Succeed { close: bool },
+    /// The job succeeded: stop what still runs, count this node finished (closing the job
+    /// for the others if it is the first), wait for the others' workers to finish (the exit
+    /// barrier), and end.
+    Succeed,
     /// Keep the workers running and join the next round; `abort` breaks their links first (a
     /// node of the group is gone: their collectives would wait for the timeout). `failed`:
     /// the regroup under way failed, which counts towards the fallback. `tell`: this node's
@@ -113,7 +114,7 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
             }
         }
         // Another node finished the job: there is no next round to regroup in.
-        Seen::PeerLost if memory.closing => Next::Succeed { close: false },
+        Seen::PeerLost if memory.closing => Next::Succeed,
         Seen::PeerLost => {
             let failed = memory.regrouping;
             if memory.failed_regroups + failed as u32 > memory.max_restarts {
@@ -135,7 +136,7 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
             Next::Evict
         }
         Seen::Straggler => Next::Wait,
-        Seen::WorkersDone => Next::Succeed { close: true },
+        Seen::WorkersDone => Next::Succeed,
         Seen::WorkerFailed { .. } if memory.closing => Next::FailAlone,
         Seen::WorkerFailed { counted } => Next::RecordFailure { counted },
         Seen::Round(Round::Healthy) if store_down => Next::StoreBack,

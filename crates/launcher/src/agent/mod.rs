@@ -420,11 +420,9 @@ impl InRound<'_> {
                     checkpointed: group.stop_interrupted(grace),
                 })
             }
-            Next::Succeed { close } => {
+            Next::Succeed => {
                 group.stop(grace);
-                if close && let Err(e) = self.rdzv.close(true, None) {
-                    events(LaunchEvent::StoreUnreachable(e.to_string()));
-                }
+                self.exit_barrier(events);
                 RoundEnd::Over(Outcome::Succeeded)
             }
             Next::Regroup {
@@ -555,6 +553,30 @@ impl InRound<'_> {
             Ok(Some(closed)) => {
                 RoundEnd::Over(Outcome::JobFailed(closed.root_cause.unwrap_or(report)))
             }
+        }
+    }
+
+    /// This node's workers are done and the job succeeded: count this node finished (closing
+    /// the job for the others if it is the first), then wait until every live node's workers
+    /// have finished too, up to exit_barrier_timeout, saying whom it waits for. A node's exit 0
+    /// then says the whole job is done, which a Kubernetes Job's successPolicy relies on.
+    fn exit_barrier(&mut self, events: &mut dyn FnMut(LaunchEvent)) {
+        if let Err(e) = self.rdzv.finish() {
+            events(LaunchEvent::StoreUnreachable(e.to_string()));
+            return;
+        }
+        let wait = self.rdzv.config().exit_barrier_timeout;
+        let unfinished = self.rdzv.await_finished(wait, &mut |nodes, waited| {
+            events(LaunchEvent::AwaitingOthers {
+                nodes: nodes.to_vec(),
+                waited,
+            })
+        });
+        if !unfinished.is_empty() {
+            events(LaunchEvent::OthersUnfinished {
+                nodes: unfinished,
+                waited: wait,
+            });
         }
     }
 

@@ -728,3 +728,36 @@ fn waiting_nodes_are_admitted_together_after_the_window_and_a_growing_cooldown()
     // A round opened for anything else starts the count again.
     assert_eq!(grown.reopened("node x is gone".into(), &live).admissions, 0);
 }
+
+#[test]
+fn a_finished_node_waits_for_every_live_participant_and_the_first_closes_the_job() {
+    let state = running(&["a", "b", "c"]);
+    let live = alive(&["a", "b", "c"]);
+    assert_eq!(
+        unfinished(state.as_ref().unwrap(), &live),
+        Vec::<String>::new(),
+        "a job not over waits for nobody"
+    );
+    let b_done = finish_step(state.as_ref(), "b").unwrap();
+    assert_eq!(b_done.phase, Phase::Closed { succeeded: true });
+    assert_eq!(unfinished(&b_done, &live), ["a", "c"]);
+    assert_eq!(finish_step(Some(&b_done), "b"), None, "counted once");
+    // A node gone is not waited for; the last live one to finish ends the wait.
+    assert_eq!(unfinished(&b_done, &alive(&["a", "b"])), ["a"]);
+    let a_done = finish_step(Some(&b_done), "a").unwrap();
+    assert_eq!(unfinished(&a_done, &alive(&["a", "b"])), Vec::<String>::new());
+    assert!(a_done.version > b_done.version);
+    // A job closed as failed is not finished by anyone.
+    let failed = close_step(state.as_ref(), false, Some("boom")).unwrap();
+    assert_eq!(finish_step(Some(&failed), "a"), None);
+    assert_eq!(unfinished(&failed, &live), Vec::<String>::new());
+}
+
+#[test]
+fn a_record_without_finished_nodes_reads_as_before() {
+    let state = running(&["a", "b"]).unwrap();
+    let json = serde_json::to_string(&state).unwrap();
+    assert!(!json.contains("finished"), "{json}");
+    let back: State = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, state);
+}

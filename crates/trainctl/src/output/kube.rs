@@ -45,6 +45,13 @@ pub fn launched(name: &str, at_namespace: &str) {
     ));
 }
 
+/// What `job scale` did and what the job does now.
+pub fn scaled(scaled: &deploy::kube_api::Scaled) {
+    for line in scaled.describe() {
+        out(format_args!("{line}"));
+    }
+}
+
 /// A job's status table (stderr when it explains a helper's failure).
 pub fn status(status: &JobStatus, stderr: bool) {
     let text = status.render();

@@ -553,6 +553,18 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::JobAlreadyOver => err(format_args!(
             "trainctl run: this run id's job has already finished; nothing to do"
         )),
+        LaunchEvent::AwaitingOthers { nodes, waited } => err(format_args!(
+            "trainctl run: this node's workers finished; waiting {} so far for {} to finish too \
+             before exiting (exit_barrier_timeout in --rdzv-conf)",
+            duration(waited.as_secs_f64()),
+            nodes.join(", ")
+        )),
+        LaunchEvent::OthersUnfinished { nodes, waited } => warn(&format!(
+            "{} had not finished after {} (exit_barrier_timeout in --rdzv-conf); this node exits \
+             anyway, its own work done",
+            nodes.join(", "),
+            duration(waited.as_secs_f64())
+        )),
         LaunchEvent::StoreUnreachable(e) => warn(&format!(
             "rendezvous store unreachable ({e}); the workers go on, membership changes wait for it"
         )),

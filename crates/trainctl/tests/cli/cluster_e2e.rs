@@ -551,3 +551,244 @@ fn cluster_e2e_an_mpijob_is_taken_whole_by_the_mpi_operators_crd() {
         },
     );
 }
+
+/// A CPU quantity in millicores: `500m`, `2`, `1.5`.
+fn millicores(q: &str) -> u64 {
+    match q.strip_suffix('m') {
+        Some(m) => m.parse().unwrap_or(0),
+        None => (q.parse::<f64>().unwrap_or(0.0) * 1000.0) as u64,
+    }
+}
+
+/// The CPU the scheduler can still give on the cluster's one node: its allocatable CPU less
+/// what the pods on it that have not finished request. (The lab cluster has one node.)
+fn free_millicores() -> u64 {
+    use k8s_openapi::api::core::v1::{Node, Pod};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = kube::Client::try_default().await.unwrap();
+        let nodes: kube::Api<Node> = kube::Api::all(client.clone());
+        let nodes = nodes.list(&Default::default()).await.unwrap().items;
+        assert_eq!(nodes.len(), 1, "this test sizes its pods for a one-node cluster");
+        let allocatable = nodes[0]
+            .status
+            .as_ref()
+            .and_then(|s| s.allocatable.as_ref())
+            .and_then(|a| a.get("cpu"))
+            .map(|q| millicores(&q.0))
+            .unwrap();
+        let pods: kube::Api<Pod> = kube::Api::all(client);
+        let requested: u64 = pods
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .filter(|p| {
+                let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                !matches!(phase, Some("Succeeded" | "Failed"))
+                    && p.spec.as_ref().is_some_and(|s| s.node_name.is_some())
+            })
+            .flat_map(|p| p.spec.as_ref().unwrap().containers.iter())
+            .filter_map(|c| c.resources.as_ref()?.requests.as_ref()?.get("cpu"))
+            .map(|q| millicores(&q.0))
+            .sum();
+        allocatable.saturating_sub(requested)
+    })
+}
+
+/// A pod that only holds `millicores` of CPU (the pause image, preloaded on the lab's node):
+/// capacity taken by another team; deleted to free it.
+fn blocker(name: &str, millicores: u64, delete: bool) {
+    use k8s_openapi::api::core::v1::Pod;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let client = kube::Client::try_default().await.unwrap();
+        let pods: kube::Api<Pod> = kube::Api::namespaced(client, "default");
+        if delete {
+            let _ = pods.delete(name, &kube::api::DeleteParams::default()).await;
+            return;
+        }
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": name },
+            "spec": {
+                "terminationGracePeriodSeconds": 0,
+                "containers": [{
+                    "name": "hold", "image": "registry.k8s.io/pause:3.10",
+                    "imagePullPolicy": "IfNotPresent",
+                    "resources": { "requests": { "cpu": format!("{millicores}m") } },
+                }],
+            },
+        }))
+        .unwrap();
+        pods.create(&Default::default(), &pod).await.unwrap();
+    });
+}
+
+/// The run folder of job `name` under the e2e host path (`runs/NAME` on the volume).
+fn run_dir_on_host(name: &str) -> std::path::PathBuf {
+    #[allow(clippy::disallowed_methods)]
+    let root = std::env::var("TRAINCTL_E2E_HOST_PATH").unwrap_or("/tmp/trainctl-e2e".into());
+    let mut todo = vec![std::path::PathBuf::from(root)];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                if path.file_name().is_some_and(|f| f == name) && path.join("metrics").is_dir() {
+                    return path;
+                }
+                todo.push(path);
+            }
+        }
+    }
+    panic!("no run folder {name} with metrics under the e2e host path");
+}
+
+/// Issue 57: elastic on Kubernetes for real. A job launched `--nnodes 2:4` where only 3 pods
+/// fit starts at 3 (the 4th Pending, as its status says); `job scale 2` takes pods 2 and 3
+/// away (the running one leaves, the others regroup in place); once the capacity is freed
+/// `job scale 4` adds pods 2 and 3, which join in place. No worker of pods 0 and 1 restarts,
+/// nothing resumes from a checkpoint, the job ends Succeeded, and every epoch of every rank
+/// trained each image exactly once. The time from each `job scale` to the regroup at the new
+/// size, as `job logs --follow` shows it, is printed (docs/PERFORMANCE.md).
+#[test]
+#[ignore = "needs cluster"]
+fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() {
+    use std::time::Instant;
+    let name = format!("e2e-scale-{}", std::process::id());
+    let t = e2e_epochs(&name, &image(), 60);
+    let hold = format!("{name}-hold");
+    let _clean = CleanUp(t.clone());
+    struct Unblock(String);
+    impl Drop for Unblock {
+        fn drop(&mut self) {
+            blocker(&self.0, 0, true);
+        }
+    }
+    let _unblock = Unblock(hold.clone());
+    run_ok(&mut t(&["storage"]));
+    run_ok(&mut t(&[
+        "data",
+        "job",
+        "--synthetic",
+        "512",
+        "--timeout",
+        "600",
+    ]));
+    // Room for three training pods of 500m and a half: the fourth waits.
+    let free = free_millicores();
+    assert!(free >= 4 * 500, "the node has {free}m free; four 500m pods must fit");
+    blocker(&hold, free - 3 * 500 - 250, false);
+    run_ok(t(&["job", "launch"]).args(["--nnodes", "2:4"]));
+    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
+    follow.wait_for_line(Duration::from_secs(900), |l| {
+        l.contains("world size 3") || l.contains("→ 3")
+    });
+    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    let status = text(&t(&["job", "status"]).output().unwrap().stdout);
+    assert!(
+        status.lines().any(|l| l.contains(&format!("{name}-3-"))
+            && l.contains("Pending")
+            && l.contains("Insufficient cpu")),
+        "pod 3 waits for room, and says why:\n{status}"
+    );
+    let survivors: Vec<String> = [0, 1]
+        .into_iter()
+        .map(|i| pod_of_index(&t, &name, i).unwrap_or_else(|| panic!("pod {i} runs")))
+        .collect();
+
+    let scaled = Instant::now();
+    let down = run_ok(&mut t(&["job", "scale", "2"]));
+    assert!(
+        text(&down.stdout).contains("3 → 2 nodes") || text(&down.stdout).contains("4 → 2 nodes"),
+        "{}",
+        text(&down.stdout)
+    );
+    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("world size 3 → 2"));
+    let down_s = scaled.elapsed().as_secs_f64();
+    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    eventually(
+        Duration::from_secs(60),
+        "job status says the job trains at 2 nodes",
+        || {
+            let status = text(&t(&["job", "status"]).output().unwrap().stdout);
+            status.contains(", 2 nodes, world size 2; pods: 2 running")
+        },
+    );
+
+    blocker(&hold, 0, true);
+    let scaled = Instant::now();
+    let up = run_ok(&mut t(&["job", "scale", "4"]));
+    assert!(
+        text(&up.stdout).contains("2 → 4 nodes: pods 2 and 3 start"),
+        "{}",
+        text(&up.stdout)
+    );
+    follow.wait_for_line(Duration::from_secs(600), |l| l.contains("→ 4"));
+    let up_s = scaled.elapsed().as_secs_f64();
+    let said = std::cell::RefCell::new(String::new());
+    eventually(
+        Duration::from_secs(60),
+        "job status says the job trains at 4 nodes",
+        || {
+            let status = text(&t(&["job", "status"]).output().unwrap().stdout);
+            *said.borrow_mut() = status.clone();
+            status.contains(", 4 nodes, world size 4; pods: 4 running")
+        },
+    );
+    eprintln!("{}", said.borrow());
+    eprintln!("job scale 3 → 2: regrouped {down_s:.1} s after the command; 2 → 4: {up_s:.1} s");
+
+    let status = t(&["job", "wait", "--timeout", "1800"]).output().unwrap();
+    follow.wait(Duration::from_secs(120));
+    let followed = follow.output();
+    assert!(
+        status.status.success(),
+        "{}\nfollowed:\n{followed}",
+        text(&status.stdout)
+    );
+    for bad in [
+        "resuming from checkpoint",
+        "restarting the workers",
+        "restarting all workers",
+    ] {
+        assert!(!followed.contains(bad), "{bad}:\n{followed}");
+    }
+    // Pods 0 and 1 ran start to end: never replaced, never restarted.
+    let end = text(&t(&["job", "status"]).output().unwrap().stdout);
+    for pod in &survivors {
+        assert!(
+            end.lines()
+                .any(|l| l.starts_with(&format!("  {pod} ")) && l.contains(" Succeeded ")),
+            "{pod} is the same pod at the end:\n{end}"
+        );
+    }
+    let dir = run_dir_on_host(&name);
+    let all = every_image(512);
+    let mut epochs = 0;
+    for rank in 0..4 {
+        let file = telemetry::metrics::rank_file(&dir, rank);
+        if !file.is_file() {
+            continue;
+        }
+        for r in telemetry::metrics::read_metrics(&file).unwrap().records {
+            if let telemetry::metrics::Record::Epoch(e) = r {
+                assert_eq!(
+                    e.samples_digest.as_deref(),
+                    Some(all.as_str()),
+                    "rank {rank}, epoch {}: every image exactly once",
+                    e.epoch
+                );
+                epochs += 1;
+            }
+        }
+    }
+    assert!(epochs >= 60 * 2, "{epochs} epoch records");
+}

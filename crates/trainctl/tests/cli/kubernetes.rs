@@ -899,3 +899,50 @@ fn kubernetes_commands_list_the_settings_they_read() {
         .join(" ");
     assert_eq!(line, "job.learning_rate 0.05 flag --learning-rate");
 }
+
+/// `job scale` outside the job's `--nnodes` bounds is a bad command line (exit 2, the bounds
+/// named, nothing patched); inside them it patches the Job and says what happens to the pods.
+#[test]
+fn job_scale_keeps_to_the_jobs_bounds() {
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let job = json!({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {
+            "name": "cifar10", "namespace": "default",
+            "annotations": { "trainctl.dev/nnodes": "2:4", "trainctl.dev/trainer": "program" },
+        },
+        "spec": {
+            "completions": 3, "parallelism": 3, "completionMode": "Indexed",
+            "template": { "spec": { "containers": [] } },
+        },
+        "status": { "active": 3 },
+    });
+    let writes = Writes::default();
+    let kubeconfig = mock_api_recording(
+        dir.path(),
+        vec![("/apis/batch/v1/namespaces/default/jobs/cifar10", 200, job.to_string())],
+        writes.clone(),
+    );
+    let said = run_refused(
+        kube_cmd(dir.path())
+            .args(["job", "scale", "5"])
+            .env("KUBECONFIG", &kubeconfig),
+    );
+    assert!(said.contains("--nnodes 2:4") && said.contains("not 5"), "{said}");
+    assert!(writes.lock().unwrap().is_empty(), "nothing patched");
+
+    let out = run_ok(
+        kube_cmd(dir.path())
+            .args(["job", "scale", "2"])
+            .env("KUBECONFIG", &kubeconfig),
+    );
+    let said = text(&out.stdout);
+    assert!(said.contains("3 → 2 nodes: pod 2 leave"), "{said}");
+    assert!(said.contains("only if it uses trainctl.torch"), "{said}");
+    let sent = writes.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(sent[0].0, "PATCH");
+    let body: serde_json::Value = serde_json::from_str(&sent[0].2).unwrap();
+    assert_eq!(body, json!({ "spec": { "completions": 2, "parallelism": 2 } }));
+}

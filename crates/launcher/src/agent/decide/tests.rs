@@ -65,7 +65,7 @@ fn a_lost_peer_regroups_until_too_many_regroups_failed_in_a_row() {
     let closing = Memory { closing: true, ..m };
     assert_eq!(
         next(&Seen::PeerLost, &closing, false),
-        Next::Succeed { close: false }
+        Next::Succeed
     );
 }
 
@@ -123,7 +123,7 @@ fn failures_are_recorded_with_the_rendezvous_unless_the_job_is_closing() {
     );
     assert_eq!(
         next(&Seen::WorkersDone, &m, false),
-        Next::Succeed { close: true }
+        Next::Succeed
     );
 }
 

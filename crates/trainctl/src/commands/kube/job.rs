@@ -35,6 +35,16 @@ pub enum JobCommand {
         #[command(flatten)]
         project: ProjectArgs<uses::Lookup>,
     },
+    /// Change a running job's number of nodes in place, within its --nnodes MIN:MAX: scaling
+    /// down removes the highest node indexes (their agents leave, the others regroup), scaling
+    /// up adds indexes that join at the next step and take the state from a peer.
+    Scale {
+        #[command(flatten)]
+        project: ProjectArgs<uses::Lookup>,
+        /// The number of nodes (pods) the job should train on.
+        #[arg(value_name = "NODES")]
+        nodes: u32,
+    },
     /// Wait until the job succeeds (exit 0) or fails (exit 1).
     Wait {
         #[command(flatten)]
@@ -100,9 +110,21 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             let project = project.project()?;
             runtime()?.block_on(async {
                 let kube = connect(&project).await?;
-                let status = kube.status(&project.job.name).await?;
+                let mut status = kube.status(&project.job.name).await?;
+                if !status.phase.is_finished() {
+                    kube.read_training_round(&mut status).await;
+                }
                 output::kube::status(&status, false);
                 stop_etcd_if_finished(&kube, &status, &project).await;
+                Ok(0)
+            })
+        }
+        JobCommand::Scale { project, nodes } => {
+            let project = project.project()?;
+            runtime()?.block_on(async {
+                let kube = connect(&project).await?;
+                let scaled = kube.scale(&project.job.name, nodes).await?;
+                output::kube::scaled(&scaled);
                 Ok(0)
             })
         }

@@ -23,21 +23,25 @@ use std::time::Duration;
 
 use deploy::config::{ConfigError, Project, Renders};
 use deploy::eksctl::ClusterConfigError;
-use deploy::kube_api::{Kube, Phase};
+use deploy::kube_api::{Kube, Phase, ScaleError};
 use deploy::manifests::{self, Manifest, NoStorage};
 
 use super::project::ProjectArgs;
 use crate::output;
 
 /// A Kubernetes command's result, where settings that cannot work (a value refused, pods no
-/// node can hold, a cluster eksctl cannot make, no storage given) are a bad command line
+/// node can hold, a cluster eksctl cannot make, no storage given, a size outside a job's
+/// bounds) are a bad command line
 /// ([`super::Usage`]: exit 2), said with what to give instead. Anything else (the cluster
 /// refused, a job failed) is left as it is.
 fn bad_settings_are_usage(result: anyhow::Result<i32>) -> anyhow::Result<i32> {
     result.map_err(|e| {
-        let bad_settings = e
-            .chain()
-            .any(|c| c.is::<ConfigError>() || c.is::<ClusterConfigError>() || c.is::<NoStorage>());
+        let bad_settings = e.chain().any(|c| {
+            c.is::<ConfigError>()
+                || c.is::<ClusterConfigError>()
+                || c.is::<NoStorage>()
+                || c.downcast_ref::<ScaleError>().is_some_and(ScaleError::is_usage)
+        });
         if bad_settings { super::usage(e) } else { e }
     })
 }

@@ -66,7 +66,8 @@ pub struct Args {
     pub(crate) rdzv_endpoint: Option<String>,
     /// Rendezvous settings, `key=value,...`: join_timeout (600), last_call_timeout (1),
     /// join_window (2: nodes arriving while the job runs are admitted together after it),
-    /// close_timeout (10), heartbeat (0.5), heartbeat_timeout (2), timeout (3), is_host.
+    /// close_timeout (10), exit_barrier_timeout (300: how long a node whose workers finished
+    /// waits for the others'), heartbeat (0.5), heartbeat_timeout (2), timeout (3), is_host.
     #[arg(long, env = "PET_RDZV_CONF", default_value = "")]
     pub(crate) rdzv_conf: String,
     /// Address other nodes reach this node's workers at (default: this host's address on the

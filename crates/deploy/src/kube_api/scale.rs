@@ -1,0 +1,217 @@
+//! `job scale`: a running job's number of nodes changed in place, within its `--nnodes`
+//! bounds, by the patch its launcher names ([`crate::launchers::Kind::size_patch`]).
+
+use kube::api::{Patch, PatchParams};
+
+use super::error::api_error;
+use super::{ApiError, Kube};
+use crate::manifests::{NNODES_ANNOTATION, QUEUE_LABEL, TRAINER_ANNOTATION};
+
+/// What `job scale` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scaled {
+    pub name: String,
+    /// The launcher's name (`indexed`, `pytorchjob`).
+    pub launcher: &'static str,
+    pub from: u32,
+    pub to: u32,
+    /// The job runs the user's program (which regroups in place only with `trainctl.torch`).
+    pub program: bool,
+    /// The Kueue queue the job was admitted through, if any.
+    pub queue: Option<String>,
+}
+
+impl Scaled {
+    /// What `job scale` says it did and what the job does now, one line per fact.
+    pub fn describe(&self) -> Vec<String> {
+        let Scaled { name, from, to, .. } = self;
+        if from == to {
+            return vec![format!("job {name} asks for {to} nodes already; nothing to change")];
+        }
+        let mut lines = Vec::new();
+        let pods = pods_between(*from.min(to), *from.max(to));
+        if to < from {
+            lines.push(format!(
+                "job {name}: {from} → {to} nodes: {pods} leave (their agents leave at the next \
+                 step; the others regroup in place); the job trains on at {to} nodes"
+            ));
+        } else {
+            lines.push(format!(
+                "job {name}: {from} → {to} nodes: {pods} start; each joins at the next step once \
+                 scheduled and takes the state from a peer; `trainctl job status --name {name}` \
+                 shows a pod still Pending and why"
+            ));
+        }
+        if self.program {
+            lines.push(
+                "your program regroups in place only if it uses trainctl.torch; otherwise every \
+                 node's workers restart at the new size (torchrun's behaviour), from your \
+                 checkpoint"
+                    .into(),
+            );
+        } else {
+            lines.push("no worker restarts: the built-in trainer regroups in place".into());
+        }
+        if let Some(queue) = &self.queue
+            && to > from
+        {
+            lines.push(format!(
+                "queue {queue}: Kueue admits the larger size as a new workload slice (Kueue 0.13 \
+                 or later with its ElasticJobsViaWorkloadSlices feature gate); a Kueue without \
+                 it suspends and requeues the job instead, which restarts every pod"
+            ));
+        }
+        lines
+    }
+}
+
+/// `pod 3`, `pods 2 and 3`, `pods 2, 3 and 4`: the node indexes from `low` up to `high`.
+fn pods_between(low: u32, high: u32) -> String {
+    let ids: Vec<String> = (low..high).map(|i| i.to_string()).collect();
+    match ids.as_slice() {
+        [one] => format!("pod {one}"),
+        [rest @ .., last] => format!("pods {} and {last}", rest.join(", ")),
+        [] => "no pods".into(),
+    }
+}
+
+/// Why a job was not scaled.
+#[derive(Debug, thiserror::Error)]
+pub enum ScaleError {
+    /// The size asked for is outside the job's bounds: a bad command line.
+    #[error(
+        "job {name} runs with --nnodes {min}:{max}, so it can be scaled to {min}..={max} nodes, \
+         not {asked}; give a size in that range (the bounds are fixed at launch: relaunch with \
+         another --nnodes to change them)"
+    )]
+    OutOfBounds {
+        name: String,
+        asked: u32,
+        min: u32,
+        max: u32,
+    },
+    /// The job cannot change size in place, said with why and what to do.
+    #[error("job {name} cannot be scaled: {why}")]
+    Cannot { name: String, why: String },
+    #[error(transparent)]
+    Api(#[from] ApiError),
+}
+
+impl ScaleError {
+    /// A size the job's bounds refuse: the command line was wrong (exit 2).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, ScaleError::OutOfBounds { .. })
+    }
+}
+
+/// `MIN:MAX` as the job's annotation holds it.
+fn bounds(text: &str) -> Option<(u32, u32)> {
+    let (min, max) = text.split_once(':')?;
+    let (min, max) = (min.trim().parse().ok()?, max.trim().parse().ok()?);
+    (0 < min && min <= max).then_some((min, max))
+}
+
+impl Kube {
+    /// Asks job `name` for `nodes` nodes: refused outside its `--nnodes` bounds, for a
+    /// launcher that cannot scale in place, and for a job that has finished.
+    pub async fn scale(&self, name: &str, nodes: u32) -> Result<Scaled, ScaleError> {
+        let (kind, object) = self
+            .find_object(name)
+            .await?
+            .ok_or_else(|| self.no_job(name))?;
+        let cannot = |why: String| ScaleError::Cannot {
+            name: name.to_string(),
+            why,
+        };
+        kind.scales().map_err(|why| cannot(why.to_string()))?;
+        let status = kind.status(&object);
+        if status.phase.is_finished() {
+            return Err(cannot(format!(
+                "it has {} already; `trainctl job status --name {name}` shows how it ended",
+                status.phase
+            )));
+        }
+        let annotations = object.metadata.annotations.clone().unwrap_or_default();
+        let labels = object.metadata.labels.clone().unwrap_or_default();
+        let Some((min, max)) = annotations.get(NNODES_ANNOTATION).and_then(|b| bounds(b)) else {
+            return Err(cannot(format!(
+                "it has no {NNODES_ANNOTATION} annotation (launched by a trainctl before `job \
+                 scale`, or not by trainctl), so its bounds are unknown; relaunch it with \
+                 `trainctl job launch --nnodes MIN:MAX`"
+            )));
+        };
+        if !(min..=max).contains(&nodes) {
+            return Err(ScaleError::OutOfBounds {
+                name: name.to_string(),
+                asked: nodes,
+                min,
+                max,
+            });
+        }
+        let from = kind.size(&object).unwrap_or(max);
+        let scaled = Scaled {
+            name: name.to_string(),
+            launcher: kind.name(),
+            from,
+            to: nodes,
+            program: annotations.get(TRAINER_ANNOTATION).map(String::as_str) == Some("program"),
+            queue: labels.get(QUEUE_LABEL).cloned(),
+        };
+        if from == nodes {
+            return Ok(scaled);
+        }
+        let patch = kind
+            .size_patch(nodes)
+            .ok_or_else(|| cannot("its launcher names no patch for its size".into()))?;
+        let resource = &kind.resources()[0];
+        self.api(resource, true)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| api_error(&format!("scale {} {name}", resource.kind), &self.namespace, e))?;
+        Ok(scaled)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Scaled, bounds, pods_between};
+
+    #[test]
+    fn scaling_says_which_pods_go_or_come_and_what_restarts() {
+        assert_eq!(pods_between(3, 4), "pod 3");
+        assert_eq!(pods_between(2, 4), "pods 2 and 3");
+        assert_eq!(pods_between(1, 4), "pods 1, 2 and 3");
+        let down = Scaled {
+            name: "j".into(),
+            launcher: "indexed",
+            from: 4,
+            to: 2,
+            program: false,
+            queue: Some("q".into()),
+        };
+        let said = down.describe().join("\n");
+        assert!(said.contains("4 → 2 nodes: pods 2 and 3 leave"), "{said}");
+        assert!(said.contains("trains on at 2 nodes"), "{said}");
+        assert!(said.contains("no worker restarts"), "{said}");
+        assert!(!said.contains("Kueue"), "a smaller size needs no admission: {said}");
+        let up = Scaled {
+            from: 2,
+            to: 4,
+            program: true,
+            ..down
+        };
+        let said = up.describe().join("\n");
+        assert!(said.contains("2 → 4 nodes: pods 2 and 3 start"), "{said}");
+        assert!(said.contains("only if it uses trainctl.torch"), "{said}");
+        assert!(said.contains("ElasticJobsViaWorkloadSlices"), "{said}");
+    }
+
+    #[test]
+    fn bounds_read_min_colon_max_and_refuse_anything_else() {
+        assert_eq!(bounds("2:4"), Some((2, 4)));
+        assert_eq!(bounds(" 1 : 1 "), Some((1, 1)));
+        for bad in ["4", "4:2", "0:2", "a:b", "", "2:"] {
+            assert_eq!(bounds(bad), None, "{bad}");
+        }
+    }
+}
