@@ -2443,7 +2443,12 @@ async fn scale_of_a_finished_job_or_a_trainjob_is_refused_saying_why() {
 async fn status_says_which_pods_train_wait_and_leave() {
     let api = MockApi::default();
     api.get(JOB, elastic_job(3, Some("2:4")));
-    let mut leaving = pod(2, "Running", Some("n1"), json!({ "containerStatuses": [running_container(0)] }));
+    let mut leaving = pod(
+        2,
+        "Running",
+        Some("n1"),
+        json!({ "containerStatuses": [running_container(0)] }),
+    );
     leaving["metadata"]["deletionTimestamp"] = json!("2026-11-28T10:00:00Z");
     let unschedulable = json!({
         "conditions": [{
@@ -2451,12 +2456,24 @@ async fn status_says_which_pods_train_wait_and_leave() {
             "message": "0/1 nodes are available: 1 Insufficient cpu.",
         }],
     });
-    let running = |i| pod(i, "Running", Some("n1"), json!({ "containerStatuses": [running_container(0)] }));
+    let running = |i| {
+        pod(
+            i,
+            "Running",
+            Some("n1"),
+            json!({ "containerStatuses": [running_container(0)] }),
+        )
+    };
     api.get(
         PODS,
         list(
             "PodList",
-            vec![running(0), running(1), leaving, pod(3, "Pending", None, unschedulable)],
+            vec![
+                running(0),
+                running(1),
+                leaving,
+                pod(3, "Pending", None, unschedulable),
+            ],
         ),
     );
     let status = api.kube().status("cifar10").await.unwrap();
@@ -2466,7 +2483,13 @@ async fn status_says_which_pods_train_wait_and_leave() {
         "{text}"
     );
     let row = text.lines().find(|l| l.contains("cifar10-2-")).unwrap();
-    assert!(row.contains("Leaving") && row.contains("leaves the job"), "{row}");
+    assert!(
+        row.contains("Leaving") && row.contains("leaves the job"),
+        "{row}"
+    );
     let row = text.lines().find(|l| l.contains("cifar10-3-")).unwrap();
-    assert!(row.contains("Pending") && row.contains("Insufficient cpu"), "{row}");
+    assert!(
+        row.contains("Pending") && row.contains("Insufficient cpu"),
+        "{row}"
+    );
 }

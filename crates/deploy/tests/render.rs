@@ -1545,7 +1545,19 @@ fn requests_larger_than_a_node_are_refused_with_the_figures() {
 /// others had finished. The refusal says how many fit and what to give instead.
 #[test]
 fn more_pods_than_the_node_group_holds_are_refused() {
-    let e = refusal(&[("job.nnodes", "1:4")]);
+    // An elastic Indexed Job ends whatever its size: it starts with what fits and grows.
+    let w = warnings(&[("job.nnodes", "1:4"), ("image", "x/t:1")]);
+    assert!(
+        w.len() == 1
+            && w[0].contains("hold 2 (1 a node)")
+            && w[0].contains("the job starts with the pods that fit"),
+        "{w:#?}"
+    );
+    // Unless its MIN cannot be placed.
+    let e = refusal(&[("job.nnodes", "3:4")]);
+    assert!(e.contains("hold 2 (1 a node)"), "{e}");
+    // A PyTorchJob ends only when every worker has: a worker never placed would keep it.
+    let e = refusal(&[("job.nnodes", "1:4"), ("job.launcher", "pytorchjob")]);
     assert!(
         e.starts_with(r#"job.nnodes = "1:4" (from flag --nnodes): 4 pods of 13 CPU and 25Gi memory, but 2 c5.4xlarge nodes"#)
             && e.contains("hold 2 (1 a node)")

@@ -181,7 +181,10 @@ impl Project {
             // An elastic job that ends whatever its size: it starts with the pods that fit and
             // the others join as room appears (a node the autoscaler adds, one freed).
             warnings.push(format!(
-                "{pods} pods of {} CPU and {} memory, but {} {} nodes (cluster.nodes) hold                  {room} ({per_node} a node): the job starts with the pods that fit (at least                  --nnodes MIN = {min}) and the others wait Pending, joining the training as                  room appears; `trainctl job status` shows them and why they wait",
+                "{pods} pods of {} CPU and {} memory, but {} {} nodes (cluster.nodes) hold \
+                 {room} ({per_node} a node): the job starts with the pods that fit (at least \
+                 --nnodes MIN = {min}) and the others wait Pending, joining the training as \
+                 room appears; `trainctl job status` shows them and why they wait",
                 self.job.cpu, self.job.memory, self.cluster.nodes, t.name
             ));
             return Ok(warnings);

@@ -26,18 +26,31 @@ impl Scaled {
     pub fn describe(&self) -> Vec<String> {
         let Scaled { name, from, to, .. } = self;
         if from == to {
-            return vec![format!("job {name} asks for {to} nodes already; nothing to change")];
+            return vec![format!(
+                "job {name} asks for {to} nodes already; nothing to change"
+            )];
         }
         let mut lines = Vec::new();
         let pods = pods_between(*from.min(to), *from.max(to));
+        let one = from.abs_diff(*to) == 1;
         if to < from {
+            let (leave, agents) = if one {
+                ("leaves", "its agent leaves")
+            } else {
+                ("leave", "their agents leave")
+            };
             lines.push(format!(
-                "job {name}: {from} → {to} nodes: {pods} leave (their agents leave at the next \
-                 step; the others regroup in place); the job trains on at {to} nodes"
+                "job {name}: {from} → {to} nodes: {pods} {leave} ({agents} at the next step; the \
+                 others regroup in place); the job trains on at {to} nodes"
             ));
         } else {
+            let (start, joins) = if one {
+                ("starts", "it joins")
+            } else {
+                ("start", "each joins")
+            };
             lines.push(format!(
-                "job {name}: {from} → {to} nodes: {pods} start; each joins at the next step once \
+                "job {name}: {from} → {to} nodes: {pods} {start}; {joins} at the next step once \
                  scheduled and takes the state from a peer; `trainctl job status --name {name}` \
                  shows a pod still Pending and why"
             ));
@@ -167,7 +180,13 @@ impl Kube {
         self.api(resource, true)
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(|e| api_error(&format!("scale {} {name}", resource.kind), &self.namespace, e))?;
+            .map_err(|e| {
+                api_error(
+                    &format!("scale {} {name}", resource.kind),
+                    &self.namespace,
+                    e,
+                )
+            })?;
         Ok(scaled)
     }
 }
@@ -193,7 +212,10 @@ mod tests {
         assert!(said.contains("4 → 2 nodes: pods 2 and 3 leave"), "{said}");
         assert!(said.contains("trains on at 2 nodes"), "{said}");
         assert!(said.contains("no worker restarts"), "{said}");
-        assert!(!said.contains("Kueue"), "a smaller size needs no admission: {said}");
+        assert!(
+            !said.contains("Kueue"),
+            "a smaller size needs no admission: {said}"
+        );
         let up = Scaled {
             from: 2,
             to: 4,

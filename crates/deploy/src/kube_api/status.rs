@@ -275,7 +275,11 @@ impl JobStatus {
                 "  {:<pod_w$} {:>5} {:<10} {:>5} {:>8}  {:<on_w$}  {}",
                 p.name,
                 p.index.map_or("-".into(), |i| i.to_string()),
-                if p.leaving { "Leaving" } else { p.phase.as_str() },
+                if p.leaving {
+                    "Leaving"
+                } else {
+                    p.phase.as_str()
+                },
                 if p.ready { "yes" } else { "no" },
                 p.restarts,
                 on(p),

@@ -146,8 +146,10 @@ impl Kind for MpiJob {
     }
 
     fn scales(&self) -> Result<(), &'static str> {
-        Err("mpirun starts every rank once, on the hosts it was given at launch: an MPI world \
-             cannot grow or shrink; launch with --launcher indexed to scale in place")
+        Err(
+            "mpirun starts every rank once, on the hosts it was given at launch: an MPI world \
+             cannot grow or shrink; launch with --launcher indexed to scale in place",
+        )
     }
 
     fn operator(&self) -> Option<Operator> {

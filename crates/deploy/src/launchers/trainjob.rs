@@ -218,10 +218,12 @@ impl Kind for TrainJob {
     }
 
     fn scales(&self) -> Result<(), &'static str> {
-        Err("Trainer v2 applies a TrainJob's changes (numNodes too) to its JobSet only while \
+        Err(
+            "Trainer v2 applies a TrainJob's changes (numNodes too) to its JobSet only while \
              the TrainJob is suspended, and a suspended job's pods are deleted: a new size is a \
              restart of every pod from the checkpoint, not a regroup (Trainer v2.2 removed the \
-             elastic policy); launch with --launcher indexed to scale in place")
+             elastic policy); launch with --launcher indexed to scale in place",
+        )
     }
 
     fn operator(&self) -> Option<Operator> {

@@ -228,8 +228,15 @@ pub(crate) fn queue_label(project: &Project, meta: &mut ObjectMeta) {
 pub(crate) fn sizing_annotations(project: &Project, meta: &mut ObjectMeta) {
     let j = &project.job;
     let annotations = meta.annotations.get_or_insert_with(BTreeMap::new);
-    annotations.insert(NNODES_ANNOTATION.into(), format!("{}:{}", j.min_nodes, j.max_nodes));
-    let trainer = if j.command.is_some() { "program" } else { "built-in" };
+    annotations.insert(
+        NNODES_ANNOTATION.into(),
+        format!("{}:{}", j.min_nodes, j.max_nodes),
+    );
+    let trainer = if j.command.is_some() {
+        "program"
+    } else {
+        "built-in"
+    };
     annotations.insert(TRAINER_ANNOTATION.into(), trainer.into());
     if j.queue.is_some() && j.is_elastic() {
         annotations.insert(KUEUE_ELASTIC_ANNOTATION.into(), "true".into());

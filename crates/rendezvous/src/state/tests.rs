@@ -745,7 +745,10 @@ fn a_finished_node_waits_for_every_live_participant_and_the_first_closes_the_job
     // A node gone is not waited for; the last live one to finish ends the wait.
     assert_eq!(unfinished(&b_done, &alive(&["a", "b"])), ["a"]);
     let a_done = finish_step(Some(&b_done), "a").unwrap();
-    assert_eq!(unfinished(&a_done, &alive(&["a", "b"])), Vec::<String>::new());
+    assert_eq!(
+        unfinished(&a_done, &alive(&["a", "b"])),
+        Vec::<String>::new()
+    );
     assert!(a_done.version > b_done.version);
     // A job closed as failed is not finished by anyone.
     let failed = close_step(state.as_ref(), false, Some("boom")).unwrap();

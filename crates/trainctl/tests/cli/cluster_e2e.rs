@@ -572,7 +572,11 @@ fn free_millicores() -> u64 {
         let client = kube::Client::try_default().await.unwrap();
         let nodes: kube::Api<Node> = kube::Api::all(client.clone());
         let nodes = nodes.list(&Default::default()).await.unwrap().items;
-        assert_eq!(nodes.len(), 1, "this test sizes its pods for a one-node cluster");
+        assert_eq!(
+            nodes.len(),
+            1,
+            "this test sizes its pods for a one-node cluster"
+        );
         let allocatable = nodes[0]
             .status
             .as_ref()
@@ -684,7 +688,10 @@ fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() 
     ]));
     // Room for three training pods of 500m and a half: the fourth waits.
     let free = free_millicores();
-    assert!(free >= 4 * 500, "the node has {free}m free; four 500m pods must fit");
+    assert!(
+        free >= 4 * 500,
+        "the node has {free}m free; four 500m pods must fit"
+    );
     blocker(&hold, free - 3 * 500 - 250, false);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:4"]));
     let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));

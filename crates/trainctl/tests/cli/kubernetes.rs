@@ -921,7 +921,11 @@ fn job_scale_keeps_to_the_jobs_bounds() {
     let writes = Writes::default();
     let kubeconfig = mock_api_recording(
         dir.path(),
-        vec![("/apis/batch/v1/namespaces/default/jobs/cifar10", 200, job.to_string())],
+        vec![(
+            "/apis/batch/v1/namespaces/default/jobs/cifar10",
+            200,
+            job.to_string(),
+        )],
         writes.clone(),
     );
     let said = run_refused(
@@ -929,7 +933,10 @@ fn job_scale_keeps_to_the_jobs_bounds() {
             .args(["job", "scale", "5"])
             .env("KUBECONFIG", &kubeconfig),
     );
-    assert!(said.contains("--nnodes 2:4") && said.contains("not 5"), "{said}");
+    assert!(
+        said.contains("--nnodes 2:4") && said.contains("not 5"),
+        "{said}"
+    );
     assert!(writes.lock().unwrap().is_empty(), "nothing patched");
 
     let out = run_ok(
@@ -938,11 +945,17 @@ fn job_scale_keeps_to_the_jobs_bounds() {
             .env("KUBECONFIG", &kubeconfig),
     );
     let said = text(&out.stdout);
-    assert!(said.contains("3 → 2 nodes: pod 2 leave"), "{said}");
+    assert!(
+        said.contains("3 → 2 nodes: pod 2 leaves (its agent leaves"),
+        "{said}"
+    );
     assert!(said.contains("only if it uses trainctl.torch"), "{said}");
     let sent = writes.lock().unwrap().clone();
     assert_eq!(sent.len(), 1, "{sent:?}");
     assert_eq!(sent[0].0, "PATCH");
     let body: serde_json::Value = serde_json::from_str(&sent[0].2).unwrap();
-    assert_eq!(body, json!({ "spec": { "completions": 2, "parallelism": 2 } }));
+    assert_eq!(
+        body,
+        json!({ "spec": { "completions": 2, "parallelism": 2 } })
+    );
 }

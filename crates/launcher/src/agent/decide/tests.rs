@@ -63,10 +63,7 @@ fn a_lost_peer_regroups_until_too_many_regroups_failed_in_a_row() {
         }
     );
     let closing = Memory { closing: true, ..m };
-    assert_eq!(
-        next(&Seen::PeerLost, &closing, false),
-        Next::Succeed
-    );
+    assert_eq!(next(&Seen::PeerLost, &closing, false), Next::Succeed);
 }
 
 #[test]
@@ -121,10 +118,7 @@ fn failures_are_recorded_with_the_rendezvous_unless_the_job_is_closing() {
         next(&Seen::WorkerFailed { counted: true }, &closing, false),
         Next::FailAlone
     );
-    assert_eq!(
-        next(&Seen::WorkersDone, &m, false),
-        Next::Succeed
-    );
+    assert_eq!(next(&Seen::WorkersDone, &m, false), Next::Succeed);
 }
 
 #[test]

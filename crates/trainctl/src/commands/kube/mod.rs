@@ -40,7 +40,8 @@ fn bad_settings_are_usage(result: anyhow::Result<i32>) -> anyhow::Result<i32> {
             c.is::<ConfigError>()
                 || c.is::<ClusterConfigError>()
                 || c.is::<NoStorage>()
-                || c.downcast_ref::<ScaleError>().is_some_and(ScaleError::is_usage)
+                || c.downcast_ref::<ScaleError>()
+                    .is_some_and(ScaleError::is_usage)
         });
         if bad_settings { super::usage(e) } else { e }
     })
