@@ -191,6 +191,53 @@ impl std::fmt::Display for Launcher {
 mod tests {
     use super::*;
 
+    /// `patch` applied to `doc` as the API server applies a JSON merge patch (RFC 7386).
+    fn merge(doc: &mut serde_json::Value, patch: &serde_json::Value) {
+        match (doc, patch) {
+            (serde_json::Value::Object(d), serde_json::Value::Object(p)) => {
+                for (k, v) in p {
+                    merge(d.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+                }
+            }
+            (d, p) => *d = p.clone(),
+        }
+    }
+
+    /// Every launcher that scales reads back the size its own patch sets, starting from the
+    /// size it rendered (MAX); the others say why not and name the launcher that can.
+    #[test]
+    fn a_scaling_launchers_patch_sets_the_size_it_reads() {
+        for kind in KINDS.iter().copied() {
+            let project = crate::config::Project::from_settings(&[
+                ("storage.efs", "fs-1"),
+                ("job.nnodes", "2:4"),
+                ("job.launcher", kind.name()),
+            ])
+            .unwrap();
+            let docs = kind.render(&project, crate::manifests::Token::Withheld);
+            let job = docs.iter().find(|d| is_job(d)).unwrap();
+            let object: DynamicObject = serde_json::from_value((**job).clone()).unwrap();
+            match kind.scales() {
+                Ok(()) => {
+                    assert_eq!(kind.size(&object), Some(4), "{}", kind.name());
+                    let patch = kind.size_patch(3).unwrap();
+                    let mut doc = serde_json::to_value(&object).unwrap();
+                    merge(&mut doc, &patch);
+                    let object: DynamicObject = serde_json::from_value(doc).unwrap();
+                    assert_eq!(kind.size(&object), Some(3), "{}", kind.name());
+                    assert_eq!(
+                        object.metadata.annotations.unwrap()[crate::manifests::NNODES_ANNOTATION],
+                        "2:4"
+                    );
+                }
+                Err(why) => {
+                    assert!(kind.size_patch(3).is_none(), "{}", kind.name());
+                    assert!(why.contains("--launcher indexed"), "{}: {why}", kind.name());
+                }
+            }
+        }
+    }
+
     #[test]
     fn names_and_resources_are_unique() {
         let mut names: Vec<&str> = KINDS.iter().map(|k| k.name()).collect();

@@ -634,3 +634,48 @@ fn a_foreign_listener_at_the_etcd_endpoint_is_named_at_once() {
     }
     drop(silent);
 }
+
+/// The exit barrier: a node whose workers finished first waits for the other node's workers
+/// to finish before it exits 0, so that any node's exit 0 says the whole job is done (a
+/// Kubernetes Job's successPolicy ends the job on the first pod that succeeds). Node rank 0's
+/// worker (rank 0 saves the model) takes 3 s longer; when node rank 1's agent exits, it has
+/// finished. (Rank 0's node hosts the c10d store, which lingers for the others anyway: the
+/// fast node is the one that needs the barrier. With `exit_barrier_timeout=0.01` it exits
+/// before rank 0's worker is done.)
+#[test]
+fn a_node_whose_workers_finished_first_waits_for_the_others_before_it_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let program = format!(
+        "if [ \"$GROUP_RANK\" = 0 ]; then sleep 3; fi; touch {}/done-$GROUP_RANK",
+        dir.path().display()
+    );
+    let agent = || {
+        let mut cmd = trainctl();
+        cmd.args(["run", "--nnodes", "2", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "barrier"])
+            .args(["--health-check", "off", "--", "sh", "-c", &program]);
+        cmd.spawn().unwrap()
+    };
+    let mut agents = [agent(), agent()];
+    let done = |rank: u32| dir.path().join(format!("done-{rank}")).exists();
+    // Whichever agent exits first: every node's worker has finished by then.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let first = loop {
+        if let Some(i) = agents
+            .iter_mut()
+            .position(|a| a.try_wait().unwrap().is_some())
+        {
+            break i;
+        }
+        assert!(std::time::Instant::now() < deadline, "no agent exited");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        done(0) && done(1),
+        "agent {first} exited before every worker finished"
+    );
+    for mut a in agents {
+        assert!(a.wait().unwrap().success());
+    }
+}
