@@ -207,7 +207,7 @@ mod tests {
     /// size it rendered (MAX); the others say why not and name the launcher that can.
     #[test]
     fn a_scaling_launchers_patch_sets_the_size_it_reads() {
-        for kind in KINDS.iter().copied() {
+        for kind in KINDS {
             let project = crate::config::Project::from_settings(&[
                 ("storage.efs", "fs-1"),
                 ("job.nnodes", "2:4"),
