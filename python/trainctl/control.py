@@ -78,6 +78,12 @@ def straggler(slow, report):
     return b"\x04" + (b"\x01" if slow else b"\x00") + _str(report)
 
 
+def finished():
+    """The job's training is over (every rank agreed on its last step): the agent neither
+    regroups nor restarts this worker when a peer goes; it waits for it to exit."""
+    return b"\x05"
+
+
 # --- agent to worker -----------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 //!
 //! The worker says it can regroup ([`ToAgent::Ready`]), that a peer was lost and it waits for
 //! the next round ([`ToAgent::Lost`]), that it stopped at a step boundary for an assignment
-//! ([`ToAgent::Paused`]) and what a regroup cost ([`ToAgent::Regrouped`]). The agent hands it
+//! ([`ToAgent::Paused`]), what a regroup cost ([`ToAgent::Regrouped`]) and that the job's
+//! training is over ([`ToAgent::Finished`]: what it does before exiting needs no group). The agent hands it
 //! the next round's membership ([`ToWorker::Assign`]: the torchrun environment it would have
 //! been started with), which a worker still training takes at its next step boundary, or asks
 //! it to leave its group at once ([`ToWorker::Abort`]: a node of the group is gone) or to
@@ -45,6 +46,10 @@ pub enum ToAgent {
     /// stopped being one), `report` saying by how much and why. The agent may evict the node
     /// (`trainctl run --stragglers evict`).
     Straggler { slow: bool, report: String },
+    /// The job's training is over (every rank agreed on its last step): what the worker still
+    /// does (rank 0 saving the model, an evaluation) needs no group, and it exits 0 next. The
+    /// agent then neither regroups nor restarts it when a peer goes; it waits for it to exit.
+    Finished,
 }
 
 /// What one regroup cost, as the worker saw it.
@@ -114,6 +119,7 @@ impl Message for ToAgent {
                 .u64(r.seconds.to_bits())
                 .u8(r.received as u8),
             ToAgent::Straggler { slow, report } => Encoder::new().u8(4).u8(*slow as u8).str(report),
+            ToAgent::Finished => Encoder::new().u8(5),
         }
         .finish()
     }
@@ -145,6 +151,7 @@ impl Message for ToAgent {
                 slow: d.u8("slow")? != 0,
                 report: d.string("report")?,
             },
+            5 => ToAgent::Finished,
             kind => return Err(WireError::Malformed(format!("unknown message kind {kind}"))),
         };
         d.end("worker message")?;
@@ -351,6 +358,7 @@ mod tests {
                 slow: false,
                 report: String::new(),
             },
+            ToAgent::Finished,
         ];
         for m in &to_agent {
             worker.send(m).unwrap();

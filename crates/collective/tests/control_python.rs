@@ -68,7 +68,7 @@ fn lines(mut child: Child) -> Vec<serde_json::Value> {
 fn every_worker_message_from_python_decodes_as_the_agent_reads_it() {
     let (mut agent, child) = peer("send");
     let mut got = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..6 {
         let mut len = [0u8; 4];
         agent.read_exact(&mut len).unwrap();
         let mut payload = vec![0u8; u32::from_le_bytes(len) as usize];
@@ -102,6 +102,7 @@ fn every_worker_message_from_python_decodes_as_the_agent_reads_it() {
                 slow: true,
                 report: "node 2 (ranks 4-5) is a straggler ✓".into()
             },
+            ToAgent::Finished,
         ]
     );
     lines(child);

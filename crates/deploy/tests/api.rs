@@ -620,12 +620,12 @@ async fn follow_reattaches_when_a_stream_breaks_and_repeats_no_line() {
     let running = job(json!({ "active": 1 }));
     let done =
         job(json!({ "succeeded": 1, "conditions": [{ "type": "Complete", "status": "True" }] }));
-    // The job completes once its pod has: after the third look at the pod.
+    // The job completes once its pod has: after the fourth look at the pod.
     api.on_after(
         Method::GET,
         JOB,
         vec![ok(running)],
-        (POD, 3),
+        (POD, 4),
         vec![ok(done)],
     );
     let training = pod(
@@ -640,10 +640,12 @@ async fn follow_reattaches_when_a_stream_breaks_and_repeats_no_line() {
         "name": "pytorch", "ready": false, "restartCount": 0, "image": "trainctl", "imageID": "",
         "state": { "terminated": { "exitCode": 0, "reason": "Completed" } },
     }]);
+    // A stream that ended cleanly looks at its pod twice (the status may lag the container's
+    // exit by a moment); one that broke, once.
     api.on(
         Method::GET,
         POD,
-        vec![ok(&training), ok(&training), ok(&finished)],
+        vec![ok(&training), ok(&training), ok(&training), ok(&finished)],
     );
     let from_second_2 = "2026-11-21T10:00:02.100000000Z step 2\n\
                          2026-11-21T10:00:02.600000000Z step 3\n\
@@ -2491,5 +2493,75 @@ async fn status_says_which_pods_train_wait_and_leave() {
     assert!(
         row.contains("Pending") && row.contains("Insufficient cpu"),
         "{row}"
+    );
+}
+
+/// Issue 60, items 1 to 3: a job deleted while followed. Its pod's stream is read to its end
+/// (the pod's last lines, its stop's too), the container that simply exited is not called an
+/// interrupted stream (its status lagged a moment behind), the kubelet's word about a log
+/// already gone is not shown as the pod's output, and the follow ends saying the job was
+/// deleted.
+#[tokio::test]
+async fn follow_of_a_deleted_job_reads_its_pods_to_the_end_and_says_so() {
+    let api = MockApi::default();
+    const POD: &str = "/api/v1/namespaces/default/pods/cifar10-0-abcde";
+    const LOG: &str = "/api/v1/namespaces/default/pods/cifar10-0-abcde/log";
+    let training = pod(
+        0,
+        "Running",
+        Some("n1"),
+        json!({ "containerStatuses": [running_container(0)] }),
+    );
+    // The Job is gone once the pod's stream has been opened.
+    api.on_after(
+        Method::GET,
+        JOB,
+        vec![ok(job(json!({ "active": 1 })))],
+        (LOG, 1),
+        vec![not_found("jobs \"cifar10\" not found")],
+    );
+    api.get(PODS, list("PodList", vec![training.clone()]));
+    let mut stopped = training.clone();
+    stopped["status"]["phase"] = json!("Failed");
+    stopped["status"]["containerStatuses"][0]["state"] =
+        json!({ "terminated": { "exitCode": 143, "reason": "Error" } });
+    // Still said to run just after its stream ended; stopped a moment later.
+    api.on(Method::GET, POD, vec![ok(&training), ok(&stopped)]);
+    api.on(
+        Method::GET,
+        LOG,
+        vec![(
+            StatusCode::OK,
+            "2026-11-21T10:00:01.000000000Z step 1\n\
+             2026-11-21T10:00:02.000000000Z trainctl run: node leaves (SIGTERM)\n\
+             unable to retrieve container logs for containerd://4f2a\n"
+                .into(),
+        )],
+    );
+    let mut lines = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        api.kube()
+            .with_poll(Duration::from_millis(50))
+            .logs("cifar10", true, &mut |l: &str| lines.push(l.to_string())),
+    )
+    .await
+    .expect("follow ends once the deleted job's pods have")
+    .unwrap();
+    let all = lines.join("\n");
+    assert!(
+        all.contains("pod 0] trainctl run: node leaves (SIGTERM)"),
+        "{all}"
+    );
+    assert!(
+        all.contains("pod 0] (not from the pod: unable to retrieve container logs"),
+        "{all}"
+    );
+    assert!(!all.contains("interrupted"), "{all}");
+    assert!(
+        lines.last().is_some_and(|l| l.starts_with(
+            "(job cifar10 was deleted: its pods stopped, and their last lines are above"
+        )),
+        "{all}"
     );
 }

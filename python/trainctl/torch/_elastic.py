@@ -43,7 +43,7 @@ from .. import stragglers
 from ..sampler import MASK, digest
 from . import _check, _data, _guards, _state
 from ._flow import Flow
-from ._group import Group, say, why
+from ._group import Group, detail, say, why
 from ._records import Records
 
 # contract::exit: a worker that stopped or left at a step boundary, and one that lost a peer
@@ -329,7 +329,7 @@ class Elastic:
             except Exception as e:  # noqa: BLE001 - sorted below
                 if self.control is None or not self.group.is_collective_error(e):
                     raise
-                synced = self._regroup(why(e), saver=self.rank == 0, lost=True)
+                synced = self._regroup(why(e), saver=self.rank == 0, lost=True, detail=detail(e))
                 if synced["fresh"]:
                     return self._skip_evaluation("a node joined the group while it ran")
 
@@ -354,6 +354,10 @@ class Elastic:
                 everyone = []
             if everyone:
                 _check.compare(self, [int(t.item()) for t in everyone], "at the end of the run")
+        if self.control is not None:
+            # Training is over: the agent must not regroup or restart this worker when a peer
+            # goes while the program's own end (saving, an evaluation) runs.
+            self.control.send(ctl.finished())
         p = self.progress
         print(
             f"rank {self.rank} finished after {p['global_step']} steps; weights fingerprint "
@@ -698,7 +702,7 @@ class Elastic:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_trained, self._step_samples = [], 0
         self._flow.step_ended(applied=False)
-        self._regroup(why(e), saver=self.rank == 0, lost=True)
+        self._regroup(why(e), saver=self.rank == 0, lost=True, detail=detail(e))
 
     def _time_slots(self, device: torch.device) -> torch.Tensor:
         """This rank's times before the all-reduce, in its own slots of the step's agreement."""
@@ -814,10 +818,11 @@ class Elastic:
 
         self.group.teardown(drop_wrapper)
 
-    def _regroup(self, reason: str, saver: bool, lost: bool) -> dict[str, Any]:
+    def _regroup(self, reason: str, saver: bool, lost: bool, detail: str = "") -> dict[str, Any]:
         """Leaves the group and goes on in the next round's, with every rank's state the same.
         Joining can fail (another node lost meanwhile): the worker says so and waits for the
-        round after."""
+        round after. `reason` is in trainctl's words; `detail`, PyTorch's own text of the error,
+        goes to the records."""
         if self.control is None:
             raise RuntimeError(f"{reason}: the group cannot change without trainctl run's agent")
         left = time.monotonic()
@@ -848,7 +853,7 @@ class Elastic:
                 say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
                 self._teardown()
                 cause, lost = f"joining the new group: {why(e)}", True
-        self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left)
+        self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left, detail)
         if synced["fresh"]:
             # A newcomer runs the loop from its top: the evaluations it cannot be part of are
             # skipped here too (see Flow).
@@ -856,7 +861,13 @@ class Elastic:
         return synced
 
     def _report_regroup(
-        self, reason: str, world_size_before: int, step_left: int, synced: dict[str, Any], seconds: float
+        self,
+        reason: str,
+        world_size_before: int,
+        step_left: int,
+        synced: dict[str, Any],
+        seconds: float,
+        detail: str = "",
     ) -> None:
         p = self.progress
         regrouped = {
@@ -870,7 +881,8 @@ class Elastic:
             "seconds": seconds,
         }
         # In the file of this worker's rank in the new group.
-        self._records.write(self.rank, "regroup", reason=reason, **regrouped)
+        extra = {"detail": detail} if detail else {}
+        self._records.write(self.rank, "regroup", reason=reason, **regrouped, **extra)
         assert self.control is not None
         try:
             self.control.send(

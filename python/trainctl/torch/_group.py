@@ -16,6 +16,7 @@ import datetime
 import fcntl
 import gc
 import os
+import re
 import signal
 import socket
 import struct
@@ -258,10 +259,46 @@ class Group:
 
 
 def why(e: BaseException) -> str:
-    """A collective's error in one line, without gloo's boilerplate."""
+    """A collective's error said in trainctl's words: what happened to the link, and which
+    backend said so ("the connection to 10.0.0.2:19867 closed (gloo)"). The exception's own
+    text, with PyTorch's source paths, is `detail(e)`, for the records."""
+    return describe(detail(e))
+
+
+def detail(e: BaseException) -> str:
+    """A collective's error in one line, as PyTorch raised it, without its boilerplate."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     return first.split(" This is typically caused by")[0].strip()
+
+
+# What gloo's and PyTorch's messages say, in trainctl's words (a phrase, its meaning).
+_SAID = (
+    ("connection closed by peer", "the connection to {peer} closed"),
+    ("connection reset by peer", "the connection to {peer} was reset"),
+    ("connection refused", "{peer} refused the connection"),
+    ("broken pipe", "the connection to {peer} broke"),
+    ("timed out", "a collective timed out waiting for {peer}"),
+    ("socket closed", "the connection to {peer} closed"),
+)
+
+
+def describe(text: str) -> str:
+    """`text` (a collective's error) in trainctl's words, or as it is, less PyTorch's prefixes
+    and source paths, when it says nothing known."""
+    rest = text
+    for prefix in ("Got the following error when running the callback:", "RuntimeError:", "DistBackendError:"):
+        rest = rest.replace(prefix, "")
+    backend = "gloo" if "gloo" in text else ("nccl" if "nccl" in text.lower() else "")
+    rest = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]", "", rest).strip()
+    found = re.search(r"\[?([0-9a-fA-F.:]+)\]?:(\d+)", rest)
+    peer = f"{found.group(1)}:{found.group(2)}" if found else "a peer"
+    lower = rest.lower()
+    for phrase, said in _SAID:
+        if phrase in lower:
+            words = said.format(peer=peer)
+            return f"{words} ({backend})" if backend else words
+    return rest or text
 
 
 def _reset_group_names() -> None:

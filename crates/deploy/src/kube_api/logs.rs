@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, watch};
 use super::error::{api_error, pod_logs_problem};
 use super::status::{PodStatus, main_container};
 use super::{ApiError, Kube};
+use crate::manifests;
 
 /// How many polls `--follow` waits at most between two tries to reattach to a pod whose
 /// stream broke: the waits double from one poll to this many (2 s to 16 s by default).
@@ -143,14 +144,28 @@ impl Kube {
         let mut streaming = Followers::default();
         let mut seen_job = false;
         let mut pending: BTreeMap<String, String> = BTreeMap::new();
+        // Once the job is gone (deleted while followed): its pods' streams are read to their
+        // end, up to this long (their grace period and a little), then that is said.
+        let mut deleted: Option<tokio::time::Instant> = None;
         loop {
-            let status = match self.find_job(name).await? {
-                Some(s) => s,
-                None if seen_job => return Ok(()),
-                None => return Err(self.no_job(name)),
+            let status = match (self.find_job(name).await?, deleted) {
+                (Some(s), None) => Some(s),
+                (None, None) if seen_job => {
+                    job_done.send_replace(true);
+                    let grace = manifests::TERMINATION_GRACE_SECONDS.unsigned_abs();
+                    deleted = Some(tokio::time::Instant::now() + Duration::from_secs(grace + 15));
+                    None
+                }
+                (None, None) => return Err(self.no_job(name)),
+                (_, Some(_)) => None,
             };
             seen_job = true;
-            for pod in self.pods(name).await? {
+            let pods = if status.is_some() {
+                self.pods(name).await?
+            } else {
+                Vec::new()
+            };
+            for pod in pods {
                 if !pod.has_started() {
                     // Why it waits (unschedulable, pulling its image), once each time it changes.
                     if !pod.why.is_empty() && pending.get(&pod.uid) != Some(&pod.why) {
@@ -183,7 +198,7 @@ impl Kube {
                     .0
                     .insert(pod.uid.clone(), tokio::spawn(follower.run()));
             }
-            let finished = status.phase.is_finished();
+            let finished = status.as_ref().is_some_and(|s| s.phase.is_finished());
             if finished {
                 // Followers waiting for a kubelet try once more, then stop.
                 job_done.send_replace(true);
@@ -197,7 +212,24 @@ impl Kube {
                     () = &mut tick => break,
                 }
             }
-            if finished && streaming.0.values().all(|t| t.is_finished()) {
+            let ended = streaming.0.values().all(|t| t.is_finished());
+            if let Some(until) = deleted
+                && (ended || tokio::time::Instant::now() >= until)
+            {
+                while let Ok(line) = rx.try_recv() {
+                    out(&line);
+                }
+                out(&format!(
+                    "(job {name} was deleted: its pods stopped{}; nothing more will come)",
+                    if ended {
+                        ", and their last lines are above"
+                    } else {
+                        ", some still stopping"
+                    }
+                ));
+                return Ok(());
+            }
+            if finished && ended {
                 while let Ok(line) = rx.try_recv() {
                     out(&line);
                 }
@@ -270,13 +302,16 @@ impl Follower {
                     loop {
                         match lines.next().await {
                             Some(Ok(line)) => {
-                                if let Some(text) = resume.admit(&line)
-                                    && self
-                                        .lines
-                                        .send(format!("{}{text}", self.prefix))
-                                        .await
-                                        .is_err()
-                                {
+                                let said = match resume.admit(&line) {
+                                    Admit::Line(text) => format!("{}{text}", self.prefix),
+                                    // The kubelet's or API server's word in the stream (a log
+                                    // file already gone): not the pod's output.
+                                    Admit::Foreign(text) => {
+                                        format!("{}(not from the pod: {text})", self.prefix)
+                                    }
+                                    Admit::Repeat => continue,
+                                };
+                                if self.lines.send(said).await.is_err() {
                                     return;
                                 }
                             }
@@ -304,13 +339,13 @@ impl Follower {
                 return;
             }
             // The stream ended or did not open: go on only while the container runs.
-            match self.api.get_opt(&self.pod).await {
-                Ok(None) => return,
-                Ok(Some(pod)) if container_ended(&pod) => {
+            match self.ended(cause.is_none()).await {
+                Ended::Gone => return,
+                Ended::Yes => {
                     last_read = true;
                     continue;
                 }
-                Ok(Some(_)) | Err(_) => {}
+                Ended::No => {}
             }
             let cause = cause.unwrap_or_else(|| {
                 "the log stream ended while the container still runs (its kubelet restarted, or \
@@ -343,9 +378,53 @@ impl Follower {
         }
     }
 
+    /// Whether the container has ended, by its pod. After a stream that ended `clean` (no
+    /// error), which most often means the container exited, a pod still said to run is asked
+    /// once more after a poll interval: its status says the container ended a moment after
+    /// it did. A pod being deleted whose stream ended cleanly has ended too.
+    async fn ended(&self, clean: bool) -> Ended {
+        let look = || async {
+            match self.api.get_opt(&self.pod).await {
+                Ok(None) => Ended::Gone,
+                Ok(Some(pod)) if container_ended(&pod) => Ended::Yes,
+                Ok(Some(pod)) if clean && pod.metadata.deletion_timestamp.is_some() => Ended::Yes,
+                Ok(Some(_)) | Err(_) => Ended::No,
+            }
+        };
+        match look().await {
+            Ended::No if clean => {
+                tokio::time::sleep(self.first_wait).await;
+                look().await
+            }
+            seen => seen,
+        }
+    }
+
     async fn say(&self, what: &str) {
         let _ = self.lines.send(format!("{}{what}", self.prefix)).await;
     }
+}
+
+/// What a pod's state says of its container, once its stream ended.
+enum Ended {
+    /// The pod is gone: nothing more to read.
+    Gone,
+    /// The container has ended: one last read for its last lines.
+    Yes,
+    /// It still runs: the stream broke.
+    No,
+}
+
+/// A line of a pod's log stream, as [`Resume::admit`] sorts it.
+#[derive(Debug, PartialEq, Eq)]
+enum Admit<'a> {
+    /// The container's own line (its timestamp taken off).
+    Line(&'a str),
+    /// A line without the timestamp every line of the container carries: the kubelet's or
+    /// the API server's word (`unable to retrieve container logs for ...`).
+    Foreign(&'a str),
+    /// Shown before (a reopened stream repeats its last second).
+    Repeat,
 }
 
 /// Whether the pod's container (trainctl's) has ended (its pod finished): its log is complete.
@@ -388,27 +467,28 @@ impl Resume {
         self.seen_at_last = 0;
     }
 
-    /// The text of `line` without its timestamp, unless it was shown before.
-    fn admit<'a>(&mut self, line: &'a str) -> Option<&'a str> {
+    /// The text of `line` without its timestamp, unless it was shown before; a line without
+    /// one is not the container's.
+    fn admit<'a>(&mut self, line: &'a str) -> Admit<'a> {
         let (stamp, text) = split_timestamp(line);
         let Ok(at) = stamp.parse::<Timestamp>() else {
-            return Some(text);
+            return Admit::Foreign(text);
         };
         match self.last {
-            Some(last) if at < last => None,
+            Some(last) if at < last => Admit::Repeat,
             Some(last) if at == last => {
                 self.seen_at_last += 1;
                 if self.seen_at_last <= self.shown_at_last {
-                    return None;
+                    return Admit::Repeat;
                 }
                 self.shown_at_last += 1;
-                Some(text)
+                Admit::Line(text)
             }
             _ => {
                 self.last = Some(at);
                 self.shown_at_last = 1;
                 self.seen_at_last = 1;
-                Some(text)
+                Admit::Line(text)
             }
         }
     }
@@ -445,7 +525,10 @@ mod tests {
             "2026-11-21T10:00:01.500000000Z c",
             "2026-11-21T10:00:01.500000000Z d",
         ];
-        let shown: Vec<_> = first.iter().filter_map(|l| resume.admit(l)).collect();
+        let shown: Vec<_> = first
+            .iter()
+            .filter_map(|l| line_of(resume.admit(l)))
+            .collect();
         assert_eq!(shown, ["a", "b", "c", "d"]);
         assert_eq!(
             resume.since().map(|t| t.to_string()).as_deref(),
@@ -460,7 +543,32 @@ mod tests {
             "2026-11-21T10:00:01.500000000Z e",
             "2026-11-21T10:00:02.000000000Z f",
         ];
-        let shown: Vec<_> = again.iter().filter_map(|l| resume.admit(l)).collect();
+        let shown: Vec<_> = again
+            .iter()
+            .filter_map(|l| line_of(resume.admit(l)))
+            .collect();
         assert_eq!(shown, ["e", "f"]);
+    }
+
+    fn line_of(admit: Admit<'_>) -> Option<&str> {
+        match admit {
+            Admit::Line(text) => Some(text),
+            Admit::Foreign(_) | Admit::Repeat => None,
+        }
+    }
+
+    /// Issue 60, item 2: the kubelet's word in a pod's stream (its log file gone) has no
+    /// timestamp, as every line of the container has: it is not shown as the pod's output.
+    #[test]
+    fn a_line_without_a_timestamp_is_the_kubelets_not_the_pods() {
+        let mut resume = Resume::default();
+        assert_eq!(
+            resume.admit("unable to retrieve container logs for containerd://4f2a"),
+            Admit::Foreign("unable to retrieve container logs for containerd://4f2a")
+        );
+        assert_eq!(
+            resume.admit("2026-11-21T10:00:00.900000000Z a"),
+            Admit::Line("a")
+        );
     }
 }

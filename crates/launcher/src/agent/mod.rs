@@ -322,6 +322,9 @@ impl InRound<'_> {
                         seconds: r.seconds,
                     }));
                 }
+                // The job's training is over: this node's workers finish what they still do
+                // (no group needed) and exit; a peer going now changes nothing for them.
+                ToAgent::Finished => self.closing = true,
                 ToAgent::Ready
                 | ToAgent::Paused { .. }
                 | ToAgent::Regrouped(_)

@@ -206,7 +206,7 @@ impl Group {
                     // Left its group for the assignment: the answer is still to come.
                     ToAgent::Paused { .. } => {}
                     ToAgent::Lost { .. } | ToAgent::Regrouped(_) => w.owes_since = None,
-                    ToAgent::Straggler { .. } => {}
+                    ToAgent::Straggler { .. } | ToAgent::Finished => {}
                 }
                 said.push((w.local_rank, message));
             }

@@ -335,11 +335,12 @@ pub fn chain(e: &anyhow::Error) -> String {
 }
 
 /// How to go on from a checkpoint a stop saved: in a pod (the kubelet sets
-/// KUBERNETES_SERVICE_HOST) the Job's replacement pod resumes it by itself; elsewhere the same
-/// command does.
+/// KUBERNETES_SERVICE_HOST) a replacement pod resumes it by itself, if the Job makes one (not
+/// after `job delete`, which the pod cannot tell from an eviction); elsewhere the same command
+/// does.
 pub fn resume_hint() -> &'static str {
     if collective::world::is_set(contract::env::KUBERNETES_SERVICE_HOST) {
-        "the Job's replacement pod resumes from it (so does `trainctl job launch` with the same --name)"
+        "a replacement pod resumes from it if the Job makes one (none comes after `trainctl job delete`); `trainctl job launch` with the same --name does too"
     } else {
         "run the same command again to resume from it"
     }

@@ -617,11 +617,19 @@ fn job_render_refuses_what_cannot_run_and_warns_about_what_may_not() {
             && err.contains("ask for at most 13"),
         "{err}"
     );
-    let err = run_refused(&mut render(&["--nnodes", "1:4"]));
+    let err = run_refused(&mut render(&["--nnodes", "4"]));
     assert!(
         err.contains("4 pods of 13 CPU and 25Gi memory, but 2 c5.4xlarge nodes")
-            && err.contains("give --nnodes 1:2"),
+            && err.contains("give --nnodes 2,"),
         "{err}"
+    );
+    // An elastic Indexed Job starts at what fits and grows: said, and rendered.
+    let out = run_ok(&mut render(&["--nnodes", "1:4"]));
+    assert!(
+        text(&out.stderr).contains("the job starts with the pods that fit")
+            && text(&out.stdout).contains("succeededCount: 1"),
+        "{}",
+        text(&out.stderr)
     );
     // The g4dn preset with the built-in trainer: rendered without GPUs, and said why; the
     // default image is said to be in no registry.

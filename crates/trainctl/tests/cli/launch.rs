@@ -444,7 +444,7 @@ fn a_port_in_use_is_reported_with_what_to_do() {
 }
 
 /// tracing's own warnings read like the rest of trainctl's output in a pod's log: one plain
-/// `trainctl: warning:` line, no timestamp, level column or module path.
+/// `trainctl: warning:` line, no timestamp, level column, module path or `key=value`.
 #[test]
 fn diagnostics_are_plain_lines_like_the_rest_of_the_output() {
     let endpoint = format!("127.0.0.1:{}", testkit::free_port());
@@ -465,6 +465,15 @@ fn diagnostics_are_plain_lines_like_the_rest_of_the_output() {
     assert!(
         !err.contains(" WARN ") && !err.contains("rendezvous::handler"),
         "{err}"
+    );
+    // The cause in words after the message, not tracing's `error=...` (issue 60, item 11).
+    let line = err
+        .lines()
+        .find(|l| l.contains("not reachable yet"))
+        .unwrap();
+    assert!(
+        !line.contains("error=") && line.contains("waiting ("),
+        "{line}"
     );
 }
 

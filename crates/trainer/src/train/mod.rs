@@ -141,7 +141,11 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             }
         }
     }
-    run.finish(&mut group, report)
+    run.finish(&mut group, report)?;
+    if let Some(control) = control.as_mut() {
+        control.finished();
+    }
+    Ok(())
 }
 
 /// A worker's group, its data and its state, the same as every other rank's.

@@ -129,6 +129,13 @@ impl Control {
         let _ = self.channel.send(&ToAgent::Straggler { slow, report });
     }
 
+    /// Tells the agent the job's training is over: a peer going from now on changes nothing
+    /// for this worker, which exits next.
+    pub(super) fn finished(&mut self) {
+        // The agent's to know; the worker ends either way.
+        let _ = self.channel.send(&ToAgent::Finished);
+    }
+
     /// `group`'s links are the ones an abort breaks from now on.
     pub(super) fn watch(&mut self, group: &ProcessGroup) {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = group.interrupter();

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 use crate::support::*;
 
@@ -338,4 +339,45 @@ fn readmes_program_runs_as_written() {
     let ends = finished(&said);
     assert_eq!(ends.len(), 2, "{said}");
     assert_eq!(ends[0].2, ends[1].2, "{said}");
+}
+
+/// Issue 60, item 9: a node whose worker has finished training (its `finish()` returned, the
+/// program's own end still running) is not restarted when the other node dies afterwards: its
+/// worker told the agent training is over, so the agent waits for it to exit and ends 0. (It
+/// used to form a new round and start the worker again, which "resumed" the finished run.)
+#[test]
+fn a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards() {
+    let python = python_or_skip!("a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards");
+    let job = Job::new(64, 16);
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let agent = |out: &str| {
+        let mut cmd = trainctl();
+        cmd.current_dir(job.dir.path())
+            .env("PYTHONPATH", testkit::python_package())
+            .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "finished"])
+            .args(["--health-check", "off", "--"])
+            .arg(&python)
+            .arg(fixture())
+            .args([
+                "--epochs", "1", "--data", "data", "--linger", "4", "--out", out,
+            ]);
+        Running::start(&mut cmd)
+    };
+    let mut a = agent("runs");
+    let mut b = agent("runs");
+    a.wait_for_line(Duration::from_secs(300), |l| l.contains("LINGER rank"));
+    b.wait_for_line(Duration::from_secs(60), |l| l.contains("LINGER rank"));
+    b.child.kill().unwrap();
+    let status = a.wait(Duration::from_secs(120));
+    let said = a.output();
+    assert!(status.success(), "{said}");
+    assert_eq!(
+        said.matches("finished after").count(),
+        1,
+        "the worker finished once, and was not started again:\n{said}"
+    );
+    for restarted in ["restarting the workers", "resuming", "new rendezvous round"] {
+        assert!(!said.contains(restarted), "{restarted}:\n{said}");
+    }
 }
