@@ -128,8 +128,8 @@ impl Group {
             ))
         });
         let now = SystemTime::now();
-        // A new attempt's silence counts from its start.
-        outputs.activity.touch();
+        // A new attempt's silence counts from its start, as a start until its first line.
+        outputs.activity.restart();
         let mut group = Group {
             workers: Vec::new(),
             start: Instant::now(),
@@ -350,7 +350,16 @@ impl Group {
             return Status::Succeeded;
         }
         let silent = self.activity.silent_for();
-        if self.hang_timeout.is_some_and(|limit| silent >= limit) {
+        // Before the workers' first line they are starting (imports, a model loading), which
+        // gets its own, longer bound.
+        let limit = |limit: Duration| {
+            if self.activity.spoken() {
+                limit
+            } else {
+                limit.max(crate::START_GRACE)
+            }
+        };
+        if self.hang_timeout.is_some_and(|l| silent >= limit(l)) {
             return Status::Trouble(Trouble::Hung(silent));
         }
         let owed = self.workers.iter().filter_map(|w| w.owes_since).min();

@@ -461,3 +461,18 @@ fn without_a_log_folder_the_stacks_are_kept_in_the_temporary_folder() {
     );
     std::fs::remove_file(path).unwrap();
 }
+
+/// Issue 60, item 8: starting is not hanging. Workers silent for 5 s before their first line
+/// (a program importing torch on a loaded machine) are not declared hung by `--hang-timeout
+/// 2`: the clock counts from their first line, the start having its own, longer bound.
+#[test]
+fn a_slow_start_is_not_a_hang() {
+    let out = run_ok(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "1"])
+            .args(["--hang-timeout", "2", "--grace-period", "1", "--"])
+            .args(["sh", "-c", "sleep 5; echo up; sleep 1; echo done"]),
+    );
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(all.contains("done") && !all.contains("hung"), "{all}");
+}

@@ -118,7 +118,9 @@ pub struct Args {
     /// A node whose workers write no line of output for this many seconds is hung: trainctl
     /// takes every worker's stack (Python stacks with py-spy's reader, else where each thread
     /// waits), names where each rank is, writes the stacks to the log folder, and stops the
-    /// workers (a failure: restarted as --max-restarts says). Off by default.
+    /// workers (a failure: restarted as --max-restarts says). Counted from the workers' first
+    /// line: before it they are starting (imports on a loaded machine), bounded by the larger
+    /// of this and 300 s. Off by default.
     #[arg(long, env = "TRAINCTL_HANG_TIMEOUT", value_name = "SECONDS")]
     pub(crate) hang_timeout: Option<f64>,
     /// Serve torch.distributed.elastic.timer's file-based timers, as torchrun does when
