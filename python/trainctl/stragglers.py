@@ -4,9 +4,10 @@ all-reduce (waiting for its batch, computing) rides the step's gradient all-redu
 its own, so every rank holds every rank's times and reaches the same verdict at the same step.
 
 A node whose slowest rank takes, on average over the last ``window`` steps (its slowest quarter
-of steps left out), more than ``factor`` times the other nodes' median, and at least 5 ms more, is
-a straggler; it stops being one after ``window`` steps in a row below the factor, or when the
-group changes.
+of steps left out), more than ``factor`` times the other nodes' median, and at least 5 ms more, at
+``window`` steps in a row, is a straggler; it stops being one after ``window`` steps in a row
+below the factor, or when the group changes. A group's first ``window`` steps are its warm-up,
+no evidence.
 """
 
 import statistics
@@ -46,16 +47,25 @@ class Watch:
         self.steps = []
         self.current = None
         self.below = 0
+        self.warmup = 0
+        self.candidate = None
+        self.group_size = None
 
     def step(self, times):
         """Takes one step's times; returns ``("started", straggler)``, ``("ended", node,
         slowdown or None)`` or None."""
-        if self.steps and len(self.steps[0]) != len(times):
+        if self.group_size != len(times):
+            # Another group (the first, or a node left or joined): its first steps are its warm-up.
+            self.group_size = len(times)
             self.steps = []
+            self.candidate = None
+            self.warmup = self.window
             if self.current is not None:
                 gone, self.current = self.current, None
-                self.steps.append(times)
                 return ("ended", gone["node"], None)
+        if self.warmup > 0:
+            self.warmup -= 1
+            return None
         self.steps.append(times)
         del self.steps[: -self.window]
         if len(self.steps) < self.window:
@@ -63,7 +73,13 @@ class Watch:
         if self.current is None:
             found = self._slowest()
             if found is None:
+                self.candidate = None
                 return None
+            seen = self.candidate[1] + 1 if self.candidate and self.candidate[0] == found["node"] else 1
+            self.candidate = (found["node"], seen)
+            if seen < self.window:
+                return None
+            self.candidate = None
             self.current, self.below = found, 0
             return ("started", found)
         node = self.current["node"]

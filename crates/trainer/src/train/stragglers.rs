@@ -3,9 +3,11 @@
 //! every rank holds every rank's times at no extra collective (as the samples' digest does).
 //! [`Watch`] compares the nodes over a window of steps: a node whose slowest rank takes, on
 //! average over the window (its slowest quarter of steps left out), more than `factor` times the other
-//! nodes' median, and at least `MIN_EXCESS_S` longer, is a straggler; it stops being one after
-//! a window of steps in a row below the factor. Every rank sees the same times, so every rank
-//! reaches the same verdict at the same step.
+//! nodes' median, and at least `MIN_EXCESS_S` longer, at a window of steps in a row, is a
+//! straggler; it stops being one after a window of steps in a row below the factor. A group's
+//! first window of steps is no evidence (its warm-up: allocations, caches, the first batches,
+//! the other workers still starting on a loaded machine). Every rank sees the same times, so
+//! every rank reaches the same verdict at the same step.
 //!
 //! A whole job that slows down has no straggler: each node is compared with the others.
 
@@ -131,6 +133,12 @@ pub struct Watch {
     current: Option<Straggler>,
     /// Steps in a row the current straggler has been below the factor.
     below: usize,
+    /// Steps of the group still to ignore (its warm-up).
+    warmup: usize,
+    /// The node the window found slow at the last steps, and at how many in a row.
+    candidate: Option<(u32, usize)>,
+    /// The group's size, to tell a new group.
+    group_size: Option<usize>,
 }
 
 impl Watch {
@@ -143,18 +151,25 @@ impl Watch {
 
     /// Takes one step's times; says when a straggler starts or ends.
     pub fn step(&mut self, times: Vec<RankTimes>) -> Option<Change> {
-        // Another group (a node left or joined): its ranks and nodes are others.
-        if self.steps.front().is_some_and(|s| s.len() != times.len()) {
+        let window = self.cfg.window.max(1);
+        // Another group (the first, or a node left or joined): its ranks and nodes are
+        // others, and its first steps are its warm-up.
+        if self.group_size != Some(times.len()) {
+            self.group_size = Some(times.len());
             self.steps.clear();
+            self.candidate = None;
+            self.warmup = window;
             if let Some(gone) = self.current.take() {
-                self.steps.push_back(times);
                 return Some(Change::Ended {
                     node: gone.node,
                     slowdown: None,
                 });
             }
         }
-        let window = self.cfg.window.max(1);
+        if self.warmup > 0 {
+            self.warmup -= 1;
+            return None;
+        }
         self.steps.push_back(times);
         while self.steps.len() > window {
             self.steps.pop_front();
@@ -163,7 +178,21 @@ impl Watch {
             return None;
         }
         let Some(current) = &self.current else {
-            let found = self.slowest()?;
+            // Named once the window has found it slow at a window of steps in a row: a
+            // moment of noise is no straggler.
+            let Some(found) = self.slowest() else {
+                self.candidate = None;
+                return None;
+            };
+            let seen = match self.candidate {
+                Some((node, seen)) if node == found.node => seen + 1,
+                _ => 1,
+            };
+            self.candidate = Some((found.node, seen));
+            if seen < window {
+                return None;
+            }
+            self.candidate = None;
             self.current = Some(found.clone());
             self.below = 0;
             return Some(Change::Started(found));
@@ -349,12 +378,12 @@ mod tests {
         let (at, Change::Started(s)) = &started[0] else {
             panic!("{started:?}");
         };
-        assert!(*at < 5, "named within a window: step {at}");
+        assert!(*at < 10, "named within two windows: step {at}");
         assert_eq!(
             (s.node, s.ranks.clone(), s.cause),
             (2, vec![4, 5], Cause::Compute)
         );
-        // Named as soon as the window says so: before it holds only slow steps.
+        // Named once the window has said so for a window of steps: it holds only slow steps.
         assert!(
             s.slowdown > 1.5 && s.slowdown <= 0.31 / 0.11 + 1e-9,
             "{s:?}"
@@ -398,7 +427,7 @@ mod tests {
     fn a_node_slow_every_other_step_is_one() {
         let mut w = Watch::new(StragglerConfig::default());
         let mut started = None;
-        for i in 0..12 {
+        for i in 0..24 {
             let c = w.step(step(
                 3,
                 1,
@@ -408,7 +437,8 @@ mod tests {
                 started = Some((i, s.node));
             }
         }
-        assert!(matches!(started, Some((i, 0)) if i < 8), "{started:?}");
+        // Its warm-up, a window to fill, a window of steps to confirm.
+        assert!(matches!(started, Some((i, 0)) if i < 16), "{started:?}");
     }
 
     #[test]
@@ -420,7 +450,7 @@ mod tests {
         }
         let mut w = Watch::new(StragglerConfig::default());
         let mut change = None;
-        for _ in 0..6 {
+        for _ in 0..16 {
             let times: Vec<RankTimes> = (0..2)
                 .map(|n| RankTimes {
                     node: n,
@@ -434,6 +464,36 @@ mod tests {
             panic!("{change:?}");
         };
         assert_eq!((s.node, s.cause), (0, Cause::Data));
+    }
+
+    /// Issue 60, item 7: a group's start-up is no evidence. A node slow for its first steps
+    /// (its worker still starting on a loaded machine) and fine after is never named; a node
+    /// slow from the start and staying slow is, once past the warm-up and a window of steps
+    /// in a row; a few steps of noise later on are not.
+    #[test]
+    fn start_up_noise_is_no_straggler_but_a_node_slow_from_the_start_is_one() {
+        let mut w = Watch::new(StragglerConfig::default());
+        for i in 0..40 {
+            let slow_start = |n: u32| if n == 0 && i < 6 { 0.4 } else { 0.1 };
+            assert_eq!(w.step(step(3, 1, slow_start)), None, "step {i}");
+        }
+        // Later, two steps of noise on one node (six times slower): the window finds it slow
+        // for fewer than a window of steps in a row.
+        for i in 0..20 {
+            let noise = |n: u32| if n == 2 && (3..5).contains(&i) { 0.6 } else { 0.1 };
+            assert_eq!(w.step(step(3, 1, noise)), None, "noise at step {i}");
+        }
+        let mut w = Watch::new(StragglerConfig::default());
+        let mut started = None;
+        for i in 0..30 {
+            if let Some(Change::Started(s)) = w.step(step(3, 1, |n| if n == 1 { 0.4 } else { 0.1 })) {
+                started = started.or(Some((i, s.node)));
+            }
+        }
+        assert!(
+            matches!(started, Some((i, 1)) if (13..20).contains(&i)),
+            "named after its warm-up, a window and a window in a row: {started:?}"
+        );
     }
 
     #[test]
