@@ -90,6 +90,9 @@ pub struct Rendezvous {
     /// When this agent saw `round` start, nodes waiting to join it, a node of it gone: the
     /// clocks of [`Watching`] (this agent's own; never compared across hosts).
     running_since: Instant,
+    /// This node's workers are still starting: nodes waiting to join wait for them
+    /// ([`Rendezvous::hold_admissions`]).
+    hold_admissions: bool,
     waiting_since: Option<Instant>,
     gone_since: Option<Instant>,
     heartbeat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
@@ -226,6 +229,7 @@ impl Rendezvous {
             round: 0,
             nodes: Vec::new(),
             running_since: Instant::now(),
+            hold_admissions: false,
             waiting_since: None,
             gone_since: None,
             heartbeat: Some((stop, thread)),
@@ -251,6 +255,13 @@ impl Rendezvous {
     }
 
     /// The port this node's rank-0 worker hosts the workers' store on, if it is rank 0.
+    /// Whether this node's workers are still starting, so that, where this node writes for the
+    /// round, nodes waiting to join are admitted once the workers can take them in place
+    /// (`state::Watching::hold_admissions`). The agent bounds how long it holds.
+    pub fn hold_admissions(&mut self, hold: bool) {
+        self.hold_admissions = hold;
+    }
+
     pub fn set_port(&mut self, port: u16) {
         self.me.port = port;
     }
@@ -482,6 +493,7 @@ impl Rendezvous {
                 self.gone_since.get_or_insert_with(Instant::now);
             }
             let seen = Watching {
+                hold_admissions: self.hold_admissions,
                 announced: &announced,
                 running_for: self.running_since.elapsed(),
                 waiting_for: since(&mut self.waiting_since, waiting),

@@ -338,6 +338,10 @@ pub struct Watching<'a> {
     /// After how long a participant that is not the writer reopens for a gone node itself
     /// (the writer may be busy or about to be found gone too).
     pub take_over: Duration,
+    /// This node's workers are still starting (they have not said they regroup in place):
+    /// nodes waiting to join are admitted once they have, so that the joiner is taken in place
+    /// instead of costing them a restart. (A node gone reopens the round all the same.)
+    pub hold_admissions: bool,
 }
 
 /// How long a round must have run before it reopens to admit waiting nodes: the join window,
@@ -384,7 +388,7 @@ pub fn watch_step(
     }
     let newcomers = state.newcomers(alive, seen.announced);
     let n = state.participants.len() as u32;
-    if !writer || newcomers.is_empty() || n >= limits.max {
+    if !writer || newcomers.is_empty() || n >= limits.max || seen.hold_admissions {
         return WatchStep::Healthy;
     }
     let fills = n.saturating_add(newcomers.len() as u32) >= limits.max;

@@ -44,6 +44,12 @@ pub fn run_elastic(
     Ok(outcome)
 }
 
+/// How long, from their start, a node's workers may hold the admission of nodes waiting to
+/// join while they start (they have not said they regroup in place yet): enough for a PyTorch
+/// program's imports on a loaded machine. A program that never says so (one without
+/// `trainctl.torch`) is restarted for the joiner after at most this long, as torchrun would.
+const ADMISSION_HOLD: Duration = Duration::from_secs(20);
+
 /// The health check before the first join (`spec.health_check`): measures this node, puts
 /// the figures in its entry of the record, compares them with the nodes already in the job,
 /// and says so. Refused (the launch's end) when it is far below them and `--health-check
@@ -362,6 +368,9 @@ impl InRound<'_> {
         if self.closing {
             return None;
         }
+        // Workers still starting (a program importing torch) would have to be restarted to
+        // take a joiner now; held a while, they say they regroup and take it in place.
+        self.rdzv.hold_admissions(group.starting(ADMISSION_HOLD));
         Some(match self.rdzv.watch() {
             Ok(Watch::Healthy) => Looked::just(Seen::Round(Round::Healthy)),
             Ok(Watch::Restart(Restart { reason, node_gone })) => {

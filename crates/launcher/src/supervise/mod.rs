@@ -218,6 +218,14 @@ impl Group {
         !self.workers.is_empty() && self.workers.iter().all(|w| w.ready && w.exited.is_none())
     }
 
+    /// Whether the workers are still starting: started less than `within` ago, none has
+    /// exited, and not all have said they regroup in place yet.
+    pub(crate) fn starting(&self, within: Duration) -> bool {
+        self.start.elapsed() < within
+            && self.workers.iter().all(|w| w.exited.is_none())
+            && !self.can_regroup()
+    }
+
     /// Asks every worker to leave its group now, dropping the step in flight (a node of the
     /// group is gone), and wait for [`Group::assign`].
     pub(crate) fn abort(&mut self) {

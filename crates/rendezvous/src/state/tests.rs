@@ -19,6 +19,7 @@ const LIMITS: Limits = Limits { min: 2, max: 3 };
 
 /// A watch with no clock running and no window: what the state alone decides.
 const NOW: Watching<'static> = Watching {
+    hold_admissions: false,
     announced: &[],
     running_for: Duration::ZERO,
     waiting_for: Duration::ZERO,
@@ -763,4 +764,47 @@ fn a_record_without_finished_nodes_reads_as_before() {
     assert!(!json.contains("finished"), "{json}");
     let back: State = serde_json::from_str(&json).unwrap();
     assert_eq!(back, state);
+}
+
+/// Issue 60, item 10: while the writer's workers are still starting, a node waiting to join
+/// waits for them (then it is taken in place, not by a restart of starting workers); a node
+/// gone still reopens the round.
+#[test]
+fn admissions_wait_while_the_writers_workers_start_but_a_gone_node_does_not() {
+    let limits = Limits { min: 1, max: 2 };
+    let s = State {
+        phase: Phase::Running,
+        participants: vec![node("a")],
+        ..State::default()
+    };
+    let newcomer = [node("b")];
+    let live = alive(&["a", "b"]);
+    let seen = |hold| Watching {
+        announced: &newcomer,
+        waiting_for: Duration::from_secs(9),
+        running_for: Duration::from_secs(60),
+        window: Duration::from_secs(2),
+        hold_admissions: hold,
+        ..NOW
+    };
+    assert_eq!(
+        watch_step(Some(&s), "a", s.round, &live, limits, &seen(true)),
+        WatchStep::Healthy
+    );
+    assert!(matches!(
+        watch_step(Some(&s), "a", s.round, &live, limits, &seen(false)),
+        WatchStep::Reopen(..)
+    ));
+    let two = running(&["a", "c"]).unwrap();
+    assert!(matches!(
+        watch_step(
+            Some(&two),
+            "a",
+            two.round,
+            &alive(&["a"]),
+            limits,
+            &seen(true)
+        ),
+        WatchStep::Reopen(..)
+    ));
 }

@@ -480,13 +480,20 @@ mod tests {
         // Later, two steps of noise on one node (six times slower): the window finds it slow
         // for fewer than a window of steps in a row.
         for i in 0..20 {
-            let noise = |n: u32| if n == 2 && (3..5).contains(&i) { 0.6 } else { 0.1 };
+            let noise = |n: u32| {
+                if n == 2 && (3..5).contains(&i) {
+                    0.6
+                } else {
+                    0.1
+                }
+            };
             assert_eq!(w.step(step(3, 1, noise)), None, "noise at step {i}");
         }
         let mut w = Watch::new(StragglerConfig::default());
         let mut started = None;
         for i in 0..30 {
-            if let Some(Change::Started(s)) = w.step(step(3, 1, |n| if n == 1 { 0.4 } else { 0.1 })) {
+            if let Some(Change::Started(s)) = w.step(step(3, 1, |n| if n == 1 { 0.4 } else { 0.1 }))
+            {
                 started = started.or(Some((i, s.node)));
             }
         }

@@ -381,3 +381,49 @@ fn a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards() {
         assert!(!said.contains(restarted), "{restarted}:\n{said}");
     }
 }
+
+/// Issue 60, item 10: a node that arrives while the first round's workers are still starting
+/// (a PyTorch program's imports) is taken in place once they can regroup, instead of costing
+/// them a restart: agent A forms a round of one, B arrives while A's worker starts (6 s), and
+/// A's worker, never restarted, regroups 1 → 2 with B's.
+#[test]
+fn a_joiner_while_the_first_workers_start_is_taken_in_place() {
+    let python = python_or_skip!("a_joiner_while_the_first_workers_start_is_taken_in_place");
+    let job = Job::new(64, 16);
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let agent = |out: &str| {
+        let mut cmd = trainctl();
+        cmd.current_dir(job.dir.path())
+            .env("PYTHONPATH", testkit::python_package())
+            .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "starting"])
+            .args(["--health-check", "off", "--"])
+            .arg(&python)
+            .arg(fixture())
+            .args(["--epochs", "8", "--data", "data", "--out", out])
+            .args(["--slow-start", "6", "--step-sleep", "0.05"]);
+        Running::start(&mut cmd)
+    };
+    let mut a = agent("runs");
+    a.wait_for_line(Duration::from_secs(60), |l| {
+        l.contains("round 0: node rank 0 of 1")
+    });
+    let mut b = agent("runs");
+    let (a_status, b_status) = (
+        a.wait(Duration::from_secs(300)),
+        b.wait(Duration::from_secs(120)),
+    );
+    let (said_a, said_b) = (a.output(), b.output());
+    assert!(
+        a_status.success() && b_status.success(),
+        "{said_a}\n---\n{said_b}"
+    );
+    assert!(
+        !said_a.contains("restarting the workers"),
+        "A's starting workers were not restarted:\n{said_a}"
+    );
+    assert!(
+        said_a.contains("regrouped in place: world size 1 → 2"),
+        "B was taken in place:\n{said_a}"
+    );
+}
