@@ -2441,6 +2441,8 @@ async fn scale_of_a_finished_job_or_a_trainjob_is_refused_saying_why() {
     assert!(api.bodies.lock().unwrap().is_empty());
 }
 
+/// Issue 57's and issue 60's (item 5) status lines: who trains, waits (and why) and leaves,
+/// and an index whose replacement the Job controller holds back.
 #[tokio::test]
 async fn status_says_which_pods_train_wait_and_leave() {
     let api = MockApi::default();
@@ -2494,6 +2496,12 @@ async fn status_says_which_pods_train_wait_and_leave() {
         row.contains("Pending") && row.contains("Insufficient cpu"),
         "{row}"
     );
+    // Index 2's pod leaves (deleted by hand): its replacement is on its way, after a backoff.
+    assert!(
+        text.contains("index 2 has no pod now: the Job controller creates its replacement"),
+        "{text}"
+    );
+    assert!(!text.contains("index 0 has no pod"), "{text}");
 }
 
 /// Issue 60, items 1 to 3: a job deleted while followed. Its pod's stream is read to its end

@@ -61,6 +61,8 @@ pub struct JobStatus {
     pub operator: Option<Operator>,
     /// The latest rendezvous round its pods' logs show (`job status` reads them).
     pub training: Option<Round>,
+    /// An Indexed Job's completions: its node indexes are 0..size.
+    pub size: Option<u32>,
 }
 
 /// A rendezvous round, as a training pod's `trainctl run` said it joined one.
@@ -120,6 +122,11 @@ impl JobStatus {
             companions: Vec::new(),
             operator: None,
             training: None,
+            size: job
+                .spec
+                .as_ref()
+                .and_then(|s| s.completions)
+                .and_then(|n| u32::try_from(n).ok()),
         }
     }
 
@@ -168,6 +175,7 @@ impl JobStatus {
             companions: Vec::new(),
             operator,
             training: None,
+            size: None,
         }
     }
 
@@ -227,6 +235,23 @@ impl JobStatus {
         })
     }
 
+    /// The node indexes of a running Indexed Job with no pod running or on its way (one that
+    /// left or failed, whose replacement the Job controller holds back for its backoff).
+    fn indexes_without_a_pod(&self) -> Vec<u32> {
+        let Some(size) = self.size.filter(|_| !self.phase.is_finished()) else {
+            return Vec::new();
+        };
+        (0..size)
+            .filter(|&i| {
+                !self.pods.iter().any(|p| {
+                    p.index == Some(i)
+                        && !p.leaving
+                        && matches!(p.phase.as_str(), "Running" | "Pending" | "Succeeded")
+                })
+            })
+            .collect()
+    }
+
     /// `job status` as text: the job line, conditions, then one row per pod.
     pub fn render(&self) -> String {
         let mut s = String::new();
@@ -284,6 +309,14 @@ impl JobStatus {
                 p.restarts,
                 on(p),
                 p.why
+            );
+        }
+        for index in self.indexes_without_a_pod() {
+            let _ = writeln!(
+                s,
+                "  index {index} has no pod now: the Job controller creates its replacement \
+                 after a backoff (10 s, doubling with each failure of that index; a pod that \
+                 left on SIGTERM counts too)"
             );
         }
         if self.pods.iter().any(|p| p.index.is_some()) {
