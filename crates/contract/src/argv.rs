@@ -123,6 +123,9 @@ pub struct TrainArgs {
     pub upload: Option<String>,
     /// `--precision` when not the default (fp32): `bf16`.
     pub precision: Option<String>,
+    /// `--train-again`: a checkpoint holding a finished run is trained again from scratch
+    /// instead of refused.
+    pub train_again: bool,
 }
 
 impl TrainArgs {
@@ -152,6 +155,9 @@ impl TrainArgs {
         }
         if let Some(precision) = &self.precision {
             argv.extend(["--precision".into(), precision.clone()]);
+        }
+        if self.train_again {
+            argv.push("--train-again".into());
         }
         argv
     }

@@ -90,6 +90,9 @@ pub struct Rendezvous {
     /// When this agent saw `round` start, nodes waiting to join it, a node of it gone: the
     /// clocks of [`Watching`] (this agent's own; never compared across hosts).
     running_since: Instant,
+    /// The store is a c10d store, hosted by the agent on the endpoint's host (which may die
+    /// with its node), not etcd.
+    c10d: bool,
     /// This node's workers are still starting: nodes waiting to join wait for them
     /// ([`Rendezvous::hold_admissions`]).
     hold_admissions: bool,
@@ -223,6 +226,7 @@ impl Rendezvous {
                 .spawn(move || heartbeats(beats, &id, every, ttl, &stop))?
         };
         Ok(Rendezvous {
+            c10d: matches!(kind, BackendKind::C10d { .. }),
             cfg,
             me,
             backend,
@@ -239,6 +243,16 @@ impl Rendezvous {
 
     pub fn node_id(&self) -> &str {
         &self.me.id
+    }
+
+    /// What a store that stopped answering most likely means, when the backend says more than
+    /// its error: a c10d store dies with the agent that hosts it.
+    pub fn store_loss_means(&self) -> Option<&'static str> {
+        self.c10d.then_some(
+            "the c10d store lives in the agent on the endpoint's host, so that node is \
+             probably gone: a new round waits until the node that replaces it hosts a new store \
+             there (on Kubernetes, pod 0's replacement, after the Job's backoff)",
+        )
     }
 
     pub fn describe(&self) -> String {
@@ -319,7 +333,15 @@ impl Rendezvous {
                 Ok(Pass::Wait) => last_error = None,
                 Err(e) => {
                     if last_error.is_none() {
-                        tracing::warn!(error = %e, "rendezvous store unreachable; retrying");
+                        if let Some(means) = self.store_loss_means() {
+                            tracing::warn!(
+                                error = %e,
+                                "the rendezvous store does not answer; waiting up to join_timeout, \
+                                 the workers keeping their state: {means}"
+                            );
+                        } else {
+                            tracing::warn!(error = %e, "rendezvous store unreachable; retrying");
+                        }
                     }
                     last_error = Some(e);
                 }

@@ -93,6 +93,7 @@ fn assert_train_round_trip(train: &TrainArgs) {
         args.precision.name(),
         train.precision.as_deref().unwrap_or("fp32")
     );
+    assert_eq!(args.train_again, train.train_again);
 }
 
 fn project(settings: &[(&'static str, &str)]) -> Project {
@@ -159,6 +160,7 @@ fn train_arguments_read_back_exactly() {
             no_download: false,
             upload: None,
             precision: Some("bf16".into()),
+            train_again: model == contract::models::SEED_CNN,
         });
     }
 }

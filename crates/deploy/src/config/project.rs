@@ -155,6 +155,9 @@ pub struct Job {
     pub model: String,
     /// The built-in trainer's `--precision`: `fp32` or `bf16`.
     pub precision: String,
+    /// The built-in trainer's `--train-again` (`job launch --train-again`, not a setting: it
+    /// is about one launch, not the project).
+    pub train_again: bool,
     pub rdzv_backend: RdzvBackend,
     pub etcd_image: String,
     pub etcd_storage: EtcdStorage,
@@ -393,6 +396,7 @@ impl Project {
             },
             stragglers: v.str("job.stragglers")?,
             precision: v.str("job.precision")?,
+            train_again: false,
             health_check: v.str("job.health_check")?,
             runs_dir: v.str("job.runs_dir")?,
             ttl_seconds: v.number("job.ttl_seconds")?,

@@ -61,6 +61,7 @@ pub(super) fn train_args(project: &Project) -> TrainArgs {
         no_download: true,
         upload: j.upload.clone(),
         precision: (j.precision != "fp32").then(|| j.precision.clone()),
+        train_again: j.train_again,
     }
 }
 

@@ -412,6 +412,10 @@ impl InRound<'_> {
             }
             Next::StoreDown => {
                 self.store_down = true;
+                let why = match self.rdzv.store_loss_means() {
+                    Some(means) => format!("{why}; {means}"),
+                    None => why,
+                };
                 events(LaunchEvent::StoreUnreachable(why));
                 return Acted::Running(group);
             }

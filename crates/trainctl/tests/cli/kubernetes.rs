@@ -967,3 +967,33 @@ fn job_scale_keeps_to_the_jobs_bounds() {
         json!({ "spec": { "completions": 2, "parallelism": 2 } })
     );
 }
+
+/// Issue 60, item 13: `job launch --train-again` (and `job render`) gives the pods' `trainctl
+/// train` its `--train-again`, so the same --name trains afresh after a finished run; with a
+/// program of the user's it is a bad command line.
+#[test]
+fn job_render_train_again_reaches_the_trainer_and_not_a_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let render = |args: &[&str]| {
+        let mut cmd = kube_cmd(dir.path());
+        cmd.args(["job", "render", "--efs", "fs-0123", "--image", "x/t:1"])
+            .args(args);
+        cmd
+    };
+    let yaml = text(&run_ok(&mut render(&["--train-again"])).stdout);
+    assert!(yaml.contains("- --train-again\n"), "{yaml}");
+    assert!(!text(&run_ok(&mut render(&[])).stdout).contains("--train-again"));
+    let said = run_refused(&mut render(&[
+        "--trainctl-image",
+        "x/t:1",
+        "--train-again",
+        "--",
+        "python",
+        "train.py",
+    ]));
+    assert!(
+        said.contains("--train-again is the built-in trainer's")
+            && said.contains("python train.py"),
+        "{said}"
+    );
+}

@@ -17,6 +17,9 @@ pub enum JobCommand {
     Render {
         #[command(flatten)]
         project: ProjectArgs<uses::Training>,
+        /// As `job launch --train-again`.
+        #[arg(long)]
+        train_again: bool,
         /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer (sets job.command).
         #[arg(last = true, value_name = "PROGRAM")]
         program: Vec<String>,
@@ -25,6 +28,10 @@ pub enum JobCommand {
     Launch {
         #[command(flatten)]
         project: ProjectArgs<uses::Training>,
+        /// The built-in trainer: when the job's checkpoint holds a finished run (the same
+        /// --name launched before), train again from scratch instead of failing at once.
+        #[arg(long)]
+        train_again: bool,
         /// `-- PROGRAM ARGS...`: your program instead of the built-in trainer; every pod runs
         /// it under `trainctl run`, with torchrun's environment (sets job.command).
         #[arg(last = true, value_name = "PROGRAM")]
@@ -79,8 +86,13 @@ pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
 
 fn run(cmd: JobCommand) -> anyhow::Result<i32> {
     match cmd {
-        JobCommand::Render { project, program } => {
-            let project = with_program(project, program)?.project()?;
+        JobCommand::Render {
+            project,
+            program,
+            train_again,
+        } => {
+            let mut project = with_program(project, program)?.project()?;
+            project.job.train_again = train_again_for(&project, train_again)?;
             let project = reviewed(project, Renders::TrainingJob)?;
             let docs = manifests::training_job(&project, manifests::Token::Withheld);
             let secret = manifests::token_secret_name(&project);
@@ -91,8 +103,13 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             print_yaml(&docs);
             Ok(0)
         }
-        JobCommand::Launch { project, program } => {
-            let project = with_program(project, program)?.project()?;
+        JobCommand::Launch {
+            project,
+            program,
+            train_again,
+        } => {
+            let mut project = with_program(project, program)?.project()?;
+            project.job.train_again = train_again_for(&project, train_again)?;
             let project = reviewed(project, Renders::TrainingJob)?;
             let token = launcher::random_id(16);
             let docs = manifests::training_job(&project, manifests::Token::Value(&token));
@@ -175,6 +192,20 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             })
         }
     }
+}
+
+/// `--train-again`, which only the built-in trainer takes: with a program of the user's it is
+/// a bad command line (the program decides how it resumes).
+fn train_again_for(project: &Project, asked: bool) -> anyhow::Result<bool> {
+    if asked && let Some(program) = &project.job.command {
+        return Err(crate::commands::usage(anyhow::anyhow!(
+            "--train-again is the built-in trainer's, but this job runs your program ({}): it \
+             decides itself whether to resume; leave --train-again out (or remove its \
+             checkpoint from the volume to start afresh)",
+            program.join(" ")
+        )));
+    }
+    Ok(asked)
 }
 
 /// A finished job's etcd is scaled to zero by whichever command sees the job finished (`job
