@@ -356,6 +356,11 @@ impl Network {
     pub fn cut(&self, i: usize) {
         ip(&["-n", &self.switch, "link", "set", &self.ports[i], "down"]).expect("cut link");
     }
+
+    /// Mends host `i`'s link after [`Network::cut`].
+    pub fn mend(&self, i: usize) {
+        ip(&["-n", &self.switch, "link", "set", &self.ports[i], "up"]).expect("mend link");
+    }
 }
 
 impl Drop for Network {

@@ -13,6 +13,7 @@ use testkit::{EtcdServer, Network};
 
 use crate::support::*;
 
+mod chaos;
 mod patterns;
 mod stragglers;
 
