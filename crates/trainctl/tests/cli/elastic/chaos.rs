@@ -114,7 +114,7 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
     } = plan;
     let label = format!("seed {seed}, {fault:?} at step {at_step}");
     // Long enough for the replacement to join before the end, most runs.
-    c.epochs = c.epochs.max(6);
+    c.epochs = c.epochs.max(8);
     eprintln!("chaos: {label}");
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 3)).collect();
     c.wait_for_progress(at_step);
@@ -210,9 +210,12 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
     // end (the job finished first) would wait for a new job: it is not part of this one. (On
     // Kubernetes the Job is over by then and no such pod starts.)
     for &a in &replacements {
+        // Joined a round; or found the job over, or no store any more (under c10d the job's
+        // store left with the end), or no one else to join.
         c.agents[a].wait_for_line(Duration::from_secs(60), |l| {
             l.contains("node rank ")
                 || l.contains("has already finished")
+                || l.contains("not reachable yet")
                 || l.contains("still joining")
         });
         if c.agents[a].output().contains("node rank ") {
@@ -224,6 +227,7 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
             );
             outputs.push(out);
         } else {
+            eprintln!("chaos: {label}: the replacement came after the job's end");
             c.kill(a);
         }
     }
