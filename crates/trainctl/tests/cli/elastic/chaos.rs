@@ -349,3 +349,17 @@ fn chaos_soak() {
     }
     assert_eq!(failed, 0, "{failed} of {runs} runs did not end exactly");
 }
+
+/// The fault the soak draws least often, every time: the etcd server lost for 5 s and back
+/// (its data kept, as a restarted pod with its volume); the agents train on and finish.
+#[test]
+fn etcd_the_etcd_servers_loss_and_return_finishes_exactly() {
+    let Some(c) = Cluster::new(Store::Etcd, "chaos-etcd-lost") else {
+        return;
+    };
+    let plan = Plan {
+        fault: Fault::EtcdLost(5),
+        ..Plan::draw(seed(4), Store::Etcd)
+    };
+    chaos_run(c, plan);
+}
