@@ -652,31 +652,31 @@ impl Rendezvous {
 
     /// This node's workers are done: the job is over. `report` is the root cause on failure.
     pub fn close(&mut self, succeeded: bool, report: Option<&str>) -> Result<(), RendezvousError> {
-        let deadline = Instant::now() + self.cfg.close_timeout;
-        loop {
-            let read = self.backend.read()?;
-            let Some(next) = state::close_step(read.state.as_ref(), succeeded, report) else {
-                return Ok(());
-            };
-            if self.backend.write(read.token.as_deref(), &next)? {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(RendezvousError::Store {
-                    endpoint: self.backend.describe(),
-                    problem: "could not close the rendezvous (too much contention)".into(),
-                });
-            }
-        }
+        self.write_until_done("close the rendezvous", |state| {
+            state::close_step(state, succeeded, report)
+        })
     }
 
     /// This node's workers finished: the job is closed as succeeded (if no node closed it
     /// yet) and this node is counted among the finished ([`state::finish_step`]).
     pub fn finish(&mut self) -> Result<(), RendezvousError> {
+        let me = self.me.id.clone();
+        self.write_until_done("mark this node finished", |state| {
+            state::finish_step(state, &me)
+        })
+    }
+
+    /// Writes what `step` makes of the record read, compare-and-set, until it has nothing
+    /// more to write, within the close timeout (`what` names the write in the error).
+    fn write_until_done(
+        &mut self,
+        what: &str,
+        step: impl Fn(Option<&State>) -> Option<State>,
+    ) -> Result<(), RendezvousError> {
         let deadline = Instant::now() + self.cfg.close_timeout;
         loop {
             let read = self.backend.read()?;
-            let Some(next) = state::finish_step(read.state.as_ref(), &self.me.id) else {
+            let Some(next) = step(read.state.as_ref()) else {
                 return Ok(());
             };
             if self.backend.write(read.token.as_deref(), &next)? {
@@ -685,7 +685,7 @@ impl Rendezvous {
             if Instant::now() > deadline {
                 return Err(RendezvousError::Store {
                     endpoint: self.backend.describe(),
-                    problem: "could not mark this node finished (too much contention)".into(),
+                    problem: format!("could not {what} (too much contention)"),
                 });
             }
         }

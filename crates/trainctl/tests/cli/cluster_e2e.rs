@@ -106,6 +106,30 @@ fn pod_of_index(t: &impl Fn(&[&str]) -> Command, name: &str, index: u32) -> Opti
     })
 }
 
+/// The test job's storage and a small synthetic data set (512 images) on it.
+fn storage_and_data(t: &impl Fn(&[&str]) -> Command) {
+    run_ok(&mut t(&["storage"]));
+    run_ok(&mut t(&[
+        "data",
+        "job",
+        "--synthetic",
+        "512",
+        "--timeout",
+        "600",
+    ]));
+}
+
+/// `job logs --follow` of the test job, once it trains at `nodes` nodes (a first round of
+/// that size, or one that a late pod joined) and has printed a loss.
+fn follow_once_training(t: &impl Fn(&[&str]) -> Command, nodes: u32) -> Running {
+    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
+    follow.wait_for_line(Duration::from_secs(900), |l| {
+        l.contains(&format!("world size {nodes}")) || l.contains(&format!("→ {nodes}"))
+    });
+    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    follow
+}
+
 /// Deletes pod `pod` as an eviction or a spot reclaim would (through the API, grace period
 /// and all).
 fn delete_pod(pod: &str) {
@@ -335,24 +359,11 @@ fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
     let name = format!("e2e-leave-{}", std::process::id());
     let t = e2e_epochs(&name, &image(), 30);
     let _clean = CleanUp(t.clone());
-    run_ok(&mut t(&["storage"]));
-    run_ok(&mut t(&[
-        "data",
-        "job",
-        "--synthetic",
-        "512",
-        "--timeout",
-        "600",
-    ]));
+    storage_and_data(&t);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:3"]));
     // Every pod's lines as they come: the deleted pod's last ones are only here (`job logs`
     // afterwards reads the pods that are left).
-    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
-    // A first round of three, or of two that the third joined.
-    follow.wait_for_line(Duration::from_secs(900), |l| {
-        l.contains("world size 3") || l.contains("→ 3")
-    });
-    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    let mut follow = follow_once_training(&t, 3);
     let pod1 = pod_of_index(&t, &name, 1).expect("pod 1 runs");
     let survivors: Vec<String> = [0, 2]
         .into_iter()
@@ -677,15 +688,7 @@ fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() 
         }
     }
     let _unblock = Unblock(hold.clone());
-    run_ok(&mut t(&["storage"]));
-    run_ok(&mut t(&[
-        "data",
-        "job",
-        "--synthetic",
-        "512",
-        "--timeout",
-        "600",
-    ]));
+    storage_and_data(&t);
     // Room for three training pods of 500m and a half: the fourth waits.
     let free = free_millicores();
     assert!(
@@ -694,11 +697,7 @@ fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() 
     );
     blocker(&hold, free - 3 * 500 - 250, false);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:4"]));
-    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
-    follow.wait_for_line(Duration::from_secs(900), |l| {
-        l.contains("world size 3") || l.contains("→ 3")
-    });
-    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    let mut follow = follow_once_training(&t, 3);
     let status = text(&t(&["job", "status"]).output().unwrap().stdout);
     assert!(
         status.lines().any(|l| l.contains(&format!("{name}-3-"))
@@ -811,21 +810,9 @@ fn cluster_e2e_losing_pod_0_of_an_elastic_c10d_job_costs_a_wait_not_a_restart() 
     let name = format!("e2e-host-{}", std::process::id());
     let t = e2e_epochs(&name, &image(), 60);
     let _clean = CleanUp(t.clone());
-    run_ok(&mut t(&["storage"]));
-    run_ok(&mut t(&[
-        "data",
-        "job",
-        "--synthetic",
-        "512",
-        "--timeout",
-        "600",
-    ]));
+    storage_and_data(&t);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:3"]));
-    let mut follow = Running::start(&mut t(&["job", "logs", "--follow"]));
-    follow.wait_for_line(Duration::from_secs(900), |l| {
-        l.contains("world size 3") || l.contains("→ 3")
-    });
-    follow.wait_for_line(Duration::from_secs(300), |l| l.contains("] loss: "));
+    let mut follow = follow_once_training(&t, 3);
     let pod0 = pod_of_index(&t, &name, 0).expect("pod 0 runs");
     let deleted = Instant::now();
     delete_pod(&pod0);

@@ -413,7 +413,8 @@ fn a_hung_program_that_is_not_python_is_described_by_its_threads() {
             .args(["--hang-timeout", "2", "--grace-period", "1"])
             .args(["--rdzv-id", "native", "--log-dir"])
             .arg(dir.path())
-            .args(["--", "sleep", "60"]),
+            // A first line: silence counts as a hang from there (before it, it is a start).
+            .args(["--", "sh", "-c", "echo started && exec sleep 60"]),
     );
     assert!(
         out.contains("trainctl run: rank 0 hung: no line of output for 2 s; rank 0 at kernel: "),
@@ -440,7 +441,8 @@ fn without_a_log_folder_the_stacks_are_kept_in_the_temporary_folder() {
         trainctl()
             .args(["run", "--standalone", "--nproc-per-node", "1"])
             .args(["--hang-timeout", "2", "--grace-period", "1"])
-            .args(["--rdzv-id", "job.v2", "--", "sleep", "60"]),
+            .args(["--rdzv-id", "job.v2", "--"])
+            .args(["sh", "-c", "echo started && exec sleep 60"]),
     );
     let path = out
         .lines()

@@ -350,22 +350,10 @@ fn a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards() {
     let python = python_or_skip!("a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards");
     let job = Job::new(64, 16);
     let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let agent = |out: &str| {
-        let mut cmd = trainctl();
-        cmd.current_dir(job.dir.path())
-            .env("PYTHONPATH", testkit::python_package())
-            .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
-            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "finished"])
-            .args(["--health-check", "off", "--"])
-            .arg(&python)
-            .arg(fixture())
-            .args([
-                "--epochs", "1", "--data", "data", "--linger", "4", "--out", out,
-            ]);
-        Running::start(&mut cmd)
-    };
-    let mut a = agent("runs");
-    let mut b = agent("runs");
+    let flags = ["--epochs", "1", "--linger", "4"];
+    let agent = || one_of_two_agents(&python, &job, &endpoint, "finished", &flags);
+    let mut a = agent();
+    let mut b = agent();
     a.wait_for_line(Duration::from_secs(300), |l| l.contains("LINGER rank"));
     b.wait_for_line(Duration::from_secs(60), |l| l.contains("LINGER rank"));
     b.child.kill().unwrap();
@@ -391,24 +379,13 @@ fn a_joiner_while_the_first_workers_start_is_taken_in_place() {
     let python = python_or_skip!("a_joiner_while_the_first_workers_start_is_taken_in_place");
     let job = Job::new(64, 16);
     let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let agent = |out: &str| {
-        let mut cmd = trainctl();
-        cmd.current_dir(job.dir.path())
-            .env("PYTHONPATH", testkit::python_package())
-            .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
-            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "starting"])
-            .args(["--health-check", "off", "--"])
-            .arg(&python)
-            .arg(fixture())
-            .args(["--epochs", "8", "--data", "data", "--out", out])
-            .args(["--slow-start", "6", "--step-sleep", "0.05"]);
-        Running::start(&mut cmd)
-    };
-    let mut a = agent("runs");
+    let flags = ["--epochs", "8", "--slow-start", "6", "--step-sleep", "0.05"];
+    let agent = || one_of_two_agents(&python, &job, &endpoint, "starting", &flags);
+    let mut a = agent();
     a.wait_for_line(Duration::from_secs(60), |l| {
         l.contains("round 0: node rank 0 of 1")
     });
-    let mut b = agent("runs");
+    let mut b = agent();
     let (a_status, b_status) = (
         a.wait(Duration::from_secs(300)),
         b.wait(Duration::from_secs(120)),
@@ -426,4 +403,26 @@ fn a_joiner_while_the_first_workers_start_is_taken_in_place() {
         said_a.contains("regrouped in place: world size 1 → 2"),
         "B was taken in place:\n{said_a}"
     );
+}
+
+/// One of two agents (`--nnodes 1:2`, c10d on loopback at `endpoint`) running the patterns
+/// loop with `flags` in `job`'s folder.
+fn one_of_two_agents(
+    python: &Path,
+    job: &Job,
+    endpoint: &str,
+    id: &str,
+    flags: &[&str],
+) -> Running {
+    let mut cmd = trainctl();
+    cmd.current_dir(job.dir.path())
+        .env("PYTHONPATH", testkit::python_package())
+        .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+        .args(["--rdzv-endpoint", endpoint, "--rdzv-id", id])
+        .args(["--health-check", "off", "--"])
+        .arg(python)
+        .arg(fixture())
+        .args(["--data", "data", "--out", "runs"])
+        .args(flags);
+    Running::start(&mut cmd)
 }
