@@ -174,20 +174,30 @@ impl Project {
             per_node = per_node.min(u64::from(by_gpus));
         }
         let per_node = per_node.max(1);
+        warnings.extend(self.pods_against_room(per_node, gpus)?);
+        Ok(warnings)
+    }
+
+    /// The job's pods against what `cluster.nodes` nodes of `per_node` pods hold: a warning
+    /// when an elastic Indexed Job starts with fewer (it grows as room appears), a refusal
+    /// when the job could not end (a fixed size, a MIN that does not fit, a PyTorchJob).
+    fn pods_against_room(&self, per_node: u64, gpus: u32) -> Result<Option<String>, ConfigError> {
+        let t = self.cluster.instance_type;
+        let v = Values(&self.settings);
         let room = u64::from(self.cluster.nodes) * per_node;
         let pods = u64::from(self.job.max_nodes);
         let min = u64::from(self.job.min_nodes);
         if pods > room && self.job.launcher.ends_with_pods_pending() && min <= room {
             // An elastic job that ends whatever its size: it starts with the pods that fit and
             // the others join as room appears (a node the autoscaler adds, one freed).
-            warnings.push(format!(
+            let warning = format!(
                 "{pods} pods of {} CPU and {} memory, but {} {} nodes (cluster.nodes) hold \
                  {room} ({per_node} a node): the job starts with the pods that fit (at least \
                  --nnodes MIN = {min}) and the others wait Pending, joining the training as \
                  room appears; `trainctl job status` shows them and why they wait",
                 self.job.cpu, self.job.memory, self.cluster.nodes, t.name
-            ));
-            return Ok(warnings);
+            );
+            return Ok(Some(warning));
         }
         if pods > room {
             let fits = if self.job.is_elastic() && u64::from(self.job.min_nodes) <= room {
@@ -216,7 +226,7 @@ impl Project {
                 ),
             ));
         }
-        Ok(warnings)
+        Ok(None)
     }
 }
 

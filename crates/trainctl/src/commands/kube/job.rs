@@ -107,22 +107,7 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             project,
             program,
             train_again,
-        } => {
-            let mut project = with_program(project, program)?.project()?;
-            project.job.train_again = train_again_for(&project, train_again)?;
-            let project = reviewed(project, Renders::TrainingJob)?;
-            let token = launcher::random_id(16);
-            let docs = manifests::training_job(&project, manifests::Token::Value(&token));
-            let name = project.job.name.clone();
-            runtime()?.block_on(async {
-                let kube = connect(&project).await?;
-                let j = &project.job;
-                warn_if_no_node_fits(&kube, &project, (&j.cpu, &j.memory)).await;
-                output::kube::applied(&kube.launch(&name, &docs).await?, false);
-                output::kube::launched(&name, &at_namespace(&project));
-                Ok(0)
-            })
-        }
+        } => launch(project, program, train_again),
         JobCommand::Status { project } => {
             let project = project.project()?;
             runtime()?.block_on(async {
@@ -192,6 +177,28 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             })
         }
     }
+}
+
+/// `job launch`: the job's objects applied, with a random token.
+fn launch(
+    project: ProjectArgs<uses::Training>,
+    program: Vec<String>,
+    train_again: bool,
+) -> anyhow::Result<i32> {
+    let mut project = with_program(project, program)?.project()?;
+    project.job.train_again = train_again_for(&project, train_again)?;
+    let project = reviewed(project, Renders::TrainingJob)?;
+    let token = launcher::random_id(16);
+    let docs = manifests::training_job(&project, manifests::Token::Value(&token));
+    let name = project.job.name.clone();
+    runtime()?.block_on(async {
+        let kube = connect(&project).await?;
+        let j = &project.job;
+        warn_if_no_node_fits(&kube, &project, (&j.cpu, &j.memory)).await;
+        output::kube::applied(&kube.launch(&name, &docs).await?, false);
+        output::kube::launched(&name, &at_namespace(&project));
+        Ok(0)
+    })
 }
 
 /// `--train-again`, which only the built-in trainer takes: with a program of the user's it is
