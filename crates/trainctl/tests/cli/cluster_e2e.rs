@@ -130,6 +130,26 @@ fn follow_once_training(t: &impl Fn(&[&str]) -> Command, nodes: u32) -> Running 
     follow
 }
 
+/// Waits for the test job to succeed and for `follow` to end; neither a worker restarted nor
+/// a resume from a checkpoint shows in what it followed.
+fn succeeded_without_a_restart(t: &impl Fn(&[&str]) -> Command, follow: &mut Running) {
+    let status = t(&["job", "wait", "--timeout", "1800"]).output().unwrap();
+    follow.wait(Duration::from_secs(120));
+    let followed = follow.output();
+    assert!(
+        status.status.success(),
+        "{}\nfollowed:\n{followed}",
+        text(&status.stdout)
+    );
+    for bad in [
+        "resuming from checkpoint",
+        "restarting the workers",
+        "restarting all workers",
+    ] {
+        assert!(!followed.contains(bad), "{bad}:\n{followed}");
+    }
+}
+
 /// Deletes pod `pod` as an eviction or a spot reclaim would (through the API, grace period
 /// and all).
 fn delete_pod(pod: &str) {
@@ -752,21 +772,7 @@ fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() 
     eprintln!("{}", said.borrow());
     eprintln!("job scale 3 → 2: regrouped {down_s:.1} s after the command; 2 → 4: {up_s:.1} s");
 
-    let status = t(&["job", "wait", "--timeout", "1800"]).output().unwrap();
-    follow.wait(Duration::from_secs(120));
-    let followed = follow.output();
-    assert!(
-        status.status.success(),
-        "{}\nfollowed:\n{followed}",
-        text(&status.stdout)
-    );
-    for bad in [
-        "resuming from checkpoint",
-        "restarting the workers",
-        "restarting all workers",
-    ] {
-        assert!(!followed.contains(bad), "{bad}:\n{followed}");
-    }
+    succeeded_without_a_restart(&t, &mut follow);
     // Pods 0 and 1 ran start to end: never replaced, never restarted.
     let end = text(&t(&["job", "status"]).output().unwrap().stdout);
     for pod in &survivors {
@@ -826,15 +832,5 @@ fn cluster_e2e_losing_pod_0_of_an_elastic_c10d_job_costs_a_wait_not_a_restart() 
     eprintln!(
         "pod 0 deleted; the survivors said: {waits}\nregrouped {took:.1} s after: {regrouped}"
     );
-    let status = t(&["job", "wait", "--timeout", "1800"]).output().unwrap();
-    follow.wait(Duration::from_secs(120));
-    let followed = follow.output();
-    assert!(status.status.success(), "{followed}");
-    for bad in [
-        "resuming from checkpoint",
-        "restarting the workers",
-        "restarting all workers",
-    ] {
-        assert!(!followed.contains(bad), "{bad}:\n{followed}");
-    }
+    succeeded_without_a_restart(&t, &mut follow);
 }

@@ -198,13 +198,7 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
     });
     let mut outputs = Vec::new();
     for &a in &finishers {
-        let status = c.agents[a].wait(JOB_TIMEOUT);
-        let out = c.agents[a].output();
-        assert!(
-            status.success(),
-            "{label}: agent {a} (not the victim) failed: {status}\n{out}"
-        );
-        outputs.push(out);
+        outputs.push(succeeds(&mut c, a, &label));
     }
     // A replacement that joined trains to the end with the others; one that came after the
     // end (the job finished first) would wait for a new job: it is not part of this one. (On
@@ -219,13 +213,7 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
                 || l.contains("still joining")
         });
         if c.agents[a].output().contains("node rank ") {
-            let status = c.agents[a].wait(JOB_TIMEOUT);
-            let out = c.agents[a].output();
-            assert!(
-                status.success(),
-                "{label}: replacement {a} failed: {status}\n{out}"
-            );
-            outputs.push(out);
+            outputs.push(succeeds(&mut c, a, &label));
         } else {
             eprintln!("chaos: {label}: the replacement came after the job's end");
             c.kill(a);
@@ -250,6 +238,17 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
         );
     }
     replaced_after
+}
+
+/// Waits for agent `a`, which must exit 0 (it is not the victim); its output.
+fn succeeds(c: &mut Cluster, a: usize, label: &str) -> String {
+    let status = c.agents[a].wait(JOB_TIMEOUT);
+    let out = c.agents[a].output();
+    assert!(
+        status.success(),
+        "{label}: agent {a} failed: {status}\n{out}"
+    );
+    out
 }
 
 /// The seed of a run: `TRAINCTL_CHAOS_SEED`, else drawn from the process id and `salt`.
