@@ -197,6 +197,20 @@ pub enum LaunchEvent {
         signal: i32,
         why: String,
     },
+    /// This node was asked to go while it joined the next round (`reason`), its workers kept
+    /// from the last: `nodes` others go on, holding the same state, and its workers leave
+    /// without saving.
+    Withdrawing {
+        reason: String,
+        nodes: u32,
+    },
+    /// As [`LaunchEvent::Withdrawing`], but the others cannot go on without this node's state
+    /// (`why`): its workers stop, the one that was rank 0 saving a checkpoint.
+    WithdrawRefused {
+        node: String,
+        signal: i32,
+        why: String,
+    },
 }
 
 /// A regroup in place as this node saw it (its local rank 0's figures).

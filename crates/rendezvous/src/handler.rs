@@ -12,7 +12,7 @@ use collective::store::StoreServer;
 
 use crate::backend::{Backend, C10d, Etcd, Read};
 use crate::state::{
-    self, AfterFailure, JoinStep, LeaveStep, Node, Phase, State, WatchStep, Watching,
+    self, AfterFailure, JoinStep, LeaveStep, Node, Phase, State, WatchStep, Watching, WithdrawStep,
 };
 use crate::{Assignment, BackendKind, Closed, Config, RendezvousError};
 
@@ -77,6 +77,15 @@ pub enum Leaving {
     /// The next round opened without this node: `nodes` others go on at `world_size`.
     Left { nodes: u32, world_size: u32 },
     /// The others cannot go on without it now (why): the job stops as a whole.
+    Refused(String),
+}
+
+/// How a node asked to go while it joined left, or why it could not leave alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Withdrawn {
+    /// The round goes on without it: `nodes` others (its world size is not known yet).
+    Went { nodes: u32 },
+    /// The others cannot go on without its state (why): its workers stop, saving it.
     Refused(String),
 }
 
@@ -622,6 +631,45 @@ impl Rendezvous {
                     problem: "could not record this node's leave (too much contention)".into(),
                 });
             }
+        }
+    }
+
+    /// This node is asked to go (`reason`) while it joins the next round, its workers kept
+    /// from the last one, whose nodes were `held`: the round goes on without it when another
+    /// node that held the same state does ([`state::withdraw_step`]).
+    pub fn withdraw(
+        &mut self,
+        held: &[String],
+        reason: &str,
+    ) -> Result<Withdrawn, RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let (read, alive) = self.read()?;
+            let nodes = match state::withdraw_step(
+                read.state.as_ref(),
+                &self.me.id,
+                held,
+                &alive,
+                self.cfg.limits,
+                reason,
+            ) {
+                WithdrawStep::Refused(why) => return Ok(Withdrawn::Refused(why)),
+                WithdrawStep::Go { nodes } => nodes,
+                WithdrawStep::Write { next, nodes } => {
+                    if !self.backend.write(read.token.as_deref(), &next)? {
+                        if Instant::now() > deadline {
+                            return Err(RendezvousError::Store {
+                                endpoint: self.backend.describe(),
+                                problem: "could not record this node's leave (too much contention)"
+                                    .into(),
+                            });
+                        }
+                        continue;
+                    }
+                    nodes
+                }
+            };
+            return Ok(Withdrawn::Went { nodes });
         }
     }
 

@@ -12,7 +12,9 @@ mod handler;
 pub mod state;
 
 pub use conf::{ConfError, Config, parse_conf};
-pub use handler::{Joined, Leaving, Rendezvous, Restart, StillJoining, Watch, still_joining_every};
+pub use handler::{
+    Joined, Leaving, Rendezvous, Restart, StillJoining, Watch, Withdrawn, still_joining_every,
+};
 pub use state::{Assignment, Closed, Health, Limits};
 
 use std::time::Duration;

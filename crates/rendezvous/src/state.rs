@@ -480,6 +480,85 @@ pub fn leave_step(
     }
 }
 
+/// What an agent asked to go (SIGTERM) while it joins the next round, its workers kept from
+/// the last one, does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WithdrawStep {
+    /// Write this record (the round without this node), then let the workers go without
+    /// saving: `nodes` others go on, and some of them hold the same state.
+    Write { next: State, nodes: u32 },
+    /// The record needs no change (this node is in no round of it): go as above.
+    Go { nodes: u32 },
+    /// The others cannot go on without this node's state, or the job is over (why): its
+    /// workers stop the old way, the one that was rank 0 saving a checkpoint.
+    Refused(String),
+}
+
+/// Node `me` is asked to go for `reason` while it joins the next round, its workers still
+/// holding the state of the last round, whose nodes were `held`. It may go alone when at least
+/// `limits.min` live nodes go on and one of them held that round too (they hold the same
+/// state, or one step apart: a regroup takes the furthest). A round still gathering forgets
+/// this node; one that completed with it (its assignment not read yet) is reopened without it,
+/// as a node leaving a running round does.
+pub fn withdraw_step(
+    state: Option<&State>,
+    me: &str,
+    held: &[String],
+    alive: &BTreeSet<String>,
+    limits: Limits,
+    reason: &str,
+) -> WithdrawStep {
+    let Some(state) = state else {
+        return WithdrawStep::Refused("the rendezvous record is gone".into());
+    };
+    if state.closed().is_some() {
+        return WithdrawStep::Refused("the job is over".into());
+    }
+    let others: BTreeSet<&str> = state
+        .participants
+        .iter()
+        .chain(&state.waiting)
+        .map(|n| n.id.as_str())
+        .chain(state.expected.iter().map(String::as_str))
+        .filter(|id| *id != me && alive.contains(*id))
+        .collect();
+    let nodes = others.len() as u32;
+    if nodes < limits.min.max(1) {
+        return WithdrawStep::Refused(format!(
+            "without it the job would have {nodes} node(s), fewer than its minimum of {} (--nnodes MIN:MAX)",
+            limits.min.max(1)
+        ));
+    }
+    if !others.iter().any(|id| held.iter().any(|h| h == id)) {
+        return WithdrawStep::Refused(
+            "no other node trained in the last round, so no other holds the training's state"
+                .into(),
+        );
+    }
+    let mentioned = state.is_participant(me)
+        || state.waiting.iter().any(|n| n.id == me)
+        || state.expected.iter().any(|id| id == me);
+    if !mentioned {
+        return WithdrawStep::Go { nodes };
+    }
+    if state.phase == Phase::Running {
+        let mut staying = alive.clone();
+        staying.remove(me);
+        return WithdrawStep::Write {
+            next: state.reopened(reason.to_string(), &staying),
+            nodes,
+        };
+    }
+    let mut next = state.clone();
+    next.participants.retain(|n| n.id != me);
+    next.waiting.retain(|n| n.id != me);
+    next.expected.retain(|id| id != me);
+    WithdrawStep::Write {
+        next: next.written(),
+        nodes,
+    }
+}
+
 /// What follows a worker failure on this node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AfterFailure {

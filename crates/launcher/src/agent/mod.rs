@@ -131,6 +131,8 @@ fn run_rounds(
     };
     let launch = Launch::open(spec)?;
     let mut kept: Option<Kept> = None;
+    // The nodes of the round the kept workers left.
+    let mut held: Vec<String> = Vec::new();
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
     // workers are started again instead.
     let mut failed_regroups = 0u32;
@@ -144,17 +146,23 @@ fn run_rounds(
         });
         let assignment = match joined {
             Ok(Joined::Assigned(a)) => a,
+            Ok(Joined::Stopped) => {
+                let signal = launch.signals.received().unwrap_or(15);
+                return Ok(match kept.take() {
+                    Some(k) => go_while_joining(spec, rdzv, k, &held, signal, events),
+                    None => Outcome::Interrupted {
+                        signal,
+                        checkpointed: false,
+                    },
+                });
+            }
             ended => {
                 // Waiting workers that will not train again: a stop request lets them save.
-                let checkpointed = kept
-                    .take()
-                    .is_some_and(|k| k.group.stop_interrupted(spec.grace));
+                if let Some(k) = kept.take() {
+                    k.group.stop_interrupted(spec.grace);
+                }
                 return match ended? {
-                    Joined::Assigned(_) => unreachable!("matched above"),
-                    Joined::Stopped => Ok(Outcome::Interrupted {
-                        signal: launch.signals.received().unwrap_or(15),
-                        checkpointed,
-                    }),
+                    Joined::Assigned(_) | Joined::Stopped => unreachable!("matched above"),
                     Joined::Closed(c) if c.succeeded => {
                         events(LaunchEvent::JobAlreadyOver);
                         Ok(Outcome::Succeeded)
@@ -217,9 +225,49 @@ fn run_rounds(
         let end = round.run(group, events);
         failed_regroups = round.failed_regroups;
         match end {
-            RoundEnd::Next(k) => kept = k,
+            RoundEnd::Next(k) => {
+                kept = k;
+                // Kept workers hold the state of this round, as its other nodes do.
+                held = assignment.nodes.clone();
+            }
             RoundEnd::Over(outcome) => return Ok(outcome),
         }
+    }
+}
+
+/// This node is asked to go (`signal`) while it joins the next round, its workers `kept` from
+/// the last one, whose nodes were `held`: when another of them goes on, the round forms without
+/// this node and its workers leave without saving (the others hold the same state); otherwise
+/// they stop, the one that was rank 0 saving a checkpoint.
+fn go_while_joining(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    kept: Kept,
+    held: &[String],
+    signal: i32,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Outcome {
+    let node = rdzv.node_id().to_string();
+    let reason = format!("node {node} leaves ({})", signal_name(signal));
+    let why = match rdzv.withdraw(held, &reason) {
+        Ok(rendezvous::Withdrawn::Went { nodes }) => {
+            events(LaunchEvent::Withdrawing { reason, nodes });
+            let mut group = kept.group;
+            group.leave();
+            let deadline = Instant::now() + LEAVE_TIMEOUT.min(spec.regroup_timeout);
+            group.wait_exited(deadline.saturating_duration_since(Instant::now()));
+            group.stop(spec.grace);
+            // Its store, if it hosts it, stays until the others have formed their round.
+            rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
+            return Outcome::Left { signal };
+        }
+        Ok(rendezvous::Withdrawn::Refused(why)) => why,
+        Err(e) => format!("the rendezvous could not record it ({e})"),
+    };
+    events(LaunchEvent::WithdrawRefused { node, signal, why });
+    Outcome::Interrupted {
+        signal,
+        checkpointed: kept.group.stop_interrupted(spec.grace),
     }
 }
 

@@ -540,6 +540,103 @@ fn a_leave_below_the_minimum_or_after_the_end_is_refused() {
     ));
 }
 
+/// a, b and c trained in a round; c was lost and a and b rejoin: the round gathers.
+fn regroup_of_three_after_c_lost() -> (State, Vec<String>) {
+    let state = running_round_of_three();
+    let held = vec!["a".to_string(), "b".to_string(), "c".to_string()];
+    let live = alive(&["a", "b"]);
+    let mut next = Some(state.reopened("node c gone".into(), &live));
+    join(&mut next, "a", &live, false);
+    (next.unwrap(), held)
+}
+
+#[test]
+fn a_node_told_to_go_while_it_rejoins_leaves_when_a_node_that_trained_with_it_goes_on() {
+    let (gathering, held) = regroup_of_three_after_c_lost();
+    let live = alive(&["a", "b"]);
+    let one = Limits { min: 1, max: 3 };
+    // b has not joined the gathering round yet (a has): it is only expected there.
+    let WithdrawStep::Write { next, nodes } =
+        withdraw_step(Some(&gathering), "b", &held, &live, one, "node b leaves")
+    else {
+        panic!("a trained in the last round and goes on: b may go");
+    };
+    assert_eq!(nodes, 1);
+    assert!(
+        !next.expected.contains(&"b".to_string()) && !next.is_participant("b"),
+        "the round does not wait for b: {next:?}"
+    );
+    assert_eq!(next.round, gathering.round, "the same round, gathering on");
+    // a completes the round alone at once, while b still beats.
+    let mut rest = Some(next);
+    let mut done = None;
+    for _ in 0..10 {
+        match join_step(rest.as_ref(), &node("a"), &live, one, false, None) {
+            JoinStep::Write(next) => rest = Some(next),
+            other => {
+                done = Some(other);
+                break;
+            }
+        }
+    }
+    assert!(
+        matches!(done, Some(JoinStep::Assigned(ref a)) if a.nnodes == 1),
+        "{done:?}"
+    );
+    // b joined already: it is taken out of the participants too.
+    let mut joined = Some(gathering.clone());
+    join(&mut joined, "b", &live, false);
+    let joined = joined.unwrap();
+    if joined.phase == Phase::Joining {
+        let WithdrawStep::Write { next, .. } =
+            withdraw_step(Some(&joined), "b", &held, &live, one, "node b leaves")
+        else {
+            panic!("b may go");
+        };
+        assert!(!next.is_participant("b"), "{next:?}");
+    } else {
+        // The round completed with b in it (its assignment not read): it reopens without b.
+        let WithdrawStep::Write { next, .. } =
+            withdraw_step(Some(&joined), "b", &held, &live, one, "node b leaves")
+        else {
+            panic!("b may go");
+        };
+        assert_eq!((next.phase, next.round), (Phase::Joining, joined.round + 1));
+        assert_eq!(next.expected, ["a"]);
+    }
+}
+
+#[test]
+fn a_node_told_to_go_while_it_rejoins_stays_when_it_alone_holds_the_state_or_below_min() {
+    let (gathering, held) = regroup_of_three_after_c_lost();
+    let live = alive(&["a", "b"]);
+    // MIN 2: without b only a is left.
+    assert!(matches!(
+        withdraw_step(Some(&gathering), "b", &held, &live, LIMITS, "b leaves"),
+        WithdrawStep::Refused(why) if why.contains("1 node(s)") && why.contains("minimum of 2")
+    ));
+    // The others are all new (d arrived; a and c, which trained with b, are gone): only b's
+    // workers hold the training's state, so they save it.
+    let mut state = gathering.clone();
+    state.expected = vec!["b".into(), "d".into()];
+    state.participants = vec![node("d")];
+    let live = alive(&["b", "d"]);
+    let one = Limits { min: 1, max: 3 };
+    assert!(matches!(
+        withdraw_step(Some(&state), "b", &held, &live, one, "b leaves"),
+        WithdrawStep::Refused(why) if why.contains("no other node trained")
+    ));
+    let closed = close_step(Some(&gathering), true, None).unwrap();
+    assert_eq!(
+        withdraw_step(Some(&closed), "b", &held, &live, one, "b leaves"),
+        WithdrawStep::Refused("the job is over".into())
+    );
+    assert!(matches!(
+        withdraw_step(None, "b", &held, &live, one, "b leaves"),
+        WithdrawStep::Refused(_)
+    ));
+}
+
 /// Plays one agent of a backend with announcements: `announced` are the nodes with a key for
 /// the round; only the round's writer is given them.
 fn join_announced(

@@ -548,6 +548,12 @@ pub fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::LeaveRefused { node, signal, why } => warn(&format!(
             "node {node} was asked to go (signal {signal}) but cannot leave alone: {why}; stopping the whole job, which checkpoints once"
         )),
+        LaunchEvent::Withdrawing { reason, nodes } => err(format_args!(
+            "trainctl run: {reason} while the job regroups: the next round forms without it ({nodes} other node(s), which hold the same state); this node's workers leave without saving"
+        )),
+        LaunchEvent::WithdrawRefused { node, signal, why } => warn(&format!(
+            "node {node} was asked to go (signal {signal}) while the job regroups but cannot leave alone: {why}; its workers stop, saving a checkpoint if one of them was rank 0"
+        )),
         LaunchEvent::RegroupFallback { failed } => warn(&format!(
             "{failed} regroups in a row failed (more than --max-restarts): restarting this node's workers instead, as --regroup restart does"
         )),

@@ -55,6 +55,8 @@ struct Cluster {
     regroup: &'static str,
     /// `--collective-timeout` for every agent, in seconds.
     collective_timeout: u32,
+    /// `--rdzv-conf` for every agent.
+    rdzv_conf: &'static str,
     epochs: u64,
     /// More flags of `trainctl run`, and of `train`.
     run_args: Vec<&'static str>,
@@ -110,6 +112,7 @@ impl Cluster {
             nnodes: "2:3",
             regroup: "in-process",
             collective_timeout: 20,
+            rdzv_conf: "last_call_timeout=0.5",
             epochs: EPOCHS,
             run_args: Vec::new(),
             train_args: Vec::new(),
@@ -142,7 +145,7 @@ impl Cluster {
             .args(["--rdzv-backend", self.backend()])
             .args(["--rdzv-endpoint", &self.endpoint])
             .args(["--rdzv-id", &self.run_id])
-            .args(["--rdzv-conf", "last_call_timeout=0.5"])
+            .args(["--rdzv-conf", self.rdzv_conf])
             .args(["--job-token", "elastic-test"])
             .args(["--max-restarts", &max_restarts.to_string()])
             .args(["--collective-timeout", &self.collective_timeout.to_string()])
@@ -644,6 +647,45 @@ fn agent_told_to_go(cluster: Option<Cluster>, leaver: usize) {
     for pid in workers_of(&c.agents[leaving]) {
         assert!(!alive(pid), "the leaver's workers exited with it");
     }
+}
+
+/// One of three agents told to go (SIGTERM) while it rejoins: a node was lost and the next
+/// round still gathers (the lost node's heartbeat and the last call are given 20 s, so that
+/// the signal lands there). The node that trained with it goes on, so it says so and its worker
+/// leaves without saving (not "stopped on request", which saves) and it exits 143; the other goes on in place alone and
+/// every epoch trains each image once.
+#[test]
+fn c10d_agent_told_to_go_while_it_regroups_leaves_without_saving() {
+    let Some(mut c) = Cluster::new(Store::C10d, "c10d-leave-rejoining") else {
+        return;
+    };
+    c.nnodes = "1:3";
+    c.rdzv_conf = "last_call_timeout=20,heartbeat_timeout=20";
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_progress(2);
+    c.kill(agents[2]);
+    let leaver = agents[1];
+    c.agents[leaver].wait_for_line(JOB_TIMEOUT, |l| l.contains("regroup at the next round"));
+    sigterm(&c.agents[leaver]);
+    let status = c.agents[leaver].wait(JOB_TIMEOUT);
+    let left = c.agents[leaver].output();
+    assert_eq!(status.code(), Some(143), "the leaver exits 143:\n{left}");
+    assert!(
+        left.contains("leaves (SIGTERM) while the job regroups: the next round forms without it"),
+        "the leaver says it goes without saving:\n{left}"
+    );
+    assert!(
+        !left.contains("stopped on request") && !left.contains("cannot leave alone"),
+        "its worker leaves, not stopping the old way (which saves):\n{left}"
+    );
+    let out = c.succeeds(agents[0]);
+    assert!(
+        out.contains("regrouped in place") && out.contains("→ 1") && !out.contains("restarting"),
+        "the other goes on in place alone:\n{out}"
+    );
+    assert_eq!(workers_of(&c.agents[agents[0]]).len(), 1, "{out}");
+    c.verify_end(&[out], 1);
+    c.verify_exactly_once();
 }
 
 /// Every agent told to go at once (a whole job deleted): at most one leaves alone, the others
