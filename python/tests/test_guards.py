@@ -1,6 +1,8 @@
 """The guards (``_guards``): the loop's own optimizer and scaler steps are refused, the
 scheduler steps only when the job allows it, and none of them changes what the objects save."""
 
+from __future__ import annotations
+
 import pickle
 import unittest
 
@@ -13,22 +15,22 @@ from trainctl.torch._guards import gate_scheduler, guard_optimizer, guard_scaler
 class FakeJob:
     """What the guards ask of the job."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._stepping = False
         self.allow = True
 
-    def _scheduler_may_step(self):
+    def _scheduler_may_step(self) -> bool:
         return self.allow
 
 
-def parts():
+def parts() -> tuple[torch.nn.Linear, torch.optim.SGD]:
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return model, optimizer
 
 
 class GuardsTest(unittest.TestCase):
-    def test_the_loops_optimizer_step_is_refused_and_the_jobs_is_not(self):
+    def test_the_loops_optimizer_step_is_refused_and_the_jobs_is_not(self) -> None:
         model, optimizer = parts()
         job = FakeJob()
         handle = guard_optimizer(job, optimizer)
@@ -42,7 +44,7 @@ class GuardsTest(unittest.TestCase):
         self.assertFalse(torch.equal(model.weight, before))
         handle.remove()
 
-    def test_a_gated_scheduler_steps_when_the_job_allows_and_saves_as_its_own_class(self):
+    def test_a_gated_scheduler_steps_when_the_job_allows_and_saves_as_its_own_class(self) -> None:
         _, optimizer = parts()
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         plain = scheduler.state_dict()
@@ -59,7 +61,7 @@ class GuardsTest(unittest.TestCase):
         copy = pickle.loads(pickle.dumps(scheduler))
         self.assertIs(type(copy), torch.optim.lr_scheduler.StepLR)
 
-    def test_the_scalers_step_and_update_are_the_jobs(self):
+    def test_the_scalers_step_and_update_are_the_jobs(self) -> None:
         model, optimizer = parts()
         scaler = torch.amp.GradScaler("cpu")
         job = FakeJob()
@@ -73,7 +75,7 @@ class GuardsTest(unittest.TestCase):
         scaler.update()
         self.assertEqual(set(scaler.state_dict()), set(torch.amp.GradScaler("cpu").state_dict()))
 
-    def test_a_scheduler_not_given_is_found_by_the_optimizer_it_wraps(self):
+    def test_a_scheduler_not_given_is_found_by_the_optimizer_it_wraps(self) -> None:
         _, optimizer = parts()
         refuse_stray_scheduler(optimizer, None)
         torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=10)

@@ -8,7 +8,7 @@ from trainctl.torch._data import plan
 
 
 class PlanTest(unittest.TestCase):
-    def test_every_sample_left_is_trained_once_whatever_the_world_and_accumulation(self):
+    def test_every_sample_left_is_trained_once_whatever_the_world_and_accumulation(self) -> None:
         rng = random.Random(7)
         for n, world, batch, accumulate in itertools.product([1, 7, 64, 100], [1, 2, 3, 5], [1, 4, 8], [1, 2, 3]):
             order = list(range(n))
@@ -26,14 +26,14 @@ class PlanTest(unittest.TestCase):
             for m in plans[0]:
                 self.assertEqual(m.last, m.part == m.parts - 1)
 
-    def test_a_step_is_batch_times_accumulate_samples_per_rank(self):
+    def test_a_step_is_batch_times_accumulate_samples_per_rank(self) -> None:
         p = plan(list(range(40)), 0, 2, 0, 4, 3, 5)
         self.assertEqual([(m.part, m.parts) for m in p[:3]], [(0, 3), (1, 3), (2, 3)])
         self.assertEqual(p[2].position_after, 24)
         self.assertEqual(p[0].generation, 5)
         self.assertEqual(p[0].indices, [0, 2, 4, 6])
 
-    def test_a_finished_epoch_plans_nothing(self):
+    def test_a_finished_epoch_plans_nothing(self) -> None:
         self.assertEqual(plan(list(range(10)), 10, 2, 1, 4, 1, 0), [])
 
 

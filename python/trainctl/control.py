@@ -15,11 +15,14 @@ Agent to worker: ``Abort`` (leave the group now), ``Assign`` (the next round's w
 environment), ``Leave`` (this node goes: leave after the step under way, exit 143).
 """
 
+from __future__ import annotations
+
 import os
 import queue
 import socket
 import struct
 import threading
+from typing import Callable, Iterable, Union
 
 MAX_MESSAGE = 64 * 1024
 
@@ -31,34 +34,43 @@ class ControlError(Exception):
 class Closed(ControlError):
     """The agent closed the channel (it restarts this node's workers)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__("the other end of the control channel closed it")
 
 
 # --- worker to agent -----------------------------------------------------------------------
 
 
-def _str(value):
+def _str(value: str) -> bytes:
     raw = value.encode("utf-8")
     return struct.pack("<I", len(raw)) + raw
 
 
-def ready():
+def ready() -> bytes:
     """This worker regroups in place when its group changes."""
     return b"\x00"
 
 
-def lost(assignments, step, reason):
+def lost(assignments: int, step: int, reason: str) -> bytes:
     """A collective failed; the worker holds global step ``step`` and waits for a round."""
     return b"\x01" + struct.pack("<QQ", assignments, step) + _str(reason)
 
 
-def paused(assignments, step):
+def paused(assignments: int, step: int) -> bytes:
     """The worker stopped after global step ``step`` for an assignment."""
     return b"\x02" + struct.pack("<QQ", assignments, step)
 
 
-def regrouped(world_size_before, world_size, rank, step, steps_dropped, nbytes, seconds, received):
+def regrouped(
+    world_size_before: int,
+    world_size: int,
+    rank: int,
+    step: int,
+    steps_dropped: int,
+    nbytes: int,
+    seconds: float,
+    received: bool,
+) -> bytes:
     """What one regroup cost, as the worker saw it."""
     return b"\x03" + struct.pack(
         "<IIIQQQdB",
@@ -73,12 +85,12 @@ def regrouped(world_size_before, world_size, rank, step, steps_dropped, nbytes, 
     )
 
 
-def straggler(slow, report):
+def straggler(slow: bool, report: str) -> bytes:
     """The ranks found this worker's node a straggler (``slow``), or no longer one."""
     return b"\x04" + (b"\x01" if slow else b"\x00") + _str(report)
 
 
-def finished():
+def finished() -> bytes:
     """The job's training is over (every rank agreed on its last step): the agent neither
     regroups nor restarts this worker when a peer goes; it waits for it to exit."""
     return b"\x05"
@@ -90,42 +102,46 @@ def finished():
 class Abort:
     """Leave the group now, dropping the step in flight (a node of the group is gone)."""
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Abort)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Abort()"
 
 
 class Leave:
     """This node goes: leave after the step under way and exit 143."""
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Leave)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "Leave()"
 
 
 class Assign:
     """The next round's worker environment, as (name, value) pairs."""
 
-    def __init__(self, env):
+    def __init__(self, env: Iterable[tuple[str, str]]):
         self.env = list(env)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Assign) and self.env == other.env
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Assign({self.env!r})"
 
 
+# What the agent sends.
+Message = Union[Abort, Leave, Assign]
+
+
 class _Decoder:
-    def __init__(self, buf):
+    def __init__(self, buf: bytes):
         self.buf = memoryview(buf)
         self.at = 0
 
-    def take(self, n, what):
+    def take(self, n: int, what: str) -> memoryview:
         left = len(self.buf) - self.at
         if left < n:
             raise ControlError(f"malformed message: {what}: needs {n} bytes, {left} left")
@@ -133,29 +149,30 @@ class _Decoder:
         self.at += n
         return raw
 
-    def u8(self, what):
+    def u8(self, what: str) -> int:
         return self.take(1, what)[0]
 
-    def u32(self, what):
+    def u32(self, what: str) -> int:
         return struct.unpack("<I", self.take(4, what))[0]
 
-    def string(self, what):
+    def string(self, what: str) -> str:
         raw = bytes(self.take(self.u32(what), what))
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise ControlError(f"malformed message: {what}: not valid UTF-8") from None
 
-    def end(self, what):
+    def end(self, what: str) -> None:
         left = len(self.buf) - self.at
         if left:
             raise ControlError(f"malformed message: {what}: {left} unexpected trailing bytes")
 
 
-def decode(buf):
+def decode(buf: bytes) -> Message:
     """An agent's message from one frame's bytes."""
     d = _Decoder(buf)
     kind = d.u8("message kind")
+    message: Message
     if kind == 2:
         message = Abort()
     elif kind == 3:
@@ -172,7 +189,7 @@ def decode(buf):
     return message
 
 
-def frame(payload):
+def frame(payload: bytes) -> bytes:
     """``payload`` as one frame."""
     if len(payload) > MAX_MESSAGE:
         raise ControlError(f"a message of {len(payload)} bytes is over the limit of {MAX_MESSAGE}")
@@ -184,7 +201,7 @@ class Channel:
     ``on_message`` with each as soon as it arrives (to break the group's links on an ``Abort``
     while the worker may be blocked inside a collective)."""
 
-    def __init__(self, fd, on_message=None):
+    def __init__(self, fd: int, on_message: Callable[[Message], object] | None = None):
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError as e:
@@ -195,24 +212,24 @@ class Channel:
         sock.setblocking(True)
         self._sock = sock
         self._send_lock = threading.Lock()
-        self.inbox = queue.Queue()
+        self.inbox: queue.Queue[Message | ControlError] = queue.Queue()
         self._on_message = on_message
         self._reader = threading.Thread(target=self._read, name="trainctl-control", daemon=True)
         self._reader.start()
 
     @classmethod
-    def from_env(cls, on_message=None):
+    def from_env(cls, on_message: Callable[[Message], object] | None = None) -> Channel | None:
         """The channel the agent handed this worker, or ``None`` when there is none."""
         fd = os.environ.get("TRAINCTL_CONTROL_FD")
         if fd is None:
             return None
         try:
-            fd = int(fd)
+            number = int(fd)
         except ValueError:
             raise ControlError(f"TRAINCTL_CONTROL_FD={fd!r} is not a descriptor number") from None
-        return cls(fd, on_message)
+        return cls(number, on_message)
 
-    def send(self, payload):
+    def send(self, payload: bytes) -> None:
         with self._send_lock:
             try:
                 self._sock.sendall(frame(payload))
@@ -221,7 +238,7 @@ class Channel:
             except OSError as e:
                 raise ControlError(f"control channel: {e}") from None
 
-    def _read(self):
+    def _read(self) -> None:
         pending = b""
         while True:
             try:
@@ -249,7 +266,7 @@ class Channel:
                 self.inbox.put(ControlError(f"control channel: {e}"))
                 return
 
-    def recv(self, timeout):
+    def recv(self, timeout: float) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (0: only what has come);
         ``None`` when none came. A broken channel raises its error (every time)."""
         try:
@@ -262,7 +279,7 @@ class Channel:
             raise item
         return item
 
-    def close(self):
+    def close(self) -> None:
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -10,10 +10,14 @@ Invariant: after ``k`` steps of ``b`` samples per rank on a world of ``w``, exac
 is: a re-sharded epoch loses and repeats nothing.
 """
 
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
 MASK = (1 << 64) - 1
 
 
-def _mix(x):
+def _mix(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & MASK
     z = x
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
@@ -21,7 +25,7 @@ def _mix(x):
     return z ^ (z >> 31)
 
 
-def digest(ids):
+def digest(ids: Iterable[int]) -> int:
     """Samples as one number, whatever their order: the wrapping sum of splitmix64 of each
     id, as the built-in trainer's ``sampler::digest``. Digests add: the ranks' and steps'
     digests sum (mod 2**64) to the epoch's, which is that of all its samples exactly when each
@@ -36,7 +40,7 @@ class Shard:
     """Rank ``rank``'s share of the rest of an epoch whose order is ``order``, from global
     position ``consumed`` on."""
 
-    def __init__(self, order, consumed, world_size, rank, batch_size):
+    def __init__(self, order: Sequence[int], consumed: int, world_size: int, rank: int, batch_size: int):
         if not (world_size > 0 and 0 <= rank < world_size and batch_size > 0):
             raise ValueError(f"rank {rank} of {world_size}, batch {batch_size}")
         n = len(order)
@@ -50,17 +54,17 @@ class Shard:
         self.epoch_len = n
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         return -(-len(self.indices) // self.batch_size)
 
-    def batch(self, step):
+    def batch(self, step: int) -> list[int]:
         return self.indices[step * self.batch_size : (step + 1) * self.batch_size]
 
-    def unpadded_batch(self, step):
+    def unpadded_batch(self, step: int) -> list[int]:
         """The samples of ``batch(step)`` that are the epoch's own (padding left out)."""
         lo = min(step * self.batch_size, self.unpadded)
         hi = min((step + 1) * self.batch_size, self.unpadded)
         return self.indices[lo:hi]
 
-    def position_after(self, steps_done):
+    def position_after(self, steps_done: int) -> int:
         return min(self.start + steps_done * self.batch_size * self.world_size, self.epoch_len)

@@ -10,21 +10,46 @@ below the factor, or when the group changes. A group's first ``window`` steps ar
 no evidence.
 """
 
+from __future__ import annotations
+
 import statistics
+from typing import Literal, Optional, Sequence, Tuple, TypedDict, Union
 
 # Slots each rank fills: data, compute, its node.
 SLOTS = 3
 MIN_EXCESS_S = 0.005
 
+# One rank's times at a step: (its node, data_s, compute_s).
+Times = Tuple[int, float, float]
 
-def slots(rank, world_size, data_s, compute_s, node):
+
+class Straggler(TypedDict):
+    """A straggler as ``Watch.step`` names it (``("started", straggler)``): its node and ranks,
+    how much slower it is than the other nodes' median, and why."""
+
+    node: int
+    ranks: list[int]
+    slowdown: float
+    cause: str
+    data_s: float
+    compute_s: float
+    others_data_s: float
+    others_compute_s: float
+
+
+# What ``Watch.step`` returns when the verdict changes: ``("started", straggler)`` or
+# ``("ended", node, slowdown or None)``.
+Change = Union[Tuple[Literal["started"], Straggler], Tuple[Literal["ended"], int, Optional[float]]]
+
+
+def slots(rank: int, world_size: int, data_s: float, compute_s: float, node: int) -> list[float]:
     """This rank's contribution: zeros but for its own slots (summed, they are everyone's)."""
     v = [0.0] * (SLOTS * world_size)
     v[SLOTS * rank : SLOTS * rank + SLOTS] = [float(data_s), float(compute_s), float(node)]
     return v
 
 
-def unpack(summed, world_size):
+def unpack(summed: Sequence[float], world_size: int) -> list[Times]:
     """Every rank's ``(node, data_s, compute_s)`` from the summed slots."""
     out = []
     for r in range(world_size):
@@ -33,7 +58,7 @@ def unpack(summed, world_size):
     return out
 
 
-def relative_speeds(times):
+def relative_speeds(times: Sequence[Times]) -> list[float]:
     """Each rank's time before the all-reduce over the median rank's."""
     busy = [d + c for _, d, c in times]
     m = max(statistics.median(busy), 1e-9) if busy else 1.0
@@ -41,17 +66,18 @@ def relative_speeds(times):
 
 
 class Watch:
-    def __init__(self, factor=1.5, window=5):
+    def __init__(self, factor: float = 1.5, window: int = 5):
         self.factor = factor
         self.window = max(int(window), 1)
-        self.steps = []
-        self.current = None
+        self.steps: list[Sequence[Times]] = []
+        self.current: Straggler | None = None
         self.below = 0
         self.warmup = 0
-        self.candidate = None
-        self.group_size = None
+        # The node slowest at the last steps, and at how many in a row.
+        self.candidate: tuple[int, int] | None = None
+        self.group_size: int | None = None
 
-    def step(self, times):
+    def step(self, times: Sequence[Times]) -> Change | None:
         """Takes one step's times; returns ``("started", straggler)``, ``("ended", node,
         slowdown or None)`` or None."""
         if self.group_size != len(times):
@@ -93,7 +119,7 @@ class Watch:
         self.current = None
         return ("ended", node, slowdown)
 
-    def _node_figures(self):
+    def _node_figures(self) -> list[tuple[int, list[int], float, float]]:
         """Each node's ranks and its mean data and compute time per step over the window, its
         slowest quarter of steps (at least one) left out (a node's time at a step is its
         slowest rank's)."""
@@ -101,7 +127,7 @@ class Watch:
         out = []
         for node in sorted({n for n, _, _ in last}):
             ranks = [r for r, (n, _, _) in enumerate(last) if n == node]
-            per_step = []
+            per_step: list[Times] = []
             for step in self.steps:
                 mine = [t for t in step if t[0] == node]
                 if mine:
@@ -115,11 +141,11 @@ class Watch:
             )
         return out
 
-    def _slowest(self):
+    def _slowest(self) -> Straggler | None:
         figures = self._node_figures()
         if len(figures) < 2:
             return None
-        best = None
+        best: Straggler | None = None
         for node, ranks, data, compute in figures:
             others = [m for m in figures if m[0] != node]
             od = statistics.median([m[2] for m in others])
@@ -142,7 +168,7 @@ class Watch:
             }
         return best
 
-    def _node_slowdown(self, node):
+    def _node_slowdown(self, node: int) -> float | None:
         figures = self._node_figures()
         mine = [m for m in figures if m[0] == node]
         others = [m[2] + m[3] for m in figures if m[0] != node]
@@ -151,7 +177,7 @@ class Watch:
         return (mine[0][2] + mine[0][3]) / max(statistics.median(others), 1e-9)
 
 
-def ranks_text(ranks):
+def ranks_text(ranks: Sequence[int]) -> str:
     if not ranks:
         return "none"
     if len(ranks) == 1:
@@ -161,7 +187,7 @@ def ranks_text(ranks):
     return ", ".join(str(r) for r in ranks)
 
 
-def started_text(s, window):
+def started_text(s: Straggler, window: int) -> str:
     return (
         f"node {s['node']} (ranks {ranks_text(s['ranks'])}) is a straggler: "
         f"{s['slowdown']:.1f}× the other nodes' time per step over the last {window} steps, "
@@ -170,7 +196,7 @@ def started_text(s, window):
     )
 
 
-def ended_text(node, slowdown):
+def ended_text(node: int, slowdown: float | None) -> str:
     if slowdown is None:
         return f"node {node} is no longer a straggler: the group changed (it may have left)"
     return f"node {node} is no longer a straggler ({slowdown:.1f}× the other nodes' time per step)"

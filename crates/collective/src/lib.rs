@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod control;
 mod group;
+pub mod regroup;
 pub mod store;
 pub mod wire;
 pub mod world;

@@ -44,8 +44,27 @@ impl Shard {
         rank: usize,
         batch_size: usize,
     ) -> Shard {
+        Shard::of(
+            &epoch_order(n, seed, epoch),
+            consumed,
+            world_size,
+            rank,
+            batch_size,
+        )
+    }
+
+    /// Rank `rank`'s share of the rest of an epoch whose order is `order`, from position
+    /// `consumed` on (the Python package's `Shard`, whose order is torch's: the two follow the
+    /// shared cases of `vectors/sampler.json`).
+    pub fn of(
+        order: &[usize],
+        consumed: usize,
+        world_size: usize,
+        rank: usize,
+        batch_size: usize,
+    ) -> Shard {
         assert!(world_size > 0 && rank < world_size && batch_size > 0);
-        let order = epoch_order(n, seed, epoch);
+        let n = order.len();
         let rest = &order[consumed.min(n)..];
         let per_rank = rest.len().div_ceil(world_size);
         let indices = (0..per_rank)
@@ -128,6 +147,71 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashSet;
+
+    /// The shared cases (`vectors/sampler.json` at the repository's root), which the Python
+    /// package's sampler is checked against too (python/tests/test_vectors.py).
+    #[test]
+    fn shards_and_digests_follow_the_shared_cases() {
+        #[derive(serde::Deserialize)]
+        struct ShardIn {
+            order: Vec<usize>,
+            consumed: usize,
+            world_size: usize,
+            rank: usize,
+            batch_size: usize,
+        }
+        #[derive(serde::Deserialize)]
+        struct ShardOut {
+            indices: Vec<usize>,
+            unpadded: usize,
+            steps: usize,
+            batches: Vec<Vec<usize>>,
+            unpadded_batches: Vec<Vec<usize>>,
+            positions_after: Vec<usize>,
+        }
+        #[derive(serde::Deserialize)]
+        struct ShardCase {
+            #[serde(rename = "in")]
+            input: ShardIn,
+            out: ShardOut,
+        }
+        #[derive(serde::Deserialize)]
+        struct DigestCase {
+            ids: Vec<usize>,
+            digest: u64,
+        }
+        #[derive(serde::Deserialize)]
+        struct Vectors {
+            shard: Vec<ShardCase>,
+            digest: Vec<DigestCase>,
+        }
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../vectors/sampler.json");
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let v: Vectors = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(!v.shard.is_empty() && !v.digest.is_empty());
+        for ShardCase { input: i, out } in v.shard {
+            let s = Shard::of(&i.order, i.consumed, i.world_size, i.rank, i.batch_size);
+            let case = format!(
+                "{} samples from {}, rank {} of {}, batch {}",
+                i.order.len(),
+                i.consumed,
+                i.rank,
+                i.world_size,
+                i.batch_size
+            );
+            assert_eq!(s.indices, out.indices, "{case}");
+            assert_eq!((s.unpadded, s.steps()), (out.unpadded, out.steps), "{case}");
+            let batches: Vec<&[usize]> = (0..s.steps()).map(|k| s.batch(k)).collect();
+            assert_eq!(batches, out.batches, "{case}");
+            let unpadded: Vec<&[usize]> = (0..s.steps()).map(|k| s.unpadded_batch(k)).collect();
+            assert_eq!(unpadded, out.unpadded_batches, "{case}");
+            let positions: Vec<usize> = (0..=s.steps()).map(|k| s.position_after(k)).collect();
+            assert_eq!(positions, out.positions_after, "{case}");
+        }
+        for c in v.digest {
+            assert_eq!(digest(&c.ids), c.digest, "digest of {:?}", c.ids);
+        }
+    }
 
     /// Unreadable images (left out of what the loader delivered) and padding (after the
     /// unpadded part, possibly repeating its samples) are not counted as trained.

@@ -7,6 +7,8 @@ loop; docs/PYTORCH.md in the trainctl repository has what each pattern needs.
 ``DivergedError``: the ranks' states parted; the job stops rather than train a wrong model.
 """
 
+from __future__ import annotations
+
 from ._check import DivergedError
 from ._elastic import Elastic, Step
 from ._guards import UsageError

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import control as ctl
-from .. import stragglers
+from .. import regroup, stragglers
 from ..sampler import MASK, digest
 from . import _check, _data, _guards, _state
 from ._flow import Flow
@@ -207,8 +207,8 @@ class Elastic:
         self._generation = 0
         # The micro-batch handed to the loop and not yet trained (the loop may not read ahead).
         self._handed: _data.Micro | None = None
-        # What the last step's agreement decided, for the next boundary: (kind, saver rank).
-        self._pending: tuple[str, int] | None = None
+        # What the last step's agreement decided, for the next boundary (regroup.after_step).
+        self._pending: regroup.AfterStep | None = None
         self._assigned: list[tuple[str, str]] | None = None
         self._assignments = 0
         self._leaving = False
@@ -324,10 +324,11 @@ class Elastic:
         if not self._flow.evaluation_runs():
             return self._skip_evaluation("this rank came into the group after the others made it")
         while True:
+            started = time.monotonic()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - sorted below
-                if self.control is None or not self.group.is_collective_error(e):
+                if not self._regroups(e, started):
                     raise
                 synced = self._regroup(why(e), saver=self.rank == 0, lost=True, detail=detail(e))
                 if synced["fresh"]:
@@ -412,17 +413,16 @@ class Elastic:
         """Carries out what the last step's agreement decided. Returns the new group's sync
         when it regrouped."""
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is None or pending.do is regroup.Do.CONTINUE:
             return None
-        kind, saver = pending
-        if kind == "checkpoint":
+        if pending.do is regroup.Do.CHECKPOINT:
             self._checkpoint()
-        elif kind == "stop":
-            self._stop(saver)
-        elif kind == "pause":
-            if self._leaving:
-                self._leave()
-            return self._regroup("paused for a new round", saver=self.rank == saver, lost=False)
+        elif pending.do is regroup.Do.STOP:
+            self._stop(pending.saver)
+        elif pending.do is regroup.Do.LEAVE:
+            self._leave()
+        elif pending.do is regroup.Do.REGROUP:
+            return self._regroup("paused for a new round", saver=self.rank == pending.saver, lost=False)
         return None
 
     def _stop(self, saver: int) -> None:
@@ -529,7 +529,7 @@ class Elastic:
             # Waiting for this batch: since the last step ended (the loop's own loading).
             self._step_started = now
             self._step_data_s = now - self._last_exit if self._last_exit is not None else 0.0
-        step.started, step.data_s = self._step_started, self._step_data_s
+        step.started, step.data_s = self._step_started or now, self._step_data_s
         self._step_trained += micro.trained
         self._step_samples += len(micro.indices)
         step.sync = micro.last
@@ -550,7 +550,7 @@ class Elastic:
         assert micro is not None
         try:
             if exc is not None:
-                if self.control is not None and self.group.is_collective_error(exc):
+                if self._regroups(exc, self._step_started):
                     self._drop(exc)
                     return True
                 return False
@@ -560,7 +560,7 @@ class Elastic:
             try:
                 outcome = self._agree()
             except Exception as e:  # noqa: BLE001 - sorted below
-                if self.control is not None and self.group.is_collective_error(e):
+                if self._regroups(e, self._step_started):
                     self._drop(e)
                     return False
                 raise
@@ -596,13 +596,9 @@ class Elastic:
         and the samples trained with their digest in eight 8-bit limbs (summed exactly in
         float32 by up to 65,536 ranks)."""
         d = digest(trained)
-        return [
-            int(self.stop_requested),
-            int(self._assigned is not None or self._leaving),
-            int(self._leaving),
-            int(self._leaving and self.rank == 0),
-            len(trained),
-        ] + [(d >> (8 * k)) & 0xFF for k in range(8)]
+        r = regroup.raised(self.stop_requested, self._assigned is not None, self._leaving, self.rank)
+        flags = [float(r.stop), float(r.pause), float(r.leave), float(r.rank0_leaves), float(len(trained))]
+        return flags + [float((d >> (8 * k)) & 0xFF) for k in range(8)]
 
     def _comm_hook(self, _state, bucket):  # type: ignore[no-untyped-def]
         """DDP's gradient all-reduce (averaged, as DDP's own), whose last bucket also carries
@@ -650,10 +646,7 @@ class Elastic:
         return {
             "hashes": _check.unpack(values[_FLAGS:checks], world),
             "times": stragglers.unpack(times, world) if len(times) == stragglers.SLOTS * world else [],
-            "stop": v[0] > 0,
-            "pause": v[1] > 0,
-            "leaving": v[2],
-            "rank0_leaving": v[3] > 0,
+            "agreed": regroup.Agreed(stop=v[0], pause=v[1], leave=v[2], rank0_leaves=v[3]),
             "samples": v[4],
             "digest": sum(v[5 + k] << (8 * k) for k in range(8)) & MASK,
         }
@@ -674,14 +667,10 @@ class Elastic:
             change = self._watch.step(times)
             if change is not None:
                 self._straggler(change)
-        # The lowest rank that stays saves when rank 0's node goes.
-        saver = outcome["leaving"] if outcome["rank0_leaving"] else 0
-        if outcome["stop"]:
-            self._pending = ("stop", saver)
-        elif outcome["pause"]:
-            self._pending = ("pause", saver)
-        elif self.checkpoint_every and p["global_step"] % self.checkpoint_every == 0 and p["position"] < self.dataset_size:
-            self._pending = ("checkpoint", 0)
+        # The epoch's end checkpoints anyway.
+        every = self.checkpoint_every or 0
+        due = every > 0 and p["global_step"] % every == 0 and p["position"] < self.dataset_size
+        self._pending = regroup.after_step(outcome["agreed"], self._leaving, due)
 
     def _update(self) -> None:
         """The step's update: the optimizer's step (through the GradScaler, and its update,
@@ -696,6 +685,19 @@ class Elastic:
         finally:
             self._stepping = False
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _regroups(self, e: BaseException, since: float | None) -> bool:
+        """Whether ``e``, raised by a collective ``since`` (a monotonic time) or after, costs a
+        regroup (the step dropped) rather than the run; with no agent, a lost peer's failure
+        first has rank 0 save the last step every rank completed (``regroup.after_failure``)."""
+        waited = time.monotonic() - since if since is not None else 0.0
+        decision = regroup.after_failure(self.group.failure(e, waited), self.control is not None, self.rank)
+        if decision.save:
+            try:
+                self._checkpoint()
+            except Exception as saving:  # noqa: BLE001 - the run fails with e either way
+                say(f"a peer was lost and the checkpoint of step {self.progress['global_step']} could not be saved: {saving}")
+        return decision.do is regroup.Do.REGROUP
 
     def _drop(self, e: BaseException) -> None:
         """A peer lost in the step under way: its gradients dropped, the workers regrouped."""
@@ -844,11 +846,12 @@ class Elastic:
             assert isinstance(nxt, list)
             os.environ.update(dict(nxt))
             saver = os.environ.get("RANK") == "0"
+            started = time.monotonic()
             try:
                 synced = self._start_group()
                 break
             except Exception as e:  # noqa: BLE001 - a collective of the new group failed
-                if not self.group.is_collective_error(e):
+                if self.group.failure(e, time.monotonic() - started) is regroup.Failure.OTHER:
                     raise
                 say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
                 self._teardown()
@@ -923,13 +926,14 @@ class Elastic:
                         self._assignments += 1
                     else:
                         self._take(message)
-                if self._leaving:
-                    return _LEAVE
                 # An assignment in hand is joined even when a stop came too: the stop then rides
                 # the new group's first step, and every rank stops together.
-                if assigned is not None:
+                decision = regroup.waiting(self._leaving, assigned is not None, self.stop_requested)
+                if decision is regroup.Waiting.LEAVE:
+                    return _LEAVE
+                if decision is regroup.Waiting.JOIN:
                     return assigned
-                if self.stop_requested:
+                if decision is regroup.Waiting.STOP:
                     return _STOP
                 message = self.control.recv(0.1)
                 if message is None:
@@ -953,7 +957,11 @@ class Elastic:
 
     def _on_uncaught(self, kind: Any, value: BaseException, tb: Any) -> None:
         self._excepthook(kind, value, tb)
-        if self.control is not None and isinstance(value, Exception) and self.group.is_collective_error(value):
+        if (
+            self.control is not None
+            and isinstance(value, Exception)
+            and self.group.failure(value, 0.0) is not regroup.Failure.OTHER
+        ):
             say(
                 "a collective outside `with job.step():` and job.evaluate() lost a peer, and the job "
                 "cannot go on from there: run the loop's collectives (an evaluation's all_reduce) "

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import control as ctl
+from .. import regroup
 
 # Interrupts a group start whose round is over (Elastic installs a handler that does nothing).
 INTERRUPT = signal.SIGUSR2
@@ -60,6 +61,9 @@ class Group:
         # over before the group has started.
         self._round_over = False
         self._ifname_set = False
+        # The group's collective timeout, in seconds: a collective that failed after waiting
+        # this long timed out (a peer silent).
+        self.timeout_s = _default_timeout(backend).total_seconds()
         self._main_thread: int | None = None
         if threading.current_thread() is threading.main_thread():
             # A signal of its own interrupts a group start blocked in a system call (the
@@ -84,6 +88,7 @@ class Group:
             return 0, 1
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
+        self.timeout_s = (kwargs.get("timeout") or _default_timeout(self.backend)).total_seconds()
         store = self._connect_store(kwargs.get("timeout") or _default_timeout(self.backend))
         if store is not None:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -161,7 +166,8 @@ class Group:
                 dist.distributed_c10d._abort_process_group()
             except Exception:  # noqa: BLE001 - older torch: the backend's own abort
                 try:
-                    dist.group.WORLD._get_backend(self.device).abort()
+                    # No group (None) fails here as any other error does.
+                    dist.group.WORLD._get_backend(self.device).abort()  # type: ignore[union-attr]
                 except Exception:  # noqa: BLE001
                     pass
             return
@@ -195,19 +201,46 @@ class Group:
             except OSError:
                 pass
 
-    def is_collective_error(self, e: BaseException) -> bool:
-        """Whether ``e`` is this group's collective failing (a peer lost, the group aborted)."""
-        dist_error = getattr(dist, "DistError", None)
-        if dist_error is not None and isinstance(e, dist_error):
-            return True
+    def failure(self, e: BaseException, waited: float) -> regroup.Failure:
+        """How ``e``, raised after ``waited`` seconds of a step, an evaluation or a group's
+        start, involves this group, from what this package itself knows and never from the
+        error's wording: the group aborted on the agent's word, or its round over while it
+        started; an error torch types as distributed; a link of the group closed or gone; a
+        wait past the group's timeout (a peer silent). Anything else is the program's own."""
         # After an abort, PyTorch's `_abort_process_group` has also removed the default group:
         # a collective then raises ValueError ("not initialized"), part of the same loss.
-        if self.aborted and isinstance(e, (RuntimeError, ValueError)):
-            return True
+        if (self.aborted or self._round_over) and isinstance(e, (RuntimeError, ValueError)):
+            return regroup.Failure.PEER_LOST
+        dist_error = getattr(dist, "DistError", None)
+        if dist_error is not None and isinstance(e, dist_error):
+            return regroup.Failure.PEER_LOST
         if not isinstance(e, RuntimeError):
-            return False
-        text = str(e)
-        return any(k in text for k in ("gloo", "Gloo", "NCCL", "onnection", "imed out", "closed by peer", "Socket"))
+            return regroup.Failure.OTHER
+        if self.links_broken():
+            return regroup.Failure.PEER_LOST
+        if waited >= self.timeout_s:
+            return regroup.Failure.TIMED_OUT
+        return regroup.Failure.OTHER
+
+    def links_broken(self) -> bool:
+        """Whether a link of the group is closed (the peer's end shut: end of stream, reset) or
+        gone (gloo closed its descriptor after an error), as the socket itself says. A group
+        still starting: the links it opened so far, those still open."""
+        with self._start_lock:
+            starting = self._starting
+        if starting is not None:
+            links = [(fd, inode) for fd, inode in _sockets().items() if inode not in starting]
+        else:
+            links = list(self._links)
+        for fd, inode in links:
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{inode}]":
+                    return True
+            except OSError:
+                return True
+            if _closed(fd):
+                return True
+        return False
 
     # --- the round's store ---------------------------------------------------------------------
 
@@ -319,9 +352,30 @@ def _default_timeout(backend: str) -> datetime.timedelta:
         return dist.default_pg_timeout
 
 
+def _closed(fd: int) -> bool:
+    """Whether socket ``fd``'s peer has shut its end (a read would see the end of the stream)
+    or the connection failed; a listener, a socket with data waiting or one idle is open."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return True
+    try:
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            return True
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.close()
+
+
 def _sockets() -> dict[int, str]:
     """This process's socket descriptors: descriptor → inode."""
-    found = {}
+    found: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

@@ -11,7 +11,7 @@ extension point); the scheduler and the scaler get a subclass of their own class
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
@@ -90,12 +90,15 @@ def _subclass(base: type, kind: str, methods: dict[str, Callable[..., Any]]) -> 
             state = self.__getstate__() if hasattr(self, "__getstate__") else dict(self.__dict__)
             return (_plain, (base, state))
 
-        body = {"__module__": base.__module__, "__reduce_ex__": __reduce_ex__, **methods}
+        body: dict[str, Any] = {"__module__": base.__module__, "__reduce_ex__": __reduce_ex__, **methods}
         _SUBCLASSES[key] = type(base.__name__, (base,), body)
     return _SUBCLASSES[key]
 
 
-def _plain(cls: type, state: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def _plain(cls: type[_T], state: Any) -> _T:
     """An unpickled guarded object: ``cls`` itself, with its state."""
     obj = cls.__new__(cls)
     if hasattr(obj, "__setstate__"):
@@ -105,7 +108,7 @@ def _plain(cls: type, state: Any) -> Any:
     return obj
 
 
-def _unguarded(obj: Any) -> type:
+def _unguarded(obj: Any) -> type[Any]:
     """The user's class of ``obj``, whether or not a guard subclassed it already."""
     cls = type(obj)
     return cls.__mro__[1] if cls in set(_SUBCLASSES.values()) else cls
@@ -154,7 +157,7 @@ def guard_scaler(job: Elastic, scaler: Any) -> None:
     _JOBS[scaler] = job
 
 
-def _grad_scaler_class() -> type | None:
+def _grad_scaler_class() -> type[Any] | None:
     amp = getattr(torch, "amp", None)
     return getattr(amp, "GradScaler", None)
 

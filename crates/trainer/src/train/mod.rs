@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use collective::regroup::{self as protocol, AfterFailure, AfterStep, Failure};
 use collective::{CollectiveError, ProcessGroup, World};
 
 pub use config::{TrainConfig, check_sgd, check_stragglers};
@@ -39,7 +40,7 @@ use crate::sampler::{self, Shard, digest};
 use record::Recorder;
 use regroup::{Control, Leave, sync};
 use state::TrainState;
-use step::{Flags, Step, StepInput};
+use step::{Step, StepInput};
 use stragglers::{Change, Watch};
 
 /// Trains on the world described by `world`, calling `report` on the way.
@@ -395,12 +396,14 @@ impl Run<'_> {
             let batch = next_batch(&mut loader, &mut self.unreadable, report)?;
             let data_s = step_start.elapsed().as_secs_f64();
             let images = shard.position_after(step + 1) - shard.position_after(step);
-            let flags = Flags {
-                stop: cfg.stop.load(Ordering::Relaxed),
-                pause: control.as_mut().is_some_and(|c| c.pause_requested()),
+            let assigned = control.as_mut().is_some_and(|c| c.pause_requested());
+            let raised = protocol::raised(
+                cfg.stop.load(Ordering::Relaxed),
+                assigned,
                 // As of the messages `pause_requested` just read.
-                leave: control.as_ref().is_some_and(|c| c.leaving()),
-            };
+                control.as_ref().is_some_and(|c| c.leaving()),
+                rank as u32,
+            );
             // The proof counts what was trained: no padding, no unreadable image.
             let trained = sampler::delivered(shard.unpadded_batch(step), &batch.indices);
             let input = StepInput {
@@ -411,18 +414,24 @@ impl Run<'_> {
                 data_s,
                 node: self.world.group_rank,
             };
-            let outcome = match self.step.run(input, flags, group, &mut self.state, cfg) {
+            let outcome = match self.step.run(input, raised, group, &mut self.state, cfg) {
                 Ok(outcome) => outcome,
-                // A peer gone, or silent past the timeout (hung, cut off): with an agent to
-                // regroup, the step is dropped and the worker goes on in the next round's group.
-                Err(TrainError::Collective(
-                    e @ (CollectiveError::PeerLost(_) | CollectiveError::Timeout { .. }),
-                )) if control.is_some() => {
-                    return Ok(Some(Leave::Lost(e.to_string())));
-                }
-                Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
-                    self.save_before_restart(report);
-                    return Err(e);
+                Err(TrainError::Collective(e)) => {
+                    let failure = match e {
+                        CollectiveError::PeerLost(_) => Failure::PeerLost,
+                        CollectiveError::Timeout { .. } => Failure::TimedOut,
+                        _ => Failure::Other,
+                    };
+                    return match protocol::after_failure(failure, control.is_some(), rank as u32) {
+                        // The step is dropped and the worker goes on in the next round's group.
+                        AfterFailure::Regroup => Ok(Some(Leave::Lost(e.to_string()))),
+                        AfterFailure::Fail { save } => {
+                            if save {
+                                self.save_before_restart(report);
+                            }
+                            Err(TrainError::Collective(e))
+                        }
+                    };
                 }
                 Err(e) => return Err(e),
             };
@@ -488,34 +497,35 @@ impl Run<'_> {
                 });
                 (running_loss, window, window_start, window_images) = (0.0, 0, Instant::now(), 0);
             }
-            if outcome.stopping {
-                self.checkpoint(report)?;
-                // Nobody leaves before rank 0's checkpoint is on disk.
-                group.barrier()?;
-                return Err(TrainError::Preempted {
-                    global_step,
-                    epoch: epoch + 1,
-                });
-            }
-            if outcome.pausing {
-                if control.as_ref().is_some_and(|c| c.leaving()) {
-                    return Ok(Some(Leave::Going));
+            // The epoch's end checkpoints anyway.
+            let due = step + 1 < shard.steps()
+                && cfg
+                    .checkpoint_every
+                    .is_some_and(|n| n > 0 && global_step - last_checkpoint_step >= n);
+            let me_leaving = control.as_ref().is_some_and(|c| c.leaving());
+            match protocol::after_step(outcome.agreed, me_leaving, due) {
+                AfterStep::Continue => {}
+                AfterStep::Checkpoint => {
+                    self.checkpoint(report)?;
+                    last_checkpoint_step = global_step;
                 }
-                // With rank 0's node gone, the lowest rank that stays is the next one after
-                // that node's ranks (one node leaves at a time, its ranks consecutive).
-                let saver = if outcome.rank0_leaving {
-                    outcome.leaving
-                } else {
-                    0
-                };
-                return Ok(Some(Leave::Paused { saver }));
-            }
-            let due = cfg
-                .checkpoint_every
-                .is_some_and(|n| n > 0 && global_step - last_checkpoint_step >= n);
-            if due && step + 1 < shard.steps() {
-                self.checkpoint(report)?;
-                last_checkpoint_step = global_step;
+                AfterStep::Stop { saver } => {
+                    if rank as u32 == saver {
+                        self.checkpoint(report)?;
+                    }
+                    // Nobody leaves before the checkpoint is on disk.
+                    group.barrier()?;
+                    return Err(TrainError::Preempted {
+                        global_step,
+                        epoch: epoch + 1,
+                    });
+                }
+                AfterStep::Leave => return Ok(Some(Leave::Going)),
+                AfterStep::Regroup { saver } => {
+                    return Ok(Some(Leave::Paused {
+                        saver: saver as usize,
+                    }));
+                }
             }
         }
         let epoch_digest = std::mem::take(&mut self.state.progress.epoch_digest);

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use collective::control::{Channel, ControlError, Regrouped, ToAgent, ToWorker};
+use collective::regroup::{self as protocol, Waiting};
 use collective::{CollectiveError, Interrupter, ProcessGroup, World};
 
 use super::state::TrainState;
@@ -191,16 +192,21 @@ impl Control {
             while let Ok(Ok(message)) = self.inbox.try_recv() {
                 self.take(message, &mut assigned);
             }
-            if self.leaving {
-                return Ok(Next::Leave);
-            }
             // An assignment in hand is joined even when a stop came too: the stop then rides
             // the new group's first step, and every rank stops together.
-            if let Some(env) = assigned.take() {
-                return Ok(Next::Round(env));
-            }
-            if stop.load(Ordering::Relaxed) {
-                return Ok(Next::Stop);
+            match protocol::waiting(
+                self.leaving,
+                assigned.is_some(),
+                stop.load(Ordering::Relaxed),
+            ) {
+                Waiting::Leave => return Ok(Next::Leave),
+                Waiting::Join => {
+                    if let Some(env) = assigned.take() {
+                        return Ok(Next::Round(env));
+                    }
+                }
+                Waiting::Stop => return Ok(Next::Stop),
+                Waiting::Wait => {}
             }
             match self.inbox.recv_timeout(Duration::from_millis(100)) {
                 Ok(Ok(message)) => self.take(message, &mut assigned),

@@ -5,6 +5,7 @@ use std::time::Instant;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use collective::ProcessGroup;
+use collective::regroup::{Agreed, Raised};
 
 use super::TrainConfig;
 use super::state::TrainState;
@@ -41,32 +42,14 @@ pub(super) struct StepInput<'a> {
     pub(super) node: u32,
 }
 
-/// What a rank asks of all at a step: each is raised for all when any rank raises it.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Flags {
-    /// Stop after this step (SIGTERM).
-    pub(super) stop: bool,
-    /// Leave the group after this step (the agent regroups for a node joining).
-    pub(super) pause: bool,
-    /// This rank's node is asked to go: it leaves the job after this step (and raises `pause`
-    /// for the others, who regroup without it).
-    pub(super) leave: bool,
-}
-
 /// What one step did, as every rank agrees.
 #[derive(Debug, Clone)]
 pub(super) struct StepOutcome {
     /// Mean over the ranks of each rank's mean loss. Not finite: nothing was applied.
     pub(super) loss: f32,
     pub(super) accuracy: f32,
-    /// Some rank was asked to stop: all finish this step, then stop together.
-    pub(super) stopping: bool,
-    /// Some rank's agent handed the next round: all finish this step, then leave the group.
-    pub(super) pausing: bool,
-    /// How many ranks leave the job after this step (their node is asked to go).
-    pub(super) leaving: usize,
-    /// Whether rank 0 is one of them.
-    pub(super) rank0_leaving: bool,
+    /// The step's flags over the ranks: what follows it is [`collective::regroup::after_step`]'s.
+    pub(super) agreed: Agreed,
     /// The [`digest`](crate::sampler::digest) of the step's samples over all ranks.
     pub(super) digest: u64,
     /// The samples the digest counts, over all ranks.
@@ -108,7 +91,7 @@ impl Step {
         );
     }
 
-    /// Trains on this rank's `input`: the gradients, loss, accuracy and `flags` are averaged
+    /// Trains on this rank's `input`: the gradients, loss, accuracy and `raised` flags are averaged
     /// over the ranks (the gradients' sums scaled as the update reads them) and the samples'
     /// digests summed, SGD updates the model's parameters in place (`state`'s flat ones are
     /// then behind: [`Step::store`]), and rank 0's BatchNorm buffers become everyone's. A
@@ -117,7 +100,7 @@ impl Step {
     pub(super) fn run(
         &mut self,
         input: StepInput,
-        flags: Flags,
+        raised: Raised,
         group: &mut ProcessGroup,
         state: &mut TrainState,
         cfg: &TrainConfig,
@@ -177,12 +160,9 @@ impl Step {
         ));
         self.reduced.extend(digest_limbs(digest));
         self.reduced.push(samples as f32);
-        self.reduced.push(if flags.stop { 1.0 } else { 0.0 });
-        self.reduced
-            .push(if flags.pause || flags.leave { 1.0 } else { 0.0 });
-        self.reduced.push(if flags.leave { 1.0 } else { 0.0 });
-        let rank0_leaves = flags.leave && group.rank() == 0;
-        self.reduced.push(if rank0_leaves { 1.0 } else { 0.0 });
+        for flag in [raised.stop, raised.pause, raised.leave, raised.rank0_leaves] {
+            self.reduced.push(if flag { 1.0 } else { 0.0 });
+        }
 
         let timer = Instant::now();
         group.all_reduce_sum(&mut self.reduced)?;
@@ -198,10 +178,14 @@ impl Step {
         // Means: times the world size, they count the ranks that raised them.
         let count =
             |v: Option<f32>| (v.unwrap_or(0.0) * group.world_size() as f32).round() as usize;
-        let rank0_leaving = count(self.reduced.pop()) > 0;
-        let leaving = count(self.reduced.pop());
-        let pausing = self.reduced.pop().is_some_and(|v| v > 0.0);
-        let stopping = self.reduced.pop().is_some_and(|v| v > 0.0);
+        let mut flag = || count(self.reduced.pop()) as u32;
+        let (rank0_leaves, leave, pause, stop) = (flag(), flag(), flag(), flag());
+        let agreed = Agreed {
+            stop,
+            pause,
+            leave,
+            rank0_leaves,
+        };
         let samples = count(self.reduced.pop());
         let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
         let digest = digest_sum(&limbs, group.world_size());
@@ -214,10 +198,7 @@ impl Step {
         let outcome = |compute_s, allreduce_s, times| StepOutcome {
             loss,
             accuracy,
-            stopping,
-            pausing,
-            leaving,
-            rank0_leaving,
+            agreed,
             digest,
             samples,
             compute_s,

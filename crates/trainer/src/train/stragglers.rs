@@ -327,6 +327,95 @@ pub fn relative_speeds(times: &[RankTimes]) -> Vec<f64> {
 mod tests {
     use super::*;
 
+    /// The shared scenarios (`vectors/stragglers.json` at the repository's root), which the
+    /// Python package's watch is checked against too (python/tests/test_vectors.py).
+    #[test]
+    fn verdicts_follow_the_shared_scenarios() {
+        #[derive(serde::Deserialize)]
+        struct Started {
+            node: u32,
+            ranks: Vec<u32>,
+            slowdown: f64,
+            cause: String,
+            data_s: f64,
+            compute_s: f64,
+            others_data_s: f64,
+            others_compute_s: f64,
+        }
+        #[derive(serde::Deserialize)]
+        struct Expected {
+            at: usize,
+            started: Option<Started>,
+            ended: Option<u32>,
+            slowdown: Option<f64>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Scenario {
+            case: String,
+            factor: f64,
+            window: usize,
+            steps: Vec<Vec<(u32, f64, f64)>>,
+            changes: Vec<Expected>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Vectors {
+            scenarios: Vec<Scenario>,
+        }
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../vectors/stragglers.json");
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let v: Vectors = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(!v.scenarios.is_empty());
+        for sc in v.scenarios {
+            let mut watch = Watch::new(StragglerConfig {
+                factor: sc.factor,
+                window: sc.window,
+            });
+            let mut changes = Vec::new();
+            for (at, ranks) in sc.steps.iter().enumerate() {
+                let times = ranks
+                    .iter()
+                    .map(|&(node, data_s, compute_s)| RankTimes {
+                        node,
+                        data_s,
+                        compute_s,
+                    })
+                    .collect();
+                if let Some(change) = watch.step(times) {
+                    changes.push((at, change));
+                }
+            }
+            let case = &sc.case;
+            assert_eq!(changes.len(), sc.changes.len(), "{case}: {changes:?}");
+            for ((at, got), want) in changes.iter().zip(&sc.changes) {
+                assert_eq!(*at, want.at, "{case}: {got:?}");
+                match (got, &want.started, want.ended) {
+                    (Change::Started(s), Some(w), None) => {
+                        assert_eq!((s.node, &s.ranks), (w.node, &w.ranks), "{case}");
+                        assert_eq!(s.cause.to_string(), w.cause, "{case}");
+                        for (a, b) in [
+                            (s.slowdown, w.slowdown),
+                            (s.data_s, w.data_s),
+                            (s.compute_s, w.compute_s),
+                            (s.others_data_s, w.others_data_s),
+                            (s.others_compute_s, w.others_compute_s),
+                        ] {
+                            assert!(close(a, b), "{case}: {a} against {b}");
+                        }
+                    }
+                    (Change::Ended { node, slowdown }, None, Some(w)) => {
+                        assert_eq!(*node, w, "{case}");
+                        match (slowdown, want.slowdown) {
+                            (Some(a), Some(b)) => assert!(close(*a, b), "{case}: {a} against {b}"),
+                            (a, b) => assert_eq!(a.is_some(), b.is_some(), "{case}"),
+                        }
+                    }
+                    _ => panic!("{case}: at step {at}, {got:?}"),
+                }
+            }
+        }
+    }
+
     /// `nodes` nodes of `per_node` ranks, each taking `busy(node)` seconds of compute.
     fn step(nodes: u32, per_node: u32, busy: impl Fn(u32) -> f64) -> Vec<RankTimes> {
         (0..nodes * per_node)

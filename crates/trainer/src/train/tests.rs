@@ -8,7 +8,7 @@ use collective::{ProcessGroup, World};
 
 use super::TrainConfig;
 use super::state::TrainState;
-use super::step::{Flags, Step, StepInput};
+use super::step::{Step, StepInput};
 use crate::checkpoint::ModelInfo;
 use crate::data::{DatasetName, DownloadOptions, Normalisation, synthetic};
 use crate::device::training_device;
@@ -97,9 +97,9 @@ fn step_on(start: &Snapshot, batches: Vec<Vec<usize>>) -> Vec<(Vec<f32>, Vec<f32
                     node: 10 + rank as u32,
                 };
                 let outcome = step
-                    .run(input, Flags::default(), &mut group, &mut state, &cfg)
+                    .run(input, Default::default(), &mut group, &mut state, &cfg)
                     .unwrap();
-                assert!(outcome.loss.is_finite() && !outcome.stopping);
+                assert!(outcome.loss.is_finite() && outcome.agreed.stop == 0);
                 assert_eq!(outcome.samples, total, "the ranks' samples, summed");
                 // Every rank's times and node ride the all-reduce back to every rank.
                 assert_eq!(outcome.times.len(), ranks);

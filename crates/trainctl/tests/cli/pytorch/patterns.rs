@@ -309,6 +309,33 @@ fn the_packages_unit_tests_pass() {
     assert!(ran >= 15, "{said}");
 }
 
+/// The package's type hints hold: mypy (from PyPI, scripts/requirements-test.txt) with the
+/// settings of python/pyproject.toml (every function annotated) finds nothing. Where the
+/// suite's Python has no mypy, the test says so and passes.
+#[test]
+fn the_package_type_checks() {
+    let python = python_or_skip!("the_package_type_checks");
+    let package = testkit::python_package();
+    let has_mypy = Command::new(&python)
+        .args(["-c", "import mypy"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_mypy {
+        eprintln!(
+            "SKIPPED the_package_type_checks: no mypy in {python:?} (scripts/test installs it)"
+        );
+        return;
+    }
+    let out = Command::new(&python)
+        .current_dir(&package)
+        .args(["-m", "mypy", "-p", "trainctl"])
+        .output()
+        .unwrap();
+    let said = text(&out.stdout);
+    assert!(out.status.success(), "{said}{}", text(&out.stderr));
+    assert!(said.contains("Success: no issues found"), "{said}");
+}
+
 /// README's whole program ("Your own PyTorch program, elastic"), as written, on two workers:
 /// every name it uses is defined, and it trains to the end with every rank's weights the same.
 #[test]
