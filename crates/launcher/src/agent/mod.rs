@@ -146,29 +146,9 @@ fn run_rounds(
         });
         let assignment = match joined {
             Ok(Joined::Assigned(a)) => a,
-            Ok(Joined::Stopped) => {
-                let signal = launch.signals.received().unwrap_or(15);
-                return Ok(match kept.take() {
-                    Some(k) => go_while_joining(spec, rdzv, k, &held, signal, events),
-                    None => Outcome::Interrupted {
-                        signal,
-                        checkpointed: false,
-                    },
-                });
-            }
             ended => {
-                // Waiting workers that will not train again: a stop request lets them save.
-                if let Some(k) = kept.take() {
-                    k.group.stop_interrupted(spec.grace);
-                }
-                return match ended? {
-                    Joined::Assigned(_) | Joined::Stopped => unreachable!("matched above"),
-                    Joined::Closed(c) if c.succeeded => {
-                        events(LaunchEvent::JobAlreadyOver);
-                        Ok(Outcome::Succeeded)
-                    }
-                    Joined::Closed(c) => Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
-                };
+                let signal = launch.signals.received().unwrap_or(15);
+                return not_joined(ended, spec, rdzv, kept.take(), &held, signal, events);
             }
         };
         events(LaunchEvent::Joined(assignment.clone()));
@@ -232,6 +212,41 @@ fn run_rounds(
             }
             RoundEnd::Over(outcome) => return Ok(outcome),
         }
+    }
+}
+
+/// Joining ended without a round (`ended`: a stop, the job over, an error): the launch ends,
+/// and workers `kept` from the last round (whose nodes were `held`) with it.
+fn not_joined(
+    ended: Result<Joined, rendezvous::RendezvousError>,
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    kept: Option<Kept>,
+    held: &[String],
+    signal: i32,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Outcome, LaunchError> {
+    let kept = match (&ended, kept) {
+        (Ok(Joined::Stopped), Some(k)) => {
+            return Ok(go_while_joining(spec, rdzv, k, held, signal, events));
+        }
+        (_, kept) => kept,
+    };
+    // Waiting workers that will not train again: a stop request lets them save.
+    if let Some(k) = kept {
+        k.group.stop_interrupted(spec.grace);
+    }
+    match ended? {
+        Joined::Stopped => Ok(Outcome::Interrupted {
+            signal,
+            checkpointed: false,
+        }),
+        Joined::Closed(c) if c.succeeded => {
+            events(LaunchEvent::JobAlreadyOver);
+            Ok(Outcome::Succeeded)
+        }
+        Joined::Closed(c) => Ok(Outcome::JobFailed(c.root_cause.unwrap_or_default())),
+        Joined::Assigned(_) => unreachable!("a round joined is not an end"),
     }
 }
 

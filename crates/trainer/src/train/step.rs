@@ -91,38 +91,23 @@ impl Step {
         );
     }
 
-    /// Trains on this rank's `input`: the gradients, loss, accuracy and `raised` flags are averaged
-    /// over the ranks (the gradients' sums scaled as the update reads them) and the samples'
-    /// digests summed, SGD updates the model's parameters in place (`state`'s flat ones are
-    /// then behind: [`Step::store`]), and rank 0's BatchNorm buffers become everyone's. A
-    /// non-finite mean loss leaves the weights as they were (the caller stops the run). Every
-    /// rank ends the step holding bit-identical parameters and buffers.
-    pub(super) fn run(
+    /// The forward and backward of this rank's batch on the compute threads: the gradients
+    /// flattened into `reduced` to be summed (or, for a rank alone, left where burn put them:
+    /// returned), then the loss and accuracy. Returns how many of `reduced` are gradients.
+    fn forward_backward(
         &mut self,
-        input: StepInput,
-        raised: Raised,
-        group: &mut ProcessGroup,
-        state: &mut TrainState,
-        cfg: &TrainConfig,
-    ) -> Result<StepOutcome> {
+        pixels: Vec<f32>,
+        labels: &[i64],
+        world_size: usize,
+    ) -> (usize, Option<ParamGradients>) {
         let model = self
             .model
             .as_ref()
             .expect("a step's model is back after every run");
-        let StepInput {
-            pixels,
-            labels,
-            digest,
-            samples,
-            data_s,
-            node,
-        } = input;
         let n = labels.len();
-        let timer = Instant::now();
         let (device, image_size, loss_fn) = (&self.device, self.image_size, &self.loss_fn);
         let reduced = &mut self.reduced;
-        let world_size = group.world_size();
-        let (gradients_len, alone) = on_compute_threads(|| {
+        on_compute_threads(|| {
             let x = Tensor::<4>::from_data(
                 TensorData::new(pixels, [n, 3, image_size, image_size]),
                 device,
@@ -148,21 +133,44 @@ impl Step {
             reduced.push(to_vec(loss)[0]);
             reduced.push(batch_accuracy(&to_vec(logits), labels));
             (gradients_len, alone)
-        });
+        })
+    }
+
+    /// Trains on this rank's `input`: the gradients, loss, accuracy and `raised` flags are averaged
+    /// over the ranks (the gradients' sums scaled as the update reads them) and the samples'
+    /// digests summed, SGD updates the model's parameters in place (`state`'s flat ones are
+    /// then behind: [`Step::store`]), and rank 0's BatchNorm buffers become everyone's. A
+    /// non-finite mean loss leaves the weights as they were (the caller stops the run). Every
+    /// rank ends the step holding bit-identical parameters and buffers.
+    pub(super) fn run(
+        &mut self,
+        input: StepInput,
+        raised: Raised,
+        group: &mut ProcessGroup,
+        state: &mut TrainState,
+        cfg: &TrainConfig,
+    ) -> Result<StepOutcome> {
+        let StepInput {
+            pixels,
+            labels,
+            digest,
+            samples,
+            data_s,
+            node,
+        } = input;
+        let timer = Instant::now();
+        let world_size = group.world_size();
+        let (gradients_len, alone) = self.forward_backward(pixels, labels, world_size);
         let mut compute_s = timer.elapsed().as_secs_f64();
-        // Every rank's times ride the all-reduce in slots of their own (see `stragglers`).
-        self.reduced.extend(stragglers::slots(
-            group.rank(),
-            world_size,
+        let rider = Rider {
             data_s,
             compute_s,
             node,
-        ));
-        self.reduced.extend(digest_limbs(digest));
-        self.reduced.push(samples as f32);
-        for flag in [raised.stop, raised.pause, raised.leave, raised.rank0_leaves] {
-            self.reduced.push(if flag { 1.0 } else { 0.0 });
-        }
+            digest,
+            samples,
+            raised,
+        };
+        rider.push(&mut self.reduced, group.rank(), world_size);
 
         let timer = Instant::now();
         group.all_reduce_sum(&mut self.reduced)?;
@@ -175,24 +183,12 @@ impl Step {
             }
         }
         let mut allreduce_s = timer.elapsed().as_secs_f64();
-        // Means: times the world size, they count the ranks that raised them.
-        let count =
-            |v: Option<f32>| (v.unwrap_or(0.0) * group.world_size() as f32).round() as usize;
-        let mut flag = || count(self.reduced.pop()) as u32;
-        let (rank0_leaves, leave, pause, stop) = (flag(), flag(), flag(), flag());
-        let agreed = Agreed {
-            stop,
-            pause,
-            leave,
-            rank0_leaves,
-        };
-        let samples = count(self.reduced.pop());
-        let limbs = self.reduced.split_off(self.reduced.len() - DIGEST_LIMBS);
-        let digest = digest_sum(&limbs, group.world_size());
-        let slots = self
-            .reduced
-            .split_off(self.reduced.len() - stragglers::SLOTS * world_size);
-        let times = stragglers::unpack(&slots, world_size);
+        let Riders {
+            times,
+            digest,
+            samples,
+            agreed,
+        } = Riders::pop(&mut self.reduced, world_size);
         let accuracy = self.reduced.pop().unwrap_or(f32::NAN);
         let loss = self.reduced.pop().unwrap_or(f32::NAN);
         let outcome = |compute_s, allreduce_s, times| StepOutcome {
@@ -212,7 +208,11 @@ impl Step {
         // Both collectives before the model or `state` changes: when one fails (a peer lost),
         // they still hold the last step this rank completed, whole, and it can be checkpointed.
         let timer = Instant::now();
-        let mut synced = buffers(model);
+        let mut synced = buffers(
+            self.model
+                .as_ref()
+                .expect("a step's model is back after every run"),
+        );
         compute_s += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
         group.broadcast(&mut synced, 0)?;
@@ -254,6 +254,69 @@ fn digest_sum(mean: &[f32], world_size: usize) -> u64 {
         let limb_sum = (m as f64 * world_size as f64).round() as u64;
         acc.wrapping_add(limb_sum.wrapping_shl(8 * i as u32))
     })
+}
+
+/// What one rank adds to the step's all-reduce after the gradients, loss and accuracy: its
+/// times (in slots of its own, see `stragglers`), the digest and count of its samples, and
+/// the flags it raises ([`collective::regroup::raised`]).
+struct Rider {
+    data_s: f64,
+    compute_s: f64,
+    node: u32,
+    digest: u64,
+    samples: usize,
+    raised: Raised,
+}
+
+impl Rider {
+    fn push(&self, reduced: &mut Vec<f32>, rank: usize, world_size: usize) {
+        reduced.extend(stragglers::slots(
+            rank,
+            world_size,
+            self.data_s,
+            self.compute_s,
+            self.node,
+        ));
+        reduced.extend(digest_limbs(self.digest));
+        reduced.push(self.samples as f32);
+        let r = self.raised;
+        for flag in [r.stop, r.pause, r.leave, r.rank0_leaves] {
+            reduced.push(if flag { 1.0 } else { 0.0 });
+        }
+    }
+}
+
+/// Every rank's riders, as the all-reduce (a mean) brought them back.
+struct Riders {
+    times: Vec<RankTimes>,
+    digest: u64,
+    samples: usize,
+    agreed: Agreed,
+}
+
+impl Riders {
+    /// Takes the riders off the end of `reduced` (means over `world_size` ranks).
+    fn pop(reduced: &mut Vec<f32>, world_size: usize) -> Riders {
+        // Means: times the world size, they count the ranks that raised them.
+        let count = |v: Option<f32>| (v.unwrap_or(0.0) * world_size as f32).round() as usize;
+        let mut flag = || count(reduced.pop()) as u32;
+        let (rank0_leaves, leave, pause, stop) = (flag(), flag(), flag(), flag());
+        let samples = count(reduced.pop());
+        let limbs = reduced.split_off(reduced.len().saturating_sub(DIGEST_LIMBS));
+        let digest = digest_sum(&limbs, world_size);
+        let slots = reduced.split_off(reduced.len().saturating_sub(stragglers::SLOTS * world_size));
+        Riders {
+            times: stragglers::unpack(&slots, world_size),
+            digest,
+            samples,
+            agreed: Agreed {
+                stop,
+                pause,
+                leave,
+                rank0_leaves,
+            },
+        }
+    }
 }
 
 /// Fraction of `labels` the `logits` (rows of classes) get right.
