@@ -9,12 +9,9 @@ state a rank holds at the top of the next step, which is where a rank that start
 program afresh comes in. A lost peer is handled at once: its collective failed, and the step
 is dropped.
 
-A group's start is the same collectives for a worker that has just started and one that
-regroups (``init_process_group``, ``_sync``, the DDP wrapper's own), so both can be in the
-same new group. ``_sync`` makes every rank's state the same: the lowest rank of those
-furthest on streams model, optimizer, scheduler, GradScaler, position and user state to the
-others; when every rank holds the same step nothing travels; at a job's start rank 0's fresh
-or resumed state goes to all.
+A group's start, the state made the same on every rank and the regroup are ``_membership``'s;
+what the worker does at each turn is ``trainctl.regroup``'s, the protocol's tables shared
+with the built-in trainer.
 
 Each step's flags (stop, pause, leave, the samples trained and their digest, each rank's state
 hash and times) ride the last bucket of DDP's gradient all-reduce (``_comm_hook``), or, when
@@ -41,15 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import control as ctl
 from .. import regroup, stragglers
 from ..sampler import MASK, digest
-from . import _check, _data, _guards, _state
+from . import _check, _data, _guards, _membership, _state
 from ._flow import Flow
 from ._group import Group, detail, say, why
 from ._records import Records
-
-# contract::exit: a worker that stopped or left at a step boundary, and one that lost a peer
-# and could not go on in place.
-EXIT_PREEMPTED = 143
-EXIT_PEER_LOST = 75
 
 # A run id that torchrun makes anew at every launch (--standalone, or one node without an
 # endpoint): a relaunch would not find its checkpoint under it.
@@ -58,9 +50,6 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 # The step's flags before the ranks' slots: stop, pause, leaving, rank 0 leaving, samples,
 # and the samples' digest in eight 8-bit limbs.
 _FLAGS = 13
-
-_STOP = object()
-_LEAVE = object()
 
 
 class Step:
@@ -259,7 +248,7 @@ class Elastic:
             except ctl.ControlError as e:
                 say(f"the agent's control channel cannot be used: {e}; a change of group restarts this worker")
                 self.control = None
-        self._synced = self._start_group()
+        self._synced = _membership.start_group(self)
 
     # --- what the training loop uses ---------------------------------------------------------
 
@@ -330,7 +319,7 @@ class Elastic:
             except Exception as e:  # noqa: BLE001 - sorted below
                 if not self._regroups(e, started):
                     raise
-                synced = self._regroup(why(e), saver=self.rank == 0, lost=True, detail=detail(e))
+                synced = _membership.regroup(self, why(e), saver=self.rank == 0, lost=True, detail=detail(e))
                 if synced["fresh"]:
                     return self._skip_evaluation("a node joined the group while it ran")
 
@@ -365,7 +354,7 @@ class Elastic:
             f"{self.fingerprint():08x} (world size {self.world_size}, {p['samples_seen']} samples trained in all)",
             flush=True,
         )
-        self._teardown()
+        _membership.teardown(self)
         if self.control is not None:
             self.control.close()
         self._records.close()
@@ -418,24 +407,12 @@ class Elastic:
         if pending.do is regroup.Do.CHECKPOINT:
             self._checkpoint()
         elif pending.do is regroup.Do.STOP:
-            self._stop(pending.saver)
+            _membership.stop(self, pending.saver)
         elif pending.do is regroup.Do.LEAVE:
-            self._leave()
+            _membership.leave(self)
         elif pending.do is regroup.Do.REGROUP:
-            return self._regroup("paused for a new round", saver=self.rank == pending.saver, lost=False)
+            return _membership.regroup(self, "paused for a new round", saver=self.rank == pending.saver, lost=False)
         return None
-
-    def _stop(self, saver: int) -> None:
-        # The rank that saves: rank 0, or the lowest that stays when rank 0's node goes.
-        if self.rank == saver:
-            self._checkpoint(force=True)
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - the checkpoint is written; a peer gone changes nothing
-            pass
-        say(f"rank {self.rank} stopped after step {self.progress['global_step']} (SIGTERM); the checkpoint holds it")
-        self._teardown()
-        sys.exit(EXIT_PREEMPTED)
 
     def _skip_evaluation(self, reason: str) -> Any:
         if not self._skipped_said:
@@ -704,7 +681,7 @@ class Elastic:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_trained, self._step_samples = [], 0
         self._flow.step_ended(applied=False)
-        self._regroup(why(e), saver=self.rank == 0, lost=True, detail=detail(e))
+        _membership.regroup(self, why(e), saver=self.rank == 0, lost=True, detail=detail(e))
 
     def _time_slots(self, device: torch.device) -> torch.Tensor:
         """This rank's times before the all-reduce, in its own slots of the step's agreement."""
@@ -742,216 +719,6 @@ class Elastic:
                 # A broken channel shows when the worker next needs it.
                 pass
 
-    # --- the group -----------------------------------------------------------------------------
-
-    def _start_group(self) -> dict[str, Any]:
-        """Joins the group the environment names (the job's first, or a round's), makes every
-        rank's state the same and wraps the model."""
-        self.group.begin()
-        self.rank, self.world_size = self.group.init()
-        synced = self._sync()
-        device_ids = [self.device.index] if self.backend == "nccl" else None
-        self._ddp = DistributedDataParallel(self.module, device_ids=device_ids, **self.ddp_options)
-        self._ddp.register_comm_hook(None, self._comm_hook)
-        self.group.established()
-        self._generation += 1
-        self._first_start = False
-        return synced
-
-    def _sync(self) -> dict[str, Any]:
-        """Every rank's state made the same (see the module's doc); the ranks at the furthest
-        step are checked to hold the same state before anything travels."""
-        if self.live:
-            self._weights_fp = _check.fingerprint(self.module)
-        mine = [self.progress["global_step"] + 1, _check.state_hash(_check.counters(self))] if self.live else [0, 0]
-        t = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        out = [torch.zeros_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
-        held = [int(x[0].item()) for x in out]
-        hashes = [int(x[1].item()) for x in out]
-        furthest = max(held)
-        _check.compare(
-            self,
-            [h if held[r] == furthest else 0 for r, h in enumerate(hashes)],
-            f"as the group of world size {self.world_size} started, at step {max(furthest - 1, 0)}",
-        )
-        result = {"resumed": False, "received": False, "bytes": 0, "fresh": furthest > 0 and min(held) == 0}
-        if furthest > 0 and all(h == furthest for h in held):
-            self.live = True
-            self._resized()
-            return result
-        source = held.index(furthest) if furthest > 0 else 0
-        resumed = False
-        if furthest == 0 and self.rank == 0:
-            resumed = _state.read_checkpoint(self)
-        if held[self.rank] != furthest:
-            self.live = False
-        nbytes, resumed = _state.broadcast(self, source, resumed)
-        self.live = True
-        self._weights_fp = _check.fingerprint(self.module)
-        from_peer = furthest > 0
-        # A process that starts the loop from its top in a state taken mid-loop (see Flow). A
-        # survivor one step behind, which takes the furthest's state in a regroup, is at the
-        # others' place in the loop already.
-        came_in = self._first_start and (
-            (from_peer and held[self.rank] != furthest) or (resumed and self.progress["position"] > 0)
-        )
-        if came_in:
-            self._flow.came_in(self.progress["position"] >= self.dataset_size, max(self.progress["epoch_end_evals"], 0))
-        self._resized()
-        result.update(
-            resumed=resumed,
-            received=from_peer and held[self.rank] != furthest,
-            bytes=nbytes if from_peer else 0,
-        )
-        return result
-
-    def _resized(self) -> None:
-        """Tells ``on_resize`` when the state was trained at another world size."""
-        p = self.progress
-        old, new = p["world_size"], self.world_size
-        p["world_size"] = new
-        if old and old != new and self.on_resize is not None:
-            self.on_resize(old, new)
-
-    def _teardown(self) -> None:
-        def drop_wrapper() -> None:
-            self._ddp = None
-
-        self.group.teardown(drop_wrapper)
-
-    def _regroup(self, reason: str, saver: bool, lost: bool, detail: str = "") -> dict[str, Any]:
-        """Leaves the group and goes on in the next round's, with every rank's state the same.
-        Joining can fail (another node lost meanwhile): the worker says so and waits for the
-        round after. `reason` is in trainctl's words; `detail`, PyTorch's own text of the error,
-        goes to the records."""
-        if self.control is None:
-            raise RuntimeError(f"{reason}: the group cannot change without trainctl run's agent")
-        left = time.monotonic()
-        world_size_before = self.world_size
-        step_left = self.progress["global_step"]
-        self._teardown()
-        cause = reason
-        if lost:
-            reason = f"peer lost: {reason}"
-        while True:
-            nxt = self._next_round(cause, lost)
-            if nxt is _LEAVE:
-                self._leave()
-            if nxt is _STOP:
-                if saver:
-                    self._checkpoint(force=True)
-                say(f"rank {self.rank} stopped (SIGTERM) while waiting for the next round")
-                sys.exit(EXIT_PREEMPTED)
-            assert isinstance(nxt, list)
-            os.environ.update(dict(nxt))
-            saver = os.environ.get("RANK") == "0"
-            started = time.monotonic()
-            try:
-                synced = self._start_group()
-                break
-            except Exception as e:  # noqa: BLE001 - a collective of the new group failed
-                if self.group.failure(e, time.monotonic() - started) is regroup.Failure.OTHER:
-                    raise
-                say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
-                self._teardown()
-                cause, lost = f"joining the new group: {why(e)}", True
-        self._report_regroup(reason, world_size_before, step_left, synced, time.monotonic() - left, detail)
-        if synced["fresh"]:
-            # A newcomer runs the loop from its top: the evaluations it cannot be part of are
-            # skipped here too (see Flow).
-            self._flow.newcomer_arrived(self.progress["position"] >= self.dataset_size)
-        return synced
-
-    def _report_regroup(
-        self,
-        reason: str,
-        world_size_before: int,
-        step_left: int,
-        synced: dict[str, Any],
-        seconds: float,
-        detail: str = "",
-    ) -> None:
-        p = self.progress
-        regrouped = {
-            "world_size_before": world_size_before,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "step": p["global_step"],
-            "steps_dropped": max(step_left - p["global_step"], 0),
-            "bytes": synced["bytes"],
-            "received": synced["received"],
-            "seconds": seconds,
-        }
-        # In the file of this worker's rank in the new group.
-        extra = {"detail": detail} if detail else {}
-        self._records.write(self.rank, "regroup", reason=reason, **regrouped, **extra)
-        assert self.control is not None
-        try:
-            self.control.send(
-                ctl.regrouped(
-                    regrouped["world_size_before"],
-                    regrouped["world_size"],
-                    regrouped["rank"],
-                    regrouped["step"],
-                    regrouped["steps_dropped"],
-                    regrouped["bytes"],
-                    regrouped["seconds"],
-                    regrouped["received"],
-                )
-            )
-        except ctl.ControlError:
-            # The agent's report of the regroup; training goes on without it.
-            pass
-
-    def _next_round(self, why: str, lost: bool) -> Any:
-        """Tells the agent why this worker left its group, then waits for the next round's
-        environment, a stop, or the word that this node goes. A closed channel: the agent
-        restarts this node's workers, so this one exits as a lost peer's would."""
-        assert self.control is not None
-        step = self.progress["global_step"]
-        try:
-            if lost:
-                self.control.send(ctl.lost(self._assignments, step, why))
-            else:
-                self.control.send(ctl.paused(self._assignments, step))
-            assigned, self._assigned = self._assigned, None
-            while True:
-                while True:
-                    message = self.control.recv(0)
-                    if message is None:
-                        break
-                    if isinstance(message, ctl.Assign):
-                        assigned = message.env
-                        self._assignments += 1
-                    else:
-                        self._take(message)
-                # An assignment in hand is joined even when a stop came too: the stop then rides
-                # the new group's first step, and every rank stops together.
-                decision = regroup.waiting(self._leaving, assigned is not None, self.stop_requested)
-                if decision is regroup.Waiting.LEAVE:
-                    return _LEAVE
-                if decision is regroup.Waiting.JOIN:
-                    return assigned
-                if decision is regroup.Waiting.STOP:
-                    return _STOP
-                message = self.control.recv(0.1)
-                if message is None:
-                    continue
-                if isinstance(message, ctl.Assign):
-                    assigned = message.env
-                    self._assignments += 1
-                else:
-                    self._take(message)
-        except ctl.ControlError as e:
-            say(f"{why}; the agent did not regroup this worker ({e})")
-            sys.exit(EXIT_PEER_LOST)
-
-    def _leave(self) -> None:
-        say(f"rank {self.rank} leaves the job after step {self.progress['global_step']}: its node was asked to go")
-        self._teardown()
-        sys.exit(EXIT_PREEMPTED)
-
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
 
@@ -970,7 +737,7 @@ class Elastic:
 
     def _at_exit(self) -> None:
         try:
-            self._teardown()
+            _membership.teardown(self)
         except Exception:  # noqa: BLE001 - the process ends either way
             pass
 
