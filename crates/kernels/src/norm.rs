@@ -19,8 +19,7 @@ use crate::scratch::{par_written, par_written_pair};
 const BLOCK_ROWS: usize = 512;
 /// ...and values per block, at most: ResNet's deep layers have few rows (32 images of 4×4 or
 /// 2×2 pixels: 512 or 128) of many channels, and at 512 rows a block they were one block, run
-/// on one thread (resnet50's norm of 1,024 channels at 4×4 took 10.0 ms a step at 1 thread and
-/// 13.0 at 2).
+/// on one thread.
 const BLOCK_VALUES: usize = 1 << 16;
 
 /// The values in a block of whole rows: fixed by the shape alone, so that the sums, added in
@@ -103,10 +102,8 @@ pub fn batch_stats(x: &[f32], channels: usize) -> BatchStats {
 
 /// Which elements of a fused ReLU's output are positive (the ones its gradient passes): a byte
 /// each, 1 or 0, written by [`normalize`] beside the output. [`backward`] reads it instead of
-/// the output, a quarter of the bytes. Reading the output twice, at 4 bytes an element, was a
-/// third of the backward's time: resnet50's norms took 22.3 ms a step at 1 thread, 14.4 with
-/// the reads left out (gradients wrong, for the measurement); with the mask, 18.7 (13.3 →
-/// 10.9 at 2 threads), the forward 0.8 ms longer for writing it.
+/// the output, a quarter of the bytes: reading the output in both of the backward's passes, at
+/// 4 bytes an element, was a third of its time.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReluMask(Vec<u8>);
 

@@ -29,7 +29,7 @@ use winograd::{Tile, WinogradWeight};
 use crate::matmul::Precision;
 
 /// Input channels from which a stride-1 3×3 convolution runs as Winograd (below,
-/// its GEMMs are too narrow to gain; docs/PERFORMANCE.md has the layer figures).
+/// its GEMMs are too narrow to gain; docs/journal/performance.md has the layer figures).
 pub const WINOGRAD_MIN_CHANNELS: usize = 32;
 /// ...and the output side from which it does: on smaller outputs most of a tile's 4×4 input
 /// block is padding and the weight's transforms (16 values for 9, every step) cost more than
@@ -37,14 +37,13 @@ pub const WINOGRAD_MIN_CHANNELS: usize = 32;
 pub const WINOGRAD_MIN_SIDE: usize = 4;
 
 /// ...and the output side from which it takes 4×4 tiles (F(4×4, 3×3): 36 products for 16
-/// outputs, against F(2×2)'s 64). On resnet18's 8×8 and 16×16 layers it took 25–35 % less
-/// time than F(2×2) (docs/PERFORMANCE.md); at 4×4 one tile covers the image, and its 36 planes
-/// of transformed weights (2.25× F(2×2)'s, every step) cost more than its GEMMs save.
+/// outputs, against F(2×2)'s 64), which take less time than F(2×2) from 8×8 outputs; at 4×4
+/// one tile covers the image, and its 36 planes of transformed weights (2.25× F(2×2)'s, every
+/// step) cost more than its GEMMs save.
 ///
 /// Its products always run in fp32, bf16 mode too ([`Algorithm::precision`]): rounded to bf16,
 /// its transformed values (scaled by up to 8 before rounding to 8 bits of mantissa) put the
-/// result 3–21 % off, against F(2×2)'s 1 %; and F(4×4) in fp32 took less time than F(2×2) in
-/// bf16 (resnet18's step 12 % less in bf16 mode, docs/PERFORMANCE.md).
+/// result 3–21 % off, against F(2×2)'s 1 %, and in fp32 it is faster than F(2×2) in bf16.
 pub const WINOGRAD4_MIN_SIDE: usize = 8;
 
 /// Whether [`Prepared::new`] computes `s` with Winograd.

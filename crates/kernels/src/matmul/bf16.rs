@@ -15,9 +15,10 @@
 //!
 //! The microkernel keeps an `MR × NR` block of C in 24 of the 32 AVX-512 registers (`MR` = 12
 //! rows, `NR` = 32 columns, two registers a row) and runs through [`KC_PAIRS`] pairs of `k` at a
-//! time, so that its B panel (`KC_PAIRS · NR` pairs, 32 KiB, this machine's L1; 128 and 192
-//! pairs measured no faster) stays in cache while it walks A's rows. Each element of C is summed in one fixed order (pair by pair within a block, blocks in
-//! order added to C) fixed by the shape: the result does not depend on the thread count.
+//! time, so that its B panel (`KC_PAIRS · NR` pairs, 32 KiB, this machine's L1) stays in cache
+//! while it walks A's rows. Each element of C is summed in one fixed order (pair by pair within
+//! a block, blocks in order added to C) fixed by the shape: the result does not depend on the
+//! thread count.
 
 use std::arch::x86_64::*;
 

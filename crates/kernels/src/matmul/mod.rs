@@ -313,12 +313,8 @@ fn check_product(
 /// its own panels: it copies when a block of the product is wider than this many of its
 /// microkernel's columns (6 on AVX-512). Its default, 8, copied whole activations (im2col's
 /// weight gradients read the patch matrix, in columns, as their left operand) once per
-/// product: 6.6 % of resnet50's step at 2 threads, for reads the microkernel makes as well in
-/// place. At 256 (the crate's largest) such an operand is read in place but in the widest
-/// products: gemm's packing fell from 8.6 % to 3.8 % of that step, and resnet50's step from
-/// 315.5 to 305.6 ms at 1 thread (medians of 8 processes, ABBA order; `bench/compare.py`: 1 %
-/// more images/s at 1 and at 2 threads). Copying or not moves no arithmetic: the model files
-/// are byte-identical.
+/// product, for reads the microkernel makes as well in place; at 256, the crate's largest, such
+/// an operand is read in place but in the widest products. Copying or not moves no arithmetic.
 pub const GEMM_LHS_PACKING_THRESHOLD: usize = 256;
 
 /// Sets the `gemm` crate's options this module's products are tuned for, once per process.

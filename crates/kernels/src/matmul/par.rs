@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use super::bf16;
 use super::{Mat, PackedLhs, PackedRhs, Precision, RhsPanels, check_product, gemm_unchecked};
 
-/// Multiply-adds from which a product is worth a second tile (about 10 µs of one core): the
-/// direct kernel's products on resnet18's stride-2 128→256 layer at 8×8 (32 rows × 384 × 256,
-/// 3M) stayed whole at 2M, its forward 2.5–2.9 ms a step at 2 threads as at 1; split, 1.4–1.8...
+/// Multiply-adds from which a product is worth a second tile (about 10 µs of one core): low
+/// enough that the direct kernel's products on resnet18's stride-2 128→256 layer at 8×8 (32
+/// rows × 384 × 256) are split...
 const TILE_MIN_MACS: usize = 1 << 20;
 /// ...and rows or columns below which a tile would pack more than it computes.
 const TILE_MIN_SIDE: usize = 128;

@@ -115,8 +115,7 @@ impl WinogradWeight {
 
 /// Floats after each input channel's rows of `U`: without them the rows of a plane would be a
 /// power of two apart whenever `c_out` is (64 KiB for 1,024 channels), every row in the same
-/// cache sets: resnet18's 256→256 layer at 4×4 took 10.8–12.5 ms backward without the pad,
-/// 8.6–10.7 with it (alone, 1 thread).
+/// cache sets, and the input gradient's products would slow down.
 const ROW_PAD: usize = 16;
 
 /// `dW = Gᵀ dU G` back into `layout` from dU (`[α²][c_in][c_out]`), in one pass: each block
