@@ -67,7 +67,7 @@ def worker(args):
                     step.loss = loss.item()
         seconds = time.perf_counter() - start
         rank = job.rank
-        job._teardown()
+        job.finish()
     if rank == 0:
         print(f"STEPS_PER_S {args.steps / seconds:.3f}", flush=True)
 

@@ -12,9 +12,15 @@ is: a re-sharded epoch loses and repeats nothing.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 MASK = (1 << 64) - 1
+
+_np: Any
+try:  # numpy comes with torch's wheels; the package itself needs none
+    import numpy as _np
+except ImportError:  # pragma: no cover - a Python without numpy digests in pure Python
+    _np = None
 
 
 def _mix(x: int) -> int:
@@ -30,10 +36,25 @@ def digest(ids: Iterable[int]) -> int:
     id, as the built-in trainer's ``sampler::digest``. Digests add: the ranks' and steps'
     digests sum (mod 2**64) to the epoch's, which is that of all its samples exactly when each
     was trained once."""
+    ids = list(ids)
+    if _np is not None and len(ids) >= 16:
+        return _digest_numpy(ids)
     total = 0
     for i in ids:
         total = (total + _mix(int(i))) & MASK
     return total
+
+
+def _digest_numpy(ids: list[int]) -> int:
+    """``digest`` on numpy's uint64, which wraps as the mask does: a step's 128 ids in a tenth
+    of the time (the per-step path of ``trainctl.torch``)."""
+    assert _np is not None
+    with _np.errstate(over="ignore"):
+        z = _np.array(ids, dtype=_np.uint64) + _np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> _np.uint64(30))) * _np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _np.uint64(27))) * _np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> _np.uint64(31))
+        return int(z.sum(dtype=_np.uint64))
 
 
 class Shard:

@@ -216,6 +216,8 @@ class Elastic:
         # The straggler watch (as the built-in trainer's; window 0: none) and the step's times.
         self._watch = stragglers.Watch(straggler_factor, straggler_window) if straggler_window else None
         self._last_exit: float | None = None
+        # This worker's node in the round (its group rank), for the straggler watch's slots.
+        self._node = int(os.environ.get("GROUP_RANK", "0"))
         self._step_started: float | None = None
         self._step_data_s = 0.0
         self._epoch_mark: tuple[int, float, int] | None = None
@@ -691,7 +693,7 @@ class Elastic:
             self.world_size,
             self._step_data_s,
             time.monotonic() - started,
-            int(os.environ.get("GROUP_RANK", "0")),
+            self._node,
         )
         return torch.tensor(v, dtype=torch.float32, device=device)
 
@@ -711,7 +713,7 @@ class Elastic:
         if self.rank == 0:
             print(text, flush=True)
             self._records.write(0, "straggler", rank=0, step=p["global_step"], **record)
-        mine = node == int(os.environ.get("GROUP_RANK", "0"))
+        mine = node == self._node
         if mine and os.environ.get("LOCAL_RANK", "0") == "0" and self.control is not None:
             try:
                 self.control.send(ctl.straggler(slow, text))

@@ -46,6 +46,8 @@ def start_group(job: Elastic) -> dict[str, Any]:
     rank's state the same and wraps the model."""
     job.group.begin()
     job.rank, job.world_size = job.group.init()
+    # The node's place in this round (the straggler watch's slots name it).
+    job._node = int(os.environ.get("GROUP_RANK", "0"))
     synced = _sync(job)
     device_ids = [job.device.index] if job.backend == "nccl" else None
     job._ddp = DistributedDataParallel(job.module, device_ids=device_ids, **job.ddp_options)
