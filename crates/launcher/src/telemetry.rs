@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone)]
 pub struct Telemetry(pub Arc<LineSink>);
 
-pub type LineSink = dyn Fn(&[u8]) + Send + Sync;
+pub(crate) type LineSink = dyn Fn(&[u8]) + Send + Sync;
 
 impl std::fmt::Debug for Telemetry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

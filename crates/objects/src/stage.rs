@@ -21,7 +21,7 @@ use crate::error::{Action, LocalContext, classify, parent_of};
 use crate::{Client, Error, S3Uri, download, hash_file, object_path, part_path};
 
 /// The journal's name inside the destination folder.
-pub const JOURNAL: &str = ".trainctl-stage";
+pub(crate) const JOURNAL: &str = ".trainctl-stage";
 
 /// Where a staging run is, after each file.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -773,7 +773,7 @@ impl Rendezvous {
 }
 
 /// How often a finished node waiting for the others says whom it waits for.
-pub const EXIT_BARRIER_SAY_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const EXIT_BARRIER_SAY_EVERY: Duration = Duration::from_secs(10);
 
 impl Rendezvous {
     /// Once the job is over: an agent that hosts the store keeps it up until every other agent

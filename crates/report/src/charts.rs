@@ -30,14 +30,14 @@ pub struct Series {
 }
 
 /// The palette (matplotlib's "tab10"), so the charts read like the ones users know.
-pub const BLUE: RGBColor = RGBColor(31, 119, 180);
-pub const ORANGE: RGBColor = RGBColor(255, 127, 14);
-pub const GREEN: RGBColor = RGBColor(44, 160, 44);
-pub const RED: RGBColor = RGBColor(214, 39, 40);
-pub const PURPLE: RGBColor = RGBColor(148, 103, 189);
+pub(crate) const BLUE: RGBColor = RGBColor(31, 119, 180);
+pub(crate) const ORANGE: RGBColor = RGBColor(255, 127, 14);
+pub(crate) const GREEN: RGBColor = RGBColor(44, 160, 44);
+pub(crate) const RED: RGBColor = RGBColor(214, 39, 40);
+pub(crate) const PURPLE: RGBColor = RGBColor(148, 103, 189);
 
-pub const GREY: RGBColor = RGBColor(127, 127, 127);
-pub const TEAL: RGBColor = RGBColor(23, 190, 207);
+pub(crate) const GREY: RGBColor = RGBColor(127, 127, 127);
+pub(crate) const TEAL: RGBColor = RGBColor(23, 190, 207);
 
 /// Each kind of marker: its colour and its name in the legend.
 const MARKERS: [(MarkerKind, RGBColor, &str); 5] = [
@@ -121,7 +121,7 @@ fn png(
 }
 
 /// Every chart the run has data for, written into `dir`.
-pub fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
+pub(crate) fn draw_all(data: &RunData, dir: &Path) -> Result<Vec<Chart>, ReportError> {
     let mut charts = Vec::new();
     if data.steps().next().is_some() {
         charts.push(step_chart(

@@ -21,7 +21,7 @@ fn row(out: &mut String, key: &str, value: &str) {
     let _ = writeln!(out, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(value));
 }
 
-pub fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, ReportError> {
+pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, ReportError> {
     let title = data
         .config
         .as_ref()

@@ -62,7 +62,7 @@ pub enum Request {
 }
 
 /// What a set of liveness keys (sorted) is told apart by in [`Request::Alive`].
-pub fn keys_fingerprint(keys: &[String]) -> u64 {
+pub(super) fn keys_fingerprint(keys: &[String]) -> u64 {
     fingerprint(Some(keys.join("\n").as_bytes()))
 }
 

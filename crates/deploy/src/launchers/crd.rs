@@ -8,9 +8,9 @@
 macro_rules! custom_resource {
     ($name:ident, $spec:ty, $group:literal, $version:literal, $kind:literal, $plural:literal) => {
         #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-        pub struct $name {
-            pub metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-            pub spec: $spec,
+        pub(crate) struct $name {
+            pub(crate) metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+            pub(crate) spec: $spec,
         }
 
         impl kube::Resource for $name {

@@ -21,14 +21,15 @@ use super::pytorchjob::{ReplicaSpec, RunPolicy};
 use super::{Kind, Operator};
 
 /// Where the operator mounts the SSH keys: the MPI Operator images' non-root user's home.
-pub const SSH_AUTH_MOUNT_PATH: &str = "/home/mpiuser/.ssh";
+pub(super) const SSH_AUTH_MOUNT_PATH: &str = "/home/mpiuser/.ssh";
 /// The workers' command: sshd in the foreground, with the non-root configuration the MPI
 /// Operator's images carry (a port and host keys a non-root user can use).
-pub const WORKER_COMMAND: &[&str] = &["/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config"];
+pub(super) const WORKER_COMMAND: &[&str] =
+    &["/usr/sbin/sshd", "-De", "-f", "/home/mpiuser/.sshd_config"];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct MpiJobSpec {
+pub(super) struct MpiJobSpec {
     pub slots_per_worker: u32,
     pub run_policy: RunPolicy,
     pub mpi_implementation: String,

@@ -23,7 +23,7 @@ use super::{Kind, Operator};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PyTorchJobSpec {
+pub(super) struct PyTorchJobSpec {
     pub nproc_per_node: String,
     pub run_policy: RunPolicy,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -34,7 +34,7 @@ pub struct PyTorchJobSpec {
 /// Kubeflow's common run policy (PyTorchJob v1 and MPIJob v2beta1 share it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct RunPolicy {
+pub(super) struct RunPolicy {
     pub clean_pod_policy: String,
     pub ttl_seconds_after_finished: i32,
     pub backoff_limit: i32,
@@ -42,7 +42,7 @@ pub struct RunPolicy {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ElasticPolicy {
+pub(super) struct ElasticPolicy {
     pub min_replicas: u32,
     pub max_replicas: u32,
     pub rdzv_backend: String,
@@ -55,7 +55,7 @@ pub struct ElasticPolicy {
 /// A Kubeflow replica type's pods (PyTorchJob v1 and MPIJob v2beta1 share it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ReplicaSpec {
+pub(super) struct ReplicaSpec {
     pub replicas: u32,
     pub restart_policy: String,
     pub template: PodTemplateSpec,

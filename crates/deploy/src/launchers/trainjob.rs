@@ -34,14 +34,14 @@ const ANCESTOR_LABEL: (&str, &str) = ("trainer.kubeflow.org/trainjob-ancestor-st
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct TrainJobSpec {
+pub(super) struct TrainJobSpec {
     pub runtime_ref: RuntimeRef,
     pub trainer: Trainer,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct RuntimeRef {
+pub(super) struct RuntimeRef {
     pub name: String,
     pub api_group: String,
     pub kind: String,
@@ -49,31 +49,31 @@ pub struct RuntimeRef {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Trainer {
+pub(super) struct Trainer {
     pub num_nodes: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct TrainingRuntimeSpec {
+pub(super) struct TrainingRuntimeSpec {
     pub ml_policy: MlPolicy,
     pub template: JobSetTemplate,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct MlPolicy {
+pub(super) struct MlPolicy {
     pub num_nodes: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct JobSetTemplate {
+pub(super) struct JobSetTemplate {
     pub spec: JobSetSpec,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct JobSetSpec {
+pub(super) struct JobSetSpec {
     pub network: Network,
     pub replicated_jobs: Vec<ReplicatedJob>,
     pub ttl_seconds_after_finished: i32,
@@ -81,14 +81,14 @@ pub struct JobSetSpec {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Network {
+pub(super) struct Network {
     #[serde(rename = "enableDNSHostnames")]
     pub enable_dns_hostnames: bool,
     pub publish_not_ready_addresses: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReplicatedJob {
+pub(super) struct ReplicatedJob {
     pub name: String,
     pub replicas: u32,
     pub template: JobTemplateSpec,

@@ -179,7 +179,7 @@ mod x86 {
     /// # Safety
     /// AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512_chains(iterations: usize) -> f32 {
+    pub(super) unsafe fn avx512_chains(iterations: usize) -> f32 {
         // Inputs the compiler cannot see, so that it cannot fold the chains away.
         let mut r = [_mm512_set1_ps(black_box(1.0)); 24];
         let (a, b) = (_mm512_set1_ps(black_box(0.999_999)), _mm512_set1_ps(1e-7));
@@ -197,7 +197,7 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn avx2_chains(iterations: usize) -> f32 {
+    pub(super) unsafe fn avx2_chains(iterations: usize) -> f32 {
         let mut r = [_mm256_set1_ps(black_box(1.0)); 12];
         let (a, b) = (_mm256_set1_ps(black_box(0.999_999)), _mm256_set1_ps(1e-7));
         for _ in 0..iterations {
@@ -217,7 +217,7 @@ mod x86 {
     /// # Safety
     /// AVX512_BF16 (with AVX-512F).
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub unsafe fn bf16_chains(iterations: usize) -> f32 {
+    pub(super) unsafe fn bf16_chains(iterations: usize) -> f32 {
         // Inputs the compiler cannot see: with constants it folds the whole loop (1 + 2e-14
         // rounds back to 1, a fixed point).
         let mut r = [_mm512_set1_ps(black_box(1.0)); 24];

@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{Context, bail};
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// Thread counts to time a training step with.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     threads: Vec<usize>,
@@ -94,7 +94,7 @@ fn check(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     check(&args).map_err(super::usage)?;
     trainer::device::set_precision(args.precision).map_err(|e| super::usage(anyhow::anyhow!(e)))?;
     if args.gemm {

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// The checkpoint (e.g. runs/RUN_ID/checkpoint.ckpt).
     path: PathBuf,
     /// Print the progress as one JSON object instead of a table.
@@ -11,7 +11,7 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let progress = trainer::checkpoint::inspect_checkpoint(&args.path)?;
     crate::output::checkpoint(&args.path, &progress, args.json);
     Ok(0)

@@ -9,7 +9,7 @@ use trainer::data;
 use trainer::data::synthetic;
 
 #[derive(clap::Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Download the official archive of --dataset, check its size and MD5 and extract it,
     /// unless a data set is already there.
     Fetch {
@@ -87,7 +87,7 @@ pub enum Command {
     },
 }
 
-pub fn run(cmd: Command) -> anyhow::Result<i32> {
+pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
     match cmd {
         Command::Fetch {
             data,

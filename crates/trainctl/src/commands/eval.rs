@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use trainer::data::{self, Split};
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet),
     /// or s3://BUCKET/KEY of one.
     #[arg(long)]
@@ -37,7 +37,7 @@ pub struct Args {
     confusion_matrix: Option<PathBuf>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let model = super::s3::model_file(&args.model)?;
     let loaded = trainer::eval::load_model_file(&model.path)?;
     let dataset = super::train::parse_dataset(&args.dataset)?;

@@ -9,12 +9,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// An existing, writable directory.
     dir: PathBuf,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let dir = &args.dir;
     anyhow::ensure!(
         dir.is_dir(),

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// Model file (safetensors: trainctl's, the seed's PyTorch names, or a torchvision ResNet),
     /// or s3://BUCKET/KEY of one.
     #[arg(long)]
@@ -14,7 +14,7 @@ pub struct Args {
     images: Vec<PathBuf>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let model = super::s3::model_file(&args.model)?;
     let loaded = trainer::eval::load_model_file(&model.path)?;
     let paths: Vec<&std::path::Path> = args.images.iter().map(|p| p.as_path()).collect();

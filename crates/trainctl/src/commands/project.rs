@@ -13,7 +13,7 @@ use clap::{Arg, ArgMatches, Command, FromArgMatches};
 use deploy::config::{Layers, Project, Resolved, SETTINGS, Setting, Source, UsedBy};
 
 /// `--config FILE` and every setting's flag; `U` says which of them the command's help lists.
-pub struct ProjectArgs<U> {
+pub(crate) struct ProjectArgs<U> {
     pub config: Option<PathBuf>,
     pub flags: Vec<(&'static str, String)>,
     uses: PhantomData<fn() -> U>,
@@ -40,18 +40,18 @@ impl<U> std::fmt::Debug for ProjectArgs<U> {
 
 /// Which settings a command reads: those whose `used_by` names one of `READS` (every setting
 /// when it is empty).
-pub trait Uses {
+pub(crate) trait Uses {
     const READS: &'static [UsedBy];
 }
 
 /// The commands' markers for [`ProjectArgs`].
-pub mod uses {
+pub(crate) mod uses {
     use deploy::config::UsedBy;
 
     macro_rules! markers {
         ($($(#[$doc:meta])* $name:ident => [$($reads:ident),*];)*) => {$(
             $(#[$doc])*
-            pub struct $name;
+            pub(crate) struct $name;
             impl super::Uses for $name {
                 const READS: &'static [UsedBy] = &[$(UsedBy::$reads),*];
             }
@@ -178,7 +178,7 @@ fn env_lookup(name: &str) -> Option<String> {
 
 impl<U> ProjectArgs<U> {
     /// The layered values and where each came from (no checks beyond the file's syntax).
-    pub fn resolve(&self) -> anyhow::Result<Resolved> {
+    pub(crate) fn resolve(&self) -> anyhow::Result<Resolved> {
         let config = self
             .config
             .clone()
@@ -192,7 +192,7 @@ impl<U> ProjectArgs<U> {
     }
 
     /// The checked project: bad values are refused here, before anything is rendered.
-    pub fn project(&self) -> anyhow::Result<Project> {
+    pub(crate) fn project(&self) -> anyhow::Result<Project> {
         Ok(Project::from_resolved(&self.resolve()?)?)
     }
 }

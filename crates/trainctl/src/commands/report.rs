@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// The run directory (OUT/RUN_ID of `trainctl train`, e.g. ./runs/local), with its
     /// metrics/ folder.
     run_dir: PathBuf,
@@ -12,7 +12,7 @@ pub struct Args {
     out: Option<PathBuf>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let out = args.out.unwrap_or_else(|| args.run_dir.join("report"));
     let written = report::write_report(&args.run_dir, &out)?;
     crate::output::report_written(&written, &out);

@@ -16,7 +16,7 @@ use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// The network: seed-cnn, resnet18, resnet34, resnet50 or resnet101 (torchvision's).
     #[arg(long, default_value = contract::models::SEED_CNN)]
     pub(crate) model: String,
@@ -122,7 +122,7 @@ pub struct Args {
     pub(crate) upload: Option<String>,
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     check(&args).map_err(super::usage)?;
     let world = World::from_env()?;
     // SIGTERM (the launcher stopping us, an eviction, `job delete`) finishes the step in

@@ -12,7 +12,7 @@ use tracing_subscriber::registry::LookupSpan;
 
 /// The default level's format: `trainctl: warning: MESSAGE (VALUE; VALUE)`: the event's
 /// fields said as words after its message, never tracing's `key=value`.
-pub struct Plain;
+pub(crate) struct Plain;
 
 impl<S, N> FormatEvent<S, N> for Plain
 where

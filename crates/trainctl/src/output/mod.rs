@@ -4,8 +4,8 @@
 //! While a progress bar is up (on a terminal), every line goes above it: written with the bar
 //! suspended, so lines and bar never share a row.
 
-pub mod diagnostics;
-pub mod kube;
+pub(crate) mod diagnostics;
+pub(crate) mod kube;
 
 use std::fmt::Arguments;
 use std::io::Write;
@@ -22,7 +22,7 @@ static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
 ///
 /// The bar's slot stays locked for the whole write: a bar cannot be registered (and then drawn)
 /// between deciding there is none and writing, which would put the line on the bar's row.
-pub fn emit(stderr: bool, text: &[u8]) {
+pub(crate) fn emit(stderr: bool, text: &[u8]) {
     let bar = BAR.lock().unwrap_or_else(|p| p.into_inner());
     let write = || {
         if stderr {
@@ -53,13 +53,13 @@ fn err(args: Arguments) {
 
 /// A worker's output forwarded by the launcher, a whole line at a time, so that a progress bar
 /// can be suspended around each line (the launcher writes a prefix and a line separately).
-pub struct LineSink {
+pub(crate) struct LineSink {
     stderr: bool,
     pending: Vec<u8>,
 }
 
 impl LineSink {
-    pub fn new(stderr: bool) -> Self {
+    pub(crate) fn new(stderr: bool) -> Self {
         LineSink {
             stderr,
             pending: Vec::new(),
@@ -88,14 +88,14 @@ impl Write for LineSink {
 
 /// A long count said in plain lines at every tenth ("evaluating: 5000 of 10000 images
 /// (50 %)"), on a terminal or not: a pod's log shows the test job at work.
-pub struct Tenths {
+pub(crate) struct Tenths {
     what: &'static str,
     unit: &'static str,
     last: Option<usize>,
 }
 
 impl Tenths {
-    pub fn new(what: &'static str, unit: &'static str) -> Tenths {
+    pub(crate) fn new(what: &'static str, unit: &'static str) -> Tenths {
         Tenths {
             what,
             unit,
@@ -103,7 +103,7 @@ impl Tenths {
         }
     }
 
-    pub fn update(&mut self, done: usize, total: usize) {
+    pub(crate) fn update(&mut self, done: usize, total: usize) {
         if total == 0 {
             return;
         }
@@ -123,7 +123,7 @@ impl Tenths {
 /// Progress of the data download and of training: a bar on a terminal; on anything else
 /// (a pod's log, CI) plain lines, at every tenth of a download (and at least every
 /// [`SLOW_LINES`] while bytes arrive) and at the loss lines.
-pub struct Progress {
+pub(crate) struct Progress {
     terminal: bool,
     bar: Option<ProgressBar>,
     /// The epoch or data phase the bar shows.
@@ -144,7 +144,7 @@ const BAR_LOSS_STEPS: usize = 10;
 const SLOW_LINES: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Progress {
-    pub fn new(terminal: bool) -> Self {
+    pub(crate) fn new(terminal: bool) -> Self {
         Progress {
             terminal,
             bar: None,
@@ -174,7 +174,7 @@ impl Progress {
         self.bar.as_ref().expect("a bar was just set")
     }
 
-    pub fn data(&mut self, p: DataProgress) {
+    pub(crate) fn data(&mut self, p: DataProgress) {
         let (phase, done, total) = match p {
             DataProgress::Downloading { done, total } => ("downloading", done, total),
             DataProgress::Extracting { done, total } => ("extracting", done, Some(total)),
@@ -256,7 +256,7 @@ impl Progress {
     }
 
     /// Rank 0's steps drive the bar (a terminal only: elsewhere the loss lines say as much).
-    pub fn step(&mut self, s: &telemetry::Step) {
+    pub(crate) fn step(&mut self, s: &telemetry::Step) {
         if !self.terminal || s.rank != 0 {
             return;
         }
@@ -287,7 +287,7 @@ impl Progress {
         bar.set_position(s.iter as u64);
     }
 
-    pub fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         if let Some(bar) = self.bar.take() {
             *BAR.lock().unwrap_or_else(|p| p.into_inner()) = None;
             bar.finish_and_clear();
@@ -312,14 +312,14 @@ fn duration(seconds: f64) -> String {
     }
 }
 
-pub fn error(e: &anyhow::Error) {
+pub(crate) fn error(e: &anyhow::Error) {
     err(format_args!("error: {}", chain(e)));
 }
 
 /// An error and its causes, `: `-separated like anyhow's `{:#}`, each cause once: an error
 /// whose message already quotes its source (thiserror's `"...: {source}"`) is not followed by
 /// that source again.
-pub fn chain(e: &anyhow::Error) -> String {
+pub(crate) fn chain(e: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in e.chain() {
         let said = cause.to_string();
@@ -338,7 +338,7 @@ pub fn chain(e: &anyhow::Error) -> String {
 /// KUBERNETES_SERVICE_HOST) a replacement pod resumes it by itself, if the Job makes one (not
 /// after `job delete`, which the pod cannot tell from an eviction); elsewhere the same command
 /// does.
-pub fn resume_hint() -> &'static str {
+pub(crate) fn resume_hint() -> &'static str {
     if collective::world::is_set(contract::env::KUBERNETES_SERVICE_HOST) {
         "a replacement pod resumes from it if the Job makes one (none comes after `trainctl job delete`); `trainctl job launch` with the same --name does too"
     } else {
@@ -346,15 +346,15 @@ pub fn resume_hint() -> &'static str {
     }
 }
 
-pub fn warn(msg: &str) {
+pub(crate) fn warn(msg: &str) {
     err(format_args!("warning: {msg}"));
 }
 
-pub fn wrote(path: &std::path::Path) {
+pub(crate) fn wrote(path: &std::path::Path) {
     err(format_args!("wrote {}", path.display()));
 }
 
-pub fn report_written(w: &report::Written, dir: &std::path::Path) {
+pub(crate) fn report_written(w: &report::Written, dir: &std::path::Path) {
     for chart in &w.charts {
         out(format_args!("{}", dir.join(&chart.file).display()));
     }
@@ -372,7 +372,7 @@ fn megabytes(bytes: u64) -> String {
     format!("{:.1} MB", bytes as f64 / 1e6)
 }
 
-pub fn stage_progress(p: &objects::StageProgress) {
+pub(crate) fn stage_progress(p: &objects::StageProgress) {
     err(format_args!(
         "staging: {}/{} files, {} of {} copied",
         p.files_done,
@@ -384,7 +384,7 @@ pub fn stage_progress(p: &objects::StageProgress) {
 
 /// The summary of a staging: the result on stdout for `data stage`, a diagnostic on stderr
 /// before `run`'s workers start.
-pub fn staged(
+pub(crate) fn staged(
     from: &objects::S3Uri,
     dir: &std::path::Path,
     s: &objects::StageSummary,
@@ -407,7 +407,7 @@ pub fn staged(
     }
 }
 
-pub fn uploaded(path: &std::path::Path, to: &objects::S3Uri, bytes: u64) {
+pub(crate) fn uploaded(path: &std::path::Path, to: &objects::S3Uri, bytes: u64) {
     err(format_args!(
         "uploaded {} to {to} ({})",
         path.display(),
@@ -415,7 +415,7 @@ pub fn uploaded(path: &std::path::Path, to: &objects::S3Uri, bytes: u64) {
     ));
 }
 
-pub fn upload_failed(path: &std::path::Path, to: &objects::S3Uri, e: &objects::Error) {
+pub(crate) fn upload_failed(path: &std::path::Path, to: &objects::S3Uri, e: &objects::Error) {
     warn(&format!(
         "could not upload {} to {to}: {e}. The local copy stays; upload it later with `aws s3 cp {} {to}`",
         path.display(),
@@ -423,7 +423,7 @@ pub fn upload_failed(path: &std::path::Path, to: &objects::S3Uri, e: &objects::E
     ));
 }
 
-pub fn uploads_not_tried(files: &[std::path::PathBuf], to: &objects::S3Uri) {
+pub(crate) fn uploads_not_tried(files: &[std::path::PathBuf], to: &objects::S3Uri) {
     let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
     warn(&format!(
         "{} more file(s) were not sent to {to} after that refusal; they stay on disk: {}",
@@ -432,20 +432,20 @@ pub fn uploads_not_tried(files: &[std::path::PathBuf], to: &objects::S3Uri) {
     ));
 }
 
-pub fn metrics_endpoint(addr: std::net::SocketAddr) {
+pub(crate) fn metrics_endpoint(addr: std::net::SocketAddr) {
     err(format_args!(
         "trainctl run: serving metrics at http://{addr}/metrics"
     ));
 }
 
-pub fn launching(spec: &launcher::LaunchSpec) {
+pub(crate) fn launching(spec: &launcher::LaunchSpec) {
     err(format_args!(
         "trainctl run: run id {}, {} worker(s) on this node, world size {}, store at {}:{}",
         spec.run_id, spec.nproc_per_node, spec.world_size, spec.master_addr, spec.master_port
     ));
 }
 
-pub fn agent_starting(spec: &launcher::LaunchSpec, rdzv: &launcher::rendezvous::Rendezvous) {
+pub(crate) fn agent_starting(spec: &launcher::LaunchSpec, rdzv: &launcher::rendezvous::Rendezvous) {
     let cfg = rdzv.config();
     err(format_args!(
         "trainctl run: elastic agent {} for run id {}, {} worker(s) on this node, {}..{} nodes; rendezvous: {}",
@@ -458,7 +458,7 @@ pub fn agent_starting(spec: &launcher::LaunchSpec, rdzv: &launcher::rendezvous::
     ));
 }
 
-pub fn launch_event(event: launcher::LaunchEvent) {
+pub(crate) fn launch_event(event: launcher::LaunchEvent) {
     use launcher::LaunchEvent;
     match event {
         LaunchEvent::Joining { node } => {
@@ -624,7 +624,7 @@ pub fn launch_event(event: launcher::LaunchEvent) {
 }
 
 /// Prints a training event the way the seed jobs print theirs.
-pub fn train_event(event: trainer::train::Event) {
+pub(crate) fn train_event(event: trainer::train::Event) {
     match event {
         Event::Resumed {
             epoch,
@@ -675,7 +675,7 @@ pub fn train_event(event: trainer::train::Event) {
     }
 }
 
-pub fn checkpoint(path: &std::path::Path, p: &trainer::checkpoint::Progress, json: bool) {
+pub(crate) fn checkpoint(path: &std::path::Path, p: &trainer::checkpoint::Progress, json: bool) {
     if json {
         out(format_args!(
             "{}",

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use trainer::data::synthetic;
 
 /// `trainctl run --standalone --nproc-per-node 2`: a test adds its launcher flags and program.
-pub fn two_local_workers() -> Command {
+pub(crate) fn two_local_workers() -> Command {
     let mut cmd = trainctl();
     cmd.args(["run", "--standalone", "--nproc-per-node", "2"]);
     cmd
@@ -17,7 +17,7 @@ pub fn two_local_workers() -> Command {
 
 /// Two local workers on `args` with `--max-restarts 1`; worker 1 is SIGKILLed once a line of
 /// output satisfies `when`, and the job must still succeed. Returns its output.
-pub fn two_local_workers_one_killed(args: &[String], when: impl Fn(&str) -> bool) -> String {
+pub(crate) fn two_local_workers_one_killed(args: &[String], when: impl Fn(&str) -> bool) -> String {
     let mut run = Running::start(two_local_workers().args(["--max-restarts", "1"]).args(args));
     run.wait_for_line(Duration::from_secs(120), when);
     run.kill_worker(1, Duration::from_secs(20));
@@ -29,7 +29,7 @@ pub fn two_local_workers_one_killed(args: &[String], when: impl Fn(&str) -> bool
     run.output()
 }
 
-pub fn trainctl() -> Command {
+pub(crate) fn trainctl() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainctl"));
     cmd.env_remove("RUST_LOG");
     for var in [
@@ -47,7 +47,7 @@ pub fn trainctl() -> Command {
 
 /// A `.tar.gz` laid out like CIFAR-10's official binary archive (`cifar-10-batches-bin/...`),
 /// holding `train` and `test` generated images.
-pub fn cifar_archive(train: usize, test: usize) -> Vec<u8> {
+pub(crate) fn cifar_archive(train: usize, test: usize) -> Vec<u8> {
     use std::io::Write;
     let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     let mut tar = tar::Builder::new(gz);
@@ -73,12 +73,12 @@ pub fn cifar_archive(train: usize, test: usize) -> Vec<u8> {
 }
 
 /// A temporary directory with a small learnable data set in `data/`.
-pub struct Job {
+pub(crate) struct Job {
     pub dir: tempfile::TempDir,
 }
 
 impl Job {
-    pub fn new(train: usize, test: usize) -> Job {
+    pub(crate) fn new(train: usize, test: usize) -> Job {
         let dir = tempfile::tempdir().unwrap();
         synthetic::write_binary(
             &dir.path().join("data"),
@@ -89,22 +89,22 @@ impl Job {
         Job { dir }
     }
 
-    pub fn path(&self, rel: &str) -> PathBuf {
+    pub(crate) fn path(&self, rel: &str) -> PathBuf {
         self.dir.path().join(rel)
     }
 
-    pub fn data(&self) -> PathBuf {
+    pub(crate) fn data(&self) -> PathBuf {
         self.path("data")
     }
 }
 
-pub fn run_ok(cmd: &mut Command) -> Output {
+pub(crate) fn run_ok(cmd: &mut Command) -> Output {
     let out = cmd.output().unwrap();
     succeeded(cmd, out)
 }
 
 /// `out`, which `cmd` must have succeeded with (else a panic with both outputs).
-pub fn succeeded(cmd: &Command, out: Output) -> Output {
+pub(crate) fn succeeded(cmd: &Command, out: Output) -> Output {
     assert!(
         out.status.success(),
         "{cmd:?} failed: {}\nstdout:\n{}\nstderr:\n{}",
@@ -116,7 +116,7 @@ pub fn succeeded(cmd: &Command, out: Output) -> Output {
 }
 
 /// Runs `cmd`, which must fail with exit code 1 (the job failed), and returns its stderr.
-pub fn run_failing(cmd: &mut Command) -> String {
+pub(crate) fn run_failing(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
     assert_eq!(
         out.status.code(),
@@ -128,19 +128,19 @@ pub fn run_failing(cmd: &mut Command) -> String {
     text(&out.stderr)
 }
 
-pub fn text(bytes: &[u8]) -> String {
+pub(crate) fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// A running process whose stdout and stderr lines arrive on a channel as they are written.
-pub struct Running {
+pub(crate) struct Running {
     pub child: Child,
     lines: Receiver<String>,
     pub seen: Vec<String>,
 }
 
 impl Running {
-    pub fn start(cmd: &mut Command) -> Running {
+    pub(crate) fn start(cmd: &mut Command) -> Running {
         let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -168,7 +168,11 @@ impl Running {
     }
 
     /// Waits until a line satisfies `pred`, failing the test after `timeout`.
-    pub fn wait_for_line(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+    pub(crate) fn wait_for_line(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> String {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -189,7 +193,7 @@ impl Running {
 
     /// Waits until the launcher has reported `n` started workers; returns `(rank, pid)`s.
     /// (stdout and stderr arrive on separate threads, so their lines may come in any order.)
-    pub fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> Vec<(u32, i32)> {
+    pub(crate) fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> Vec<(u32, i32)> {
         while worker_pids(&self.seen).len() < n {
             self.wait_for_line(timeout, |l| l.contains("started rank"));
         }
@@ -198,7 +202,7 @@ impl Running {
 
     /// Waits for the process to exit, failing the test after `timeout`; returns the exit status
     /// and drains the remaining output into `seen`.
-    pub fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
+    pub(crate) fn wait(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -222,13 +226,13 @@ impl Running {
         }
     }
 
-    pub fn output(&self) -> String {
+    pub(crate) fn output(&self) -> String {
         self.seen.join("\n")
     }
 
     /// SIGKILLs the worker of `rank` (of the latest start reported) once both workers of a
     /// two-worker launch have been reported.
-    pub fn kill_worker(&mut self, rank: u32, timeout: Duration) {
+    pub(crate) fn kill_worker(&mut self, rank: u32, timeout: Duration) {
         let pids = self.wait_for_workers(2, timeout);
         let (_, victim) = pids
             .iter()
@@ -243,13 +247,13 @@ impl Running {
         .unwrap();
     }
 
-    pub fn pid(&self) -> i32 {
+    pub(crate) fn pid(&self) -> i32 {
         self.child.id() as i32
     }
 }
 
 /// Pids of the workers, from the launcher's "started rank R (pid P)" lines.
-pub fn worker_pids(lines: &[String]) -> Vec<(u32, i32)> {
+pub(crate) fn worker_pids(lines: &[String]) -> Vec<(u32, i32)> {
     lines
         .iter()
         .filter_map(|l| {
@@ -276,7 +280,7 @@ fn live_workers_stacks(lines: &[String]) -> String {
 }
 
 /// Whether a process with this pid exists (a zombie counts as gone: it runs nothing).
-pub fn alive(pid: i32) -> bool {
+pub(crate) fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !stat.split(") ").nth(1).is_some_and(|s| s.starts_with('Z')),
         Err(_) => false,
@@ -284,7 +288,7 @@ pub fn alive(pid: i32) -> bool {
 }
 
 /// Waits until `cond` holds, failing after `timeout`.
-pub fn eventually(timeout: Duration, what: &str, cond: impl Fn() -> bool) {
+pub(crate) fn eventually(timeout: Duration, what: &str, cond: impl Fn() -> bool) {
     let deadline = Instant::now() + timeout;
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
@@ -293,7 +297,7 @@ pub fn eventually(timeout: Duration, what: &str, cond: impl Fn() -> bool) {
 }
 
 /// `[epoch, iter] loss: x` lines, in order.
-pub fn losses(output: &str) -> Vec<f32> {
+pub(crate) fn losses(output: &str) -> Vec<f32> {
     output
         .lines()
         .filter_map(|l| {
@@ -308,7 +312,7 @@ pub fn losses(output: &str) -> Vec<f32> {
 }
 
 /// `(rank, steps, fingerprint)` from every "rank R finished after N steps; weights fingerprint F".
-pub fn finished(output: &str) -> Vec<(u32, u64, String)> {
+pub(crate) fn finished(output: &str) -> Vec<(u32, u64, String)> {
     output
         .lines()
         .filter_map(|l| {
@@ -325,22 +329,22 @@ pub fn finished(output: &str) -> Vec<(u32, u64, String)> {
         .collect()
 }
 
-pub fn exists(p: &Path) -> bool {
+pub(crate) fn exists(p: &Path) -> bool {
     p.is_file() && std::fs::metadata(p).map(|m| m.len() > 0).unwrap_or(false)
 }
 
 /// `train` with the tests' usual small settings: batch 32, a loss line every step, seed 7, one
 /// thread, outputs under the job's `out` folder.
-pub fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
+pub(crate) fn train_args(job: &Job, out: &str, epochs: usize) -> Vec<String> {
     train_args_lr(job, out, epochs, "0.001")
 }
 
-pub fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
+pub(crate) fn train_args_lr(job: &Job, out: &str, epochs: usize, lr: &str) -> Vec<String> {
     train_args_at(&job.data(), &job.path(out), epochs, lr)
 }
 
 /// The same settings on the data at `data`, writing under `out`.
-pub fn train_args_at(data: &Path, out: &Path, epochs: usize, lr: &str) -> Vec<String> {
+pub(crate) fn train_args_at(data: &Path, out: &Path, epochs: usize, lr: &str) -> Vec<String> {
     [
         "train",
         "--data",
@@ -367,7 +371,7 @@ pub fn train_args_at(data: &Path, out: &Path, epochs: usize, lr: &str) -> Vec<St
 
 /// Serves `body` to every GET on 127.0.0.1 until the test ends; returns its URL, ending in
 /// `file`.
-pub fn serve(body: Vec<u8>, file: &str) -> String {
+pub(crate) fn serve(body: Vec<u8>, file: &str) -> String {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/{file}", listener.local_addr().unwrap());
@@ -390,7 +394,7 @@ pub fn serve(body: Vec<u8>, file: &str) -> String {
 impl Running {
     /// Kills this launcher outright (no chance to clean up) and waits for its `workers` to
     /// die with it.
-    pub fn kill_launcher(&mut self, workers: usize) {
+    pub(crate) fn kill_launcher(&mut self, workers: usize) {
         let pids = self.wait_for_workers(workers, Duration::from_secs(20));
         self.child.kill().unwrap();
         self.wait(Duration::from_secs(10));
@@ -404,7 +408,7 @@ impl Running {
 
 /// The digest of an epoch that trained each of images `0..n` once (an `epoch` record's
 /// `samples_digest`).
-pub fn every_image(n: usize) -> String {
+pub(crate) fn every_image(n: usize) -> String {
     format!(
         "{:016x}",
         trainer::sampler::digest(&(0..n).collect::<Vec<_>>())
@@ -414,7 +418,7 @@ pub fn every_image(n: usize) -> String {
 /// Each argument of a `--help` text, by section: its spec (`-f, --follow`, `--name <VALUE>`)
 /// and its description with clap's own `[default: ...]`-style notes and the line breaks left
 /// out, and the subcommands it lists.
-pub fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
+pub(crate) fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
     let mut entries: Vec<(String, String)> = Vec::new();
     let mut commands = Vec::new();
     let mut section = "";
@@ -454,7 +458,7 @@ pub fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
 /// fixtures/loop_patterns.py's flags for every pattern at once: a per-step OneCycleLR,
 /// accumulation over two micro-batches, fp16 autocast with a GradScaler, two DataLoader
 /// workers and an evaluation every epoch.
-pub const EVERY_PATTERN: [&str; 8] = [
+pub(crate) const EVERY_PATTERN: [&str; 8] = [
     "--scheduler",
     "onecycle",
     "--accumulate",

@@ -41,7 +41,7 @@ impl Augment {
 }
 
 /// The generator seed of sample `index` in `epoch` of a run seeded `seed`.
-pub fn sample_seed(seed: u64, epoch: usize, index: usize) -> u64 {
+pub(crate) fn sample_seed(seed: u64, epoch: usize, index: usize) -> u64 {
     let mut s = SplitMix(seed ^ 0x7261_696e_6374_6c00);
     let a = s.next() ^ (epoch as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let b = SplitMix(a).next() ^ (index as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -74,7 +74,7 @@ impl SplitMix {
 
 /// Writes `base` (`size`×`size` RGB, rows of pixels) into `out` as channels-first floats,
 /// augmented as `augment` says with choices drawn from `rng_seed`, normalised by `norm`.
-pub fn apply(
+pub(crate) fn apply(
     base: &[u8],
     size: usize,
     augment: Augment,

@@ -18,10 +18,10 @@ use super::Split;
 use crate::error::{IoContext, Result, TrainError};
 
 /// What an image folder must look like, for messages.
-pub const EXPECTED: &str = "or an image folder (train/CLASS/*.jpg|jpeg|png and val/CLASS/..., or tiny-imagenet-200's train/WNID/images/ with val/val_annotations.txt)";
+pub(crate) const EXPECTED: &str = "or an image folder (train/CLASS/*.jpg|jpeg|png and val/CLASS/..., or tiny-imagenet-200's train/WNID/images/ with val/val_annotations.txt)";
 
 /// The folder tiny-imagenet-200.zip extracts to.
-pub const TINY_DIR: &str = "tiny-imagenet-200";
+pub(crate) const TINY_DIR: &str = "tiny-imagenet-200";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Layout {
@@ -346,7 +346,7 @@ impl Images {
 
 /// Decodes a JPEG or PNG, resizes its shorter side to `size` and crops the centre square
 /// (torchvision's `Resize(size)` + `CenterCrop(size)`), as RGB rows.
-pub fn decode(path: &Path, size: usize) -> Result<Vec<u8>, String> {
+pub(crate) fn decode(path: &Path, size: usize) -> Result<Vec<u8>, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
     let image = image::load_from_memory(&bytes)
         .map_err(|e| format!("cannot decode as a JPEG or PNG image: {e}"))?;
@@ -354,7 +354,7 @@ pub fn decode(path: &Path, size: usize) -> Result<Vec<u8>, String> {
 }
 
 /// `image` with its shorter side resized to `size`, centre-cropped to `size`².
-pub fn square(image: image::RgbImage, size: usize) -> Vec<u8> {
+pub(crate) fn square(image: image::RgbImage, size: usize) -> Vec<u8> {
     let (w, h) = image.dimensions();
     let size32 = size as u32;
     let image = if w == size32 && h == size32 {

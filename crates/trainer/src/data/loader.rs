@@ -17,7 +17,7 @@ use super::augment::{Augment, sample_seed};
 
 /// How batches are prepared.
 #[derive(Debug, Clone, Copy)]
-pub struct LoaderOptions {
+pub(crate) struct LoaderOptions {
     /// Decoding threads.
     pub threads: usize,
     /// Batches prepared ahead of the one being trained on.
@@ -30,7 +30,7 @@ pub struct LoaderOptions {
 
 /// One batch, ready for the network.
 #[derive(Debug, Default)]
-pub struct Batch {
+pub(crate) struct Batch {
     /// `[images, 3, size, size]`, normalised.
     pub pixels: Vec<f32>,
     pub labels: Vec<i64>,
@@ -40,7 +40,7 @@ pub struct Batch {
     pub unreadable: Vec<(PathBuf, String)>,
 }
 
-pub struct Loader {
+pub(crate) struct Loader {
     batches: Option<Receiver<Batch>>,
     worker: Option<JoinHandle<()>>,
 }
@@ -48,7 +48,7 @@ pub struct Loader {
 impl Loader {
     /// Starts preparing `plan` (batches of sample indices, in the order they will be asked
     /// for). Fails only if the decoding pool cannot be made.
-    pub fn start(
+    pub(crate) fn start(
         data: Arc<Samples>,
         plan: Vec<Vec<usize>>,
         opts: LoaderOptions,
@@ -69,7 +69,7 @@ impl Loader {
     }
 
     /// The next batch of the plan; `None` after the last.
-    pub fn next_batch(&mut self) -> Option<Batch> {
+    pub(crate) fn next_batch(&mut self) -> Option<Batch> {
         self.batches.as_ref()?.recv().ok()
     }
 }
@@ -100,7 +100,7 @@ fn prepare_all(
 }
 
 /// Decodes, augments and normalises the images of `indices` in parallel.
-pub fn prepare(data: &Samples, indices: &[usize], opts: &LoaderOptions) -> Batch {
+pub(crate) fn prepare(data: &Samples, indices: &[usize], opts: &LoaderOptions) -> Batch {
     let floats = data.image_floats();
     let mut pixels = vec![0.0f32; indices.len() * floats];
     let outcomes: Vec<Result<(), String>> = pixels

@@ -11,8 +11,8 @@
 
 mod autodiff;
 mod flex;
-pub mod parts;
-pub mod profile;
+pub(crate) mod parts;
+pub(crate) mod profile;
 
 use std::borrow::Cow;
 
@@ -34,7 +34,7 @@ use kernels::pool::PoolShape;
 /// that read it (both marked `Shared`, never more): [`parts`] sums them channels-last and
 /// hands burn the sum, which burn's own add would walk element by element.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Input {
+pub(crate) enum Input {
     Once,
     Shared,
 }
@@ -43,7 +43,7 @@ pub enum Input {
 /// input is used, and whether it has a bias (a ResNet's convolutions have none: their bias
 /// tensor is zeros, which the forward does not add).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvSpec {
+pub(crate) struct ConvSpec {
     pub stride: [usize; 2],
     pub padding: [usize; 2],
     pub relu: bool,
@@ -53,7 +53,7 @@ pub struct ConvSpec {
 
 /// A max pooling window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PoolSpec {
+pub(crate) struct PoolSpec {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
     pub padding: [usize; 2],
@@ -62,7 +62,7 @@ pub struct PoolSpec {
 /// What a training-mode batch norm does besides normalising: its epsilon, a ReLU after it (and
 /// after the residual add, when there is one), and how the residual is used.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct NormSpec {
+pub(crate) struct NormSpec {
     pub epsilon: f64,
     pub relu: bool,
     pub residual: Input,
@@ -70,14 +70,14 @@ pub struct NormSpec {
 
 /// Training-mode batch norm: the output and the batch statistics (for the running state).
 #[derive(ExtensionType)]
-pub struct NormOutput<B: burn::backend::Backend> {
+pub(crate) struct NormOutput<B: burn::backend::Backend> {
     pub output: FloatTensor<B>,
     pub mean: FloatTensor<B>,
     pub var: FloatTensor<B>,
 }
 
 #[backend_extension(Flex, Autodiff)]
-pub trait TrainctlOps: burn::backend::Backend {
+pub(crate) trait TrainctlOps: burn::backend::Backend {
     /// `x` `[n, c_in, h, w]`, `weight` `[c_out, c_in, kh, kw]`, `bias` `[c_out]`.
     fn conv2d(
         x: FloatTensor<Self>,
@@ -124,7 +124,7 @@ fn symmetric_padding(padding: &PaddingConfig2d, what: &str) -> [usize; 2] {
 /// # Panics
 /// On a dilated or grouped convolution, or asymmetric padding: the seed CNN and the ResNets
 /// have none.
-pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4> {
+pub(crate) fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4> {
     assert!(
         conv.dilation == [1, 1] && conv.groups == 1,
         "trainctl's convolution has no dilation or groups"
@@ -155,7 +155,7 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool, input: Input) -> Tensor<4
 ///
 /// # Panics
 /// On dilation or ceil mode, which the seed CNN and the ResNets do not use.
-pub fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+pub(crate) fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     assert!(
         pool.dilation == [1, 1] && !pool.ceil_mode,
         "trainctl's max pooling has no dilation or ceil mode"
@@ -174,14 +174,14 @@ pub fn max_pool2d(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
 /// `bn` on `x`: in training (an autodiff device, the layer not frozen) with the batch's
 /// statistics, folded into the running state as burn's `BatchNorm` does; otherwise burn's own
 /// inference path with the running statistics.
-pub fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
+pub(crate) fn batch_norm(bn: &BatchNorm, x: Tensor<4>) -> Tensor<4> {
     norm_add_relu(bn, x, None, false)
 }
 
 /// `relu(bn(x) + residual)` (without the add when `residual` is `None`, without the ReLU when
 /// `!relu`): a ResNet block's tail, in one pass in training (see [`batch_norm`]). The residual
 /// comes with how the model uses it.
-pub fn norm_add_relu(
+pub(crate) fn norm_add_relu(
     bn: &BatchNorm,
     x: Tensor<4>,
     residual: Option<(Tensor<4>, Input)>,

@@ -56,12 +56,12 @@ pub(super) fn add_part(node: u64, mut part: Vec<f32>) -> Option<Vec<f32>> {
 }
 
 /// Whether no part waits for its second on this thread: true after every backward pass.
-pub fn none_parked() -> bool {
+pub(crate) fn none_parked() -> bool {
     PARKED.with(|parked| parked.borrow().is_empty())
 }
 
 /// Panics, saying why, unless [`none_parked`]: called after each backward pass of a step.
-pub fn assert_none_parked() {
+pub(crate) fn assert_none_parked() {
     assert!(
         none_parked(),
         "a shared input's gradient lost a part: an `Input::Shared` tensor must be read by \

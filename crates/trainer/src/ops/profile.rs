@@ -11,7 +11,7 @@ static TIMES: Recording<OpTimes> = Recording::new();
 /// One operation at one shape: calls and seconds over the recorded steps, and the arithmetic of
 /// one call.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct OpTimes {
+pub(crate) struct OpTimes {
     /// A convolution's shape.
     pub conv: Option<kernels::conv::ConvShape>,
     pub calls: usize,
@@ -22,7 +22,7 @@ pub struct OpTimes {
 
 /// A forward call's arithmetic, 2 per multiply-add (0 where there is none to speak of).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct Flops {
+pub(crate) struct Flops {
     /// As the direct algorithm computes it: the same for every algorithm, so that the rates of
     /// two algorithms compare (Winograd's can pass the machine's peak).
     pub nominal: f64,
@@ -32,12 +32,12 @@ pub struct Flops {
 }
 
 /// Starts recording (and forgets what was recorded before).
-pub fn start() {
+pub(crate) fn start() {
     TIMES.start();
 }
 
 /// Stops recording and returns what was recorded, by operation name.
-pub fn finish() -> BTreeMap<String, OpTimes> {
+pub(crate) fn finish() -> BTreeMap<String, OpTimes> {
     TIMES.finish()
 }
 

@@ -47,7 +47,7 @@ pub(super) struct Mirror {
 }
 
 impl Mirror {
-    pub fn view(&self) -> MutexGuard<'_, View> {
+    pub(super) fn view(&self) -> MutexGuard<'_, View> {
         self.view.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -77,22 +77,22 @@ impl Mirror {
     }
 
     /// Waits up to `timeout` for a generation other than `seen`.
-    pub fn wait_past(&self, seen: u64, timeout: Duration) {
+    pub(super) fn wait_past(&self, seen: u64, timeout: Duration) {
         self.wait_while(timeout, |v| v.generation == seen);
     }
 
     /// Waits up to `timeout` until `done` holds for the view (or it is not live).
-    pub fn wait_until(&self, timeout: Duration, done: impl Fn(&View) -> bool) {
+    pub(super) fn wait_until(&self, timeout: Duration, done: impl Fn(&View) -> bool) {
         self.wait_while(timeout, |v| v.live && !done(v));
     }
 
-    pub fn stop(&self) {
+    pub(super) fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
         self.changed.notify_all();
     }
 
     /// etcd did not answer a call: stop trusting the copy until it is read afresh.
-    pub fn suspect(&self) {
+    pub(super) fn suspect(&self) {
         if !self.resync.swap(true, Ordering::Relaxed) {
             self.update(|v| v.live = false);
         }

@@ -12,7 +12,7 @@ use super::{apply_and_report, bad_settings_are_usage, connect, print_yaml, runti
 use crate::output;
 
 #[derive(clap::Subcommand)]
-pub enum ClusterCommand {
+pub(crate) enum ClusterCommand {
     /// Print eksctl's ClusterConfig for the preset (or write it with --file).
     Config {
         #[command(flatten)]
@@ -108,7 +108,7 @@ fn write_cluster_file(project: &Project, file: Option<PathBuf>) -> anyhow::Resul
     Ok(path)
 }
 
-pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
+pub(crate) fn cluster(cmd: ClusterCommand) -> anyhow::Result<i32> {
     bad_settings_are_usage(run(cmd))
 }
 

@@ -7,7 +7,7 @@ use super::bad_settings_are_usage;
 use crate::output;
 
 #[derive(clap::Subcommand)]
-pub enum ConfigCommand {
+pub(crate) enum ConfigCommand {
     /// Print every setting's effective value and where it came from.
     Show {
         #[command(flatten)]
@@ -15,7 +15,7 @@ pub enum ConfigCommand {
     },
 }
 
-pub fn config(cmd: ConfigCommand) -> anyhow::Result<i32> {
+pub(crate) fn config(cmd: ConfigCommand) -> anyhow::Result<i32> {
     bad_settings_are_usage(show(cmd))
 }
 

@@ -15,7 +15,7 @@ use super::{
 use crate::output;
 
 #[derive(clap::Args)]
-pub struct DoctorArgs {
+pub(crate) struct DoctorArgs {
     #[command(subcommand)]
     check: Option<DoctorCommand>,
     #[command(flatten)]
@@ -29,7 +29,7 @@ pub struct DoctorArgs {
 }
 
 #[derive(clap::Subcommand)]
-pub enum DoctorCommand {
+pub(super) enum DoctorCommand {
     /// Run the checks in this pod (what each pod of the doctor job runs).
     Check {
         /// Every node's stable name, pod 0 (the rendezvous host) first.
@@ -67,7 +67,7 @@ pub enum DoctorCommand {
     },
 }
 
-pub fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
+pub(crate) fn doctor(args: DoctorArgs) -> anyhow::Result<i32> {
     bad_settings_are_usage(run(args))
 }
 

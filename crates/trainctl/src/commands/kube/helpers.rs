@@ -8,7 +8,7 @@ use super::super::project::{ProjectArgs, uses};
 use super::{bad_settings_are_usage, helper_job, print_yaml, reviewed, seconds};
 
 #[derive(clap::Subcommand)]
-pub enum TestCommand {
+pub(crate) enum TestCommand {
     /// Run `trainctl eval` on the saved model in the cluster and print the per-class table.
     Job {
         #[command(flatten)]
@@ -22,7 +22,7 @@ pub enum TestCommand {
     },
 }
 
-pub fn data_job(
+pub(crate) fn data_job(
     project: ProjectArgs<uses::DataJob>,
     dry_run: bool,
     timeout: f64,
@@ -39,7 +39,7 @@ pub fn data_job(
     })())
 }
 
-pub fn test(cmd: TestCommand) -> anyhow::Result<i32> {
+pub(crate) fn test(cmd: TestCommand) -> anyhow::Result<i32> {
     bad_settings_are_usage(test_job(cmd))
 }
 

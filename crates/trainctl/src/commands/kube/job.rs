@@ -12,7 +12,7 @@ use super::{
 use crate::output;
 
 #[derive(clap::Subcommand)]
-pub enum JobCommand {
+pub(crate) enum JobCommand {
     /// Print the training job's objects (YAML), its token Secret without the token.
     Render {
         #[command(flatten)]
@@ -80,7 +80,7 @@ pub enum JobCommand {
     },
 }
 
-pub fn job(cmd: JobCommand) -> anyhow::Result<i32> {
+pub(crate) fn job(cmd: JobCommand) -> anyhow::Result<i32> {
     bad_settings_are_usage(run(cmd))
 }
 

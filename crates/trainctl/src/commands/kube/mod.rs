@@ -11,13 +11,13 @@ mod job;
 mod storage;
 mod tensorboard;
 
-pub use cluster::{ClusterCommand, cluster};
-pub use config::{ConfigCommand, config};
-pub use doctor::{DoctorArgs, doctor};
-pub use helpers::{TestCommand, data_job, test};
-pub use job::{JobCommand, job};
-pub use storage::{StorageArgs, storage};
-pub use tensorboard::{TensorboardArgs, tensorboard};
+pub(crate) use cluster::{ClusterCommand, cluster};
+pub(crate) use config::{ConfigCommand, config};
+pub(crate) use doctor::{DoctorArgs, doctor};
+pub(crate) use helpers::{TestCommand, data_job, test};
+pub(crate) use job::{JobCommand, job};
+pub(crate) use storage::{StorageArgs, storage};
+pub(crate) use tensorboard::{TensorboardArgs, tensorboard};
 
 use std::time::Duration;
 

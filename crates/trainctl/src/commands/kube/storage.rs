@@ -8,7 +8,7 @@ use super::{bad_settings_are_usage, connect, print_yaml, runtime};
 use crate::output;
 
 #[derive(clap::Args)]
-pub struct StorageArgs {
+pub(crate) struct StorageArgs {
     #[command(flatten)]
     project: ProjectArgs<uses::Storage>,
     /// Print the objects instead of creating them.
@@ -20,7 +20,7 @@ pub struct StorageArgs {
     delete: bool,
 }
 
-pub fn storage(args: StorageArgs) -> anyhow::Result<i32> {
+pub(crate) fn storage(args: StorageArgs) -> anyhow::Result<i32> {
     bad_settings_are_usage(run(args))
 }
 

@@ -7,7 +7,7 @@ use super::{apply_and_report, bad_settings_are_usage, connect, print_yaml, runti
 use crate::output;
 
 #[derive(clap::Args)]
-pub struct TensorboardArgs {
+pub(crate) struct TensorboardArgs {
     #[command(flatten)]
     project: ProjectArgs<uses::Tensorboard>,
     /// Print the objects instead of creating them.
@@ -18,7 +18,7 @@ pub struct TensorboardArgs {
     delete: bool,
 }
 
-pub fn tensorboard(args: TensorboardArgs) -> anyhow::Result<i32> {
+pub(crate) fn tensorboard(args: TensorboardArgs) -> anyhow::Result<i32> {
     bad_settings_are_usage(run(args))
 }
 

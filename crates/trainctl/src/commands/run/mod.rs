@@ -42,7 +42,7 @@ pub(crate) enum Regroup {
 }
 
 #[derive(clap::Args)]
-pub struct Args {
+pub(crate) struct Args {
     /// Single-node job on this machine: loopback rendezvous on a free port.
     #[arg(long, env = "PET_STANDALONE")]
     pub(crate) standalone: bool,
@@ -252,7 +252,7 @@ fn rdzv_backend_parser() -> impl clap::builder::TypedValueParser<Value = RdzvBac
         .try_map(|name| name.parse::<RdzvBackend>())
 }
 
-pub fn run(args: Args) -> anyhow::Result<i32> {
+pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     launcher::agent_without_huge_pages();
     let refused = |e| refuse(e, args.termination_log.as_deref());
     check_program(&args.command).map_err(refused)?;

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum Value {
+pub(super) enum Value {
     None,
     Bool(bool),
     Int(i64),
@@ -27,7 +27,7 @@ pub enum Value {
 
 impl Value {
     /// Looks a key up in a dict whose keys are bytes or str (python 2 and 3 pickles differ).
-    pub fn get(&self, key: &str) -> Option<&Value> {
+    pub(super) fn get(&self, key: &str) -> Option<&Value> {
         let Value::Dict(items) = self else {
             return None;
         };
@@ -44,7 +44,7 @@ enum Item {
     Value(Value),
 }
 
-pub fn unpickle(data: &[u8]) -> Result<Value, String> {
+pub(super) fn unpickle(data: &[u8]) -> Result<Value, String> {
     let mut stack: Vec<Item> = Vec::new();
     let mut memo: HashMap<u32, Value> = HashMap::new();
     let mut pos = 0usize;
@@ -301,7 +301,7 @@ fn pairs(items: Vec<Value>) -> Result<Vec<(Value, Value)>, String> {
 
 /// The raw bytes of a numpy uint8 array pickled by numpy (`_reconstruct` + BUILD state
 /// `(version, shape, dtype, fortran, data)`), with its shape.
-pub fn numpy_u8(v: &Value) -> Result<(Vec<usize>, &[u8]), String> {
+pub(super) fn numpy_u8(v: &Value) -> Result<(Vec<usize>, &[u8]), String> {
     let Value::Object {
         callable,
         state: Some(state),
