@@ -176,6 +176,19 @@ pub mod ports {
     pub const METRICS: u16 = 9464;
 }
 
+/// The built-in trainer's defaults (the reference job), written once: `trainctl train`'s flags
+/// and a project's `job.*` settings both read them, as text, the form both parse.
+pub mod train_defaults {
+    /// Passes over the training set.
+    pub const EPOCHS: &str = "10";
+    /// Images per step on each worker.
+    pub const BATCH_SIZE: &str = "128";
+    /// SGD's learning rate.
+    pub const LEARNING_RATE: &str = "0.001";
+    /// The convolutions' arithmetic.
+    pub const PRECISION: &str = "fp32";
+}
+
 /// The networks of the built-in trainer (`trainctl train --model`, a job's `job.model`).
 pub mod models {
     /// The seed's CNN for CIFAR-10: the default.

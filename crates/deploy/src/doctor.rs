@@ -96,36 +96,8 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
 
     // Listen first: the others may be checking us already.
     let contacted = Arc::new(Mutex::new(BTreeSet::<String>::new()));
-    let listener = match TcpListener::bind(plan.listen) {
-        Ok(l) => {
-            emit(
-                check(
-                    Verdict::Ok,
-                    "listen",
-                    format!("this pod ({}) listens on {}", plan.me, plan.listen),
-                    None,
-                ),
-                &mut results,
-            );
-            Some(l)
-        }
-        Err(e) => {
-            emit(
-                check(
-                    Verdict::Fail,
-                    "listen",
-                    format!("cannot listen on {}: {e}", plan.listen),
-                    Some(format!(
-                        "something else in the pod holds port {}; the rendezvous needs it \
-                         (choose another with --rdzv-port)",
-                        plan.port
-                    )),
-                ),
-                &mut results,
-            );
-            None
-        }
-    };
+    let (listened, listener) = listen(plan);
+    emit(listened, &mut results);
     if let Some(listener) = listener {
         let contacted = Arc::clone(&contacted);
         std::thread::spawn(move || accept_loop(listener, contacted));
@@ -133,82 +105,15 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
 
     for (i, peer) in plan.peers.iter().enumerate() {
         let role = if i == 0 { "rendezvous host" } else { "worker" };
-        let started = Instant::now();
-        let addrs = match resolve(peer, plan.port, deadline) {
-            Ok(addrs) => {
-                emit(
-                    check(
-                        Verdict::Ok,
-                        "dns",
-                        format!(
-                            "{role} {peer} resolves to {} ({:.1} s)",
-                            addrs
-                                .iter()
-                                .map(|a| a.ip().to_string())
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                            started.elapsed().as_secs_f64()
-                        ),
-                        None,
-                    ),
-                    &mut results,
-                );
-                addrs
-            }
-            Err(e) => {
-                emit(
-                    check(
-                        Verdict::Fail,
-                        "dns",
-                        format!(
-                            "{role} {peer} does not resolve after {:.0} s: {e}",
-                            started.elapsed().as_secs_f64()
-                        ),
-                        Some(
-                            "check that the pod runs (trainctl job status), that the headless \
-                             Service of that name exists with publishNotReadyAddresses, and \
-                             that CoreDNS runs (kube-system pods labelled k8s-app=kube-dns)"
-                                .into(),
-                        ),
-                    ),
-                    &mut results,
-                );
-                continue;
-            }
+        let (resolved, addrs) = dns_check(plan, role, peer, deadline);
+        emit(resolved, &mut results);
+        let Some(addrs) = addrs else {
+            continue;
         };
-        let started = Instant::now();
-        match connect(&addrs, &plan.me, deadline) {
-            Ok(addr) => emit(
-                check(
-                    Verdict::Ok,
-                    "connect",
-                    format!(
-                        "{role} {peer} accepts connections on {addr} ({:.1} s)",
-                        started.elapsed().as_secs_f64()
-                    ),
-                    None,
-                ),
-                &mut results,
-            ),
-            Err(e) => emit(
-                check(
-                    Verdict::Fail,
-                    "connect",
-                    format!(
-                        "{role} {peer} does not accept connections on port {} after {:.0} s: {e}",
-                        plan.port,
-                        started.elapsed().as_secs_f64()
-                    ),
-                    Some(format!(
-                        "pods must reach each other on port {}: check NetworkPolicies in the \
-                         namespace and the node security group (pod-to-pod traffic), and that \
-                         the pod is running",
-                        plan.port
-                    )),
-                ),
-                &mut results,
-            ),
-        }
+        emit(
+            connect_check(plan, role, peer, &addrs, deadline),
+            &mut results,
+        );
     }
 
     emit(claim_check(&plan.claim, &plan.me), &mut results);
@@ -219,7 +124,131 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
         emit(data_check(data), &mut results);
     }
 
-    // Stay reachable until every other peer has checked us, or the deadline.
+    if let Some(c) = wait_to_be_reached(plan, &contacted, deadline) {
+        emit(c, &mut results);
+    }
+    results
+}
+
+/// Binds the rendezvous port: the check that says whether it could, and the listener when it
+/// could.
+fn listen(plan: &Plan) -> (Check, Option<TcpListener>) {
+    match TcpListener::bind(plan.listen) {
+        Ok(l) => (
+            check(
+                Verdict::Ok,
+                "listen",
+                format!("this pod ({}) listens on {}", plan.me, plan.listen),
+                None,
+            ),
+            Some(l),
+        ),
+        Err(e) => (
+            check(
+                Verdict::Fail,
+                "listen",
+                format!("cannot listen on {}: {e}", plan.listen),
+                Some(format!(
+                    "something else in the pod holds port {}; the rendezvous needs it \
+                     (choose another with --rdzv-port)",
+                    plan.port
+                )),
+            ),
+            None,
+        ),
+    }
+}
+
+/// Resolves `peer` (retrying until `deadline`): the check, and its addresses when it resolves.
+fn dns_check(
+    plan: &Plan,
+    role: &str,
+    peer: &str,
+    deadline: Instant,
+) -> (Check, Option<Vec<SocketAddr>>) {
+    let started = Instant::now();
+    match resolve(peer, plan.port, deadline) {
+        Ok(addrs) => (
+            check(
+                Verdict::Ok,
+                "dns",
+                format!(
+                    "{role} {peer} resolves to {} ({:.1} s)",
+                    addrs
+                        .iter()
+                        .map(|a| a.ip().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    started.elapsed().as_secs_f64()
+                ),
+                None,
+            ),
+            Some(addrs),
+        ),
+        Err(e) => (
+            check(
+                Verdict::Fail,
+                "dns",
+                format!(
+                    "{role} {peer} does not resolve after {:.0} s: {e}",
+                    started.elapsed().as_secs_f64()
+                ),
+                Some(
+                    "check that the pod runs (trainctl job status), that the headless \
+                     Service of that name exists with publishNotReadyAddresses, and \
+                     that CoreDNS runs (kube-system pods labelled k8s-app=kube-dns)"
+                        .into(),
+                ),
+            ),
+            None,
+        ),
+    }
+}
+
+/// Connects to `peer` at one of `addrs` (retrying until `deadline`) and says whether it could.
+fn connect_check(
+    plan: &Plan,
+    role: &str,
+    peer: &str,
+    addrs: &[SocketAddr],
+    deadline: Instant,
+) -> Check {
+    let started = Instant::now();
+    match connect(addrs, &plan.me, deadline) {
+        Ok(addr) => check(
+            Verdict::Ok,
+            "connect",
+            format!(
+                "{role} {peer} accepts connections on {addr} ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            ),
+            None,
+        ),
+        Err(e) => check(
+            Verdict::Fail,
+            "connect",
+            format!(
+                "{role} {peer} does not accept connections on port {} after {:.0} s: {e}",
+                plan.port,
+                started.elapsed().as_secs_f64()
+            ),
+            Some(format!(
+                "pods must reach each other on port {}: check NetworkPolicies in the \
+                 namespace and the node security group (pod-to-pod traffic), and that \
+                 the pod is running",
+                plan.port
+            )),
+        ),
+    }
+}
+
+/// Stays reachable until every other peer has checked this pod (`contacted` names those
+/// that have), or the deadline: a warning naming those that never did.
+fn wait_to_be_reached(
+    plan: &Plan,
+    contacted: &Mutex<BTreeSet<String>>,
+    deadline: Instant,
+) -> Option<Check> {
     let others: BTreeSet<String> = plan
         .peers
         .iter()
@@ -235,25 +264,22 @@ pub fn run(plan: &Plan, report: &mut dyn FnMut(&Check)) -> Vec<Check> {
     }
     let seen = contacted.lock().map(|s| s.clone()).unwrap_or_default();
     let missing: Vec<&String> = others.iter().filter(|o| !seen.contains(*o)).collect();
-    if !missing.is_empty() {
-        emit(
-            check(
-                Verdict::Warn,
-                "inbound",
-                format!(
-                    "not reached by {} before the deadline",
-                    missing
-                        .iter()
-                        .map(|s| s.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-                Some("their own reports say why (trainctl job logs)".into()),
-            ),
-            &mut results,
-        );
+    if missing.is_empty() {
+        return None;
     }
-    results
+    Some(check(
+        Verdict::Warn,
+        "inbound",
+        format!(
+            "not reached by {} before the deadline",
+            missing
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Some("their own reports say why (trainctl job logs)".into()),
+    ))
 }
 
 /// A peer's identity: an address as it is, a DNS name by its first label (the pod's host name

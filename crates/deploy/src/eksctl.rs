@@ -6,7 +6,7 @@
 
 use serde_json::{Value, json};
 
-use crate::config::{Project, is_aws_id};
+use crate::config::{Cluster, Project, is_aws_id};
 
 /// Why a cluster cannot be rendered as asked.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +31,59 @@ pub const ROLE_LABEL: &str = "trainctl.dev/role";
 /// The ClusterConfig document for `project`.
 pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     let c = &project.cluster;
+    let worker = c.instance_type;
+    let zones = &c.availability_zones;
+    check_zones_and_reservation(c)?;
+    let mut doc = base_document(c);
+
+    // Where the worker group goes: one zone when EFA or a reservation pins it.
+    let pinned_zone =
+        (worker.supports_efa() || c.capacity_reservation_id.is_some()).then(|| zones[0].clone());
+    let mut worker_subnet = None;
+    // One zone given for a new VPC: the workers go there, whatever their type.
+    let mut only_zone = None;
+    match &c.existing_vpc {
+        Some(vpc) => {
+            doc["vpc"] = existing_vpc(c, vpc)?;
+            if pinned_zone.is_some() {
+                worker_subnet = Some(c.private_subnets[0].clone());
+            }
+        }
+        None => {
+            if !c.private_subnets.is_empty() {
+                return Err(refuse(
+                    "--private-subnets without --existing-vpc",
+                    "give the VPC they belong to with --existing-vpc vpc-...",
+                ));
+            }
+            if zones.len() == 1 {
+                // EKS's control plane spans two zones: a new VPC gets a second one for it, and
+                // the workers stay in the zone given (a reservation's, EFA's, or the user's).
+                doc["availabilityZones"] = json!([zones[0].clone(), other_zone(&zones[0])]);
+                if pinned_zone.is_none() {
+                    only_zone = Some(zones[0].clone());
+                }
+            } else if !zones.is_empty() {
+                doc["availabilityZones"] = json!(zones);
+            }
+        }
+    }
+
+    let workers = worker_group(
+        c,
+        worker_subnet,
+        pinned_zone.as_ref().or(only_zone.as_ref()),
+    );
+    doc["managedNodeGroups"] = json!([system_group(c), workers]);
+    if let Some(bucket) = &c.s3_bucket {
+        doc["iam"]["serviceAccounts"] = json!([s3_service_account(project, bucket)]);
+    }
+    Ok(doc)
+}
+
+/// Refuses zones outside the region, a reservation preset without its reservation, a
+/// reservation id that is not one or has no zone, and EFA workers without a zone.
+fn check_zones_and_reservation(c: &Cluster) -> Result<(), ClusterConfigError> {
     let worker = c.instance_type;
     let zones = &c.availability_zones;
     for z in zones {
@@ -77,8 +130,13 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
             ),
         ));
     }
+    Ok(())
+}
 
-    let mut doc = json!({
+/// The document without its network and node groups: the cluster's name, region and version,
+/// OIDC, and the add-ons.
+fn base_document(c: &Cluster) -> Value {
+    json!({
         "apiVersion": "eksctl.io/v1alpha5",
         "kind": "ClusterConfig",
         "metadata": {
@@ -96,78 +154,55 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
             { "name": "metrics-server" },
             { "name": "aws-efs-csi-driver", "useDefaultPodIdentityAssociations": true },
         ],
-    });
+    })
+}
 
-    // Where the worker group goes: one zone when EFA or a reservation pins it.
-    let pinned_zone =
-        (worker.supports_efa() || c.capacity_reservation_id.is_some()).then(|| zones[0].clone());
-    let mut worker_subnet = None;
-    // One zone given for a new VPC: the workers go there, whatever their type.
-    let mut only_zone = None;
-    match &c.existing_vpc {
-        Some(vpc) => {
-            if !is_aws_id(vpc, "vpc-") {
-                return Err(refuse(
-                    format!("--existing-vpc {vpc:?} is not a VPC id"),
-                    "ids look like vpc-0123456789abcdef0",
-                ));
-            }
-            if c.private_subnets.is_empty() {
-                return Err(refuse(
-                    "an existing VPC needs its private subnets",
-                    "give them with --private-subnets subnet-...,subnet-... (one per --az)",
-                ));
-            }
-            if let Some(bad) = c.private_subnets.iter().find(|s| !is_aws_id(s, "subnet-")) {
-                return Err(refuse(
-                    format!("{bad:?} is not a subnet id"),
-                    "ids look like subnet-0123456789abcdef0",
-                ));
-            }
-            if !zones.is_empty() && zones.len() != c.private_subnets.len() {
-                return Err(refuse(
-                    format!(
-                        "{} availability zones for {} private subnets",
-                        zones.len(),
-                        c.private_subnets.len()
-                    ),
-                    "give one zone per subnet, in the same order, with --az",
-                ));
-            }
-            let mut private = serde_json::Map::new();
-            for (i, subnet) in c.private_subnets.iter().enumerate() {
-                let key = zones
-                    .get(i)
-                    .cloned()
-                    .unwrap_or_else(|| format!("private-{}", i + 1));
-                private.insert(key, json!({ "id": subnet }));
-            }
-            doc["vpc"] = json!({ "id": vpc, "subnets": { "private": private } });
-            if pinned_zone.is_some() {
-                worker_subnet = Some(c.private_subnets[0].clone());
-            }
-        }
-        None => {
-            if !c.private_subnets.is_empty() {
-                return Err(refuse(
-                    "--private-subnets without --existing-vpc",
-                    "give the VPC they belong to with --existing-vpc vpc-...",
-                ));
-            }
-            if zones.len() == 1 {
-                // EKS's control plane spans two zones: a new VPC gets a second one for it, and
-                // the workers stay in the zone given (a reservation's, EFA's, or the user's).
-                doc["availabilityZones"] = json!([zones[0].clone(), other_zone(&zones[0])]);
-                if pinned_zone.is_none() {
-                    only_zone = Some(zones[0].clone());
-                }
-            } else if !zones.is_empty() {
-                doc["availabilityZones"] = json!(zones);
-            }
-        }
+/// The `vpc` section for the existing VPC `vpc`: its private subnets, keyed by their zones,
+/// after checking the ids and that there is one zone (if any) per subnet.
+fn existing_vpc(c: &Cluster, vpc: &str) -> Result<Value, ClusterConfigError> {
+    let zones = &c.availability_zones;
+    if !is_aws_id(vpc, "vpc-") {
+        return Err(refuse(
+            format!("--existing-vpc {vpc:?} is not a VPC id"),
+            "ids look like vpc-0123456789abcdef0",
+        ));
     }
+    if c.private_subnets.is_empty() {
+        return Err(refuse(
+            "an existing VPC needs its private subnets",
+            "give them with --private-subnets subnet-...,subnet-... (one per --az)",
+        ));
+    }
+    if let Some(bad) = c.private_subnets.iter().find(|s| !is_aws_id(s, "subnet-")) {
+        return Err(refuse(
+            format!("{bad:?} is not a subnet id"),
+            "ids look like subnet-0123456789abcdef0",
+        ));
+    }
+    if !zones.is_empty() && zones.len() != c.private_subnets.len() {
+        return Err(refuse(
+            format!(
+                "{} availability zones for {} private subnets",
+                zones.len(),
+                c.private_subnets.len()
+            ),
+            "give one zone per subnet, in the same order, with --az",
+        ));
+    }
+    let mut private = serde_json::Map::new();
+    for (i, subnet) in c.private_subnets.iter().enumerate() {
+        let key = zones
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| format!("private-{}", i + 1));
+        private.insert(key, json!({ "id": subnet }));
+    }
+    Ok(json!({ "id": vpc, "subnets": { "private": private } }))
+}
 
-    let system = json!({
+/// The system node group: one CPU node (two at most) for kube-system and the controllers.
+fn system_group(c: &Cluster) -> Value {
+    json!({
         "name": SYSTEM_GROUP,
         "instanceType": c.system_instance_type.name,
         "desiredCapacity": 1,
@@ -176,7 +211,13 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
         "privateNetworking": true,
         "labels": { ROLE_LABEL: "system" },
         "iam": { "withAddonPolicies": { "ebs": true, "efs": true, "cloudWatch": true } },
-    });
+    })
+}
+
+/// The worker node group: EFA where the instance has it, in `subnet` or else in `zone` when
+/// one is given, from the capacity reservation if any, GPU nodes tainted.
+fn worker_group(c: &Cluster, subnet: Option<String>, zone: Option<&String>) -> Value {
+    let worker = c.instance_type;
     let mut workers = json!({
         "name": WORKER_GROUP,
         "instanceType": worker.name,
@@ -191,9 +232,9 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
     if worker.supports_efa() {
         workers["efaEnabled"] = json!(true);
     }
-    if let Some(subnet) = worker_subnet {
+    if let Some(subnet) = subnet {
         workers["subnets"] = json!([subnet]);
-    } else if let Some(zone) = pinned_zone.as_ref().or(only_zone.as_ref()) {
+    } else if let Some(zone) = zone {
         workers["availabilityZones"] = json!([zone]);
     }
     if let Some(id) = &c.capacity_reservation_id {
@@ -205,11 +246,7 @@ pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {
         workers["taints"] =
             json!([{ "key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule" }]);
     }
-    doc["managedNodeGroups"] = json!([system, workers]);
-    if let Some(bucket) = &c.s3_bucket {
-        doc["iam"]["serviceAccounts"] = json!([s3_service_account(project, bucket)]);
-    }
-    Ok(doc)
+    workers
 }
 
 /// IRSA for the pods: a service account whose IAM role may list `bucket` and read, write and

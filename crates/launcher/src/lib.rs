@@ -177,7 +177,7 @@ pub enum LaunchEvent {
         reason: String,
     },
     /// This node's workers train in the new round's group, none restarted.
-    Regrouped(Regrouped),
+    Regrouped(NodeRegrouped),
     /// `failed` regroups in a row failed (more than `--max-restarts`): the workers are stopped
     /// and started again, as with `--regroup restart`.
     RegroupFallback {
@@ -213,20 +213,13 @@ pub enum LaunchEvent {
     },
 }
 
-/// A regroup in place as this node saw it (its local rank 0's figures).
+/// A regroup in place as this node saw it: why, and its local rank 0's own report.
 #[derive(Debug, Clone)]
-pub struct Regrouped {
+pub struct NodeRegrouped {
     pub node: String,
     pub reason: String,
-    pub world_size_before: u32,
-    pub world_size: u32,
-    /// The global step training goes on from.
-    pub step: u64,
-    pub steps_dropped: u64,
-    /// State streamed from a peer to the ranks that lacked it.
-    pub bytes: u64,
-    /// From the worker's leaving its old group to its new group's state being in place.
-    pub seconds: f64,
+    /// What the worker told the agent: the sizes, the step, what streamed, how long.
+    pub worker: collective::control::Regrouped,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -34,6 +34,12 @@ pub struct Config {
     /// one new round (at once when they fill the job); each admission in a row doubles how
     /// long the next round runs first, up to 30 s ([`crate::state::admission_cooldown`]).
     pub join_window: Duration,
+    /// The job's token: every connection to a c10d store proves it (etcd's own access
+    /// control applies there).
+    pub token: String,
+    /// Under c10d, `Some(true)`: this agent must host the store; `Some(false)`: never; `None`:
+    /// the agent whose host is the endpoint does (`--rdzv-conf is_host=...`).
+    pub is_host: Option<bool>,
 }
 
 impl Config {
@@ -50,6 +56,8 @@ impl Config {
             store_timeout: Duration::from_secs(3),
             poll: Duration::from_millis(50),
             join_window: Duration::from_secs(2),
+            token: String::new(),
+            is_host: None,
         }
     }
 }
@@ -70,9 +78,8 @@ pub enum ConfError {
     },
 }
 
-/// Applies `key=value,...` to `cfg`; returns `is_host` if given.
-pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<Option<bool>, ConfError> {
-    let mut is_host = None;
+/// Applies `key=value,...` to `cfg`.
+pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<(), ConfError> {
     let mut keep_alive_attempts = None;
     for item in conf.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (key, value) = item
@@ -110,7 +117,7 @@ pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<Option<bool>, ConfErro
                 )?)
             }
             "is_host" => {
-                is_host = Some(match value.to_ascii_lowercase().as_str() {
+                cfg.is_host = Some(match value.to_ascii_lowercase().as_str() {
                     "1" | "true" | "yes" => true,
                     "0" | "false" | "no" => false,
                     _ => {
@@ -135,7 +142,7 @@ pub fn parse_conf(cfg: &mut Config, conf: &str) -> Result<Option<bool>, ConfErro
             expected: "at least twice the heartbeat interval",
         });
     }
-    Ok(is_host)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -149,12 +156,12 @@ mod tests {
     #[test]
     fn torchrun_keys_and_ours_are_understood() {
         let mut c = cfg();
-        let host = parse_conf(
+        parse_conf(
             &mut c,
             "join_timeout=30, last_call_timeout=0.5,heartbeat=0.25,heartbeat_timeout=1,is_host=false,join_window=5",
         )
         .unwrap();
-        assert_eq!(host, Some(false));
+        assert_eq!(c.is_host, Some(false));
         assert_eq!(c.join_timeout, Duration::from_secs(30));
         assert_eq!(c.last_call_timeout, Duration::from_millis(500));
         assert_eq!(c.heartbeat_timeout, Duration::from_secs(1));
@@ -162,7 +169,9 @@ mod tests {
         let mut c = cfg();
         parse_conf(&mut c, "keep_alive_interval=1,keep_alive_max_attempt=3").unwrap();
         assert_eq!(c.heartbeat_timeout, Duration::from_secs(3));
-        assert_eq!(parse_conf(&mut cfg(), ""), Ok(None));
+        let mut c = cfg();
+        assert_eq!(parse_conf(&mut c, ""), Ok(()));
+        assert_eq!(c.is_host, None);
     }
 
     #[test]

@@ -159,14 +159,15 @@ type Connected = (
 /// Connects and sends node `id`'s first heartbeat: a node is alive before it joins.
 fn connect(cfg: &Config, kind: &BackendKind, id: &str) -> Result<Connected, RendezvousError> {
     let (backend, server, route): (Box<dyn Backend>, _, _) = match kind {
-        BackendKind::C10d {
-            host,
-            port,
-            token,
-            is_host,
-        } => {
-            let (mut c, server) =
-                C10d::open(host, *port, &cfg.run_id, token, *is_host, cfg.store_timeout)?;
+        BackendKind::C10d { host, port } => {
+            let (mut c, server) = C10d::open(
+                host,
+                *port,
+                &cfg.run_id,
+                &cfg.token,
+                cfg.is_host,
+                cfg.store_timeout,
+            )?;
             let ip = c.local_ip().ok();
             (Box::new(c), server, ip)
         }

@@ -19,17 +19,13 @@ pub use state::{Assignment, Closed, Health, Limits};
 
 use std::time::Duration;
 
-/// The backends, as `--rdzv-backend` names them.
+/// Where the rendezvous lives, by backend ([`contract::rdzv::Backend`]'s elastic ones, with
+/// their address): `trainctl run`'s plan makes it from `--rdzv-backend` and `--rdzv-endpoint`.
+/// The job's token and whether this agent hosts a c10d store are [`Config`]'s.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendKind {
     /// trainctl's store, hosted by the agent whose host is the endpoint.
-    C10d {
-        host: String,
-        port: u16,
-        token: String,
-        /// `Some(true)`: this agent must host; `Some(false)`: never; `None`: decide.
-        is_host: Option<bool>,
-    },
+    C10d { host: String, port: u16 },
     /// etcd's v3 API (JSON gateway) at `url` (`http://host:port`).
     Etcd { url: String },
 }

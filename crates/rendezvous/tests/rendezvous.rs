@@ -98,8 +98,6 @@ fn c10d_rounds_losses_and_the_end_of_the_job() {
     scenario(BackendKind::C10d {
         host: "127.0.0.1".into(),
         port,
-        token: "t".into(),
-        is_host: None,
     });
 }
 
@@ -115,8 +113,6 @@ fn a_join_that_cannot_complete_times_out_with_what_to_do() {
     let kind = BackendKind::C10d {
         host: "127.0.0.1".into(),
         port,
-        token: "t".into(),
-        is_host: None,
     };
     let mut cfg = config("lonely");
     cfg.join_timeout = Duration::from_millis(500);

@@ -21,14 +21,28 @@ fn row(out: &mut String, key: &str, value: &str) {
     let _ = writeln!(out, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(value));
 }
 
+/// The report page for `data`, section by section, with `charts` (PNG files in `dir`) inlined.
 pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<String, ReportError> {
+    let mut out = String::new();
+    head(&mut out, data);
+    results(&mut out, data);
+    class_accuracy(&mut out, data);
+    inline_charts(&mut out, charts, dir)?;
+    timings(&mut out, data);
+    configuration(&mut out, data);
+    out.push_str("</body></html>\n");
+    Ok(out)
+}
+
+/// The document's head (title, the inline style sheet) and the page's heading: the run's id
+/// and folder.
+fn head(out: &mut String, data: &RunData) {
     let title = data
         .config
         .as_ref()
         .map_or("trainctl run".to_string(), |c| {
             format!("trainctl run {}", c.run_id)
         });
-    let mut out = String::new();
     let _ = write!(
         out,
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title>\n<style>\
@@ -40,43 +54,39 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
         esc(&title),
         esc(&data.run_dir)
     );
+}
 
+/// The results table: steps, final loss, test accuracy, world sizes, restarts, regroups,
+/// checkpoints, wall time, throughput, and the metrics lines that could not be read.
+fn results(out: &mut String, data: &RunData) {
     out.push_str("<h2>Results</h2>\n<table>\n");
     if let Some(last) = data.last_step() {
-        row(&mut out, "steps", &last.step.to_string());
-        row(&mut out, "epochs done", &data.epochs_done.to_string());
-        row(
-            &mut out,
-            "final training loss",
-            &format!("{:.4}", last.loss),
-        );
+        row(out, "steps", &last.step.to_string());
+        row(out, "epochs done", &data.epochs_done.to_string());
+        row(out, "final training loss", &format!("{:.4}", last.loss));
     }
     if let Some(eval) = &data.eval {
         row(
-            &mut out,
+            out,
             "test accuracy",
             &format!("{:.2} % of {} images", eval.accuracy, eval.images),
         );
     }
     let sizes: Vec<String> = data.world_sizes().iter().map(u32::to_string).collect();
-    row(&mut out, "world size", &sizes.join(" → "));
-    row(&mut out, "restarts", &data.restarts().to_string());
+    row(out, "world size", &sizes.join(" → "));
+    row(out, "restarts", &data.restarts().to_string());
     row(
-        &mut out,
+        out,
         "regroups in place",
         &data.count(MarkerKind::Regroup).to_string(),
     );
     let resumed = data.count(MarkerKind::Resumed);
     if resumed > 0 {
-        row(&mut out, "resumed by hand", &resumed.to_string());
+        row(out, "resumed by hand", &resumed.to_string());
     }
+    row(out, "checkpoints written", &data.checkpoints.to_string());
     row(
-        &mut out,
-        "checkpoints written",
-        &data.checkpoints.to_string(),
-    );
-    row(
-        &mut out,
+        out,
         "wall time",
         &if data.idle_s > 0.0 {
             format!(
@@ -92,7 +102,7 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
         let images: usize = steps.iter().map(|s| s.images).sum();
         let seconds: f64 = steps.iter().map(|s| s.step_s).sum();
         row(
-            &mut out,
+            out,
             "throughput",
             &format!(
                 "{:.1} images/s over {} steps (time in steps only)",
@@ -103,13 +113,16 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
     }
     if data.skipped > 0 {
         row(
-            &mut out,
+            out,
             "unreadable metrics lines",
             &format!("{} (partial lines left by a crash)", data.skipped),
         );
     }
     out.push_str("</table>\n");
+}
 
+/// The test accuracy of each class, when the run was evaluated.
+fn class_accuracy(out: &mut String, data: &RunData) {
     if let Some(eval) = &data.eval {
         out.push_str("<h2>Test accuracy per class</h2>\n<table>\n");
         for (name, acc) in eval.classes.iter().zip(&eval.class_accuracy) {
@@ -123,7 +136,10 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
         }
         out.push_str("</table>\n");
     }
+}
 
+/// Each chart's PNG (read from `dir`) inlined as a data URL under its title.
+fn inline_charts(out: &mut String, charts: &[Chart], dir: &Path) -> Result<(), ReportError> {
     out.push_str("<h2>Charts</h2>\n");
     for chart in charts {
         let path = dir.join(&chart.file);
@@ -139,7 +155,11 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
             base64::engine::general_purpose::STANDARD.encode(bytes)
         );
     }
+    Ok(())
+}
 
+/// Each rank's mean seconds per step, split into data, compute and all-reduce.
+fn timings(out: &mut String, data: &RunData) {
     if !data.timings.is_empty() {
         out.push_str(
             "<h2>Timings (mean seconds per step)</h2>\n<table>\n<tr><th>rank</th><th>steps</th><th>step</th><th>data</th><th>compute</th><th>all-reduce</th></tr>\n",
@@ -153,14 +173,15 @@ pub(crate) fn page(data: &RunData, charts: &[Chart], dir: &Path) -> Result<Strin
         }
         out.push_str("</table>\n");
     }
+}
 
+/// The run's configuration, when it was recorded.
+fn configuration(out: &mut String, data: &RunData) {
     if let Some(c) = &data.config {
         out.push_str("<h2>Configuration</h2>\n<table>\n");
         for (k, v) in c.rows() {
-            row(&mut out, k, &v);
+            row(out, k, &v);
         }
         out.push_str("</table>\n");
     }
-    out.push_str("</body></html>\n");
-    Ok(out)
 }

@@ -148,35 +148,19 @@ impl JobGauges {
         }
     }
 
+    /// Every family, in the order they are served: the agent's, its workers', the stragglers',
+    /// and what the run has produced.
     pub fn families(&self) -> Vec<Family> {
-        let rank = |r: &u32| vec![("rank", r.to_string())];
-        let per_worker = |name, kind, help, f: fn(&WorkerGauges) -> f64| {
-            self.workers
-                .iter()
-                .fold(Family::new(name, kind, help), |fam, (r, w)| {
-                    fam.sample(rank(r), f(w))
-                })
-        };
-        let mut step_seconds = Family::new(
-            "trainctl_step_seconds",
-            Kind::Gauge,
-            "Wall time of the worker's last step, by phase (step = all of it).",
-        );
-        for (r, w) in &self.workers {
-            for (phase, v) in [
-                ("step", w.last.step_s),
-                ("data", w.last.data_s),
-                ("compute", w.last.compute_s),
-                ("allreduce", w.last.allreduce_s),
-            ] {
-                step_seconds = step_seconds.sample(
-                    vec![("rank", r.to_string()), ("phase", phase.to_string())],
-                    v,
-                );
-            }
-        }
-        let mut out =
-            vec![
+        let mut out = self.agent_families();
+        out.extend(self.worker_families());
+        out.push(self.straggler_family());
+        out.extend(self.result_families());
+        out
+    }
+
+    /// The agent's own figures: restarts, round, workers started, regroups, world size.
+    fn agent_families(&self) -> Vec<Family> {
+        vec![
             Family::new(
                 "trainctl_agent_restarts",
                 Kind::Gauge,
@@ -207,6 +191,20 @@ impl JobGauges {
                 "Workers in the job (all nodes).",
             )
             .sample(vec![], self.world_size as f64),
+        ]
+    }
+
+    /// Each local worker's latest figures, one sample per rank: steps, global step, epoch,
+    /// loss, throughput, the last step's time by phase, and its slowdown.
+    fn worker_families(&self) -> Vec<Family> {
+        let per_worker = |name, kind, help, f: fn(&WorkerGauges) -> f64| {
+            self.workers
+                .iter()
+                .fold(Family::new(name, kind, help), |fam, (r, w)| {
+                    fam.sample(rank(r), f(w))
+                })
+        };
+        vec![
             per_worker(
                 "trainctl_steps_total",
                 Kind::Counter,
@@ -234,21 +232,47 @@ impl JobGauges {
                 "Images per second of the whole job at the last step.",
                 |w| w.last.images_per_sec,
             ),
-            step_seconds,
-        ];
-        let slowdown = self.workers.iter().fold(
-            Family::new(
-                "trainctl_rank_slowdown",
-                Kind::Gauge,
-                "The worker's time before the all-reduce (data and compute) at its last step over the median rank's: 1 as fast as most, 2 twice as slow.",
+            self.step_seconds(),
+            self.workers.iter().fold(
+                Family::new(
+                    "trainctl_rank_slowdown",
+                    Kind::Gauge,
+                    "The worker's time before the all-reduce (data and compute) at its last step over the median rank's: 1 as fast as most, 2 twice as slow.",
+                ),
+                |fam, (r, w)| match w.last.slowdown {
+                    Some(x) => fam.sample(rank(r), x),
+                    None => fam,
+                },
             ),
-            |fam, (r, w)| match w.last.slowdown {
-                Some(x) => fam.sample(rank(r), x),
-                None => fam,
-            },
+        ]
+    }
+
+    /// Each worker's last step's wall time, by phase.
+    fn step_seconds(&self) -> Family {
+        let mut step_seconds = Family::new(
+            "trainctl_step_seconds",
+            Kind::Gauge,
+            "Wall time of the worker's last step, by phase (step = all of it).",
         );
-        out.push(slowdown);
-        out.push(self.stragglers.iter().fold(
+        for (r, w) in &self.workers {
+            for (phase, v) in [
+                ("step", w.last.step_s),
+                ("data", w.last.data_s),
+                ("compute", w.last.compute_s),
+                ("allreduce", w.last.allreduce_s),
+            ] {
+                step_seconds = step_seconds.sample(
+                    vec![("rank", r.to_string()), ("phase", phase.to_string())],
+                    v,
+                );
+            }
+        }
+        step_seconds
+    }
+
+    /// The nodes rank 0 found slow, by their slowdown (0 once no longer slow).
+    fn straggler_family(&self) -> Family {
+        self.stragglers.iter().fold(
             Family::new(
                 "trainctl_straggler_slowdown",
                 Kind::Gauge,
@@ -257,7 +281,13 @@ impl JobGauges {
             |fam, (node, slowdown)| {
                 fam.sample(vec![("node", node.to_string())], slowdown.unwrap_or(0.0))
             },
-        ));
+        )
+    }
+
+    /// What the run has produced, once it has: the last checkpoint's age and step, and the
+    /// finished model's test accuracy.
+    fn result_families(&self) -> Vec<Family> {
+        let mut out = Vec::new();
         if let Some((at, step)) = self.last_checkpoint {
             out.push(
                 Family::new(
@@ -288,6 +318,11 @@ impl JobGauges {
         }
         out
     }
+}
+
+/// The label that names a worker's rank.
+fn rank(r: &u32) -> Vec<(&'static str, String)> {
+    vec![("rank", r.to_string())]
 }
 
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

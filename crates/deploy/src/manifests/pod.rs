@@ -63,134 +63,18 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
     } else {
         (0, 0)
     };
-    let mut requests = BTreeMap::new();
-    let mut limits = BTreeMap::new();
-    if o.training_size {
-        requests.insert("cpu".into(), quantity(&job.cpu));
-        requests.insert("memory".into(), quantity(&job.memory));
-        // Memory is limited (the node's memory is not shared well past its size); CPU is not
-        // (a limit throttles the all-reduce and the data loader for no gain).
-        limits.insert("memory".into(), quantity(&job.memory));
-    } else {
-        requests.insert("cpu".into(), quantity(HELPER_SIZE.0));
-        requests.insert("memory".into(), quantity(HELPER_SIZE.1));
-        limits.insert("memory".into(), quantity("2Gi"));
-    }
-    if gpus > 0 {
-        requests.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
-        limits.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
-    }
-    let plain = |name: &str, value: &str| EnvVar {
-        name: name.into(),
-        value: Some(value.into()),
-        ..EnvVar::default()
-    };
-    let mut env = vec![plain("RUST_LOG", "warn")];
-    if o.user_program && o.runs_trainctl {
-        // The pods run as uid 1000, which the user's image may not know: its home is /. (An
-        // MPIJob's image knows it: ssh finds its keys in that user's home.)
-        env.push(plain("HOME", "/tmp"));
-    }
-    // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
-    // which eksctl installs with an EFA node group, schedules them) and point NCCL at them.
-    if adapters > 0 {
-        let adapters = quantity(&adapters.to_string());
-        requests.insert(EFA_RESOURCE.into(), adapters.clone());
-        limits.insert(EFA_RESOURCE.into(), adapters);
-        env.push(plain("FI_PROVIDER", "efa"));
-        if project.cluster.instance_type.gpudirect_rdma() {
-            env.push(plain("FI_EFA_USE_DEVICE_RDMA", "1"));
-        }
-    }
-    if let Some(secret) = &o.token_secret {
-        env.push(EnvVar {
-            name: "TRAINCTL_JOB_TOKEN".into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: secret.clone(),
-                    key: "token".into(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        });
-    }
-    let mut volumes = vec![claim_volume(project, "data", false), empty_dir("tmp")];
-    let mut mounts = vec![
-        VolumeMount {
-            name: "data".into(),
-            mount_path: project.storage.mount_path.clone(),
-            ..VolumeMount::default()
-        },
-        VolumeMount {
-            name: "tmp".into(),
-            mount_path: "/tmp".into(),
-            ..VolumeMount::default()
-        },
-    ];
-    if o.training_size {
-        volumes.push(Volume {
-            name: "dshm".into(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                medium: Some("Memory".into()),
-                size_limit: Some(quantity(&job.shm_size)),
-            }),
-            ..Volume::default()
-        });
-        mounts.push(VolumeMount {
-            name: "dshm".into(),
-            mount_path: "/dev/shm".into(),
-            ..VolumeMount::default()
-        });
-    }
+    let resources = container_resources(project, &o, gpus, adapters);
+    let env = container_env(project, &o, adapters);
+    let (mut volumes, mut mounts) = volumes_and_mounts(project, &o);
     // An image without trainctl gets it from an init container, through an emptyDir.
     let copy_binary = o.runs_trainctl && o.image != project.trainctl_image;
-    let mut init_containers = None;
-    let binary = if copy_binary {
-        volumes.push(empty_dir("trainctl"));
-        let mount = VolumeMount {
-            name: "trainctl".into(),
-            mount_path: BINARY_DIR.into(),
-            ..VolumeMount::default()
-        };
-        mounts.push(VolumeMount {
-            read_only: Some(true),
-            ..mount.clone()
-        });
-        init_containers = Some(vec![Container {
-            name: INSTALL_CONTAINER.into(),
-            image: Some(project.trainctl_image.clone()),
-            image_pull_policy: Some("IfNotPresent".into()),
-            command: Some(vec![BINARY.into()]),
-            args: Some(vec!["install".into(), BINARY_DIR.into()]),
-            resources: Some(ResourceRequirements {
-                requests: Some(BTreeMap::from([
-                    ("cpu".into(), quantity("100m")),
-                    ("memory".into(), quantity("64Mi")),
-                ])),
-                limits: Some(BTreeMap::from([("memory".into(), quantity("256Mi"))])),
-                ..ResourceRequirements::default()
-            }),
-            volume_mounts: Some(vec![mount]),
-            security_context: Some(restricted(true)),
-            ..Container::default()
-        }]);
-        format!("{BINARY_DIR}/{BINARY}")
+    let (init_containers, binary) = if copy_binary {
+        let (install, binary) = install_binary(project, &mut volumes, &mut mounts);
+        (Some(vec![install]), binary)
     } else {
-        BINARY.into()
+        (None, BINARY.into())
     };
-    let (command, args) = if o.runs_trainctl {
-        (vec![binary], o.args)
-    } else {
-        let mut args = o.args;
-        let command = if args.is_empty() {
-            Vec::new()
-        } else {
-            vec![args.remove(0)]
-        };
-        (command, args)
-    };
+    let (command, args) = command_line(o.runs_trainctl, binary, o.args);
     let container = Container {
         name: o.container.into(),
         image: Some(o.image.clone()),
@@ -198,26 +82,8 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
         command: Some(command),
         args: Some(args),
         env: Some(env),
-        ports: o.port.map(|p| {
-            let mut ports = vec![ContainerPort {
-                name: Some(RDZV_PORT_NAME.into()),
-                container_port: p.into(),
-                protocol: Some("TCP".into()),
-                ..ContainerPort::default()
-            }];
-            ports.extend(o.metrics_port.map(|m| ContainerPort {
-                name: Some(METRICS_PORT_NAME.into()),
-                container_port: m.into(),
-                protocol: Some("TCP".into()),
-                ..ContainerPort::default()
-            }));
-            ports
-        }),
-        resources: Some(ResourceRequirements {
-            requests: Some(requests),
-            limits: Some(limits),
-            ..ResourceRequirements::default()
-        }),
+        ports: container_ports(o.port, o.metrics_port),
+        resources: Some(resources),
         volume_mounts: Some(mounts),
         // A container that fails without writing its termination message leaves its last log
         // lines there instead: `job status` and `job wait` show why without `kubectl logs`.
@@ -238,13 +104,7 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels(&job.name, o.component)),
-            annotations: o.metrics_port.map(|p| {
-                BTreeMap::from([
-                    ("prometheus.io/scrape".to_string(), "true".to_string()),
-                    ("prometheus.io/port".to_string(), p.to_string()),
-                    ("prometheus.io/path".to_string(), "/metrics".to_string()),
-                ])
-            }),
+            annotations: o.metrics_port.map(prometheus_annotations),
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
@@ -266,6 +126,202 @@ pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec 
             ..PodSpec::default()
         }),
     }
+}
+
+/// The container's requests and limits: a training pod's CPU and memory (or a helper's small
+/// share), and the `gpus` GPUs and `adapters` EFA adapters it takes.
+fn container_resources(
+    project: &Project,
+    o: &PodOptions,
+    gpus: u32,
+    adapters: u32,
+) -> ResourceRequirements {
+    let job = &project.job;
+    let mut requests = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    if o.training_size {
+        requests.insert("cpu".into(), quantity(&job.cpu));
+        requests.insert("memory".into(), quantity(&job.memory));
+        // Memory is limited (the node's memory is not shared well past its size); CPU is not
+        // (a limit throttles the all-reduce and the data loader for no gain).
+        limits.insert("memory".into(), quantity(&job.memory));
+    } else {
+        requests.insert("cpu".into(), quantity(HELPER_SIZE.0));
+        requests.insert("memory".into(), quantity(HELPER_SIZE.1));
+        limits.insert("memory".into(), quantity("2Gi"));
+    }
+    if gpus > 0 {
+        requests.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
+        limits.insert("nvidia.com/gpu".into(), quantity(&gpus.to_string()));
+    }
+    // GPU training pods on EFA nodes take all of the node's adapters (the EFA device plugin,
+    // which eksctl installs with an EFA node group, schedules them).
+    if adapters > 0 {
+        let adapters = quantity(&adapters.to_string());
+        requests.insert(EFA_RESOURCE.into(), adapters.clone());
+        limits.insert(EFA_RESOURCE.into(), adapters);
+    }
+    ResourceRequirements {
+        requests: Some(requests),
+        limits: Some(limits),
+        ..ResourceRequirements::default()
+    }
+}
+
+/// The container's environment: the log level, HOME for a user's program, NCCL pointed at
+/// the EFA adapters when it has some, and the job's token from its secret.
+fn container_env(project: &Project, o: &PodOptions, adapters: u32) -> Vec<EnvVar> {
+    let plain = |name: &str, value: &str| EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    };
+    let mut env = vec![plain("RUST_LOG", "warn")];
+    if o.user_program && o.runs_trainctl {
+        // The pods run as uid 1000, which the user's image may not know: its home is /. (An
+        // MPIJob's image knows it: ssh finds its keys in that user's home.)
+        env.push(plain("HOME", "/tmp"));
+    }
+    if adapters > 0 {
+        env.push(plain("FI_PROVIDER", "efa"));
+        if project.cluster.instance_type.gpudirect_rdma() {
+            env.push(plain("FI_EFA_USE_DEVICE_RDMA", "1"));
+        }
+    }
+    if let Some(secret) = &o.token_secret {
+        env.push(EnvVar {
+            name: "TRAINCTL_JOB_TOKEN".into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: secret.clone(),
+                    key: "token".into(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        });
+    }
+    env
+}
+
+/// The pod's volumes and the container's mounts of them: the shared claim, /tmp, and a
+/// training pod's /dev/shm in memory.
+fn volumes_and_mounts(project: &Project, o: &PodOptions) -> (Vec<Volume>, Vec<VolumeMount>) {
+    let mut volumes = vec![claim_volume(project, "data", false), empty_dir("tmp")];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "data".into(),
+            mount_path: project.storage.mount_path.clone(),
+            ..VolumeMount::default()
+        },
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..VolumeMount::default()
+        },
+    ];
+    if o.training_size {
+        volumes.push(Volume {
+            name: "dshm".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(quantity(&project.job.shm_size)),
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "dshm".into(),
+            mount_path: "/dev/shm".into(),
+            ..VolumeMount::default()
+        });
+    }
+    (volumes, mounts)
+}
+
+/// The init container that copies trainctl into an emptyDir the main container mounts
+/// read-only (added to `volumes` and `mounts`), and the path the binary has there.
+fn install_binary(
+    project: &Project,
+    volumes: &mut Vec<Volume>,
+    mounts: &mut Vec<VolumeMount>,
+) -> (Container, String) {
+    volumes.push(empty_dir("trainctl"));
+    let mount = VolumeMount {
+        name: "trainctl".into(),
+        mount_path: BINARY_DIR.into(),
+        ..VolumeMount::default()
+    };
+    mounts.push(VolumeMount {
+        read_only: Some(true),
+        ..mount.clone()
+    });
+    let install = Container {
+        name: INSTALL_CONTAINER.into(),
+        image: Some(project.trainctl_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec![BINARY.into()]),
+        args: Some(vec!["install".into(), BINARY_DIR.into()]),
+        resources: Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([
+                ("cpu".into(), quantity("100m")),
+                ("memory".into(), quantity("64Mi")),
+            ])),
+            limits: Some(BTreeMap::from([("memory".into(), quantity("256Mi"))])),
+            ..ResourceRequirements::default()
+        }),
+        volume_mounts: Some(vec![mount]),
+        security_context: Some(restricted(true)),
+        ..Container::default()
+    };
+    (install, format!("{BINARY_DIR}/{BINARY}"))
+}
+
+/// The container's command and arguments: trainctl (at `binary`) with `args`, or, when it does
+/// not run trainctl, `args`' first word as the command and the rest as its arguments.
+fn command_line(
+    runs_trainctl: bool,
+    binary: String,
+    mut args: Vec<String>,
+) -> (Vec<String>, Vec<String>) {
+    if runs_trainctl {
+        (vec![binary], args)
+    } else {
+        let command = if args.is_empty() {
+            Vec::new()
+        } else {
+            vec![args.remove(0)]
+        };
+        (command, args)
+    }
+}
+
+/// The rendezvous port (when the pod serves one) and the metrics port beside it.
+fn container_ports(port: Option<u16>, metrics_port: Option<u16>) -> Option<Vec<ContainerPort>> {
+    port.map(|p| {
+        let mut ports = vec![ContainerPort {
+            name: Some(RDZV_PORT_NAME.into()),
+            container_port: p.into(),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }];
+        ports.extend(metrics_port.map(|m| ContainerPort {
+            name: Some(METRICS_PORT_NAME.into()),
+            container_port: m.into(),
+            protocol: Some("TCP".into()),
+            ..ContainerPort::default()
+        }));
+        ports
+    })
+}
+
+/// The usual `prometheus.io/*` annotations that announce the metrics served on `port`.
+fn prometheus_annotations(port: u16) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("prometheus.io/scrape".to_string(), "true".to_string()),
+        ("prometheus.io/port".to_string(), port.to_string()),
+        ("prometheus.io/path".to_string(), "/metrics".to_string()),
+    ])
 }
 
 /// The shared claim as volume `name`.

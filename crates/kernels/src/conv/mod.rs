@@ -7,7 +7,8 @@
 //!
 //! This module only dispatches. What the algorithms share (the shape, the packed weight, the
 //! backward's chunk groups and their ordered sums) lives in `shape` and `shared`; each
-//! algorithm imports from those and never from another algorithm or from here.
+//! algorithm imports from those (and [`Algorithm`], the name it goes by in the dispatch) and
+//! never from another algorithm.
 //!
 //! Determinism, in every algorithm: each chunk's and tile's arithmetic is fixed by the shape,
 //! and the weight gradient's per-chunk partial sums go to [`ACCUMULATORS`] accumulators (each a

@@ -380,15 +380,10 @@ impl InRound<'_> {
                 }
                 ToAgent::Regrouped(r) if local_rank == 0 => {
                     self.failed_regroups = 0;
-                    events(LaunchEvent::Regrouped(crate::Regrouped {
+                    events(LaunchEvent::Regrouped(crate::NodeRegrouped {
                         node: self.rdzv.node_id().to_string(),
                         reason: self.regrouping.take().unwrap_or_default(),
-                        world_size_before: r.world_size_before,
-                        world_size: r.world_size,
-                        step: r.step,
-                        steps_dropped: r.steps_dropped,
-                        bytes: r.bytes,
-                        seconds: r.seconds,
+                        worker: r,
                     }));
                 }
                 // The job's training is over: this node's workers finish what they still do

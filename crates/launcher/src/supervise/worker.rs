@@ -2,6 +2,7 @@
 //! output pumped line by line, its control channel and telemetry pipe inherited; stopped with
 //! SIGTERM, a grace period, then SIGKILL.
 
+use std::os::fd::RawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -116,17 +117,70 @@ pub(super) fn spawn(
     files: Files,
     outputs: Outputs,
 ) -> Result<Worker, LaunchError> {
-    let Outputs {
-        stdout,
-        stderr,
-        telemetry,
-        activity,
-        ..
-    } = outputs;
     let rank = spec.rank_offset + local_rank;
     // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
     let error_file = rank_dir(files.errors, rank)?.join("error.json");
     let _ = std::fs::remove_file(&error_file);
+    let (mut cmd, program) = command(spec, local_rank, restart_count, &error_file);
+    let telemetry_fd = outputs.telemetry.and_then(TelemetryPipe::fd);
+    if let Some(fd) = telemetry_fd {
+        cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
+    }
+    // The worker's end stays open in this process only until the worker has it.
+    let (control, worker_end) = control_channel(regroup, rank)?;
+    let control_fd = worker_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+    if let Some(fd) = control_fd {
+        cmd.env(contract::env::CONTROL_FD, fd.to_string());
+    }
+    before_exec(&mut cmd, telemetry_fd, control_fd);
+    let (stdout_log, stderr_log) = match files.logs {
+        Some(dir) => open_logs(dir, rank)?,
+        None => (None, None),
+    };
+    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+        rank,
+        program: program.to_string_lossy().into_owned(),
+        source,
+    })?;
+    drop(worker_end);
+    let tail: Tail = Arc::new(Mutex::new(Default::default()));
+    let prefix: Prefix = Arc::new(std::sync::atomic::AtomicU32::new(rank));
+    let stderr_path = stderr_log.as_ref().map(|l| l.1.clone());
+    let pumps = start_pumps(
+        &mut child,
+        rank,
+        &prefix,
+        &tail,
+        outputs,
+        stdout_log.map(|l| l.0),
+        stderr_log.map(|l| l.0),
+    )?;
+    Ok(Worker {
+        rank,
+        local_rank,
+        child,
+        exited: None,
+        pumps,
+        tail,
+        stderr_log: stderr_path,
+        error_file,
+        exited_at: None,
+        control,
+        ready: false,
+        assignments: 0,
+        owes_since: None,
+        prefix,
+    })
+}
+
+/// The worker's command line with torchrun's environment, in its own process group, its
+/// output piped and its stdin empty; and the program's name.
+fn command(
+    spec: &LaunchSpec,
+    local_rank: u32,
+    restart_count: u32,
+    error_file: &Path,
+) -> (Command, std::ffi::OsString) {
     let program = spec.program.first().cloned().unwrap_or_default();
     let mut cmd = Command::new(&program);
     cmd.args(&spec.program[1..])
@@ -135,7 +189,7 @@ pub(super) fn spawn(
             local_rank,
             restart_count,
             collective::world::is_set("OMP_NUM_THREADS"),
-            &error_file,
+            error_file,
         ))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -144,25 +198,29 @@ pub(super) fn spawn(
     if let Some(dir) = &spec.working_dir {
         cmd.current_dir(dir);
     }
-    let telemetry_fd = telemetry.and_then(TelemetryPipe::fd);
-    if let Some(fd) = telemetry_fd {
-        cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
+    (cmd, program)
+}
+
+/// The control channel's two ends (the agent's, the worker's) when the group may regroup in
+/// place.
+fn control_channel(
+    regroup: bool,
+    rank: u32,
+) -> Result<(Option<Channel>, Option<std::os::fd::OwnedFd>), LaunchError> {
+    if !regroup {
+        return Ok((None, None));
     }
-    // The worker's end stays open in this process only until the worker has it.
-    let (control, worker_end) = if regroup {
-        let (agent_end, worker_end) = Channel::pair().map_err(|source| LaunchError::Spawn {
-            rank,
-            program: "control channel".into(),
-            source,
-        })?;
-        (Some(agent_end), Some(worker_end))
-    } else {
-        (None, None)
-    };
-    let control_fd = worker_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
-    if let Some(fd) = control_fd {
-        cmd.env(contract::env::CONTROL_FD, fd.to_string());
-    }
+    let (agent_end, worker_end) = Channel::pair().map_err(|source| LaunchError::Spawn {
+        rank,
+        program: "control channel".into(),
+        source,
+    })?;
+    Ok((Some(agent_end), Some(worker_end)))
+}
+
+/// What the child does between fork and exec: dies with the agent, gets back the agent's
+/// transparent huge pages setting, and keeps the telemetry pipe and the control socket open.
+fn before_exec(cmd: &mut Command, telemetry_fd: Option<RawFd>, control_fd: Option<RawFd>) {
     let thp_disabled = THP_DISABLED_BEFORE.load(Ordering::Relaxed);
     // SAFETY: prctl and fcntl are async-signal-safe; nothing else runs between fork and exec.
     unsafe {
@@ -183,27 +241,40 @@ pub(super) fn spawn(
             Ok(())
         });
     }
-    let (stdout_log, stderr_log) = match files.logs {
-        Some(dir) => {
-            let dir = rank_dir(dir, rank)?;
-            let open = |name: &str| {
-                let path = dir.join(name);
-                std::fs::File::create(&path)
-                    .map(|f| (f, path.clone()))
-                    .map_err(|source| LaunchError::LogDir { path, source })
-            };
-            (Some(open("stdout.log")?), Some(open("stderr.log")?))
-        }
-        None => (None, None),
+}
+
+/// A log file and its path.
+type Log = (std::fs::File, PathBuf);
+
+/// Creates the rank's `stdout.log` and `stderr.log` under `dir`.
+fn open_logs(dir: &Path, rank: u32) -> Result<(Option<Log>, Option<Log>), LaunchError> {
+    let dir = rank_dir(dir, rank)?;
+    let open = |name: &str| {
+        let path = dir.join(name);
+        std::fs::File::create(&path)
+            .map(|f| (f, path.clone()))
+            .map_err(|source| LaunchError::LogDir { path, source })
     };
-    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
-        rank,
-        program: program.to_string_lossy().into_owned(),
-        source,
-    })?;
-    drop(worker_end);
-    let tail: Tail = Arc::new(Mutex::new(Default::default()));
-    let prefix: Prefix = Arc::new(std::sync::atomic::AtomicU32::new(rank));
+    Ok((Some(open("stdout.log")?), Some(open("stderr.log")?)))
+}
+
+/// One thread per output stream of `child`, copying its lines (prefixed with the rank) to the
+/// launch's sinks and the logs; stderr's last lines kept in `tail`.
+fn start_pumps(
+    child: &mut Child,
+    rank: u32,
+    prefix: &Prefix,
+    tail: &Tail,
+    outputs: Outputs,
+    stdout_log: Option<std::fs::File>,
+    stderr_log: Option<std::fs::File>,
+) -> Result<Vec<JoinHandle<()>>, LaunchError> {
+    let Outputs {
+        stdout,
+        stderr,
+        activity,
+        ..
+    } = outputs;
     let mut pumps = Vec::new();
     let pump_error = |source| LaunchError::Spawn {
         rank,
@@ -214,45 +285,29 @@ pub(super) fn spawn(
         pumps.push(
             pump(
                 out,
-                Arc::clone(&prefix),
+                Arc::clone(prefix),
                 stdout.clone(),
-                stdout_log.map(|l| l.0),
+                stdout_log,
                 None,
                 activity.clone(),
             )
             .map_err(pump_error)?,
         );
     }
-    let stderr_path = stderr_log.as_ref().map(|l| l.1.clone());
     if let Some(err) = child.stderr.take() {
         pumps.push(
             pump(
                 err,
-                Arc::clone(&prefix),
+                Arc::clone(prefix),
                 stderr.clone(),
-                stderr_log.map(|l| l.0),
+                stderr_log,
                 Some(tail.clone()),
                 activity.clone(),
             )
             .map_err(pump_error)?,
         );
     }
-    Ok(Worker {
-        rank,
-        local_rank,
-        child,
-        exited: None,
-        pumps,
-        tail,
-        stderr_log: stderr_path,
-        error_file,
-        exited_at: None,
-        control,
-        ready: false,
-        assignments: 0,
-        owes_since: None,
-        prefix,
-    })
+    Ok(pumps)
 }
 
 /// SIGTERM to every worker's group, up to `grace` to exit, then SIGKILL; reaps everything.

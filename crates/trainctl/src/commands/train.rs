@@ -48,16 +48,16 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 2048)]
     pub(crate) cache_mb: u64,
     /// Passes over the training set (a resumed run trains up to this many in all).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value = contract::train_defaults::EPOCHS)]
     pub(crate) epochs: usize,
     /// Images per step on each worker.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value = contract::train_defaults::BATCH_SIZE)]
     pub(crate) batch_size: usize,
     /// SGD's learning rate (a positive number).
     #[arg(
         long,
         alias = "lr",
-        default_value_t = 1e-3,
+        default_value = contract::train_defaults::LEARNING_RATE,
         allow_negative_numbers = true
     )]
     pub(crate) learning_rate: f64,
@@ -95,7 +95,7 @@ pub(crate) struct Args {
     /// The convolutions' arithmetic: fp32, or bf16 (their inputs rounded to bf16 and summed in
     /// fp32, as PyTorch's CPU autocast does; weights, gradients, the optimizer, batch norm,
     /// checkpoints and the model file stay fp32). bf16 needs a CPU with AVX512_BF16.
-    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    #[arg(long, default_value = contract::train_defaults::PRECISION, value_parser = parse_precision)]
     pub(crate) precision: kernels::Precision,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]

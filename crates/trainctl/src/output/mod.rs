@@ -530,12 +530,12 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         )),
         LaunchEvent::Regrouped(r) => err(format_args!(
             "trainctl run: regrouped in place: world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted. Cause: {}",
-            r.world_size_before,
-            r.world_size,
-            r.step,
-            r.steps_dropped,
-            megabytes(r.bytes),
-            r.seconds,
+            r.worker.world_size_before,
+            r.worker.world_size,
+            r.worker.step,
+            r.worker.steps_dropped,
+            megabytes(r.worker.bytes),
+            r.worker.seconds,
             r.reason,
         )),
         LaunchEvent::Leaving {

@@ -13,10 +13,10 @@ use std::time::Duration;
 use std::io::{IsTerminal, Write};
 
 use anyhow::{Context, bail};
-use launcher::rendezvous::{self, BackendKind, Limits};
+use launcher::rendezvous::{self, Limits};
 
 use launcher::{LaunchSpec, Outcome};
-use plan::{Backend, Endpoint, Plan, Topology};
+use plan::{Endpoint, Plan, Topology};
 use telemetry::prometheus::JobGauges;
 
 /// What an elastic job does about a node its ranks find a straggler (`--stragglers`).
@@ -600,18 +600,10 @@ fn run_elastic(
 ) -> anyhow::Result<i32> {
     let token = job_token(args, limits.max == 1, &run_id);
     let mut cfg = rendezvous::Config::new(&run_id, limits);
-    let is_host =
-        rendezvous::parse_conf(&mut cfg, &args.rdzv_conf).map_err(|e| super::usage(e.into()))?;
+    rendezvous::parse_conf(&mut cfg, &args.rdzv_conf).map_err(|e| super::usage(e.into()))?;
+    cfg.token = token.clone();
     let shown = endpoint.given.clone();
-    let kind = match endpoint.backend {
-        Backend::Etcd { url } => BackendKind::Etcd { url },
-        Backend::C10d { host, port } => BackendKind::C10d {
-            host,
-            port,
-            token: token.clone(),
-            is_host,
-        },
-    };
+    let kind = endpoint.backend;
     let spec = worker_spec(args, nproc_per_node, run_id, token).map_err(super::usage)?;
     let mut rdzv =
         rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())

@@ -4,6 +4,7 @@
 
 use anyhow::{Context, bail};
 use contract::rdzv::Backend as RdzvBackend;
+use launcher::rendezvous::BackendKind;
 use launcher::rendezvous::Limits;
 
 use super::Args;
@@ -35,15 +36,7 @@ pub(super) enum Topology {
 pub(super) struct Endpoint {
     /// As given (or defaulted), for messages.
     pub(super) given: String,
-    pub(super) backend: Backend,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Backend {
-    /// trainctl's store, hosted by the agent on `host`.
-    C10d { host: String, port: u16 },
-    /// etcd's v3 API at `url`.
-    Etcd { url: String },
+    pub(super) backend: BackendKind,
 }
 
 /// `--standalone` makes its own one-node rendezvous: settings for another are refused, not
@@ -173,11 +166,11 @@ fn endpoint(args: &Args, limits: Limits, backend: RdzvBackend) -> anyhow::Result
                 let (host, port) = split_endpoint(&given, contract::ports::ETCD)?;
                 format!("http://{host}:{port}")
             };
-            Backend::Etcd { url }
+            BackendKind::Etcd { url }
         }
         _ => {
             let (host, port) = split_endpoint(&given, contract::ports::C10D)?;
-            Backend::C10d { host, port }
+            BackendKind::C10d { host, port }
         }
     };
     Ok(Endpoint { given, backend })
@@ -311,7 +304,7 @@ mod tests {
             };
             assert_eq!(
                 endpoint.backend,
-                Backend::C10d {
+                BackendKind::C10d {
                     host: "host".into(),
                     port: contract::ports::C10D
                 }
@@ -334,7 +327,7 @@ mod tests {
                 Topology::Elastic {
                     endpoint:
                         Endpoint {
-                            backend: Backend::Etcd { url },
+                            backend: BackendKind::Etcd { url },
                             ..
                         },
                     ..

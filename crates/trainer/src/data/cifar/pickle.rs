@@ -44,33 +44,152 @@ enum Item {
     Value(Value),
 }
 
+/// Reads one pickle: runs its opcodes on a stack until STOP and returns what is on top.
 pub(super) fn unpickle(data: &[u8]) -> Result<Value, String> {
-    let mut stack: Vec<Item> = Vec::new();
-    let mut memo: HashMap<u32, Value> = HashMap::new();
-    let mut pos = 0usize;
-    macro_rules! take {
-        ($n:expr) => {{
-            let n: usize = $n;
-            if data.len() - pos < n {
-                return Err(format!("truncated at byte {pos}: needs {n} more bytes"));
-            }
-            let s = &data[pos..pos + n];
-            pos += n;
-            s
-        }};
+    let mut machine = Unpickler {
+        data,
+        pos: 0,
+        stack: Vec::new(),
+        memo: HashMap::new(),
+    };
+    loop {
+        let op = machine.take(1)?[0];
+        if op == b'.' {
+            return machine.pop(); // STOP
+        }
+        machine.step(op)?;
     }
-    let le_u32 = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let pop = |stack: &mut Vec<Item>| -> Result<Value, String> {
-        match stack.pop() {
+}
+
+/// The unpickler's state: the bytes, where it reads, its stack and its memo.
+struct Unpickler<'a> {
+    data: &'a [u8],
+    pos: usize,
+    stack: Vec<Item>,
+    memo: HashMap<u32, Value>,
+}
+
+/// The little-endian `u32` in the first 4 bytes of `b`.
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+impl<'a> Unpickler<'a> {
+    /// Runs opcode `op` (any but STOP): one arm per opcode, each a push or a named step.
+    fn step(&mut self, op: u8) -> Result<(), String> {
+        match op {
+            0x80 => {
+                self.take(1)?; // PROTO
+            }
+            0x95 => {
+                self.take(8)?; // FRAME
+            }
+            b'(' => self.stack.push(Item::Mark),
+            b'N' => self.push(Value::None),
+            0x88 => self.push(Value::Bool(true)),
+            0x89 => self.push(Value::Bool(false)),
+            b'J' => {
+                let b = self.take(4)?;
+                self.push(Value::Int(le_u32(b) as i32 as i64));
+            }
+            b'K' => {
+                let b = self.take(1)?[0];
+                self.push(Value::Int(b as i64));
+            }
+            b'M' => {
+                let b = self.take(2)?;
+                self.push(Value::Int(u16::from_le_bytes([b[0], b[1]]) as i64));
+            }
+            0x8a => self.long1()?,
+            b'G' => {
+                let b = self.take(8)?;
+                let v = f64::from_be_bytes(b.try_into().map_err(|_| "float")?);
+                self.push(Value::Float(v));
+            }
+            b'U' | b'C' | b'T' | b'B' | 0x8e => self.bytes(op)?,
+            b'X' | 0x8c => self.string(op)?,
+            b'c' => self.global()?,
+            0x93 => self.stack_global()?,
+            b']' => self.push(Value::List(Vec::new())),
+            b')' => self.push(Value::Tuple(Vec::new())),
+            b'}' => self.push(Value::Dict(Vec::new())),
+            b't' => {
+                let items = self.pop_mark()?;
+                self.push(Value::Tuple(items));
+            }
+            b'l' => {
+                let items = self.pop_mark()?;
+                self.push(Value::List(items));
+            }
+            b'd' => {
+                let items = self.pop_mark()?;
+                self.push(Value::Dict(pairs(items)?));
+            }
+            0x85..=0x87 => self.small_tuple((op - 0x84) as usize)?,
+            b'a' => {
+                let v = self.pop()?;
+                self.extend_list(vec![v], "APPEND")?;
+            }
+            b'e' => {
+                let items = self.pop_mark()?;
+                self.extend_list(items, "APPENDS")?;
+            }
+            b's' => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                self.extend_dict(vec![(k, v)], "SETITEM")?;
+            }
+            b'u' => {
+                let items = pairs(self.pop_mark()?)?;
+                self.extend_dict(items, "SETITEMS")?;
+            }
+            b'R' | 0x81 => self.reduce()?,
+            b'b' => self.build()?,
+            b'q' | b'r' | 0x94 => self.memoize(op)?,
+            b'h' | b'j' => self.recall(op)?,
+            b'0' => {
+                self.stack.pop().ok_or("POP on an empty stack")?;
+            }
+            other => {
+                return Err(format!(
+                    "unsupported pickle opcode 0x{other:02x} at byte {} (not a CIFAR-10 python batch?)",
+                    self.pos - 1
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The next `n` bytes, or an error when fewer are left.
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let pos = self.pos;
+        if self.data.len() - pos < n {
+            return Err(format!("truncated at byte {pos}: needs {n} more bytes"));
+        }
+        let s = &self.data[pos..pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    /// Pushes `v` onto the stack.
+    fn push(&mut self, v: Value) {
+        self.stack.push(Item::Value(v));
+    }
+
+    /// The value on top of the stack, taken off it.
+    fn pop(&mut self) -> Result<Value, String> {
+        match self.stack.pop() {
             Some(Item::Value(v)) => Ok(v),
             Some(Item::Mark) => Err("unexpected mark on the stack".into()),
             None => Err("stack underflow".into()),
         }
-    };
-    let pop_mark = |stack: &mut Vec<Item>| -> Result<Vec<Value>, String> {
+    }
+
+    /// The values above the topmost mark, in the order they were pushed; the mark removed.
+    fn pop_mark(&mut self) -> Result<Vec<Value>, String> {
         let mut items = Vec::new();
         loop {
-            match stack.pop() {
+            match self.stack.pop() {
                 Some(Item::Value(v)) => items.push(v),
                 Some(Item::Mark) => {
                     items.reverse();
@@ -79,211 +198,168 @@ pub(super) fn unpickle(data: &[u8]) -> Result<Value, String> {
                 None => return Err("no mark on the stack".into()),
             }
         }
-    };
-    loop {
-        let op = take!(1)[0];
-        match op {
-            0x80 => {
-                take!(1); // PROTO
-            }
-            0x95 => {
-                take!(8); // FRAME
-            }
-            b'.' => return pop(&mut stack), // STOP
-            b'(' => stack.push(Item::Mark),
-            b'N' => stack.push(Item::Value(Value::None)),
-            0x88 => stack.push(Item::Value(Value::Bool(true))),
-            0x89 => stack.push(Item::Value(Value::Bool(false))),
-            b'J' => {
-                let b = take!(4);
-                stack.push(Item::Value(Value::Int(le_u32(b) as i32 as i64)));
-            }
-            b'K' => {
-                let b = take!(1)[0];
-                stack.push(Item::Value(Value::Int(b as i64)));
-            }
-            b'M' => {
-                let b = take!(2);
-                stack.push(Item::Value(Value::Int(
-                    u16::from_le_bytes([b[0], b[1]]) as i64
-                )));
-            }
-            0x8a => {
-                // LONG1
-                let n = take!(1)[0] as usize;
-                let b = take!(n);
-                if n > 8 {
-                    return Err(format!("integer of {n} bytes is too large"));
-                }
-                let mut v: i64 = 0;
-                for (i, byte) in b.iter().enumerate() {
-                    v |= (*byte as i64) << (8 * i);
-                }
-                if n > 0 && n < 8 && b[n - 1] & 0x80 != 0 {
-                    v -= 1i64 << (8 * n);
-                }
-                stack.push(Item::Value(Value::Int(v)));
-            }
-            b'G' => {
-                let b = take!(8);
-                let v = f64::from_be_bytes(b.try_into().map_err(|_| "float")?);
-                stack.push(Item::Value(Value::Float(v)));
-            }
-            // Python 2 str (CIFAR's own files) and python 3 bytes: raw bytes either way.
-            b'U' | b'C' => {
-                let n = take!(1)[0] as usize;
-                stack.push(Item::Value(Value::Bytes(take!(n).to_vec())));
-            }
-            b'T' | b'B' => {
-                let n = le_u32(take!(4)) as usize;
-                stack.push(Item::Value(Value::Bytes(take!(n).to_vec())));
-            }
-            0x8e => {
-                let b = take!(8);
-                let n = u64::from_le_bytes(b.try_into().map_err(|_| "len")?);
-                let n = usize::try_from(n).map_err(|_| "length overflows")?;
-                stack.push(Item::Value(Value::Bytes(take!(n).to_vec())));
-            }
-            b'X' | 0x8c => {
-                let n = if op == b'X' {
-                    le_u32(take!(4)) as usize
-                } else {
-                    take!(1)[0] as usize
-                };
-                let s = String::from_utf8(take!(n).to_vec()).map_err(|_| "string is not UTF-8")?;
-                stack.push(Item::Value(Value::Str(s)));
-            }
-            b'c' => {
-                // GLOBAL "module\nname\n"
-                let mut line = || -> Result<String, String> {
-                    let rest = &data[pos..];
-                    let end = rest
-                        .iter()
-                        .position(|&b| b == b'\n')
-                        .ok_or("unterminated GLOBAL")?;
-                    pos += end + 1;
-                    String::from_utf8(rest[..end].to_vec())
-                        .map_err(|_| "GLOBAL is not UTF-8".into())
-                };
-                let module = line()?;
-                let name = line()?;
-                stack.push(Item::Value(Value::Global(module, name)));
-            }
-            0x93 => {
-                // STACK_GLOBAL
-                let name = pop(&mut stack)?;
-                let module = pop(&mut stack)?;
-                match (module, name) {
-                    (Value::Str(m), Value::Str(n)) => stack.push(Item::Value(Value::Global(m, n))),
-                    _ => return Err("STACK_GLOBAL needs two strings".into()),
-                }
-            }
-            b']' => stack.push(Item::Value(Value::List(Vec::new()))),
-            b')' => stack.push(Item::Value(Value::Tuple(Vec::new()))),
-            b'}' => stack.push(Item::Value(Value::Dict(Vec::new()))),
-            b't' => {
-                let items = pop_mark(&mut stack)?;
-                stack.push(Item::Value(Value::Tuple(items)));
-            }
-            b'l' => {
-                let items = pop_mark(&mut stack)?;
-                stack.push(Item::Value(Value::List(items)));
-            }
-            b'd' => {
-                let items = pop_mark(&mut stack)?;
-                stack.push(Item::Value(Value::Dict(pairs(items)?)));
-            }
-            0x85..=0x87 => {
-                let n = (op - 0x84) as usize;
-                let mut items = Vec::with_capacity(n);
-                for _ in 0..n {
-                    items.push(pop(&mut stack)?);
-                }
-                items.reverse();
-                stack.push(Item::Value(Value::Tuple(items)));
-            }
-            b'a' => {
-                let v = pop(&mut stack)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::List(l))) => l.push(v),
-                    _ => return Err("APPEND to something that is not a list".into()),
-                }
-            }
-            b'e' => {
-                let items = pop_mark(&mut stack)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::List(l))) => l.extend(items),
-                    _ => return Err("APPENDS to something that is not a list".into()),
-                }
-            }
-            b's' => {
-                let v = pop(&mut stack)?;
-                let k = pop(&mut stack)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::Dict(d))) => d.push((k, v)),
-                    _ => return Err("SETITEM on something that is not a dict".into()),
-                }
-            }
-            b'u' => {
-                let items = pairs(pop_mark(&mut stack)?)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::Dict(d))) => d.extend(items),
-                    _ => return Err("SETITEMS on something that is not a dict".into()),
-                }
-            }
-            b'R' | 0x81 => {
-                // REDUCE / NEWOBJ: recorded, never called.
-                let args = pop(&mut stack)?;
-                let callable = pop(&mut stack)?;
-                stack.push(Item::Value(Value::Object {
-                    callable: Box::new(callable),
-                    args: Box::new(args),
-                    state: None,
-                }));
-            }
-            b'b' => {
-                let state = pop(&mut stack)?;
-                match stack.last_mut() {
-                    Some(Item::Value(Value::Object { state: slot, .. })) => {
-                        *slot = Some(Box::new(state))
-                    }
-                    _ => return Err("BUILD on something that is not an object".into()),
-                }
-            }
-            b'q' | b'r' | 0x94 => {
-                let key = match op {
-                    b'q' => take!(1)[0] as u32,
-                    b'r' => le_u32(take!(4)),
-                    _ => memo.len() as u32,
-                };
-                match stack.last() {
-                    Some(Item::Value(v)) => {
-                        memo.insert(key, v.clone());
-                    }
-                    _ => return Err("memoizing an empty stack".into()),
-                }
-            }
-            b'h' | b'j' => {
-                let key = if op == b'h' {
-                    take!(1)[0] as u32
-                } else {
-                    le_u32(take!(4))
-                };
-                let v = memo
-                    .get(&key)
-                    .ok_or(format!("memo key {key} was never stored"))?;
-                stack.push(Item::Value(v.clone()));
-            }
-            b'0' => {
-                stack.pop().ok_or("POP on an empty stack")?;
-            }
-            other => {
-                return Err(format!(
-                    "unsupported pickle opcode 0x{other:02x} at byte {} (not a CIFAR-10 python batch?)",
-                    pos - 1
-                ));
-            }
+    }
+
+    /// LONG1: a little-endian two's-complement integer of up to 8 bytes.
+    fn long1(&mut self) -> Result<(), String> {
+        let n = self.take(1)?[0] as usize;
+        let b = self.take(n)?;
+        if n > 8 {
+            return Err(format!("integer of {n} bytes is too large"));
         }
+        let mut v: i64 = 0;
+        for (i, byte) in b.iter().enumerate() {
+            v |= (*byte as i64) << (8 * i);
+        }
+        if n > 0 && n < 8 && b[n - 1] & 0x80 != 0 {
+            v -= 1i64 << (8 * n);
+        }
+        self.push(Value::Int(v));
+        Ok(())
+    }
+
+    /// Raw bytes behind a 1-, 4- or 8-byte length: python 2 str (CIFAR's own files) and python
+    /// 3 bytes alike.
+    fn bytes(&mut self, op: u8) -> Result<(), String> {
+        let n = match op {
+            b'U' | b'C' => self.take(1)?[0] as usize,
+            b'T' | b'B' => le_u32(self.take(4)?) as usize,
+            _ => {
+                let b = self.take(8)?;
+                let n = u64::from_le_bytes(b.try_into().map_err(|_| "len")?);
+                usize::try_from(n).map_err(|_| "length overflows")?
+            }
+        };
+        let bytes = self.take(n)?.to_vec();
+        self.push(Value::Bytes(bytes));
+        Ok(())
+    }
+
+    /// A UTF-8 string behind a 4-byte (`X`) or 1-byte length.
+    fn string(&mut self, op: u8) -> Result<(), String> {
+        let n = if op == b'X' {
+            le_u32(self.take(4)?) as usize
+        } else {
+            self.take(1)?[0] as usize
+        };
+        let s = String::from_utf8(self.take(n)?.to_vec()).map_err(|_| "string is not UTF-8")?;
+        self.push(Value::Str(s));
+        Ok(())
+    }
+
+    /// GLOBAL `module\nname\n`: recorded, never resolved.
+    fn global(&mut self) -> Result<(), String> {
+        let module = self.global_line()?;
+        let name = self.global_line()?;
+        self.push(Value::Global(module, name));
+        Ok(())
+    }
+
+    /// One newline-terminated line of a GLOBAL.
+    fn global_line(&mut self) -> Result<String, String> {
+        let data = self.data;
+        let rest = &data[self.pos..];
+        let end = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or("unterminated GLOBAL")?;
+        self.pos += end + 1;
+        String::from_utf8(rest[..end].to_vec()).map_err(|_| "GLOBAL is not UTF-8".into())
+    }
+
+    /// STACK_GLOBAL: a GLOBAL whose module and name are the two strings on the stack.
+    fn stack_global(&mut self) -> Result<(), String> {
+        let name = self.pop()?;
+        let module = self.pop()?;
+        match (module, name) {
+            (Value::Str(m), Value::Str(n)) => self.push(Value::Global(m, n)),
+            _ => return Err("STACK_GLOBAL needs two strings".into()),
+        }
+        Ok(())
+    }
+
+    /// TUPLE1 to TUPLE3: the top `n` values as a tuple.
+    fn small_tuple(&mut self, n: usize) -> Result<(), String> {
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(self.pop()?);
+        }
+        items.reverse();
+        self.push(Value::Tuple(items));
+        Ok(())
+    }
+
+    /// APPEND(S): `items` added to the list on top of the stack.
+    fn extend_list(&mut self, items: Vec<Value>, opcode: &str) -> Result<(), String> {
+        match self.stack.last_mut() {
+            Some(Item::Value(Value::List(l))) => l.extend(items),
+            _ => return Err(format!("{opcode} to something that is not a list")),
+        }
+        Ok(())
+    }
+
+    /// SETITEM(S): `items` added to the dict on top of the stack.
+    fn extend_dict(&mut self, items: Vec<(Value, Value)>, opcode: &str) -> Result<(), String> {
+        match self.stack.last_mut() {
+            Some(Item::Value(Value::Dict(d))) => d.extend(items),
+            _ => return Err(format!("{opcode} on something that is not a dict")),
+        }
+        Ok(())
+    }
+
+    /// REDUCE / NEWOBJ: the call recorded, never made.
+    fn reduce(&mut self) -> Result<(), String> {
+        let args = self.pop()?;
+        let callable = self.pop()?;
+        self.push(Value::Object {
+            callable: Box::new(callable),
+            args: Box::new(args),
+            state: None,
+        });
+        Ok(())
+    }
+
+    /// BUILD: the state on top given to the object under it.
+    fn build(&mut self) -> Result<(), String> {
+        let state = self.pop()?;
+        match self.stack.last_mut() {
+            Some(Item::Value(Value::Object { state: slot, .. })) => *slot = Some(Box::new(state)),
+            _ => return Err("BUILD on something that is not an object".into()),
+        }
+        Ok(())
+    }
+
+    /// (BIN|LONG_BIN)PUT and MEMOIZE: the value on top stored under a key (the memo's size for
+    /// MEMOIZE).
+    fn memoize(&mut self, op: u8) -> Result<(), String> {
+        let key = match op {
+            b'q' => self.take(1)?[0] as u32,
+            b'r' => le_u32(self.take(4)?),
+            _ => self.memo.len() as u32,
+        };
+        match self.stack.last() {
+            Some(Item::Value(v)) => {
+                self.memo.insert(key, v.clone());
+            }
+            _ => return Err("memoizing an empty stack".into()),
+        }
+        Ok(())
+    }
+
+    /// BINGET / LONG_BINGET: a stored value pushed again.
+    fn recall(&mut self, op: u8) -> Result<(), String> {
+        let key = if op == b'h' {
+            self.take(1)?[0] as u32
+        } else {
+            le_u32(self.take(4)?)
+        };
+        let v = self
+            .memo
+            .get(&key)
+            .ok_or(format!("memo key {key} was never stored"))?
+            .clone();
+        self.push(v);
+        Ok(())
     }
 }
 
