@@ -57,6 +57,7 @@ def start_group(job: Elastic) -> dict[str, Any]:
     job._first_start = False
     return synced
 
+
 def _sync(job: Elastic) -> dict[str, Any]:
     """Every rank's state made the same (see the module's doc); the ranks at the furthest
     step are checked to hold the same state before anything travels."""
@@ -105,6 +106,7 @@ def _sync(job: Elastic) -> dict[str, Any]:
     )
     return result
 
+
 def _resized(job: Elastic) -> None:
     """Tells ``on_resize`` when the state was trained at another world size."""
     p = job.progress
@@ -113,11 +115,13 @@ def _resized(job: Elastic) -> None:
     if old and old != new and job.on_resize is not None:
         job.on_resize(old, new)
 
+
 def teardown(job: Elastic) -> None:
     def drop_wrapper() -> None:
         job._ddp = None
 
     job.group.teardown(drop_wrapper)
+
 
 def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = "") -> dict[str, Any]:
     """Leaves the group and goes on in the next round's, with every rank's state the same.
@@ -162,6 +166,7 @@ def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = ""
         job._flow.newcomer_arrived(job.progress["position"] >= job.dataset_size)
     return synced
 
+
 def _report_regroup(
     job: Elastic,
     reason: str,
@@ -203,6 +208,7 @@ def _report_regroup(
         # The agent's report of the regroup; training goes on without it.
         pass
 
+
 def _next_round(job: Elastic, why: str, lost: bool) -> Any:
     """Tells the agent why this worker left its group, then waits for the next round's
     environment, a stop, or the word that this node goes. A closed channel: the agent
@@ -215,16 +221,18 @@ def _next_round(job: Elastic, why: str, lost: bool) -> Any:
         else:
             job.control.send(ctl.paused(job._assignments, step))
         assigned, job._assigned = job._assigned, None
+        wait = 0.0
         while True:
-            while True:
-                message = job.control.recv(0)
-                if message is None:
-                    break
+            message = job.control.recv(wait)
+            if message is not None:
                 if isinstance(message, ctl.Assign):
                     assigned = message.env
                     job._assignments += 1
                 else:
                     job._take(message)
+                # Whatever else has come, before deciding.
+                wait = 0.0
+                continue
             # An assignment in hand is joined even when a stop came too: the stop then rides
             # the new group's first step, and every rank stops together.
             decision = protocol.waiting(job._leaving, assigned is not None, job.stop_requested)
@@ -234,22 +242,17 @@ def _next_round(job: Elastic, why: str, lost: bool) -> Any:
                 return assigned
             if decision is protocol.Waiting.STOP:
                 return _STOP
-            message = job.control.recv(0.1)
-            if message is None:
-                continue
-            if isinstance(message, ctl.Assign):
-                assigned = message.env
-                job._assignments += 1
-            else:
-                job._take(message)
+            wait = 0.1
     except ctl.ControlError as e:
         say(f"{why}; the agent did not regroup this worker ({e})")
         sys.exit(EXIT_PEER_LOST)
+
 
 def leave(job: Elastic) -> None:
     say(f"rank {job.rank} leaves the job after step {job.progress['global_step']}: its node was asked to go")
     teardown(job)
     sys.exit(EXIT_PREEMPTED)
+
 
 def stop(job: Elastic, saver: int) -> None:
     # The rank that saves: rank 0, or the lowest that stays when rank 0's node goes.
