@@ -2,7 +2,8 @@
 """What trainctl.torch costs a step when nothing fails: the same seed-CNN training loop, plain
 DDP (DistributedSampler, DataLoader-free indexing) and with ``Elastic`` (its per-step flags
 all-reduce, records and digest), each run under ``trainctl run --standalone --nproc-per-node 2``,
-alternated round by round on the same machine. Prints each round's steps/s and the medians.
+alternated round by round on the same machine, which runs first swapping every round.
+Prints each round's steps/s and the medians.
 
 Usage: bench/pytorch_elastic_cost.py [--rounds 5] [--steps 150] [--batch-size 32]
                                     [--python target/pyenv/bin/python] [--trainctl target/release/trainctl]
@@ -88,7 +89,9 @@ def main():
     results = {"plain": [], "elastic": []}
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
-            for kind in ("plain", "elastic"):
+            # ABBA: each kind runs first in every other round, so that what the order costs
+            # (the second run of a pair came out slower here either way) cancels.
+            for kind in ("plain", "elastic") if r % 2 == 0 else ("elastic", "plain"):
                 cmd = [
                     args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--",
                     args.python, os.path.abspath(__file__), "--worker", kind,
