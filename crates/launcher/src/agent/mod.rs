@@ -267,13 +267,7 @@ fn go_while_joining(
     let why = match rdzv.withdraw(held, &reason) {
         Ok(rendezvous::Withdrawn::Went { nodes }) => {
             events(LaunchEvent::Withdrawing { reason, nodes });
-            let mut group = kept.group;
-            group.leave();
-            let deadline = Instant::now() + LEAVE_TIMEOUT.min(spec.regroup_timeout);
-            group.wait_exited(deadline.saturating_duration_since(Instant::now()));
-            group.stop(spec.grace);
-            // Its store, if it hosts it, stays until the others have formed their round.
-            rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
+            let_workers_go(spec, rdzv, kept.group);
             return Outcome::Left { signal };
         }
         Ok(rendezvous::Withdrawn::Refused(why)) => why,
@@ -706,7 +700,7 @@ impl InRound<'_> {
     /// back, with why, when the rendezvous refused.
     fn leave_job(
         &mut self,
-        mut group: Group,
+        group: Group,
         reason: String,
         left: Outcome,
         events: &mut dyn FnMut(LaunchEvent),
@@ -718,15 +712,7 @@ impl InRound<'_> {
                     nodes,
                     world_size,
                 });
-                group.leave();
-                // One budget for both waits: the pod's grace period bounds them together.
-                let deadline = Instant::now() + LEAVE_TIMEOUT.min(self.spec.regroup_timeout);
-                let finished =
-                    group.wait_exited(deadline.saturating_duration_since(Instant::now()));
-                group.stop(self.spec.grace);
-                // Its store, if it hosts it, stays until the others have formed their round.
-                self.rdzv
-                    .hand_over(deadline.saturating_duration_since(Instant::now()));
+                let finished = let_workers_go(self.spec, self.rdzv, group);
                 Leaving::Went(if finished == Some(true) {
                     Outcome::Succeeded
                 } else {
@@ -740,6 +726,19 @@ impl InRound<'_> {
             ),
         }
     }
+}
+
+/// This node leaves, the rendezvous already told: its workers leave after the step under way
+/// and exit (stopped if they do not), then its store, if it hosts it, stays until the others
+/// have formed their round. One budget for both waits: the pod's grace period bounds them
+/// together. Returns [`Group::wait_exited`]'s word on how the workers ended.
+fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, mut group: Group) -> Option<bool> {
+    group.leave();
+    let deadline = Instant::now() + LEAVE_TIMEOUT.min(spec.regroup_timeout);
+    let finished = group.wait_exited(deadline.saturating_duration_since(Instant::now()));
+    group.stop(spec.grace);
+    rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
+    finished
 }
 
 /// How long a leaving node may take to see its workers reach the end of their step and, when

@@ -18,7 +18,7 @@
 //! It uses KUBECONFIG's current context and namespace `default`. Every test removes its job and
 //! its storage objects (`storage --delete`) when it ends, passed or failed.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::support::*;
@@ -106,17 +106,18 @@ fn pod_of_index(t: &impl Fn(&[&str]) -> Command, name: &str, index: u32) -> Opti
     })
 }
 
-/// The test job's storage and a small synthetic data set (512 images) on it.
-fn storage_and_data(t: &impl Fn(&[&str]) -> Command) {
+/// The test job's storage and a small synthetic data set (`images` images) on it; the data
+/// job's output.
+fn storage_and_data(t: &impl Fn(&[&str]) -> Command, images: u32) -> Output {
     run_ok(&mut t(&["storage"]));
     run_ok(&mut t(&[
         "data",
         "job",
         "--synthetic",
-        "512",
+        &images.to_string(),
         "--timeout",
         "600",
-    ]));
+    ]))
 }
 
 /// `job logs --follow` of the test job, once it trains at `nodes` nodes (a first round of
@@ -177,15 +178,7 @@ fn cluster_e2e_survives_losing_pod_0_and_tests_the_model() {
     let name = format!("e2e-{}", std::process::id());
     let t = e2e_epochs(&name, &image(), 3);
     let _clean = CleanUp(t.clone());
-    run_ok(&mut t(&["storage"]));
-    let data = run_ok(&mut t(&[
-        "data",
-        "job",
-        "--synthetic",
-        "512",
-        "--timeout",
-        "600",
-    ]));
+    let data = storage_and_data(&t, 512);
     assert!(
         text(&data.stdout).contains("wrote 512 training"),
         "{}",
@@ -224,15 +217,7 @@ fn cluster_e2e_a_one_node_job_runs_and_leaves_nothing_after_its_ttl() {
     let name = format!("e2e-one-{}", std::process::id());
     let t = e2e(&name, &image());
     let _clean = CleanUp(t.clone());
-    run_ok(&mut t(&["storage"]));
-    run_ok(&mut t(&[
-        "data",
-        "job",
-        "--synthetic",
-        "128",
-        "--timeout",
-        "600",
-    ]));
+    storage_and_data(&t, 128);
     // In bf16 where this machine's CPU has it (the lab cluster's node is this machine): the
     // setting reaches the pod's trainer, which trains with it.
     let bf16 = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains("avx512_bf16"));
@@ -379,7 +364,7 @@ fn cluster_e2e_a_deleted_pod_leaves_and_the_others_go_on() {
     let name = format!("e2e-leave-{}", std::process::id());
     let t = e2e_epochs(&name, &image(), 30);
     let _clean = CleanUp(t.clone());
-    storage_and_data(&t);
+    storage_and_data(&t, 512);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:3"]));
     // Every pod's lines as they come: the deleted pod's last ones are only here (`job logs`
     // afterwards reads the pods that are left).
@@ -708,7 +693,7 @@ fn cluster_e2e_a_job_scales_down_and_up_in_place_and_grows_into_free_capacity() 
         }
     }
     let _unblock = Unblock(hold.clone());
-    storage_and_data(&t);
+    storage_and_data(&t, 512);
     // Room for three training pods of 500m and a half: the fourth waits.
     let free = free_millicores();
     assert!(
@@ -816,7 +801,7 @@ fn cluster_e2e_losing_pod_0_of_an_elastic_c10d_job_costs_a_wait_not_a_restart() 
     let name = format!("e2e-host-{}", std::process::id());
     let t = e2e_epochs(&name, &image(), 60);
     let _clean = CleanUp(t.clone());
-    storage_and_data(&t);
+    storage_and_data(&t, 512);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:3"]));
     let mut follow = follow_once_training(&t, 3);
     let pod0 = pod_of_index(&t, &name, 0).expect("pod 0 runs");
