@@ -143,6 +143,18 @@ pub enum LaunchEvent {
     },
     /// The job finished before this agent joined.
     JobAlreadyOver,
+    /// The job ended in a round without this node (it was cut off, or stopped, meanwhile):
+    /// its workers leave without saving, their state behind the job's.
+    LeftBehind {
+        succeeded: bool,
+    },
+    /// The job is over and this node hosts the store: it keeps the store up to `up_to` more
+    /// for the nodes named, lost during the job without leaving, so that one only cut off
+    /// learns how the job ended.
+    KeepingStore {
+        nodes: Vec<String>,
+        up_to: std::time::Duration,
+    },
     /// This node's workers finished; it waits (the exit barrier) for the nodes named, whose
     /// workers have not, `waited` so far.
     AwaitingOthers {

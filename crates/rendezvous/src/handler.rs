@@ -778,18 +778,43 @@ pub(crate) const EXIT_BARRIER_SAY_EVERY: Duration = Duration::from_secs(10);
 
 impl Rendezvous {
     /// Once the job is over: an agent that hosts the store keeps it up until every other agent
-    /// has left (up to the close timeout), so they learn how the job ended.
-    pub fn linger(&mut self) {
+    /// has left, so that they learn how the job ended, and until the nodes lost during the job
+    /// (no heartbeat: killed, or only cut off) have come back and left; all within the close
+    /// timeout. `waiting` hears, once, the lost nodes it then waits for alone.
+    pub fn linger(&mut self, waiting: &mut dyn FnMut(&[String], Duration)) {
         if self.server.is_none() {
             return;
         }
         let deadline = Instant::now() + self.cfg.close_timeout;
+        let lapsed = match self.read() {
+            Ok((read, _)) => read
+                .state
+                .map(|s| s.lapsed_unfinished())
+                .unwrap_or_default(),
+            Err(_) => return,
+        };
+        let mut back = BTreeSet::new();
+        let mut said = false;
         while Instant::now() < deadline {
-            match self.backend.alive() {
-                Ok(alive) if alive.iter().all(|id| *id == self.me.id) => return,
-                Ok(_) => std::thread::sleep(self.cfg.poll),
-                Err(_) => return,
+            let Ok(alive) = self.backend.alive() else {
+                return;
+            };
+            back.extend(lapsed.iter().filter(|id| alive.contains(*id)).cloned());
+            if alive.iter().all(|id| *id == self.me.id) {
+                let missing: Vec<String> = lapsed
+                    .iter()
+                    .filter(|id| !back.contains(*id))
+                    .cloned()
+                    .collect();
+                if missing.is_empty() {
+                    return;
+                }
+                if !said {
+                    said = true;
+                    waiting(&missing, deadline.saturating_duration_since(Instant::now()));
+                }
             }
+            std::thread::sleep(self.cfg.poll);
         }
     }
 }

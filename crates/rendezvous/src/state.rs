@@ -81,7 +81,16 @@ pub struct State {
     /// a node's exit 0 says the whole job is done (rank 0's model saved and uploaded).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub finished: Vec<String>,
+    /// Nodes a round went on without because their heartbeat stopped (not because they
+    /// left): killed, or cut off and perhaps coming back. The store's host keeps a closed
+    /// job's store up a while for them ([`State::lapsed_unfinished`]), so that a node cut off
+    /// as the job ends learns that it did. The last [`MAX_LAPSED`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lapsed: Vec<String>,
 }
+
+/// The most lapsed nodes a record keeps (every agent reads the record: it stays small).
+pub const MAX_LAPSED: usize = 16;
 
 impl Default for State {
     fn default() -> Self {
@@ -99,6 +108,7 @@ impl Default for State {
             reason: None,
             admissions: 0,
             finished: Vec::new(),
+            lapsed: Vec::new(),
         }
     }
 }
@@ -130,6 +140,10 @@ pub struct Assignment {
 pub struct Closed {
     pub succeeded: bool,
     pub root_cause: Option<String>,
+    /// This node was in the round that closed the job: its workers hold the job's last
+    /// state. Otherwise the job went on without it (it was cut off, or stopped) and its
+    /// workers' state is behind: they must not save it over the job's.
+    pub member: bool,
 }
 
 /// What an agent that wants to join does next.
@@ -179,6 +193,7 @@ impl State {
             Phase::Closed { succeeded } => Some(Closed {
                 succeeded,
                 root_cause: self.root_cause.clone(),
+                member: false,
             }),
             _ => None,
         }
@@ -204,6 +219,28 @@ impl State {
             ..self.clone()
         }
         .written()
+    }
+
+    /// The next round as [`State::reopened`] makes it, because participant `gone` has no
+    /// heartbeat: it is counted among the lapsed.
+    fn reopened_without(&self, gone: &str, reason: String, alive: &BTreeSet<String>) -> State {
+        let mut next = self.reopened(reason, alive);
+        if !next.lapsed.iter().any(|id| id == gone) {
+            next.lapsed.push(gone.to_string());
+            let over = next.lapsed.len().saturating_sub(MAX_LAPSED);
+            next.lapsed.drain(..over);
+        }
+        next
+    }
+
+    /// The nodes lost during this job (no heartbeat) that have not finished since: those a
+    /// closed job's store waits for a while, in case they were only cut off.
+    pub fn lapsed_unfinished(&self) -> Vec<String> {
+        self.lapsed
+            .iter()
+            .filter(|id| !self.finished.contains(id))
+            .cloned()
+            .collect()
     }
 
     /// The participant that writes for the others: the first one alive. Only it merges the
@@ -368,7 +405,8 @@ pub fn watch_step(
         return WatchStep::Restart("the rendezvous record vanished".into());
     };
     if let Some(closed) = state.closed() {
-        return WatchStep::Closed(closed);
+        let member = state.round == round && state.is_participant(me);
+        return WatchStep::Closed(Closed { member, ..closed });
     }
     if state.round != round || state.phase != Phase::Running || !state.is_participant(me) {
         return WatchStep::Restart(
@@ -384,7 +422,10 @@ pub fn watch_step(
             return WatchStep::Healthy;
         }
         let reason = format!("node {} is gone (no heartbeat)", dead.id);
-        return WatchStep::Reopen(state.reopened(reason.clone(), alive), reason);
+        return WatchStep::Reopen(
+            state.reopened_without(&dead.id, reason.clone(), alive),
+            reason,
+        );
     }
     let newcomers = state.newcomers(alive, seen.announced);
     let n = state.participants.len() as u32;
@@ -610,6 +651,7 @@ pub fn fail_step(
             closed.unwrap_or(Closed {
                 succeeded: false,
                 root_cause: None,
+                member: true,
             }),
         );
     }

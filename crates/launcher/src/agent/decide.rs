@@ -33,9 +33,11 @@ pub(crate) enum Round {
     Reopened {
         node_gone: bool,
     },
-    /// Another node closed the job.
+    /// Another node closed the job; `member`: in this node's round (else the job went on
+    /// without this node, which was cut off or stopped, and ended).
     Closed {
         succeeded: bool,
+        member: bool,
     },
     /// The store could not be asked.
     Unreachable,
@@ -94,6 +96,10 @@ pub(crate) enum Next {
     Closing,
     /// Another node ended the job with a failure.
     JobFailed,
+    /// The job ended in a round without this node (it was cut off or stopped meanwhile): its
+    /// workers' state is behind the job's, so they leave without saving, and the launch ends
+    /// as the job did.
+    LeftBehind { succeeded: bool },
     /// The store cannot be asked: the workers go on without it.
     StoreDown,
     /// The store answers again after [`Next::StoreDown`].
@@ -150,8 +156,16 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
             fallback: false,
             tell: false,
         },
-        Seen::Round(Round::Closed { succeeded: true }) => Next::Closing,
-        Seen::Round(Round::Closed { succeeded: false }) => Next::JobFailed,
+        Seen::Round(Round::Closed {
+            succeeded,
+            member: false,
+        }) => Next::LeftBehind { succeeded },
+        Seen::Round(Round::Closed {
+            succeeded: true, ..
+        }) => Next::Closing,
+        Seen::Round(Round::Closed {
+            succeeded: false, ..
+        }) => Next::JobFailed,
         Seen::Round(Round::Unreachable) if store_down => Next::Wait,
         Seen::Round(Round::Unreachable) => Next::StoreDown,
     }

@@ -39,7 +39,12 @@ pub fn run_elastic(
     ) {
         // The job is over: if this agent hosts the store, the others still need it to learn so.
         // (A node that left handed its store over already: the others train on.)
-        rdzv.linger();
+        rdzv.linger(&mut |nodes, up_to| {
+            events(LaunchEvent::KeepingStore {
+                nodes: nodes.to_vec(),
+                up_to,
+            })
+        });
     }
     Ok(outcome)
 }
@@ -229,6 +234,19 @@ fn not_joined(
     let kept = match (&ended, kept) {
         (Ok(Joined::Stopped), Some(k)) => {
             return Ok(go_while_joining(spec, rdzv, k, held, signal, events));
+        }
+        // The job ended in a round without this node: its workers are behind (not to save).
+        (Ok(Joined::Closed(c)), Some(k)) if !c.member => {
+            events(LaunchEvent::LeftBehind {
+                succeeded: c.succeeded,
+            });
+            leave_unsaved(k.group, spec.grace);
+            return Ok(match ended? {
+                Joined::Closed(c) if !c.succeeded => {
+                    Outcome::JobFailed(c.root_cause.unwrap_or_default())
+                }
+                _ => Outcome::Succeeded,
+            });
         }
         (_, kept) => kept,
     };
@@ -431,6 +449,7 @@ impl InRound<'_> {
             Ok(Watch::Closed(c)) => Looked::because(
                 Seen::Round(Round::Closed {
                     succeeded: c.succeeded,
+                    member: c.member,
                 }),
                 c.root_cause.unwrap_or_default(),
             ),
@@ -547,6 +566,15 @@ impl InRound<'_> {
             Next::JobFailed => {
                 group.stop(grace);
                 RoundEnd::Over(Outcome::JobFailed(why))
+            }
+            Next::LeftBehind { succeeded } => {
+                events(LaunchEvent::LeftBehind { succeeded });
+                leave_unsaved(group, grace);
+                RoundEnd::Over(if succeeded {
+                    Outcome::Succeeded
+                } else {
+                    Outcome::JobFailed(why)
+                })
             }
         })
     }
@@ -739,6 +767,14 @@ fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, mut group: Group) ->
     group.stop(spec.grace);
     rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
     finished
+}
+
+/// The job is over without this node's workers: they leave without saving (their state is
+/// behind the job's), given `grace` to do so before they are stopped.
+fn leave_unsaved(mut group: Group, grace: Duration) {
+    group.leave();
+    group.wait_exited(grace);
+    group.stop(grace);
 }
 
 /// How long a leaving node may take to see its workers reach the end of their step and, when

@@ -41,10 +41,15 @@ pub fn join_step(
             // Its members are those a reopened round expects too: a node that lost a peer
             // reopens the round, and the peer's node may close it before anyone rejoins.
             if state.members().any(|id| id == me.id || alive.contains(id)) {
-                JoinStep::Closed(state.closed().unwrap_or(Closed {
+                let closed = state.closed().unwrap_or(Closed {
                     succeeded: false,
                     root_cause: None,
-                }))
+                    member: false,
+                });
+                JoinStep::Closed(Closed {
+                    member: state.is_participant(&me.id),
+                    ..closed
+                })
             } else {
                 JoinStep::Write(
                     State {
@@ -63,7 +68,8 @@ pub fn join_step(
                 return JoinStep::Assigned(a);
             }
             if let Some(dead) = state.participants.iter().find(|n| !live(n)) {
-                return JoinStep::Write(state.reopened(format!("node {} is gone", dead.id), alive));
+                let reason = format!("node {} is gone", dead.id);
+                return JoinStep::Write(state.reopened_without(&dead.id, reason, alive));
             }
             if announced.is_some() {
                 // Announced for the next round: the round's writer sees it.

@@ -145,6 +145,52 @@ fn a_lost_node_reopens_the_round_and_the_survivors_go_on_at_once() {
     );
 }
 
+/// A node cut off (no heartbeat) is lapsed, not left: the closed job's store waits for it
+/// a while; once back it is told the job is over and that it was not in the round that
+/// closed it (its workers' state is behind, theirs not to save).
+#[test]
+fn a_node_cut_off_is_lapsed_and_learns_it_was_not_in_the_round_that_closed_the_job() {
+    let mut state = running(&["a", "b", "c"]);
+    let round = state.as_ref().unwrap().round;
+    let live = alive(&["a", "b"]);
+    let WatchStep::Reopen(next, _) = watch_step(state.as_ref(), "a", round, &live, LIMITS, &NOW)
+    else {
+        panic!("a lost node must reopen the round");
+    };
+    assert_eq!(next.lapsed, vec!["c".to_string()]);
+    state = Some(next);
+    join(&mut state, "b", &live, false);
+    assigned(join(&mut state, "a", &live, false));
+    let survivors = assigned(join(&mut state, "b", &live, false));
+    assert_eq!(survivors.nnodes, 2);
+    state = finish_step(state.as_ref(), "a");
+    state = finish_step(state.as_ref(), "b");
+    let closed = state.as_ref().unwrap();
+    assert_eq!(closed.lapsed_unfinished(), vec!["c".to_string()]);
+    let back = alive(&["a", "b", "c"]);
+    let member =
+        |id: &str, round: u64| match watch_step(Some(closed), id, round, &back, LIMITS, &NOW) {
+            WatchStep::Closed(c) => c.member,
+            other => panic!("a closed job must be told: {other:?}"),
+        };
+    assert!(member("a", survivors.round), "a closed it");
+    assert!(!member("c", round), "c was cut off in the round before");
+    match join_step(Some(closed), &node("c"), &back, LIMITS, false, None) {
+        JoinStep::Closed(c) => assert!(c.succeeded && !c.member, "{c:?}"),
+        other => panic!("c rejoining must be told the job is over: {other:?}"),
+    }
+    // A node that left by asking is not lapsed: nobody waits for it.
+    let state = running(&["a", "b", "c"]);
+    let round = state.as_ref().unwrap().round;
+    let all = alive(&["a", "b", "c"]);
+    let LeaveStep::Write { next, .. } =
+        leave_step(state.as_ref(), "c", round, &all, LIMITS, "told to go")
+    else {
+        panic!("c may leave");
+    };
+    assert!(next.lapsed.is_empty());
+}
+
 #[test]
 fn below_min_the_survivor_waits() {
     let mut state = running(&["a", "b"]);

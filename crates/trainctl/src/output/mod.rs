@@ -560,6 +560,17 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::JobAlreadyOver => err(format_args!(
             "trainctl run: this run id's job has already finished; nothing to do"
         )),
+        LaunchEvent::LeftBehind { succeeded } => warn(&format!(
+            "the job {} in a round without this node (it was cut off or stopped meanwhile); this \
+             node's workers leave without saving: their state is behind the job's",
+            if succeeded { "finished" } else { "failed" }
+        )),
+        LaunchEvent::KeepingStore { nodes, up_to } => err(format_args!(
+            "trainctl run: the job is over; keeping the rendezvous store up to {} more for {}, \
+             lost during the job without leaving: a node only cut off learns how the job ended",
+            duration(up_to.as_secs_f64()),
+            nodes.join(", ")
+        )),
         LaunchEvent::AwaitingOthers { nodes, waited } => err(format_args!(
             "trainctl run: this node's workers finished; waiting {} so far for {} to finish too \
              before exiting (exit_barrier_timeout in --rdzv-conf)",

@@ -582,6 +582,79 @@ fn agent_lost(cluster: Option<Cluster>, cut_link: bool, regroup: &'static str) {
     }
 }
 
+/// A node cut off (its link down) while the other two finish the job without it: once its
+/// link is back it learns that the job finished, and its workers, whose state is behind the
+/// job's, leave without saving; it exits 0. `victim` is the host cut off, or `None` for the
+/// host of the first round's rank 0 (whose worker would save as rank 0 if stopped).
+/// Returns the victim's output and the host of the c10d store's.
+fn cut_off_as_the_job_ends(
+    cluster: Option<Cluster>,
+    victim: Option<usize>,
+) -> Option<(String, String)> {
+    let mut c = cluster?;
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_progress(2);
+    let host = victim.unwrap_or_else(|| {
+        (1..=3)
+            .find(|&h| {
+                let line = c.agents[agents[h - 1]]
+                    .wait_for_line(JOB_TIMEOUT, |l| l.contains("round 0: node rank "));
+                line.contains("node rank 0 ")
+            })
+            .expect("one node holds rank 0")
+    });
+    let cut = agents[host - 1];
+    c.net.cut(host);
+    // The others finish without it: one of them exits (the c10d store's host stays a while).
+    let others: Vec<usize> = agents.iter().copied().filter(|&a| a != cut).collect();
+    let finisher = if c.store == Store::C10d {
+        others[1]
+    } else {
+        others[0]
+    };
+    let mut outputs = vec![c.succeeds(finisher)];
+    c.net.mend(host);
+    let victim_out = c.succeeds(cut);
+    for &a in &others {
+        if a != finisher {
+            outputs.push(c.succeeds(a));
+        }
+    }
+    assert!(
+        victim_out.contains("finished in a round without this node")
+            && victim_out.contains("leave without saving"),
+        "the node cut off must say how the job ended without it:\n{victim_out}"
+    );
+    // Its workers did not save: the checkpoint is the finished job's.
+    c.verify_end(&outputs, 2);
+    c.verify_every_image_once(true);
+    let store_host = c.agents[agents[0]].output();
+    Some((victim_out, store_host))
+}
+
+/// c10d: the store's host keeps the store up (a while) for the node lost during the job, so
+/// that it learns how the job ended once its link is back (before, it waited the join
+/// timeout, 10 minutes, for a store that had gone with the job).
+#[test]
+fn c10d_a_node_cut_off_as_the_job_ends_learns_it_finished() {
+    let Some((_, store_host)) =
+        cut_off_as_the_job_ends(Cluster::new(Store::C10d, "c10d-cut-end"), Some(3))
+    else {
+        return;
+    };
+    assert!(
+        store_host.contains("keeping the rendezvous store up to"),
+        "the store's host must say whom it keeps the store for:\n{store_host}"
+    );
+}
+
+/// etcd: the node holding rank 0 cut off; the others finish (rank 0 now theirs) and save the
+/// job's checkpoint. The cut-off node's old rank 0 must not save its older state over it.
+#[test]
+fn etcd_a_rank_0_node_cut_off_as_the_job_ends_does_not_save_over_the_job() {
+    cut_off_as_the_job_ends(Cluster::new(Store::Etcd, "etcd-cut-end"), None);
+}
+
 /// SIGTERM, as Kubernetes sends a pod it deletes (drain, eviction, spot interruption).
 fn sigterm(agent: &Running) {
     nix::sys::signal::kill(

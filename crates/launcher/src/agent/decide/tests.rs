@@ -134,15 +134,20 @@ fn the_store_going_and_coming_back_is_said_once_each_and_the_workers_go_on() {
         Next::StoreBack
     );
     assert_eq!(next(&Seen::Round(Round::Healthy), &m, false), Next::Wait);
+    let closed = |succeeded, member| Seen::Round(Round::Closed { succeeded, member });
     assert_eq!(
-        next(&Seen::Round(Round::Closed { succeeded: true }), &m, false),
+        next(&closed(true, true), &m, false),
         Next::Closing,
         "another node finished: this node's workers finish too"
     );
-    assert_eq!(
-        next(&Seen::Round(Round::Closed { succeeded: false }), &m, false),
-        Next::JobFailed
-    );
+    assert_eq!(next(&closed(false, true), &m, false), Next::JobFailed);
+    for succeeded in [true, false] {
+        assert_eq!(
+            next(&closed(succeeded, false), &m, true),
+            Next::LeftBehind { succeeded },
+            "the job ended without this node (cut off): its workers are behind, not to save"
+        );
+    }
 }
 
 #[test]

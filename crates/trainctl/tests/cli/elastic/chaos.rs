@@ -115,6 +115,11 @@ fn chaos_run(mut c: Cluster, plan: Plan) -> Option<Duration> {
     let label = format!("seed {seed}, {fault:?} at step {at_step}");
     // Long enough for the replacement to join before the end, most runs.
     c.epochs = c.epochs.max(8);
+    // A node cut off as the job ends learns how it ended from the store's host, which keeps
+    // the store up for it up to the close timeout: 10 s by default, against a 4 s cut and a
+    // reconnect of up to a store timeout (3 s) on a loaded machine. Twice that, so that the
+    // verdict is about the protocol, not the machine's speed.
+    c.rdzv_conf = "last_call_timeout=0.5,close_timeout=20";
     eprintln!("chaos: {label}");
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 3)).collect();
     c.wait_for_progress(at_step);
