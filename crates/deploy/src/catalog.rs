@@ -88,9 +88,10 @@ pub fn instance_type(name: &str) -> Option<&'static InstanceType> {
 }
 
 /// The seed tutorials' cluster architectures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Preset {
     /// c5.4xlarge × 2: the CPU workshop.
+    #[default]
     Cpu,
     /// g4dn.metal × 2, EFA (new or existing VPC).
     G4dn,

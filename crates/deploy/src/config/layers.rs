@@ -38,7 +38,7 @@ impl Layers<'_> {
 }
 
 /// The effective value of every setting that has one, and where it came from.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Resolved {
     pub values: BTreeMap<&'static str, (String, Source)>,
 }

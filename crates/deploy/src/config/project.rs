@@ -3,13 +3,14 @@
 use crate::catalog::{InstanceType, Preset};
 
 use super::values::Values;
-use super::{ConfigError, Layers, Resolved, SETTINGS, Source, is_dns_label};
+use super::{ConfigError, Layers, Resolved, SETTINGS, Source, is_dns_label, write_fields};
 
 /// Where the job's rendezvous state lives: the backends of [`contract::rdzv::Backend`] a job
 /// across pods can use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RdzvBackend {
     /// trainctl's store, hosted by pod 0's agent.
+    #[default]
     C10d,
     /// An etcd Deployment and Service next to the job.
     Etcd,
@@ -26,9 +27,10 @@ impl RdzvBackend {
 }
 
 /// Where the job's etcd keeps its data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EtcdStorage {
     /// An emptyDir: a restarted etcd pod starts empty (the agents then form a new round).
+    #[default]
     EmptyDir,
     /// A folder of the shared claim: a restarted etcd pod has the job's state back.
     Claim,
@@ -38,8 +40,9 @@ pub enum EtcdStorage {
 pub use crate::launchers::Launcher;
 
 /// The MPI an MPIJob's image runs (`--launcher mpijob`), as the MPI Operator names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MpiImplementation {
+    #[default]
     OpenMpi,
     Intel,
     Mpich,
@@ -61,7 +64,7 @@ impl MpiImplementation {
             .map_or("OpenMPI", |(_, _, name)| name)
     }
 
-    fn parse(value: &str) -> Option<MpiImplementation> {
+    pub(super) fn parse(value: &str) -> Option<MpiImplementation> {
         Self::ALL
             .iter()
             .find(|(_, key, _)| *key == value)
@@ -86,7 +89,7 @@ pub enum StorageBackend {
     },
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Cluster {
     pub name: String,
     pub region: String,
@@ -105,7 +108,7 @@ pub struct Cluster {
     pub s3_bucket: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Storage {
     pub backend: Option<StorageBackend>,
     pub claim: String,
@@ -113,7 +116,7 @@ pub struct Storage {
     pub mount_path: String,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Data {
     /// `cifar10` or `tiny-imagenet`.
     pub dataset: String,
@@ -124,7 +127,7 @@ pub struct Data {
     pub from: Option<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Job {
     pub name: String,
     pub launcher: Launcher,
@@ -200,7 +203,7 @@ impl Job {
 }
 
 /// The whole project, checked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Project {
     pub cluster: Cluster,
     /// What the training pods run.
@@ -225,30 +228,35 @@ pub struct Project {
 pub const MAX_JOB_NAME: usize = 45;
 
 impl Project {
-    /// Checks and types every value; the first bad one is the error.
+    /// Checks and types every value; the first bad one is the error. Each value is checked
+    /// by its row's parser, written into its field by its row ([`super::SETTINGS`]), then
+    /// the fields several settings make are read, and what depends on several is reviewed.
     pub fn from_resolved(r: &Resolved) -> Result<Project, ConfigError> {
         let v = Values(r);
-        // Each value as its row says (`SETTINGS`); the reads below rely on it.
         for s in SETTINGS {
             if v.raw(s.key).is_some() {
                 s.parse.check(&v, s.key)?;
             }
         }
-        let preset_name = v.str("cluster.preset")?;
-        let preset = Preset::parse(&preset_name).ok_or_else(|| {
-            v.invalid(
-                "cluster.preset",
-                format!(
-                    "unknown preset; choose one of {}",
-                    Preset::ALL.map(Preset::name).join(", ")
-                ),
-            )
-        })?;
-        let instance_type = v.instance("cluster.instance_type")?;
-        let system_instance_type = v.instance("cluster.system_instance_type")?;
-        let nodes = v.number("cluster.nodes")?;
-        let name = v.str("cluster.name")?;
-        if !is_dns_label(&name, 100) || !name.starts_with(|c: char| c.is_ascii_lowercase()) {
+        let mut p = Project {
+            settings: r.clone(),
+            ..Project::default()
+        };
+        write_fields(&mut p, &v)?;
+        p.storage.backend = v.storage_backend()?;
+        (p.job.min_nodes, p.job.max_nodes) = v.nnodes()?;
+        p.cluster.zones_picked = matches!(
+            v.raw("cluster.availability_zones"),
+            Some((_, Source::Derived(_)))
+        );
+        p.check_across(&v)?;
+        Ok(p)
+    }
+
+    /// What depends on more than one setting, or on what is named after a value.
+    fn check_across(&self, v: &Values) -> Result<(), ConfigError> {
+        let name = &self.cluster.name;
+        if !is_dns_label(name, 100) || !name.starts_with(|c: char| c.is_ascii_lowercase()) {
             return Err(v.invalid(
                 "cluster.name",
                 "not a valid cluster name: use lowercase letters, digits and '-', starting \
@@ -256,46 +264,9 @@ impl Project {
                     .into(),
             ));
         }
-        let cluster = Cluster {
-            name,
-            region: v.str("cluster.region")?,
-            version: v.str("cluster.version")?,
-            preset,
-            instance_type,
-            nodes,
-            system_instance_type,
-            availability_zones: v.list("cluster.availability_zones"),
-            zones_picked: matches!(
-                v.raw("cluster.availability_zones"),
-                Some((_, Source::Derived(_)))
-            ),
-            existing_vpc: v.optional("cluster.existing_vpc"),
-            private_subnets: v.list("cluster.private_subnets"),
-            capacity_reservation_id: v.optional("cluster.capacity_reservation_id"),
-            s3_bucket: match v.optional("cluster.s3_bucket") {
-                Some(bucket) => {
-                    v.s3_uri("cluster.s3_bucket", &format!("s3://{bucket}/"))?;
-                    Some(bucket)
-                }
-                None => None,
-            },
-        };
-        let storage = Storage {
-            backend: v.storage_backend()?,
-            claim: v.str("storage.claim")?,
-            size: v.str("storage.size")?,
-            mount_path: v.str("storage.mount_path")?,
-        };
-        let data = Data {
-            dataset: v.str("data.dataset")?,
-            dir: v.str("data.dir")?,
-            url: v.str("data.url")?,
-            md5: v.str("data.md5")?,
-            from: v.optional_s3("data.from")?,
-        };
-        let job_name = v.str("job.name")?;
-        if !is_dns_label(&job_name, MAX_JOB_NAME)
-            || !job_name.starts_with(|c: char| c.is_ascii_lowercase())
+        let job = &self.job;
+        if !is_dns_label(&job.name, MAX_JOB_NAME)
+            || !job.name.starts_with(|c: char| c.is_ascii_lowercase())
         {
             return Err(v.invalid(
                 "job.name",
@@ -306,109 +277,22 @@ impl Project {
                 ),
             ));
         }
-        let launcher = match crate::launchers::find(&v.str("job.launcher")?) {
-            Some(kind) => Launcher::of(kind),
-            None => {
-                return Err(v.invalid(
-                    "job.launcher",
-                    format!("choose {}", crate::launchers::choices()),
-                ));
-            }
-        };
-        let (min_nodes, max_nodes) = v.nnodes()?;
-        let gpus_per_node = v.number::<u32>("job.gpus_per_node")?;
-        if gpus_per_node > instance_type.gpus {
+        let instance = self.cluster.instance_type;
+        if job.gpus_per_node > instance.gpus {
             return Err(v.invalid(
                 "job.gpus_per_node",
+                format!("{} has {} GPUs per node", instance.name, instance.gpus),
+            ));
+        }
+        if job.metrics_port == Some(job.rdzv_port) {
+            return Err(v.invalid(
+                "job.metrics_port",
                 format!(
-                    "{} has {} GPUs per node",
-                    instance_type.name, instance_type.gpus
+                    "is the rendezvous port ({}); pick another, or 0 for none",
+                    job.rdzv_port
                 ),
             ));
         }
-        let job = Job {
-            name: job_name,
-            launcher,
-            min_nodes,
-            max_nodes,
-            nproc_per_node: v.number("job.nproc_per_node")?,
-            gpus_per_node,
-            node_selector: v.node_selector()?,
-            cpu: v.str("job.cpu")?,
-            memory: v.str("job.memory")?,
-            shm_size: v.str("job.shm_size")?,
-            epochs: v.number("job.epochs")?,
-            batch_size: v.number("job.batch_size")?,
-            learning_rate: v.number::<f64>("job.learning_rate")?,
-            max_restarts: v.number("job.max_restarts")?,
-            hang_timeout: match v.optional("job.hang_timeout").as_deref() {
-                None | Some("none") => None,
-                Some(_) => Some(v.number("job.hang_timeout")?),
-            },
-            rdzv_port: v.number::<u16>("job.rdzv_port")?,
-            metrics_port: match v.number::<u16>("job.metrics_port")? {
-                0 => None,
-                p if v.number::<u16>("job.rdzv_port").ok() == Some(p) => {
-                    return Err(v.invalid(
-                        "job.metrics_port",
-                        format!("is the rendezvous port ({p}); pick another, or 0 for none"),
-                    ));
-                }
-                p => Some(p),
-            },
-            queue: match v.optional("job.queue").as_deref() {
-                None | Some("none") => None,
-                Some(_) => Some(v.str("job.queue")?),
-            },
-            command: v.command()?,
-            model: v.str("job.model")?,
-            rdzv_backend: match v.str("job.rdzv_backend")?.parse() {
-                Ok(contract::rdzv::Backend::C10d) => RdzvBackend::C10d,
-                Ok(contract::rdzv::Backend::Etcd) => RdzvBackend::Etcd,
-                _ => {
-                    return Err(v.invalid(
-                        "job.rdzv_backend",
-                        "choose c10d (the store in pod 0) or etcd (an etcd next to the job)".into(),
-                    ));
-                }
-            },
-            etcd_image: v.str("job.etcd_image")?,
-            etcd_storage: match v.str("job.etcd_storage")?.as_str() {
-                "emptydir" => EtcdStorage::EmptyDir,
-                "claim" => EtcdStorage::Claim,
-                _ => {
-                    return Err(v.invalid(
-                        "job.etcd_storage",
-                        "choose emptydir (the data lives with the etcd pod) or claim (a folder \
-                         on the shared claim)"
-                            .into(),
-                    ));
-                }
-            },
-            mpi_implementation: match MpiImplementation::parse(&v.str("job.mpi_implementation")?) {
-                Some(m) => m,
-                None => {
-                    return Err(v.invalid(
-                        "job.mpi_implementation",
-                        "choose openmpi, intel or mpich (what the image's mpirun is)".into(),
-                    ));
-                }
-            },
-            stragglers: v.str("job.stragglers")?,
-            precision: v.str("job.precision")?,
-            train_again: false,
-            health_check: v.str("job.health_check")?,
-            runs_dir: v.str("job.runs_dir")?,
-            ttl_seconds: v.number("job.ttl_seconds")?,
-            upload: v.optional_s3("job.upload")?,
-            fetch: match v.optional("job.fetch") {
-                Some(list) => list
-                    .split_whitespace()
-                    .map(|uri| v.s3_uri("job.fetch", uri))
-                    .collect::<Result<_, _>>()?,
-                None => Vec::new(),
-            },
-        };
         if !job.fetch.is_empty() && job.command.is_none() {
             return Err(v.invalid(
                 "job.fetch",
@@ -417,11 +301,9 @@ impl Project {
                     .into(),
             ));
         }
-        let image = v.str("image")?;
-        let trainctl_image = v.str("trainctl_image")?;
         if job.command.is_some()
             && job.launcher.runs_trainctl()
-            && trainctl_image == image
+            && self.trainctl_image == self.image
             && matches!(v.raw("trainctl_image"), Some((_, Source::Derived(_))))
             && v.raw("image")
                 .is_some_and(|(_, from)| *from != Source::Default)
@@ -431,27 +313,14 @@ impl Project {
                 format!(
                     "runs your program ({}), and nothing says where trainctl comes from: give \
                      --trainctl-image with trainctl's image (an init container copies the binary \
-                     into the pods), or --trainctl-image {image} if this image has trainctl \
+                     into the pods), or --trainctl-image {} if this image has trainctl \
                      in it (docs/KUBERNETES.md, \"Your own image\")",
-                    v.str("job.command")?
+                    v.str("job.command")?,
+                    self.image
                 ),
             ));
         }
-        Ok(Project {
-            cluster,
-            image,
-            trainctl_image,
-            tensorboard_image: v.str("tensorboard.image")?,
-            namespace: v.str("namespace")?,
-            service_account: match v.optional("service_account").as_deref() {
-                None | Some("none") => None,
-                Some(_) => Some(v.str("service_account")?),
-            },
-            storage,
-            data,
-            job,
-            settings: r.clone(),
-        })
+        Ok(())
     }
 
     /// Where the value of setting `key` came from.

@@ -327,3 +327,24 @@ fn every_rows_parser_refuses_a_bad_value_naming_the_setting() {
         Project::from_settings(&[("storage.efs", "fs-1"), ("job.hang_timeout", ok)]).unwrap();
     }
 }
+
+/// A setting is one row: it names the field it writes, or it is one of the few that make a
+/// field together with others (read in `Project::from_resolved`). A row with neither would
+/// be a setting nothing reads: given, it would change nothing, silently.
+#[test]
+fn every_setting_is_read_into_the_project() {
+    const READ_TOGETHER: [&str; 4] = [
+        "storage.efs",
+        "storage.fsx",
+        "storage.host_path",
+        "job.nnodes",
+    ];
+    for s in SETTINGS {
+        assert_ne!(
+            writes_a_field(s.key),
+            READ_TOGETHER.contains(&s.key),
+            "{}: a row names its field, or is read with others, not both",
+            s.key
+        );
+    }
+}

@@ -3,17 +3,17 @@
 
 use crate::catalog::{self, InstanceType};
 
-use super::{ConfigError, Resolved, Source, StorageBackend, setting, split_words};
+use super::{ConfigError, Resolved, Source, StorageBackend, setting};
 
 /// What a setting's value must be: its row's parser in [`super::SETTINGS`]. Every value given
 /// is checked by its row's parser before the project is built, so that a setting's accepted
-/// form lives with its key, flag and default; [`super::Project::from_resolved`] then reads the
-/// values into their types and checks what depends on several settings.
+/// form lives with its key, flag and default; the row then writes the value into its field,
+/// and [`super::Project::from_resolved`] checks what depends on several settings.
 #[derive(Clone, Copy)]
 pub enum Parse {
-    /// A value read into a type of its own where the project is built, with the settings it
-    /// depends on (a choice naming its options, MIN:MAX, the storage backend, a name whose
-    /// limit depends on what is named after it).
+    /// A value checked as it is read into its field's type ([`super::read::FromSetting`]: a
+    /// choice naming its options), or with the settings it depends on (MIN:MAX, the storage
+    /// backend, a name whose limit depends on what is named after it).
     Typed,
     Text,
     /// A whole number from 0.
@@ -155,26 +155,6 @@ impl Values<'_> {
         }
     }
 
-    pub(super) fn command(&self) -> Result<Option<Vec<String>>, ConfigError> {
-        let Some(v) = self.optional("job.command") else {
-            return Ok(None);
-        };
-        if v == "none" {
-            return Ok(None);
-        }
-        match split_words(&v) {
-            Some(words) if !words.is_empty() => Ok(Some(words)),
-            Some(_) => Ok(None),
-            None => Err(self.invalid(
-                "job.command",
-                "not shell words: a quote is not closed or the text ends in a backslash; \
-                 write it as a list in trainctl.toml (command = [\"python\", \"main.py\"]) \
-                 or after -- on the command line"
-                    .into(),
-            )),
-        }
-    }
-
     /// `text` as an S3 URI (checked as trainctl's S3 client will read it).
     pub(super) fn s3_uri(&self, key: &'static str, text: &str) -> Result<String, ConfigError> {
         match text.parse::<objects::S3Uri>() {
@@ -282,26 +262,6 @@ impl Values<'_> {
                 }
             }
             (None, None) => Ok(None),
-        }
-    }
-}
-
-impl Values<'_> {
-    pub(super) fn node_selector(&self) -> Result<Option<(String, String)>, ConfigError> {
-        let Some(v) = self.optional("job.node_selector") else {
-            return Ok(None);
-        };
-        if v == "none" {
-            return Ok(None);
-        }
-        match v.split_once('=') {
-            Some((k, val)) if !k.trim().is_empty() => {
-                Ok(Some((k.trim().to_string(), val.trim().to_string())))
-            }
-            _ => Err(self.invalid(
-                "job.node_selector",
-                "expected KEY=VALUE (a node label), or none".into(),
-            )),
         }
     }
 }
