@@ -464,7 +464,7 @@ impl InRound<'_> {
         &mut self,
         next: Next,
         looked: Looked,
-        mut group: Group,
+        group: Group,
         events: &mut dyn FnMut(LaunchEvent),
     ) -> Acted {
         let grace = self.spec.grace;
@@ -516,45 +516,8 @@ impl InRound<'_> {
                 abort,
                 failed,
                 tell,
-            } => {
-                self.failed_regroups += failed as u32;
-                // Their collectives with a node gone would wait for the collective timeout:
-                // the step in flight is dropped at once. Otherwise (nodes joining or leaving)
-                // they train on until the round's assignment comes.
-                if abort {
-                    group.abort();
-                }
-                events(LaunchEvent::Regrouping {
-                    reason: why.clone(),
-                });
-                let kept = Kept {
-                    group,
-                    reason: why.clone(),
-                };
-                if tell {
-                    self.tell_peer_lost(Some(kept), &why, events)
-                } else {
-                    RoundEnd::Next(Some(kept))
-                }
-            }
-            Next::Restart { fallback, tell } => {
-                group.stop(grace);
-                if fallback {
-                    events(LaunchEvent::RegroupFallback {
-                        failed: self.failed_regroups + 1,
-                    });
-                    self.failed_regroups = 0;
-                } else {
-                    events(LaunchEvent::Reopened {
-                        reason: why.clone(),
-                    });
-                }
-                if tell {
-                    self.tell_peer_lost(None, &why, events)
-                } else {
-                    RoundEnd::Next(None)
-                }
-            }
+            } => self.regroup(group, abort, failed, tell, why, events),
+            Next::Restart { fallback, tell } => self.restart(group, fallback, tell, &why, events),
             Next::RecordFailure { counted } => {
                 let failure = *failure.expect("a worker failure comes with its report");
                 self.record_failure(failure, counted, events)
@@ -581,6 +544,64 @@ impl InRound<'_> {
 }
 
 impl InRound<'_> {
+    /// [`Next::Regroup`]: this node's workers keep running and take the next round in place.
+    fn regroup(
+        &mut self,
+        mut group: Group,
+        abort: bool,
+        failed: bool,
+        tell: bool,
+        why: String,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> RoundEnd {
+        self.failed_regroups += failed as u32;
+        // Their collectives with a node gone would wait for the collective timeout: the step
+        // in flight is dropped at once. Otherwise (nodes joining or leaving) they train on
+        // until the round's assignment comes.
+        if abort {
+            group.abort();
+        }
+        events(LaunchEvent::Regrouping {
+            reason: why.clone(),
+        });
+        let kept = Kept {
+            group,
+            reason: why.clone(),
+        };
+        if tell {
+            self.tell_peer_lost(Some(kept), &why, events)
+        } else {
+            RoundEnd::Next(Some(kept))
+        }
+    }
+
+    /// [`Next::Restart`]: this node's workers stop; new ones start at the next round.
+    fn restart(
+        &mut self,
+        group: Group,
+        fallback: bool,
+        tell: bool,
+        why: &str,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> RoundEnd {
+        group.stop(self.spec.grace);
+        if fallback {
+            events(LaunchEvent::RegroupFallback {
+                failed: self.failed_regroups + 1,
+            });
+            self.failed_regroups = 0;
+        } else {
+            events(LaunchEvent::Reopened {
+                reason: why.to_string(),
+            });
+        }
+        if tell {
+            self.tell_peer_lost(None, why, events)
+        } else {
+            RoundEnd::Next(None)
+        }
+    }
+
     /// This node's workers lost a peer (`why`): the round is reopened, uncounted (another
     /// node's failure, so its time orders nothing), and the next round joined with `kept`.
     fn tell_peer_lost(
