@@ -96,7 +96,7 @@ pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
         } => {
             let dataset = super::train::parse_dataset(&dataset)?;
             let opts = mirror.options(dataset, true, None)?;
-            let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+            let mut progress = crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
             let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;
             progress.finish();
             println!("{} ready", data::describe(&layout));
@@ -126,7 +126,8 @@ pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
                     enabled: false,
                     ..dataset.official()
                 };
-                let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+                let mut progress =
+                    crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
                 let layout = data::ensure(&dir, dataset, &opts, &mut |p| progress.data(p))
                     .context("the staged archive was not extracted (pass --no-extract to keep it as it is)")?;
                 progress.finish();

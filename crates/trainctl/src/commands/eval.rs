@@ -44,7 +44,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let opts = args
         .mirror
         .options(dataset, args.download, Some("pass --download"))?;
-    let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+    let mut progress = crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
     let layout = data::ensure(&args.data, dataset, &opts, &mut |p| progress.data(p))?;
     progress.finish();
     let info = &loaded.info;

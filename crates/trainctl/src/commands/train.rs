@@ -198,7 +198,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
         ),
     };
     let rank = world.rank;
-    let mut progress = crate::output::Progress::new(std::io::stderr().is_terminal());
+    let mut progress = crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
     let result = trainer::train::train(&cfg, &world, &mut |event| {
         match &event {
             Event::Step(s) => progress.step(s),

@@ -123,7 +123,7 @@ impl Tenths {
 /// Progress of the data download and of training: a bar on a terminal; on anything else
 /// (a pod's log, CI) plain lines, at every tenth of a download (and at least every
 /// [`SLOW_LINES`] while bytes arrive) and at the loss lines.
-pub(crate) struct Progress {
+pub(crate) struct ProgressDisplay {
     terminal: bool,
     bar: Option<ProgressBar>,
     /// The epoch or data phase the bar shows.
@@ -143,9 +143,9 @@ const BAR_LOSS_STEPS: usize = 10;
 /// A slow download still says how far it has come this often, between its tenths.
 const SLOW_LINES: std::time::Duration = std::time::Duration::from_secs(30);
 
-impl Progress {
+impl ProgressDisplay {
     pub(crate) fn new(terminal: bool) -> Self {
-        Progress {
+        ProgressDisplay {
             terminal,
             bar: None,
             showing: None,
@@ -296,7 +296,7 @@ impl Progress {
     }
 }
 
-impl Drop for Progress {
+impl Drop for ProgressDisplay {
     fn drop(&mut self) {
         self.finish();
     }
@@ -657,7 +657,7 @@ pub(crate) fn train_event(event: trainer::train::Event) {
             "[{epoch}, {iter:5}] loss: {loss:.3}  ({iter}/{steps} steps, {images_per_sec:.1} images/s, epoch eta {})",
             duration(steps.saturating_sub(iter) as f64 * seconds_per_step)
         )),
-        // Drawn by `Progress`, recorded by the trainer.
+        // Drawn by `ProgressDisplay`, recorded by the trainer.
         Event::Step(_) | Event::Data(_) => {}
         Event::CheckpointSaved {
             global_step,

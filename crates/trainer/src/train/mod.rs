@@ -38,7 +38,7 @@ use record::Recorder;
 use regroup::{Control, Leave, sync};
 use state::TrainState;
 use step::Step;
-use stragglers::{Change, Watch};
+use stragglers::{Change, StragglerWatch};
 
 /// Trains on the world described by `world`, calling `report` on the way.
 pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) -> Result<()> {
@@ -124,7 +124,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         world_size,
         live: true,
         epoch_mark: None,
-        watch: Watch::new(cfg.stragglers.unwrap_or_default()),
+        watch: StragglerWatch::new(cfg.stragglers.unwrap_or_default()),
     };
     while run.state.progress.epoch < cfg.epochs {
         match (
@@ -315,7 +315,7 @@ struct Run<'a> {
     /// its time run on through them.
     epoch_mark: Option<EpochMark>,
     /// The nodes' step times, compared for a straggler.
-    watch: Watch,
+    watch: StragglerWatch,
 }
 
 /// The start of an epoch: its number, when, and the global step before its first step.

@@ -1,7 +1,7 @@
 //! Finding a slow node across the ranks: every step, each rank's time before the all-reduce
 //! (waiting for its batch, then computing) rides the step's all-reduce in slots of its own, so
 //! every rank holds every rank's times at no extra collective (as the samples' digest does).
-//! [`Watch`] compares the nodes over a window of steps: a node whose slowest rank takes, on
+//! [`StragglerWatch`] compares the nodes over a window of steps: a node whose slowest rank takes, on
 //! average over the window (its slowest quarter of steps left out), more than `factor` times the other
 //! nodes' median, and at least `MIN_EXCESS_S` longer, at a window of steps in a row, is a
 //! straggler; it stops being one after a window of steps in a row below the factor. A group's
@@ -127,7 +127,7 @@ pub enum Change {
 
 /// The window of steps and who is a straggler now.
 #[derive(Debug, Default)]
-pub struct Watch {
+pub struct StragglerWatch {
     cfg: StragglerConfig,
     steps: VecDeque<Vec<RankTimes>>,
     current: Option<Straggler>,
@@ -141,11 +141,11 @@ pub struct Watch {
     group_size: Option<usize>,
 }
 
-impl Watch {
-    pub fn new(cfg: StragglerConfig) -> Watch {
-        Watch {
+impl StragglerWatch {
+    pub fn new(cfg: StragglerConfig) -> StragglerWatch {
+        StragglerWatch {
             cfg,
-            ..Watch::default()
+            ..StragglerWatch::default()
         }
     }
 
@@ -367,7 +367,7 @@ mod tests {
         let v: Vectors = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
         assert!(!v.scenarios.is_empty());
         for sc in v.scenarios {
-            let mut watch = Watch::new(StragglerConfig {
+            let mut watch = StragglerWatch::new(StragglerConfig {
                 factor: sc.factor,
                 window: sc.window,
             });
@@ -453,7 +453,7 @@ mod tests {
 
     #[test]
     fn a_slow_node_is_named_after_a_window_once_and_its_end_once() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         for _ in 0..10 {
             assert_eq!(w.step(step(4, 2, |_| 0.1)), None, "nobody is slow");
         }
@@ -491,7 +491,7 @@ mod tests {
 
     #[test]
     fn a_whole_job_slowing_down_has_no_straggler() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         for i in 0..30 {
             let busy = if i < 10 { 0.1 } else { 0.4 };
             assert_eq!(w.step(step(3, 1, |_| busy)), None);
@@ -500,7 +500,7 @@ mod tests {
 
     #[test]
     fn a_node_slow_for_a_step_now_and_then_is_not_one() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         for i in 0..40 {
             let slow = i % 8 == 0;
             assert_eq!(
@@ -514,7 +514,7 @@ mod tests {
     /// period, so some of its steps are very slow and some are not.
     #[test]
     fn a_node_slow_every_other_step_is_one() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         let mut started = None;
         for i in 0..24 {
             let c = w.step(step(
@@ -532,12 +532,12 @@ mod tests {
 
     #[test]
     fn tiny_steps_need_a_real_excess_and_data_waits_are_told_apart() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         for _ in 0..10 {
             // Twice as slow, but by a millisecond: noise.
             assert_eq!(w.step(step(2, 1, |n| 0.001 * (n + 1) as f64)), None);
         }
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         let mut change = None;
         for _ in 0..16 {
             let times: Vec<RankTimes> = (0..2)
@@ -561,7 +561,7 @@ mod tests {
     /// in a row; a few steps of noise later on are not.
     #[test]
     fn start_up_noise_is_no_straggler_but_a_node_slow_from_the_start_is_one() {
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         for i in 0..40 {
             let slow_start = |n: u32| if n == 0 && i < 6 { 0.4 } else { 0.1 };
             assert_eq!(w.step(step(3, 1, slow_start)), None, "step {i}");
@@ -578,7 +578,7 @@ mod tests {
             };
             assert_eq!(w.step(step(3, 1, noise)), None, "noise at step {i}");
         }
-        let mut w = Watch::new(StragglerConfig::default());
+        let mut w = StragglerWatch::new(StragglerConfig::default());
         let mut started = None;
         for i in 0..30 {
             if let Some(Change::Started(s)) = w.step(step(3, 1, |n| if n == 1 { 0.4 } else { 0.1 }))

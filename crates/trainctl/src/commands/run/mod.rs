@@ -300,7 +300,7 @@ fn run_static(
         master_port,
         ..worker_spec(args, nproc_per_node, run_id, token).map_err(super::usage)?
     };
-    let watch = Watch::start(args)?;
+    let watch = LiveView::start(args)?;
     let spec = LaunchSpec {
         telemetry: Some(watch.telemetry()),
         ..spec
@@ -316,13 +316,13 @@ fn run_static(
 
 /// What the user watches while the workers run: the progress bar (on a terminal) and the
 /// `/metrics` endpoint, both fed by the workers' records and the launcher's events.
-struct Watch {
+struct LiveView {
     gauges: Arc<Mutex<JobGauges>>,
-    progress: Arc<Mutex<crate::output::Progress>>,
+    progress: Arc<Mutex<crate::output::ProgressDisplay>>,
     server: Option<telemetry::prometheus::Server>,
 }
 
-impl Watch {
+impl LiveView {
     fn start(args: &Args) -> anyhow::Result<Self> {
         let gauges = Arc::new(Mutex::new(JobGauges::default()));
         let server = match args.metrics_port {
@@ -342,9 +342,9 @@ impl Watch {
                 Some(server)
             }
         };
-        Ok(Watch {
+        Ok(LiveView {
             gauges,
-            progress: Arc::new(Mutex::new(crate::output::Progress::new(
+            progress: Arc::new(Mutex::new(crate::output::ProgressDisplay::new(
                 std::io::stderr().is_terminal(),
             ))),
             server,
@@ -609,7 +609,7 @@ fn run_elastic(
         rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
             .with_context(|| format!("cannot reach the rendezvous at {shown}"))?;
     crate::output::agent_starting(&spec, &rdzv);
-    let watch = Watch::start(args)?;
+    let watch = LiveView::start(args)?;
     let spec = LaunchSpec {
         telemetry: Some(watch.telemetry()),
         ..spec
