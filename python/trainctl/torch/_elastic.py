@@ -250,7 +250,7 @@ class Elastic:
             except ctl.ControlError as e:
                 say(f"the agent's control channel cannot be used: {e}; a change of group restarts this worker")
                 self.control = None
-        self._synced = _membership.start_group(self)
+        self._synced = _membership.first_start(self)
 
     # --- what the training loop uses ---------------------------------------------------------
 

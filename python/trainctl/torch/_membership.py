@@ -58,6 +58,21 @@ def start_group(job: Elastic) -> dict[str, Any]:
     return synced
 
 
+def first_start(job: Elastic) -> dict[str, Any]:
+    """The job's first group. Its round can end while it starts (a node arrives just as this
+    worker said it regroups in place, and the agent hands it the next round): the start then
+    fails as a regroup's failed start does, and the worker waits for the next round the same
+    way. Without an agent, or for any other error, the error stands."""
+    started = time.monotonic()
+    try:
+        return start_group(job)
+    except Exception as e:  # noqa: BLE001 - sorted below
+        if job.control is None or job.group.failure(e, time.monotonic() - started) is protocol.Failure.OTHER:
+            raise
+        say(f"rank {os.environ.get('RANK')}: the first group's round ended as it started ({why(e)}); waiting for the next round")
+        return regroup(job, f"the first group's start: {why(e)}", saver=False, lost=True)
+
+
 def _sync(job: Elastic) -> dict[str, Any]:
     """Every rank's state made the same (see the module's doc); the ranks at the furthest
     step are checked to hold the same state before anything travels."""
