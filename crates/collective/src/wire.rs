@@ -11,7 +11,7 @@ use std::net::TcpStream;
 use crate::CollectiveError;
 
 /// The largest control frame accepted (store keys and values, handshakes).
-pub const MAX_CONTROL_FRAME: usize = 64 * 1024 * 1024;
+pub(crate) const MAX_CONTROL_FRAME: usize = 64 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
@@ -28,7 +28,7 @@ pub enum WireError {
 }
 
 /// Writes one frame.
-pub fn write_frame(w: &mut impl Write, payload: &[u8]) -> Result<(), WireError> {
+pub(crate) fn write_frame(w: &mut impl Write, payload: &[u8]) -> Result<(), WireError> {
     let len = u32::try_from(payload.len()).map_err(|_| WireError::TooLarge {
         len: payload.len(),
         limit: u32::MAX as usize,
@@ -71,50 +71,50 @@ pub fn read_exact(r: &mut impl Read, buf: &mut [u8]) -> Result<(), WireError> {
 
 /// Appends fields to a message buffer.
 #[derive(Default)]
-pub struct Encoder {
+pub(crate) struct Encoder {
     buf: Vec<u8>,
 }
 
 impl Encoder {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
-    pub fn u8(mut self, v: u8) -> Self {
+    pub(crate) fn u8(mut self, v: u8) -> Self {
         self.buf.push(v);
         self
     }
-    pub fn u32(mut self, v: u32) -> Self {
+    pub(crate) fn u32(mut self, v: u32) -> Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub fn u64(mut self, v: u64) -> Self {
+    pub(crate) fn u64(mut self, v: u64) -> Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub fn i64(mut self, v: i64) -> Self {
+    pub(crate) fn i64(mut self, v: i64) -> Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
-    pub fn bytes(self, v: &[u8]) -> Self {
+    pub(crate) fn bytes(self, v: &[u8]) -> Self {
         let mut this = self.u32(v.len() as u32);
         this.buf.extend_from_slice(v);
         this
     }
-    pub fn str(self, v: &str) -> Self {
+    pub(crate) fn str(self, v: &str) -> Self {
         self.bytes(v.as_bytes())
     }
-    pub fn finish(self) -> Vec<u8> {
+    pub(crate) fn finish(self) -> Vec<u8> {
         self.buf
     }
 }
 
 /// Reads fields from a message, every read bounds-checked.
-pub struct Decoder<'a> {
+pub(crate) struct Decoder<'a> {
     buf: &'a [u8],
 }
 
 impl<'a> Decoder<'a> {
-    pub fn new(buf: &'a [u8]) -> Self {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
         Self { buf }
     }
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], WireError> {
@@ -128,35 +128,35 @@ impl<'a> Decoder<'a> {
         self.buf = tail;
         Ok(head)
     }
-    pub fn u8(&mut self, what: &str) -> Result<u8, WireError> {
+    pub(crate) fn u8(&mut self, what: &str) -> Result<u8, WireError> {
         Ok(self.take(1, what)?[0])
     }
-    pub fn u32(&mut self, what: &str) -> Result<u32, WireError> {
+    pub(crate) fn u32(&mut self, what: &str) -> Result<u32, WireError> {
         Ok(u32::from_le_bytes(
             self.take(4, what)?.try_into().unwrap_or([0; 4]),
         ))
     }
-    pub fn u64(&mut self, what: &str) -> Result<u64, WireError> {
+    pub(crate) fn u64(&mut self, what: &str) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(
             self.take(8, what)?.try_into().unwrap_or([0; 8]),
         ))
     }
-    pub fn i64(&mut self, what: &str) -> Result<i64, WireError> {
+    pub(crate) fn i64(&mut self, what: &str) -> Result<i64, WireError> {
         Ok(i64::from_le_bytes(
             self.take(8, what)?.try_into().unwrap_or([0; 8]),
         ))
     }
-    pub fn bytes(&mut self, what: &str) -> Result<&'a [u8], WireError> {
+    pub(crate) fn bytes(&mut self, what: &str) -> Result<&'a [u8], WireError> {
         let len = self.u32(what)? as usize;
         self.take(len, what)
     }
-    pub fn string(&mut self, what: &str) -> Result<String, WireError> {
+    pub(crate) fn string(&mut self, what: &str) -> Result<String, WireError> {
         let raw = self.bytes(what)?;
         String::from_utf8(raw.to_vec())
             .map_err(|_| WireError::Malformed(format!("{what}: not valid UTF-8")))
     }
     /// Fails when bytes are left over: a message is exactly its fields.
-    pub fn end(&self, what: &str) -> Result<(), WireError> {
+    pub(crate) fn end(&self, what: &str) -> Result<(), WireError> {
         if self.buf.is_empty() {
             Ok(())
         } else {
@@ -185,7 +185,7 @@ pub enum Role {
 }
 
 const HELLO_MAGIC: &[u8; 4] = b"TCTL";
-pub const PROTOCOL_VERSION: u32 = 1;
+pub(crate) const PROTOCOL_VERSION: u32 = 1;
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {

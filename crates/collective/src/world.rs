@@ -44,7 +44,7 @@ pub struct World {
     pub node_health: Option<(u64, u64)>,
 }
 
-pub const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
+pub(crate) const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl World {

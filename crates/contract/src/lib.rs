@@ -193,7 +193,7 @@ pub mod train_defaults {
 pub mod models {
     /// The seed's CNN for CIFAR-10: the default.
     pub const SEED_CNN: &str = "seed-cnn";
-    pub const RESNETS: [&str; 4] = ["resnet18", "resnet34", "resnet50", "resnet101"];
+    pub(crate) const RESNETS: [&str; 4] = ["resnet18", "resnet34", "resnet50", "resnet101"];
     pub const ALL: [&str; 5] = [SEED_CNN, RESNETS[0], RESNETS[1], RESNETS[2], RESNETS[3]];
     /// For messages.
     pub const CHOICES: &str = "seed-cnn, resnet18, resnet34, resnet50 or resnet101";

@@ -16,14 +16,14 @@ pub struct InstanceType {
 }
 
 impl InstanceType {
-    pub fn supports_efa(&self) -> bool {
+    pub(crate) fn supports_efa(&self) -> bool {
         self.efa_interfaces > 0
     }
 
     /// EFA reads and writes GPU memory directly (GPUDirect RDMA), so NCCL's libfabric plugin is
     /// told `FI_EFA_USE_DEVICE_RDMA=1`: the p4d, p4de and p5 families (AWS's EFA documentation,
     /// "Supported instance types": RDMA read on p4d/p4de, read and write on p5).
-    pub fn gpudirect_rdma(&self) -> bool {
+    pub(crate) fn gpudirect_rdma(&self) -> bool {
         self.supports_efa() && (self.name.starts_with("p4d") || self.name.starts_with("p5"))
     }
 }
@@ -45,7 +45,7 @@ const fn it(
 }
 
 /// The instance types trainctl sizes pods for. Ask for another by adding a line here.
-pub const INSTANCE_TYPES: &[InstanceType] = &[
+pub(crate) const INSTANCE_TYPES: &[InstanceType] = &[
     it("c5.xlarge", 4, 8, 0, 0),
     it("c5.2xlarge", 8, 16, 0, 0),
     it("c5.4xlarge", 16, 32, 0, 0),
@@ -83,7 +83,7 @@ pub const INSTANCE_TYPES: &[InstanceType] = &[
     it("p5en.48xlarge", 192, 2048, 8, 16),
 ];
 
-pub fn instance_type(name: &str) -> Option<&'static InstanceType> {
+pub(crate) fn instance_type(name: &str) -> Option<&'static InstanceType> {
     INSTANCE_TYPES.iter().find(|t| t.name == name)
 }
 
@@ -128,7 +128,7 @@ impl Preset {
     }
 
     /// Whether the workers must come from an on-demand capacity reservation.
-    pub fn needs_capacity_reservation(self) -> bool {
+    pub(crate) fn needs_capacity_reservation(self) -> bool {
         matches!(self, Preset::P4deOdcr)
     }
 }
@@ -138,7 +138,7 @@ impl Preset {
 /// account, and a few regions do not offer `a` and `b` to every account (us-west-1 offers two of
 /// a, b and c; ap-northeast-1's `b` is closed to new accounts), so those get letters that exist
 /// more widely; `--az` always overrides, and the CLI says which zones it picked.
-pub fn default_zones(region: &str) -> [String; 2] {
+pub(crate) fn default_zones(region: &str) -> [String; 2] {
     let letters = match region {
         "us-west-1" => ["b", "c"],
         "ap-northeast-1" => ["a", "c"],

@@ -23,10 +23,10 @@ fn refuse(problem: impl Into<String>, hint: impl Into<String>) -> ClusterConfigE
     }
 }
 
-pub const WORKER_GROUP: &str = "workers";
-pub const SYSTEM_GROUP: &str = "system";
+pub(crate) const WORKER_GROUP: &str = "workers";
+pub(crate) const SYSTEM_GROUP: &str = "system";
 /// Label on every node, `system` or `worker`: the jobs' nodeSelector uses it.
-pub const ROLE_LABEL: &str = "trainctl.dev/role";
+pub(crate) const ROLE_LABEL: &str = "trainctl.dev/role";
 
 /// The ClusterConfig document for `project`.
 pub fn cluster_config(project: &Project) -> Result<Value, ClusterConfigError> {

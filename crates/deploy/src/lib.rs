@@ -11,7 +11,7 @@
 //!
 //! Nothing here shells out to kubectl. eksctl is run (or its command printed) only by the CLI.
 
-pub mod catalog;
+pub(crate) mod catalog;
 pub mod config;
 pub mod doctor;
 pub mod eksctl;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 /// How long a keeper spins without finding work before it leaves its thread to rayon's own
 /// sleep. Longer than the serial gaps inside a step (loss, autodiff bookkeeping: tens of µs).
-pub const IDLE_LIMIT: Duration = Duration::from_millis(2);
+pub(crate) const IDLE_LIMIT: Duration = Duration::from_millis(2);
 
 /// Runs `f` on a thread of the current pool (rayon's global pool from outside any), the caller
 /// waiting, with the pool's other threads spinning for its parallel loops' work until it

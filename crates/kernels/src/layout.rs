@@ -39,7 +39,7 @@ fn transpose_one(s: &[f32], d: &mut [f32], rows: usize, cols: usize) {
 
 /// `dst` = the transpose of the row-major `rows × cols` matrix `src`, by bands of `dst`'s rows
 /// on rayon's threads (each element is a copy: the result cannot depend on the thread count).
-pub fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
+pub(crate) fn transpose_into(src: &[f32], dst: &mut [f32], rows: usize, cols: usize) {
     assert_eq!(src.len(), rows * cols, "transpose source size");
     assert_eq!(dst.len(), rows * cols, "transpose destination size");
     if rows == 0 || cols == 0 {
@@ -266,8 +266,9 @@ pub fn nchw_to_nhwc(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     transpose_each(src, channels, pixels)
 }
 
+#[cfg(test)]
 /// `[n, h, w, c]` → `[n, c, h, w]`.
-pub fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
+pub(crate) fn nhwc_to_nchw(src: &[f32], channels: usize, pixels: usize) -> Vec<f32> {
     transpose_each(src, pixels, channels)
 }
 

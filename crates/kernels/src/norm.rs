@@ -108,8 +108,9 @@ pub fn batch_stats(x: &[f32], channels: usize) -> BatchStats {
 pub struct ReluMask(Vec<u8>);
 
 impl ReluMask {
+    #[cfg(test)]
     /// The mask of an output `y` that a ReLU made: where `y > 0` (a NaN does not pass).
-    pub fn of_output(y: &[f32]) -> Self {
+    pub(crate) fn of_output(y: &[f32]) -> Self {
         ReluMask(y.iter().map(|v| u8::from(*v > 0.0)).collect())
     }
 

@@ -50,7 +50,7 @@ impl PoolShape {
         ]
     }
 
-    pub fn input_len(&self) -> usize {
+    pub(crate) fn input_len(&self) -> usize {
         self.batch * self.height * self.width * self.channels
     }
 

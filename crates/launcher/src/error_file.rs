@@ -12,7 +12,7 @@ use std::path::Path;
 
 /// The most of an error file that is read (a traceback of a deep recursion is the largest
 /// honest one; PyTorch writes no limit).
-pub const MAX_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_BYTES: u64 = 1 << 20;
 
 /// Frames of the traceback kept for the report, innermost last.
 pub const FRAMES: usize = 4;
@@ -113,7 +113,7 @@ fn first_line(text: &str) -> String {
 /// The innermost [`FRAMES`] frames of a Python traceback (`File "x.py", line 12, in f`, the
 /// source line below it), innermost last. With chained exceptions the last traceback is the
 /// one that ended the program.
-pub fn innermost_frames(traceback: &str) -> Vec<Frame> {
+pub(crate) fn innermost_frames(traceback: &str) -> Vec<Frame> {
     let mut frames: Vec<Frame> = Vec::new();
     let mut lines = traceback.lines().peekable();
     while let Some(line) = lines.next() {

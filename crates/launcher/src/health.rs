@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 pub use rendezvous::Health;
 
 /// A node is far below the others under this share of their median.
-pub const FAR_BELOW: f64 = 0.5;
+pub(crate) const FAR_BELOW: f64 = 0.5;
 
 const GEMM_N: usize = 96;
 const GEMM_TIME: Duration = Duration::from_millis(100);
@@ -97,7 +97,7 @@ pub enum Verdict {
 }
 
 /// `mine` against `others` (the nodes already in the job).
-pub fn judge(mine: Health, others: &[Health]) -> Verdict {
+pub(crate) fn judge(mine: Health, others: &[Health]) -> Verdict {
     if others.is_empty() {
         return Verdict::Alone;
     }

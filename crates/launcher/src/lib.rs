@@ -28,7 +28,7 @@ use std::time::Duration;
 /// How long a node's workers may be silent while they start (before their first line), when
 /// `--hang-timeout` is shorter: importing torch and its friends on a loaded machine takes tens
 /// of seconds, and that is not a hang.
-pub const START_GRACE: Duration = Duration::from_secs(300);
+pub(crate) const START_GRACE: Duration = Duration::from_secs(300);
 
 /// One node's launch, resolved: every value is final (the CLI did the parsing and defaults).
 #[derive(Debug, Clone)]
@@ -276,7 +276,7 @@ pub fn random_id(bytes: usize) -> String {
 
 /// The environment of worker `local_rank`, with torchrun's names; `error_file` is where its
 /// `@record` writes the exception that ends it.
-pub fn worker_env(
+pub(crate) fn worker_env(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 pub type Sink = Arc<Mutex<dyn Write + Send>>;
 
 /// Lines of stderr kept per worker for the failure report.
-pub const TAIL_LINES: usize = 20;
+pub(crate) const TAIL_LINES: usize = 20;
 
-pub type Tail = Arc<Mutex<VecDeque<String>>>;
+pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
 
 /// When a group's workers last wrote a line: what `--hang-timeout` watches. One relaxed atomic
 /// store per line, so watching costs a worker nothing it would notice.
@@ -54,12 +54,12 @@ impl Activity {
     }
 
     /// Whether the current attempt's workers have written a line.
-    pub fn spoken(&self) -> bool {
+    pub(crate) fn spoken(&self) -> bool {
         self.spoken.load(Ordering::Relaxed)
     }
 
     /// How long since the last line (or since the start, before any).
-    pub fn silent_for(&self) -> Duration {
+    pub(crate) fn silent_for(&self) -> Duration {
         let last = Duration::from_millis(self.last.load(Ordering::Relaxed));
         self.start.elapsed().saturating_sub(last)
     }
@@ -67,7 +67,7 @@ impl Activity {
 
 /// The rank a worker's lines are prefixed with: the worker's current one, which changes when
 /// it regroups in place.
-pub type Prefix = Arc<std::sync::atomic::AtomicU32>;
+pub(crate) type Prefix = Arc<std::sync::atomic::AtomicU32>;
 
 /// Copies `from` to `sink` line by line with `[RANK]:` (`prefix`'s rank as each line comes), keeping the last lines in `tail` and
 /// noting each line in `activity`.

@@ -25,7 +25,7 @@ pub struct Dump {
 }
 
 /// Frames of the report's one line for a worker.
-pub const WHERE_FRAMES: usize = 3;
+pub(crate) const WHERE_FRAMES: usize = 3;
 
 /// A frame in Python's own library (`threading.py` under `Event.wait`): where a program
 /// waits, but not what it waits in.

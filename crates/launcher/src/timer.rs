@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
 /// The longest request a client may write (PIPE_BUF, which FileTimerClient also enforces).
-pub const MAX_REQUEST: usize = 4096;
+pub(crate) const MAX_REQUEST: usize = 4096;
 
 /// One request from a worker.
 #[derive(Debug, Clone, PartialEq)]

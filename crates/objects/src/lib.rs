@@ -46,7 +46,7 @@ use error::{Action, LocalContext, classify};
 
 /// The user metadata key (`x-amz-meta-sha256`) under which every upload records the SHA-256 of
 /// the whole file, checked by every download.
-pub const SHA256_METADATA: &str = "sha256";
+pub(crate) const SHA256_METADATA: &str = "sha256";
 
 /// Where an instance profile's credentials are served when `AWS_METADATA_ENDPOINT` says nothing.
 const DEFAULT_METADATA_ENDPOINT: &str = "http://169.254.169.254";

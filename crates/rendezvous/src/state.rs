@@ -94,7 +94,7 @@ pub struct State {
 }
 
 /// The most lapsed nodes a record keeps (every agent reads the record: it stays small).
-pub const MAX_LAPSED: usize = 16;
+pub(crate) const MAX_LAPSED: usize = 16;
 
 impl Default for State {
     fn default() -> Self {
@@ -178,7 +178,7 @@ impl State {
         self
     }
 
-    pub fn is_participant(&self, id: &str) -> bool {
+    pub(crate) fn is_participant(&self, id: &str) -> bool {
         self.participants.iter().any(|n| n.id == id)
     }
 
@@ -239,7 +239,7 @@ impl State {
 
     /// The nodes lost during this job (no heartbeat) that have not finished since: those a
     /// closed job's store waits for a while, in case they were only cut off.
-    pub fn lapsed_unfinished(&self) -> Vec<String> {
+    pub(crate) fn lapsed_unfinished(&self) -> Vec<String> {
         self.lapsed
             .iter()
             .filter(|id| !self.finished.contains(id))
@@ -304,7 +304,7 @@ impl State {
 
     /// Live nodes that wait for the next round: the record's waiting list and the nodes
     /// announced for the next round, not already in this one.
-    pub fn newcomers<'a>(
+    pub(crate) fn newcomers<'a>(
         &'a self,
         alive: &BTreeSet<String>,
         announced: &'a [Node],
@@ -358,7 +358,7 @@ impl State {
     }
 
     /// Whether the last call may start: a joining round with at least MIN participants.
-    pub fn last_call_due(&self, limits: Limits) -> bool {
+    pub(crate) fn last_call_due(&self, limits: Limits) -> bool {
         self.phase == Phase::Joining && self.participants.len() as u32 >= limits.min
     }
 }
@@ -388,7 +388,7 @@ pub struct Watching<'a> {
 /// How long a round must have run before it reopens to admit waiting nodes: the join window,
 /// doubled for each round in a row that was opened to admit nodes, up to 30 s (or the window,
 /// if longer). Nodes arriving spread over a minute then cost a handful of rounds.
-pub fn admission_cooldown(window: Duration, admissions: u32) -> Duration {
+pub(crate) fn admission_cooldown(window: Duration, admissions: u32) -> Duration {
     let cap = window.max(Duration::from_secs(30));
     window.saturating_mul(1u32 << admissions.min(16)).min(cap)
 }
@@ -464,7 +464,7 @@ pub fn watch_step(
 
 /// What an agent whose node is asked to go (SIGTERM) does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LeaveStep {
+pub(crate) enum LeaveStep {
     /// Write this record (the next round, without this node), then leave at a step boundary:
     /// the others go on in place, `nodes` of them at `world_size`.
     Write {
@@ -481,7 +481,7 @@ pub enum LeaveStep {
 /// only from a running round it is part of (so that two nodes told to go at once cannot both
 /// leave: the second finds the round reopened by the first) and only when the live nodes left
 /// are at least `limits.min`; then the next round opens without it, expecting the others.
-pub fn leave_step(
+pub(crate) fn leave_step(
     state: Option<&State>,
     me: &str,
     round: u64,
@@ -528,7 +528,7 @@ pub fn leave_step(
 /// What an agent asked to go (SIGTERM) while it joins the next round, its workers kept from
 /// the last one, does.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WithdrawStep {
+pub(crate) enum WithdrawStep {
     /// Write this record (the round without this node), then let the workers go without
     /// saving: `nodes` others go on, and some of them hold the same state.
     Write { next: State, nodes: u32 },
@@ -545,7 +545,7 @@ pub enum WithdrawStep {
 /// state, or one step apart: a regroup takes the furthest). A round still gathering forgets
 /// this node; one that completed with it (its assignment not read yet) is reopened without it,
 /// as a node leaving a running round does.
-pub fn withdraw_step(
+pub(crate) fn withdraw_step(
     state: Option<&State>,
     me: &str,
     held: &[String],
@@ -688,7 +688,7 @@ pub fn close_step(state: Option<&State>, succeeded: bool, report: Option<&str>) 
 /// Node `me`'s workers finished: the job is closed as succeeded (if no node closed it yet)
 /// and `me` is counted among the finished. None when there is nothing to write (already
 /// counted, or the job was closed as failed).
-pub fn finish_step(state: Option<&State>, me: &str) -> Option<State> {
+pub(crate) fn finish_step(state: Option<&State>, me: &str) -> Option<State> {
     let mut next = state.cloned().unwrap_or_default();
     match next.closed() {
         Some(Closed {

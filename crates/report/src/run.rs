@@ -114,7 +114,7 @@ impl RunData {
     }
 
     /// Folds rank 0's records (in file order) into attempts, markers and totals.
-    pub fn from_records(records: &[Record], timings: Vec<Timing>) -> Self {
+    pub(crate) fn from_records(records: &[Record], timings: Vec<Timing>) -> Self {
         let mut attempts: Vec<Attempt> = Vec::new();
         let mut markers = Vec::new();
         let (mut eval, mut config, mut checkpoints, mut epochs_done) = (None, None, 0, 0);
@@ -236,7 +236,7 @@ impl RunData {
     }
 
     /// The world sizes the steps ran at, in order (restarts and regroups alike).
-    pub fn world_sizes(&self) -> Vec<u32> {
+    pub(crate) fn world_sizes(&self) -> Vec<u32> {
         let mut sizes: Vec<u32> = Vec::new();
         // In time order: each attempt's start, then its steps.
         let ordered = self.attempts.iter().flat_map(|a| {

@@ -372,7 +372,7 @@ pub struct Metrics {
 }
 
 /// Parses the lines of a metrics file, skipping (and counting) those that do not parse.
-pub fn parse_metrics(bytes: &[u8]) -> Metrics {
+pub(crate) fn parse_metrics(bytes: &[u8]) -> Metrics {
     let mut out = Metrics::default();
     for line in bytes.split(|&b| b == b'\n') {
         if line.iter().all(u8::is_ascii_whitespace) {

@@ -325,7 +325,7 @@ fn rank(r: &u32) -> Vec<(&'static str, String)> {
     vec![("rank", r.to_string())]
 }
 
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// A running `/metrics` endpoint; stopped and joined on drop.
 pub struct Server {

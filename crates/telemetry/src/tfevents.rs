@@ -40,7 +40,7 @@ pub struct SessionLog {
     pub status: i32,
 }
 
-pub const SESSION_START: i32 = 1;
+pub(crate) const SESSION_START: i32 = 1;
 
 /// `tensorflow.Summary` (tensorflow/core/framework/summary.proto).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -92,7 +92,7 @@ pub struct TensorProto {
     pub string_val: Vec<Vec<u8>>,
 }
 
-pub const DT_STRING: i32 = 7;
+pub(crate) const DT_STRING: i32 = 7;
 
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct TensorShapeProto {

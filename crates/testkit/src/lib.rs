@@ -48,7 +48,7 @@ pub fn eventually(what: &str, timeout: Duration, mut done: impl FnMut() -> bool)
 }
 
 /// The etcd binary: `TRAINCTL_ETCD`, else `etcd` on PATH.
-pub fn etcd_binary() -> Option<PathBuf> {
+pub(crate) fn etcd_binary() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TRAINCTL_ETCD") {
         return Some(PathBuf::from(p));
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::python;
 
 /// Buckets every server starts with; the user's policy allows exactly `train*`.
-pub const BUCKETS: [&str; 2] = ["train-data", "train-models"];
+pub(crate) const BUCKETS: [&str; 2] = ["train-data", "train-models"];
 /// A bucket name outside the test user's policy (S3 answers AccessDenied whether or not it exists).
 pub const FORBIDDEN_BUCKET: &str = "other-team";
 /// A bucket name the policy allows but that does not exist.

@@ -16,7 +16,7 @@ use crate::model::{
 };
 
 /// Classes of a timed network: CIFAR-10's for the seed, tiny-imagenet's 200 for a ResNet.
-pub fn bench_classes(arch: Architecture) -> usize {
+pub(crate) fn bench_classes(arch: Architecture) -> usize {
     match arch {
         Architecture::SeedCnn => 10,
         Architecture::ResNet(_) => 200,

@@ -9,10 +9,10 @@ use burn::tensor::Device;
 use kernels::Precision;
 
 /// The backend's name, as run records give it.
-pub const BACKEND: &str = "flex";
+pub(crate) const BACKEND: &str = "flex";
 
 /// The device a model is trained on (with autodiff).
-pub fn training_device() -> Device {
+pub(crate) fn training_device() -> Device {
     inference_device().autodiff()
 }
 
@@ -23,7 +23,7 @@ pub fn inference_device() -> Device {
 
 /// Sizes the CPU backend's thread pool. Call once, before any tensor work; a second call keeps
 /// the first size (the pool is global) and says so.
-pub fn set_cpu_threads(threads: usize) {
+pub(crate) fn set_cpu_threads(threads: usize) {
     if let Err(e) = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build_global()
@@ -74,7 +74,7 @@ pub fn check_precision(precision: Precision, available: bool) -> Result<(), Stri
 /// switches in 9 resnet18 steps at 1 thread, 17 with the steps run here); started on one of its
 /// threads they are queued on that thread's own deque. Run a step's forward, backward and
 /// update through this; nothing that waits on the network or a disk.
-pub fn on_compute_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+pub(crate) fn on_compute_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     kernels::awake::with_threads_awake(f)
 }
 

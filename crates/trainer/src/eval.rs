@@ -86,7 +86,7 @@ impl Confusion {
             .collect()
     }
 
-    pub fn from_f32(classes: Vec<String>, values: &[f32]) -> Self {
+    pub(crate) fn from_f32(classes: Vec<String>, values: &[f32]) -> Self {
         let mut out = Confusion::new(classes);
         let n = out.counts.len();
         for (slot, v) in out.counts.iter_mut().zip(values) {
@@ -157,7 +157,7 @@ pub struct Loaded {
 
 /// A model for inference of `arch` with `classes` classes, built from flat parameters and
 /// buffers.
-pub fn inference_model(
+pub(crate) fn inference_model(
     arch: Architecture,
     classes: usize,
     params: &[f32],

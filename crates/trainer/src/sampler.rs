@@ -7,7 +7,7 @@
 //! `w` is. That is what makes re-sharding after a restart lose and repeat nothing.
 
 /// The epoch's order of `n` samples, a permutation fixed by `seed` and `epoch`.
-pub fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+pub(crate) fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
     let mut rng = SplitMix64(seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
@@ -19,7 +19,7 @@ pub fn epoch_order(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
 
 /// Where one rank stands in one epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shard {
+pub(crate) struct Shard {
     /// This rank's indices for the rest of the epoch, in order.
     pub indices: Vec<usize>,
     pub batch_size: usize,
@@ -35,7 +35,7 @@ pub struct Shard {
 
 impl Shard {
     /// Rank `rank`'s share of epoch `epoch` from position `consumed` on.
-    pub fn new(
+    pub(crate) fn new(
         n: usize,
         seed: u64,
         epoch: usize,
@@ -56,7 +56,7 @@ impl Shard {
     /// Rank `rank`'s share of the rest of an epoch whose order is `order`, from position
     /// `consumed` on (the Python package's `Shard`, whose order is torch's: the two follow the
     /// shared cases of `vectors/sampler.json`).
-    pub fn of(
+    pub(crate) fn of(
         order: &[usize],
         consumed: usize,
         world_size: usize,
@@ -81,11 +81,11 @@ impl Shard {
     }
 
     /// Steps left in the epoch (the last batch may be short).
-    pub fn steps(&self) -> usize {
+    pub(crate) fn steps(&self) -> usize {
         self.indices.len().div_ceil(self.batch_size)
     }
 
-    pub fn batch(&self, step: usize) -> &[usize] {
+    pub(crate) fn batch(&self, step: usize) -> &[usize] {
         let lo = (step * self.batch_size).min(self.indices.len());
         let hi = ((step + 1) * self.batch_size).min(self.indices.len());
         &self.indices[lo..hi]
@@ -94,14 +94,14 @@ impl Shard {
     /// The samples of `batch(step)` that are not padding: what the epoch's
     /// [`digest`] counts, so that an epoch that trained each sample once has the digest of all
     /// its samples whatever the world sizes it ran at.
-    pub fn unpadded_batch(&self, step: usize) -> &[usize] {
+    pub(crate) fn unpadded_batch(&self, step: usize) -> &[usize] {
         let lo = (step * self.batch_size).min(self.unpadded);
         let hi = ((step + 1) * self.batch_size).min(self.unpadded);
         &self.indices[lo..hi]
     }
 
     /// The epoch position (global samples consumed) once `steps_done` steps of this shard ran.
-    pub fn position_after(&self, steps_done: usize) -> usize {
+    pub(crate) fn position_after(&self, steps_done: usize) -> usize {
         (self.start + steps_done * self.batch_size * self.world_size).min(self.epoch_len)
     }
 }
@@ -109,7 +109,7 @@ impl Shard {
 /// Of `unpadded` (a step's samples without padding: the start of the batch the loader was
 /// given), those the loader delivered: `delivered` holds the batch's samples in order, with
 /// unreadable images left out.
-pub fn delivered(unpadded: &[usize], delivered: &[usize]) -> Vec<usize> {
+pub(crate) fn delivered(unpadded: &[usize], delivered: &[usize]) -> Vec<usize> {
     let mut next = delivered.iter().peekable();
     unpadded
         .iter()

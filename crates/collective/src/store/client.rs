@@ -123,8 +123,9 @@ impl StoreClient {
         }
     }
 
+    #[cfg(test)]
     /// The value of `key` now, if any.
-    pub fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>, CollectiveError> {
+    pub(crate) fn try_get(&mut self, key: &str) -> Result<Option<Vec<u8>>, CollectiveError> {
         match self.call(&Request::TryGet { key: key.into() })? {
             Response::Maybe(v) => Ok(v),
             other => Err(unexpected(other)),

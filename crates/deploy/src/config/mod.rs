@@ -233,15 +233,15 @@ pub enum ConfigError {
 
 /// The image of the training pods when none is given: what `docker build -t trainctl .` tags,
 /// which no registry serves (a render or launch says so).
-pub const DEFAULT_IMAGE: &str = "trainctl:latest";
+pub(crate) const DEFAULT_IMAGE: &str = "trainctl:latest";
 /// etcd for `--rdzv-backend etcd` (the v3 API, which trainctl's etcd backend speaks).
-pub const ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.17";
+pub(crate) const ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.17";
 /// TensorBoard for `trainctl tensorboard`: TensorFlow's image has the `tensorboard` command.
-pub const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
+pub(crate) const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
 
 /// The service account `cluster.s3_bucket` creates (eksctl, with an IAM role for the bucket)
 /// and the pods run under.
-pub const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
+pub(crate) const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
 
 pub use fit::{INSTANCE_TYPE_LABEL, Renders};
 pub use layers::{Layers, Resolved, join_words, split_words};

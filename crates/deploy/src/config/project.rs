@@ -179,7 +179,7 @@ pub struct Job {
 }
 
 impl Job {
-    pub fn is_elastic(&self) -> bool {
+    pub(crate) fn is_elastic(&self) -> bool {
         self.min_nodes < self.max_nodes
     }
 
@@ -197,7 +197,7 @@ impl Job {
         format!("{}/{}", self.runs_dir.trim_end_matches('/'), self.name)
     }
 
-    pub fn model_path(&self) -> String {
+    pub(crate) fn model_path(&self) -> String {
         format!("{}/{}", self.run_dir(), contract::run_files::MODEL)
     }
 }

@@ -191,7 +191,7 @@ impl JobStatus {
 
     /// An operator's job with no condition and no pod: nothing reconciles it (operators set a
     /// Created condition at once), which says its controller is not running.
-    pub fn unreconciled(&self) -> Option<String> {
+    pub(crate) fn unreconciled(&self) -> Option<String> {
         let operator = self.operator?;
         (self.conditions.is_empty() && self.pods.is_empty()).then(|| {
             format!(

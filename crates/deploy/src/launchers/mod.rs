@@ -132,12 +132,12 @@ pub fn serving(resource: &ApiResource) -> Option<&'static dyn Kind> {
 
 /// Whether `resource` is a custom resource (an operator's, served only where its CRD is
 /// installed), not one of Kubernetes' own.
-pub fn is_custom(resource: &ApiResource) -> bool {
+pub(crate) fn is_custom(resource: &ApiResource) -> bool {
     resource.group.contains('.')
 }
 
 /// Whether `doc` is a training job itself (not what it owns).
-pub fn is_job(doc: &Manifest) -> bool {
+pub(crate) fn is_job(doc: &Manifest) -> bool {
     KINDS.iter().any(|k| k.resources()[0] == *doc.resource())
 }
 

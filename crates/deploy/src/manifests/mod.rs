@@ -37,39 +37,39 @@ pub(crate) use training::{
 };
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
-pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
+pub(crate) const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
 /// The job an object belongs to.
-pub const JOB_LABEL: &str = "trainctl.dev/job";
+pub(crate) const JOB_LABEL: &str = "trainctl.dev/job";
 /// The extended resource of EFA adapters (aws-efa-k8s-device-plugin).
 pub const EFA_RESOURCE: &str = "vpc.amazonaws.com/efa";
 /// The label by which Kueue admits a job through a LocalQueue (all its pods together or none).
 pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// On a training job's object: its node bounds `MIN:MAX` (`--nnodes`), which `job scale`
 /// keeps to.
-pub const NNODES_ANNOTATION: &str = "trainctl.dev/nnodes";
+pub(crate) const NNODES_ANNOTATION: &str = "trainctl.dev/nnodes";
 /// On a training job's object: `program` when its pods run the user's program, `built-in`
 /// for trainctl's trainer (`job scale` says which regroups in place).
-pub const TRAINER_ANNOTATION: &str = "trainctl.dev/trainer";
+pub(crate) const TRAINER_ANNOTATION: &str = "trainctl.dev/trainer";
 /// Kueue's opt-in to elastic jobs (workload slices): a queued job may change its size.
-pub const KUEUE_ELASTIC_ANNOTATION: &str = "kueue.x-k8s.io/elastic-job";
+pub(crate) const KUEUE_ELASTIC_ANNOTATION: &str = "kueue.x-k8s.io/elastic-job";
 /// What the object is in the job: `worker`, `data`, `test`, `doctor`, `etcd` or `tensorboard`.
-pub const COMPONENT_LABEL: &str = "trainctl.dev/component";
+pub(crate) const COMPONENT_LABEL: &str = "trainctl.dev/component";
 /// The container that runs `trainctl run` in the training pods of an Indexed Job or a
 /// PyTorchJob: the name the PyTorchJob operator looks for, which the podFailurePolicy names
 /// too (a TrainJob's is `node`, Trainer's name). The helper jobs' containers are named after
 /// what they do (`data`, `test`, `doctor`).
-pub const CONTAINER: &str = "pytorch";
+pub(crate) const CONTAINER: &str = "pytorch";
 /// Name of the rendezvous port; the training operator finds the port by this name.
-pub const RDZV_PORT_NAME: &str = "pytorchjob-port";
+pub(crate) const RDZV_PORT_NAME: &str = "pytorchjob-port";
 /// The container port `trainctl run --metrics-port` serves on.
-pub const METRICS_PORT_NAME: &str = "metrics";
+pub(crate) const METRICS_PORT_NAME: &str = "metrics";
 /// Where the binary is in the image (see the Dockerfile).
 pub const BINARY: &str = "trainctl";
 /// Where the init container of a training pod whose image lacks trainctl puts the binary (an
 /// emptyDir shared with the training container).
 pub const BINARY_DIR: &str = "/opt/trainctl";
 /// Where training pods put the code `job.fetch` copies from S3 (under the /tmp emptyDir).
-pub const FETCH_DIR: &str = "/tmp/code";
+pub(crate) const FETCH_DIR: &str = "/tmp/code";
 /// The init container that copies trainctl into [`BINARY_DIR`].
 pub const INSTALL_CONTAINER: &str = "install-trainctl";
 /// etcd's client port (`--rdzv-backend etcd`).
@@ -77,15 +77,15 @@ pub const ETCD_PORT: u16 = contract::ports::ETCD;
 /// TensorBoard's port.
 pub const TENSORBOARD_PORT: u16 = 6006;
 /// The user the pods run as (the image's `trainctl` user).
-pub const RUN_AS: i64 = 1000;
+pub(crate) const RUN_AS: i64 = 1000;
 /// What a helper pod (data, test, doctor) requests: CPU, memory.
 pub const HELPER_SIZE: (&str, &str) = ("500m", "1Gi");
 /// How long a training pod has between SIGTERM and SIGKILL: the step in progress and a
 /// checkpoint must fit in it.
-pub const TERMINATION_GRACE_SECONDS: i64 = 30;
+pub(crate) const TERMINATION_GRACE_SECONDS: i64 = 30;
 /// Where a container's termination message is read from (Kubernetes' default
 /// `terminationMessagePath`): `trainctl run` writes a failure's root cause there.
-pub const TERMINATION_LOG: &str = "/dev/termination-log";
+pub(crate) const TERMINATION_LOG: &str = "/dev/termination-log";
 
 /// Labels of one component of job `job`.
 pub fn labels(job: &str, component: &str) -> BTreeMap<String, String> {
@@ -98,7 +98,7 @@ pub fn labels(job: &str, component: &str) -> BTreeMap<String, String> {
 }
 
 /// The label selector of everything of job `job` (all components).
-pub fn job_selector(job: &str) -> String {
+pub(crate) fn job_selector(job: &str) -> String {
     format!("{JOB_LABEL}={job},{}={}", MANAGED_BY.0, MANAGED_BY.1)
 }
 

@@ -31,11 +31,11 @@ use crate::matmul::Precision;
 
 /// Input channels from which a stride-1 3×3 convolution runs as Winograd (below,
 /// its GEMMs are too narrow to gain; docs/journal/performance.md has the layer figures).
-pub const WINOGRAD_MIN_CHANNELS: usize = 32;
+pub(crate) const WINOGRAD_MIN_CHANNELS: usize = 32;
 /// ...and the output side from which it does: on smaller outputs most of a tile's 4×4 input
 /// block is padding and the weight's transforms (16 values for 9, every step) cost more than
 /// the GEMMs save.
-pub const WINOGRAD_MIN_SIDE: usize = 4;
+pub(crate) const WINOGRAD_MIN_SIDE: usize = 4;
 
 /// ...and the output side from which it takes 4×4 tiles (F(4×4, 3×3): 36 products for 16
 /// outputs, against F(2×2)'s 64), which take less time than F(2×2) from 8×8 outputs; at 4×4
@@ -45,7 +45,7 @@ pub const WINOGRAD_MIN_SIDE: usize = 4;
 /// Its products always run in fp32, bf16 mode too ([`Algorithm::precision`]): rounded to bf16,
 /// its transformed values (scaled by up to 8 before rounding to 8 bits of mantissa) put the
 /// result 3–21 % off, against F(2×2)'s 1 %, and in fp32 it is faster than F(2×2) in bf16.
-pub const WINOGRAD4_MIN_SIDE: usize = 8;
+pub(crate) const WINOGRAD4_MIN_SIDE: usize = 8;
 
 /// Whether [`Prepared::new`] computes `s` with Winograd.
 fn winograd_pays(s: &ConvShape) -> bool {
@@ -160,7 +160,7 @@ impl<'w> Prepared<'w> {
     }
 
     /// This weight with its GEMMs' inputs rounded to `precision` (f32 unless asked).
-    pub fn in_precision(mut self, precision: Precision) -> Self {
+    pub(crate) fn in_precision(mut self, precision: Precision) -> Self {
         match &mut self {
             Prepared::Im2col(w) | Prepared::Direct(w) => w.precision = precision,
             Prepared::Winograd(u) => u.precision = precision,

@@ -22,7 +22,7 @@ pub struct ConvShape {
 impl ConvShape {
     /// A 3×3 convolution at stride 1 with padding 1 on square inputs (`size` × `size`): every
     /// convolution of the seed CNN.
-    pub fn same_3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> Self {
+    pub(crate) fn same_3x3(batch: usize, c_in: usize, c_out: usize, size: usize) -> Self {
         ConvShape {
             batch,
             c_in,
@@ -91,7 +91,7 @@ impl ConvShape {
 
     /// A 1×1 kernel at stride 1 without padding: on NHWC data the input, as it lies, is
     /// already the im2col matrix.
-    pub fn is_pointwise(&self) -> bool {
+    pub(crate) fn is_pointwise(&self) -> bool {
         self.kernel == [1, 1] && self.stride == [1, 1] && self.padding == [0, 0]
     }
 
@@ -100,7 +100,7 @@ impl ConvShape {
         self.kernel[0] * self.kernel[1] * self.c_in
     }
 
-    pub fn input_len(&self) -> usize {
+    pub(crate) fn input_len(&self) -> usize {
         self.batch * self.height * self.width * self.c_in
     }
 
@@ -109,7 +109,7 @@ impl ConvShape {
         self.batch * oh * ow * self.c_out
     }
 
-    pub fn weight_len(&self) -> usize {
+    pub(crate) fn weight_len(&self) -> usize {
         self.c_out * self.k()
     }
 
@@ -119,7 +119,7 @@ impl ConvShape {
     }
 
     /// Images per chunk: as many as keep the chunk's im2col matrix in cache.
-    pub fn images_per_chunk(&self) -> usize {
+    pub(crate) fn images_per_chunk(&self) -> usize {
         let rows = self.rows_per_image();
         let by_bytes = CHUNK_COL_BYTES / (rows * self.k() * 4).max(1);
         let by_rows = CHUNK_MAX_ROWS / rows;

@@ -71,8 +71,9 @@ impl<'a> Weight<'a> {
         }
     }
 
+    #[cfg(test)]
     /// A weight in the kernels' layout ([`WeightLayout::TapsFirst`]).
-    pub fn taps_first(values: &'a [f32]) -> Self {
+    pub(crate) fn taps_first(values: &'a [f32]) -> Self {
         Weight {
             values,
             layout: WeightLayout::TapsFirst,

@@ -76,7 +76,7 @@ impl<'a> Mat<'a> {
     }
 
     /// Rows `range` of this view (no copy).
-    pub fn row_range(self, range: std::ops::Range<usize>) -> Self {
+    pub(crate) fn row_range(self, range: std::ops::Range<usize>) -> Self {
         assert!(
             range.start <= range.end && range.end <= self.rows,
             "row range {range:?} of {}",
@@ -94,7 +94,7 @@ impl<'a> Mat<'a> {
     }
 
     /// Columns `range` of this view (no copy).
-    pub fn col_range(self, range: std::ops::Range<usize>) -> Self {
+    pub(crate) fn col_range(self, range: std::ops::Range<usize>) -> Self {
         self.t().row_range(range).t()
     }
 
@@ -135,14 +135,14 @@ fn fits(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usi
 /// A right-hand side packed once for the many products that share it (a layer's weight through
 /// a forward or a backward): bf16 panels for [`Precision::Bf16`]; nothing for f32, which the
 /// `gemm` crate packs per product.
-pub struct PackedRhs {
+pub(crate) struct PackedRhs {
     #[cfg(target_arch = "x86_64")]
     bf16: Option<bf16::PackedB>,
     rows: usize,
 }
 
 impl PackedRhs {
-    pub fn new(rhs: Mat, precision: Precision) -> Self {
+    pub(crate) fn new(rhs: Mat, precision: Precision) -> Self {
         rhs.check("packed rhs");
         #[cfg(not(target_arch = "x86_64"))]
         let _ = precision;
@@ -156,7 +156,7 @@ impl PackedRhs {
     /// Rows `rows` and columns `cols` of it, for [`par_matmul_packed`]: `None` for f32, or when
     /// the block does not start on a pair of rows and a panel of columns (the product then
     /// packs its own).
-    pub fn view(
+    pub(crate) fn view(
         &self,
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
@@ -220,7 +220,7 @@ pub fn matmul(
 
 /// [`matmul`] with `rhs` already packed (`panels`, a view of a [`PackedRhs`] of exactly `rhs`)
 /// when there is a packing.
-pub fn matmul_packed(
+pub(crate) fn matmul_packed(
     dst: &mut [f32],
     dst_stride: usize,
     lhs: Mat,
@@ -248,7 +248,7 @@ pub fn matmul_packed(
 /// [`matmul`] (`dst = lhs · rhs`) into memory not yet initialised, on the calling thread: it
 /// writes every element of the `lhs.rows × rhs.cols` block at `dst` and reads none (as
 /// [`par_matmul_uninit`]).
-pub fn matmul_uninit(
+pub(crate) fn matmul_uninit(
     dst: &mut [std::mem::MaybeUninit<f32>],
     dst_stride: usize,
     lhs: Mat,
@@ -315,7 +315,7 @@ fn check_product(
 /// weight gradients read the patch matrix, in columns, as their left operand) once per
 /// product, for reads the microkernel makes as well in place; at 256, the crate's largest, such
 /// an operand is read in place but in the widest products. Copying or not moves no arithmetic.
-pub const GEMM_LHS_PACKING_THRESHOLD: usize = 256;
+pub(crate) const GEMM_LHS_PACKING_THRESHOLD: usize = 256;
 
 /// Sets the `gemm` crate's options this module's products are tuned for, once per process.
 fn configure_gemm() {

@@ -37,7 +37,7 @@ impl ModelInfo {
     }
 
     /// The seed CNN on CIFAR-10, as files from before models were described are.
-    pub fn seed_cifar() -> ModelInfo {
+    pub(crate) fn seed_cifar() -> ModelInfo {
         ModelInfo {
             architecture: Architecture::SeedCnn.name().into(),
             classes: CLASS_NAMES.iter().map(|c| c.to_string()).collect(),

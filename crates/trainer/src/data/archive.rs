@@ -33,7 +33,7 @@ pub struct DownloadOptions {
 
 impl DownloadOptions {
     /// Whether `url` is a data set's official address (not a mirror the user gave).
-    pub fn official_url(&self) -> bool {
+    pub(crate) fn official_url(&self) -> bool {
         super::DatasetName::ALL
             .iter()
             .any(|d| d.contract().url == self.url)

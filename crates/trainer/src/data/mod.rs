@@ -137,7 +137,7 @@ impl Layout {
 
     /// The image side a run uses when `--image-size` is not given: CIFAR's 32, else 64
     /// (tiny-imagenet's own size).
-    pub fn default_image_size(&self) -> usize {
+    pub(crate) fn default_image_size(&self) -> usize {
         match self {
             Layout::Cifar(_) => 32,
             Layout::Folder(_) => 64,
@@ -146,7 +146,7 @@ impl Layout {
 
     /// Training augmentation when `--augment` is not given: none for CIFAR-10 (the seed's
     /// transforms), a padded random crop and flip for image folders.
-    pub fn default_augment(&self) -> Augment {
+    pub(crate) fn default_augment(&self) -> Augment {
         match self {
             Layout::Cifar(_) => Augment::None,
             Layout::Folder(_) => Augment::Crop,
@@ -273,7 +273,7 @@ impl Samples {
     }
 
     /// Floats per image: `3 × size²`.
-    pub fn image_floats(&self) -> usize {
+    pub(crate) fn image_floats(&self) -> usize {
         3 * self.image_size * self.image_size
     }
 
@@ -332,17 +332,17 @@ pub fn describe(layout: &Layout) -> String {
 
 /// Paths of unreadable images already reported, so each is reported once per run.
 #[derive(Default)]
-pub struct Unreadable {
+pub(crate) struct Unreadable {
     seen: std::collections::HashSet<PathBuf>,
 }
 
 impl Unreadable {
     /// True the first time `path` is seen.
-    pub fn first(&mut self, path: &Path) -> bool {
+    pub(crate) fn first(&mut self, path: &Path) -> bool {
         self.seen.insert(path.to_path_buf())
     }
 
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.seen.len()
     }
 }

@@ -79,7 +79,7 @@ pub fn write_python(dir: &Path, train: &CifarImages, test: &CifarImages) -> std:
     Ok(())
 }
 
-pub fn python_bytes(d: &CifarImages) -> Vec<u8> {
+pub(crate) fn python_bytes(d: &CifarImages) -> Vec<u8> {
     let mut p = vec![0x80, 2, b'}', b'('];
     let short = |p: &mut Vec<u8>, s: &[u8]| {
         p.push(b'U');
@@ -127,12 +127,12 @@ pub struct FolderSpec {
 }
 
 /// A fake WordNet id per class, like tiny-imagenet's `n01443537`.
-pub fn wnid(class: usize) -> String {
+pub(crate) fn wnid(class: usize) -> String {
     format!("n{:08}", 1_000_000 + class * 37)
 }
 
 /// The class names the generator writes (`words.txt` in the tiny layout, folder names else).
-pub fn class_name(class: usize) -> String {
+pub(crate) fn class_name(class: usize) -> String {
     format!("colour{class:02}")
 }
 

@@ -29,12 +29,12 @@ pub struct Entry {
 }
 
 impl Entry {
-    pub fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
     /// The shape PyTorch gives this tensor (Linear weights transposed).
-    pub fn torch_shape(&self) -> Vec<usize> {
+    pub(crate) fn torch_shape(&self) -> Vec<usize> {
         if self.is_linear_weight() {
             vec![self.shape[1], self.shape[0]]
         } else {
@@ -43,13 +43,13 @@ impl Entry {
     }
 
     /// burn stores Linear weights as `[in, out]`, PyTorch as `[out, in]`.
-    pub fn is_linear_weight(&self) -> bool {
+    pub(crate) fn is_linear_weight(&self) -> bool {
         self.path.starts_with("fc") && self.path.ends_with(".weight")
     }
 
     /// A convolution's weight: in the flat buffers `[c_out][kh][kw][c_in]`, PyTorch's
     /// `[c_out][c_in][kh][kw]` elsewhere (the only 4-d tensors of the models).
-    pub fn is_conv_weight(&self) -> bool {
+    pub(crate) fn is_conv_weight(&self) -> bool {
         self.trainable && self.shape.len() == 4
     }
 }
@@ -415,7 +415,7 @@ impl ParamGradients {
     /// Into `out`, flat in parameter order, zeros for a parameter without one (so that every
     /// rank's buffer has the same layout), copied on rayon's threads (`out` keeps its
     /// allocation from step to step).
-    pub fn flatten_into(&self, out: &mut Vec<f32>) {
+    pub(crate) fn flatten_into(&self, out: &mut Vec<f32>) {
         let total = self.len();
         if out.len() != total {
             out.clear();

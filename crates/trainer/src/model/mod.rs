@@ -70,7 +70,7 @@ impl Architecture {
 }
 
 /// The largest image side a ResNet is built for (ImageNet's recipe trains at 224).
-pub const MAX_IMAGE_SIZE: usize = 1024;
+pub(crate) const MAX_IMAGE_SIZE: usize = 1024;
 
 /// The most classes a model may have (ImageNet-21k has 21,841).
 pub const MAX_CLASSES: usize = 100_000;

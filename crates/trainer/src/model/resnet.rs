@@ -69,14 +69,14 @@ impl Arch {
 /// The shortcut of a block whose shape changes: torchvision's `downsample` Sequential
 /// (`downsample.0` the 1×1 convolution, `downsample.1` its BatchNorm).
 #[derive(Module, Debug)]
-pub struct Downsample {
+pub(crate) struct Downsample {
     conv: Conv2d,
     bn: BatchNorm,
 }
 
 /// A BasicBlock (`conv3`/`bn3` absent) or a Bottleneck.
 #[derive(Module, Debug)]
-pub struct Block {
+pub(crate) struct Block {
     conv1: Conv2d,
     bn1: BatchNorm,
     conv2: Conv2d,
@@ -259,7 +259,7 @@ impl Net for ResNet {
 /// torchvision's `state_dict` key of the tensor at burn path `path`: BatchNorm's `gamma` and
 /// `beta` are `weight` and `bias`, a shortcut's convolution and BatchNorm are `downsample.0`
 /// and `downsample.1`.
-pub fn torch_name(path: &str) -> String {
+pub(crate) fn torch_name(path: &str) -> String {
     path.split('.')
         .map(|part| match part {
             "gamma" => "weight",

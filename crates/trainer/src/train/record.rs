@@ -19,7 +19,7 @@ use telemetry::{MetricsWriter, RunConfig, Step};
 use super::Event;
 use crate::eval::Confusion;
 
-pub struct Recorder {
+pub(crate) struct Recorder {
     rank: u32,
     metrics: Option<MetricsWriter>,
     tensorboard: Option<EventWriter>,
@@ -28,7 +28,7 @@ pub struct Recorder {
 
 impl Recorder {
     /// Opens this rank's destinations under `run_dir`.
-    pub fn open(run_dir: &Path, world: &World, report: &mut dyn FnMut(Event)) -> Self {
+    pub(crate) fn open(run_dir: &Path, world: &World, report: &mut dyn FnMut(Event)) -> Self {
         let metrics = MetricsWriter::open(&rank_file(run_dir, world.rank))
             .map_err(|e| warn(report, "metrics file", &e))
             .ok();
@@ -72,7 +72,7 @@ impl Recorder {
     }
 
     /// A straggler found or gone (rank 0).
-    pub fn straggler(&mut self, straggler: Straggler, report: &mut dyn FnMut(Event)) {
+    pub(crate) fn straggler(&mut self, straggler: Straggler, report: &mut dyn FnMut(Event)) {
         self.record(&Record::Straggler(straggler), report);
     }
 
@@ -89,7 +89,7 @@ impl Recorder {
         }
     }
 
-    pub fn start(&mut self, start: Start, world_size: usize, report: &mut dyn FnMut(Event)) {
+    pub(crate) fn start(&mut self, start: Start, world_size: usize, report: &mut dyn FnMut(Event)) {
         let (step, text) = (start.step, config_markdown(&start.config, world_size));
         self.record(&Record::Start(start), report);
         self.tensorboard(report, |tb| {
@@ -100,7 +100,7 @@ impl Recorder {
         });
     }
 
-    pub fn step(&mut self, s: &Step, report: &mut dyn FnMut(Event)) {
+    pub(crate) fn step(&mut self, s: &Step, report: &mut dyn FnMut(Event)) {
         self.record(&Record::Step(s.clone()), report);
         self.tensorboard(report, |tb| {
             tb.scalars(
@@ -118,7 +118,7 @@ impl Recorder {
         });
     }
 
-    pub fn regroup(
+    pub(crate) fn regroup(
         &mut self,
         r: &collective::control::Regrouped,
         reason: &str,
@@ -142,7 +142,7 @@ impl Recorder {
         });
     }
 
-    pub fn checkpoint(
+    pub(crate) fn checkpoint(
         &mut self,
         step: u64,
         epoch: usize,
@@ -159,7 +159,7 @@ impl Recorder {
         self.record(&r, report);
     }
 
-    pub fn epoch(
+    pub(crate) fn epoch(
         &mut self,
         epoch: usize,
         step: u64,
@@ -178,7 +178,7 @@ impl Recorder {
         self.record(&r, report);
     }
 
-    pub fn eval(&mut self, step: u64, confusion: &Confusion, report: &mut dyn FnMut(Event)) {
+    pub(crate) fn eval(&mut self, step: u64, confusion: &Confusion, report: &mut dyn FnMut(Event)) {
         let eval = eval_record(self.rank, step, confusion);
         let mut scalars = vec![("test/accuracy".to_string(), eval.accuracy)];
         if let Some(top5) = eval.top5_accuracy {

@@ -56,14 +56,14 @@ pub(super) fn slots(
 
 /// One rank's times at one step, from the all-reduced slots.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankTimes {
+pub(crate) struct RankTimes {
     pub node: u32,
     pub data_s: f64,
     pub compute_s: f64,
 }
 
 impl RankTimes {
-    pub fn busy_s(&self) -> f64 {
+    pub(crate) fn busy_s(&self) -> f64 {
         self.data_s + self.compute_s
     }
 }
@@ -127,7 +127,7 @@ pub enum Change {
 
 /// The window of steps and who is a straggler now.
 #[derive(Debug, Default)]
-pub struct StragglerWatch {
+pub(crate) struct StragglerWatch {
     cfg: StragglerConfig,
     steps: VecDeque<Vec<RankTimes>>,
     current: Option<Straggler>,
@@ -142,7 +142,7 @@ pub struct StragglerWatch {
 }
 
 impl StragglerWatch {
-    pub fn new(cfg: StragglerConfig) -> StragglerWatch {
+    pub(crate) fn new(cfg: StragglerConfig) -> StragglerWatch {
         StragglerWatch {
             cfg,
             ..StragglerWatch::default()
@@ -150,7 +150,7 @@ impl StragglerWatch {
     }
 
     /// Takes one step's times; says when a straggler starts or ends.
-    pub fn step(&mut self, times: Vec<RankTimes>) -> Option<Change> {
+    pub(crate) fn step(&mut self, times: Vec<RankTimes>) -> Option<Change> {
         let window = self.cfg.window.max(1);
         // Another group (the first, or a node left or joined): its ranks and nodes are
         // others, and its first steps are its warm-up.
@@ -318,7 +318,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Each rank's time before the all-reduce over the median rank's, for the metrics.
-pub fn relative_speeds(times: &[RankTimes]) -> Vec<f64> {
+pub(crate) fn relative_speeds(times: &[RankTimes]) -> Vec<f64> {
     let m = median(times.iter().map(RankTimes::busy_s).collect()).max(1e-9);
     times.iter().map(|t| t.busy_s() / m).collect()
 }

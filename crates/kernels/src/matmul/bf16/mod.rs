@@ -33,9 +33,9 @@ pub(in crate::matmul) use pack_a::{PackedA, pack_lhs};
 pub use pack_b::{PackedB, PanelView};
 
 /// Columns of C a microkernel call computes: two AVX-512 registers of f32.
-pub const NR: usize = 32;
+pub(crate) const NR: usize = 32;
 /// Rows of C a microkernel call computes.
-pub const MR: usize = 12;
+pub(crate) const MR: usize = 12;
 /// Pairs of `k` a microkernel call runs through before writing C.
 const KC_PAIRS: usize = 256;
 

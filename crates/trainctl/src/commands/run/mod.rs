@@ -128,7 +128,7 @@ pub(crate) struct Args {
     /// FileTimerClient, and a worker whose timer expires is killed with the signal it asked for.
     #[arg(
         long,
-        env = "TORCHELASTIC_ENABLE_FILE_TIMER",
+        env = contract::env::ENABLE_FILE_TIMER,
         value_parser = clap::builder::BoolishValueParser::new(),
         num_args = 0..=1,
         default_missing_value = "true",

@@ -16,10 +16,10 @@ pub(crate) const CIFAR: Archive = Archive {
     present: |dir| Layout::locate(dir).is_some(),
 };
 
-pub const IMAGE_BYTES: usize = 3 * 32 * 32;
-pub const NUM_CLASSES: usize = 10;
+pub(crate) const IMAGE_BYTES: usize = 3 * 32 * 32;
+pub(crate) const NUM_CLASSES: usize = 10;
 /// The names the seed jobs print.
-pub const CLASS_NAMES: [&str; NUM_CLASSES] = [
+pub(crate) const CLASS_NAMES: [&str; NUM_CLASSES] = [
     "plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
 ];
 pub const BIN_DIR: &str = contract::cifar10::BIN_DIR;
@@ -47,7 +47,12 @@ impl CifarImages {
 
     /// Appends the normalised pixels ((x/255 - 0.5) / 0.5, as the seed's transforms do) and labels
     /// of `indices` to `pixels` and `labels`.
-    pub fn fill_batch(&self, indices: &[usize], pixels: &mut Vec<f32>, labels: &mut Vec<i64>) {
+    pub(crate) fn fill_batch(
+        &self,
+        indices: &[usize],
+        pixels: &mut Vec<f32>,
+        labels: &mut Vec<i64>,
+    ) {
         pixels.clear();
         labels.clear();
         for &i in indices {
@@ -57,7 +62,7 @@ impl CifarImages {
     }
 }
 
-pub fn normalise(byte: u8) -> f32 {
+pub(crate) fn normalise(byte: u8) -> f32 {
     byte as f32 * (2.0 / 255.0) - 1.0
 }
 
@@ -129,7 +134,7 @@ impl Layout {
 }
 
 /// Binary layout: records of one label byte and 3072 pixel bytes.
-pub fn parse_binary(bytes: &[u8]) -> Result<CifarImages, String> {
+pub(crate) fn parse_binary(bytes: &[u8]) -> Result<CifarImages, String> {
     const RECORD: usize = 1 + IMAGE_BYTES;
     if bytes.is_empty() || !bytes.len().is_multiple_of(RECORD) {
         return Err(format!(
@@ -156,7 +161,7 @@ pub fn parse_binary(bytes: &[u8]) -> Result<CifarImages, String> {
 }
 
 /// Python layout: a pickled dict with `data` (uint8 array N×3072) and `labels`.
-pub fn parse_python(bytes: &[u8]) -> Result<CifarImages, String> {
+pub(crate) fn parse_python(bytes: &[u8]) -> Result<CifarImages, String> {
     let value = pickle::unpickle(bytes).map_err(|e| format!("not a readable pickle: {e}"))?;
     let data = value
         .get("data")
