@@ -182,14 +182,16 @@ impl State {
         self.participants.iter().any(|n| n.id == id)
     }
 
-    /// The nodes of this record's job: its participants, and the nodes a reopened round
-    /// expects or has waiting (a round reopened and then closed lists no participants).
+    /// The nodes of this record's job: its participants, the nodes a reopened round expects
+    /// or has waiting (a round reopened and then closed lists no participants), and the nodes
+    /// it lost on the way (one cut off may come back after the others have gone).
     fn members(&self) -> impl Iterator<Item = &str> {
         self.participants
             .iter()
             .chain(&self.waiting)
             .map(|n| n.id.as_str())
             .chain(self.expected.iter().map(String::as_str))
+            .chain(self.lapsed.iter().map(String::as_str))
     }
 
     fn closed(&self) -> Option<Closed> {

@@ -179,6 +179,19 @@ fn a_node_cut_off_is_lapsed_and_learns_it_was_not_in_the_round_that_closed_the_j
         JoinStep::Closed(c) => assert!(c.succeeded && !c.member, "{c:?}"),
         other => panic!("c rejoining must be told the job is over: {other:?}"),
     }
+    // Back after every other node of the job has gone (etcd keeps the record): still told,
+    // not handed a new job of the same run id that its workers would resume.
+    match join_step(
+        Some(closed),
+        &node("c"),
+        &alive(&["c"]),
+        LIMITS,
+        false,
+        None,
+    ) {
+        JoinStep::Closed(c) => assert!(c.succeeded && !c.member, "{c:?}"),
+        other => panic!("c back alone must be told the job is over: {other:?}"),
+    }
     // A node that left by asking is not lapsed: nobody waits for it.
     let state = running(&["a", "b", "c"]);
     let round = state.as_ref().unwrap().round;
