@@ -404,10 +404,32 @@ fn a_finished_worker_is_not_restarted_when_a_peer_dies_afterwards() {
 #[test]
 fn a_joiner_while_the_first_workers_start_is_taken_in_place() {
     let python = python_or_skip!("a_joiner_while_the_first_workers_start_is_taken_in_place");
+    joiner_while_a_starts(&python, "starting", "--slow-start");
+}
+
+/// The first group's round ends while that group starts: agent A's worker said it regroups in
+/// place, then its first `init_process_group` takes 6 s more; B, which arrived meanwhile, is
+/// admitted at once, and A's worker is handed round 1 mid-start. The failed first start is a
+/// regroup's failed start: the worker waits for the round and takes it in place (before, it
+/// died: "a collective outside `with job.step():` ... lost a peer", and the job failed).
+#[test]
+fn a_joiner_while_the_first_group_starts_is_taken_in_place() {
+    let python = python_or_skip!("a_joiner_while_the_first_group_starts_is_taken_in_place");
+    let said_a = joiner_while_a_starts(&python, "first-group", "--slow-first-group");
+    assert!(
+        said_a.contains("the first group's round ended as it started"),
+        "A's first start was overtaken by B's round:\n{said_a}"
+    );
+}
+
+/// Agent A forms a round of one, its worker's start slowed by 6 s (`slow`: the fixture's flag);
+/// B arrives meanwhile. Both must finish, B taken in place by A's worker, never restarted.
+/// Returns A's output.
+fn joiner_while_a_starts(python: &Path, id: &str, slow: &str) -> String {
     let job = Job::new(64, 16);
     let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let flags = ["--epochs", "8", "--slow-start", "6", "--step-sleep", "0.05"];
-    let agent = || one_of_two_agents(&python, &job, &endpoint, "starting", &flags);
+    let flags = ["--epochs", "8", slow, "6", "--step-sleep", "0.05"];
+    let agent = || one_of_two_agents(python, &job, &endpoint, id, &flags);
     let mut a = agent();
     a.wait_for_line(Duration::from_secs(60), |l| {
         l.contains("round 0: node rank 0 of 1")
@@ -430,53 +452,7 @@ fn a_joiner_while_the_first_workers_start_is_taken_in_place() {
         said_a.contains("regrouped in place: world size 1 → 2"),
         "B was taken in place:\n{said_a}"
     );
-}
-
-/// The first group's round ends while that group starts: agent A's worker said it regroups in
-/// place, then its first `init_process_group` takes 6 s more; B, which arrived meanwhile, is
-/// admitted at once, and A's worker is handed round 1 mid-start. The failed first start is a
-/// regroup's failed start: the worker waits for the round and takes it in place (before, it
-/// died: "a collective outside `with job.step():` ... lost a peer", and the job failed).
-#[test]
-fn a_joiner_while_the_first_group_starts_is_taken_in_place() {
-    let python = python_or_skip!("a_joiner_while_the_first_group_starts_is_taken_in_place");
-    let job = Job::new(64, 16);
-    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let flags = [
-        "--epochs",
-        "8",
-        "--slow-first-group",
-        "6",
-        "--step-sleep",
-        "0.05",
-    ];
-    let agent = || one_of_two_agents(&python, &job, &endpoint, "first-group", &flags);
-    let mut a = agent();
-    a.wait_for_line(Duration::from_secs(60), |l| {
-        l.contains("round 0: node rank 0 of 1")
-    });
-    let mut b = agent();
-    let (a_status, b_status) = (
-        a.wait(Duration::from_secs(300)),
-        b.wait(Duration::from_secs(120)),
-    );
-    let (said_a, said_b) = (a.output(), b.output());
-    assert!(
-        a_status.success() && b_status.success(),
-        "{said_a}\n---\n{said_b}"
-    );
-    assert!(
-        said_a.contains("the first group's round ended as it started"),
-        "A's first start was overtaken by B's round:\n{said_a}"
-    );
-    assert!(
-        said_a.contains("regrouped in place: world size 1 → 2"),
-        "B was taken in place:\n{said_a}"
-    );
-    assert!(
-        !said_a.contains("restarting the workers"),
-        "A's worker was not restarted:\n{said_a}"
-    );
+    said_a
 }
 
 /// One of two agents (`--nnodes 1:2`, c10d on loopback at `endpoint`) running the patterns
