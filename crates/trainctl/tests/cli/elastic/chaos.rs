@@ -274,8 +274,24 @@ fn one_run(cluster: Option<Cluster>, salt: u64) {
         return;
     };
     let plan = Plan::draw(seed(salt), c.store);
-    let replaced_after = chaos_run(c, plan);
-    eprintln!("chaos: {plan:?}, replacement after {replaced_after:?}: exact");
+    // The plan heads any failure's message: CI keeps a failing test's message, not always
+    // its stderr, and TRAINCTL_CHAOS_SEED replays the run.
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| chaos_run(c, plan))) {
+        Ok(replaced_after) => {
+            eprintln!("chaos: {plan:?}, replacement after {replaced_after:?}: exact")
+        }
+        Err(e) => {
+            let why = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            panic!(
+                "{plan:?} (replay: TRAINCTL_CHAOS_SEED={}): {why}",
+                plan.seed
+            );
+        }
+    }
 }
 
 #[test]
