@@ -240,7 +240,7 @@ fn not_joined(
             events(LaunchEvent::LeftBehind {
                 succeeded: c.succeeded,
             });
-            leave_unsaved(k.group, spec.grace);
+            leave_unsaved(k.group, spec.grace, spec.grace);
             return Ok(match ended? {
                 Joined::Closed(c) if !c.succeeded => {
                     Outcome::JobFailed(c.root_cause.unwrap_or_default())
@@ -532,7 +532,7 @@ impl InRound<'_> {
             }
             Next::LeftBehind { succeeded } => {
                 events(LaunchEvent::LeftBehind { succeeded });
-                leave_unsaved(group, grace);
+                leave_unsaved(group, grace, grace);
                 RoundEnd::Over(if succeeded {
                     Outcome::Succeeded
                 } else {
@@ -781,21 +781,22 @@ impl InRound<'_> {
 /// and exit (stopped if they do not), then its store, if it hosts it, stays until the others
 /// have formed their round. One budget for both waits: the pod's grace period bounds them
 /// together. Returns [`Group::wait_exited`]'s word on how the workers ended.
-fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, mut group: Group) -> Option<bool> {
-    group.leave();
-    let deadline = Instant::now() + LEAVE_TIMEOUT.min(spec.regroup_timeout);
-    let finished = group.wait_exited(deadline.saturating_duration_since(Instant::now()));
-    group.stop(spec.grace);
+fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, group: Group) -> Option<bool> {
+    let wait = LEAVE_TIMEOUT.min(spec.regroup_timeout);
+    let deadline = Instant::now() + wait;
+    let finished = leave_unsaved(group, wait, spec.grace);
     rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
     finished
 }
 
-/// The job is over without this node's workers: they leave without saving (their state is
-/// behind the job's), given `grace` to do so before they are stopped.
-fn leave_unsaved(mut group: Group, grace: Duration) {
+/// This node's workers leave without saving (the others hold the same state, or the job is
+/// over and theirs is behind): `Leave`, up to `wait` for them to exit, then stopped (each given
+/// `grace`). Returns [`Group::wait_exited`]'s word on how they ended.
+fn leave_unsaved(mut group: Group, wait: Duration, grace: Duration) -> Option<bool> {
     group.leave();
-    group.wait_exited(grace);
+    let finished = group.wait_exited(wait);
     group.stop(grace);
+    finished
 }
 
 /// How long a leaving node may take to see its workers reach the end of their step and, when
