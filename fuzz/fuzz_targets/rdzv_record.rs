@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
         }
         let _ = state::watch_step(Some(&record), "me", record.round, &alive, limits);
     }
-    let _ = state::fail_step(Some(&record), record.round, true, "x", 0, 3, &alive);
+    let _ = state::fail_step(Some(&record), record.round, state::FailureKind::Counted, "x", 0, 3, &alive);
     let _ = state::close_step(Some(&record), true, None);
     for n in &record.participants {
         let _ = record.assignment(&n.id);

@@ -19,7 +19,7 @@ class FakeJob:
         self._stepping = False
         self.allow = True
 
-    def _scheduler_may_step(self) -> bool:
+    def _after_update_may_run(self, what: str) -> bool:
         return self.allow
 
 

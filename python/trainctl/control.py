@@ -70,10 +70,12 @@ def regrouped(
     nbytes: int,
     seconds: float,
     received: bool,
+    assignments: int,
 ) -> bytes:
-    """What one regroup cost, as the worker saw it."""
+    """What one regroup cost, as the worker saw it, and which of its ``assignments`` (its
+    count of ``Assign`` messages) the new group is."""
     return b"\x03" + struct.pack(
-        "<IIIQQQdB",
+        "<IIIQQQdBQ",
         world_size_before,
         world_size,
         rank,
@@ -82,6 +84,7 @@ def regrouped(
         nbytes,
         float(seconds),
         1 if received else 0,
+        assignments,
     )
 
 

@@ -69,6 +69,10 @@ pub struct Regrouped {
     pub seconds: f64,
     /// Whether this worker itself received the state.
     pub received: bool,
+    /// The assignments the worker had been handed when it regrouped (its count of
+    /// [`ToWorker::Assign`]): which round this report is of, when the agent handed it several
+    /// while it regrouped.
+    pub assignments: u64,
 }
 
 /// What an agent tells its worker.
@@ -117,7 +121,8 @@ impl Message for ToAgent {
                 .u64(r.steps_dropped)
                 .u64(r.bytes)
                 .u64(r.seconds.to_bits())
-                .u8(r.received as u8),
+                .u8(r.received as u8)
+                .u64(r.assignments),
             ToAgent::Straggler { slow, report } => Encoder::new().u8(4).u8(*slow as u8).str(report),
             ToAgent::Finished => Encoder::new().u8(5),
         }
@@ -146,6 +151,7 @@ impl Message for ToAgent {
                 bytes: d.u64("bytes")?,
                 seconds: f64::from_bits(d.u64("seconds")?),
                 received: d.u8("received")? != 0,
+                assignments: d.u64("assignments")?,
             }),
             4 => ToAgent::Straggler {
                 slow: d.u8("slow")? != 0,
@@ -331,6 +337,7 @@ mod tests {
             bytes: 1 << 20,
             seconds: 0.25,
             received: true,
+            assignments: 2,
         }
     }
 

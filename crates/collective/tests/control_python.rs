@@ -97,6 +97,7 @@ fn every_worker_message_from_python_decodes_as_the_agent_reads_it() {
                 bytes: 12345,
                 seconds: 0.25,
                 received: true,
+                assignments: 9,
             }),
             ToAgent::Straggler {
                 slow: true,

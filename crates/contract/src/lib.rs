@@ -22,6 +22,11 @@ pub mod exit {
     /// conventionally ends with, which Kubeflow's `ExitCode` restart policy retries; a worker
     /// *killed* by the signal reports the signal instead, and is counted.
     pub const PREEMPTED: i32 = 128 + 15;
+    /// A worker that found the job cannot train right (trainctl.torch's `UsageError`: a loop
+    /// it cannot make exact; `DivergedError`: the ranks' states parted): the same program
+    /// would fail the same way again, so no launcher retries it and the job fails at once, on
+    /// every node, with it as the root cause. One above [`PEER_LOST`], which is always retried.
+    pub const UNRECOVERABLE: i32 = 76;
     /// Codes no retry can fix: `trainctl`'s own (the job failed past its restarts (1), the
     /// command line is wrong (2)) and the shell's for a program that cannot run at all (126:
     /// not executable; 127: not found, or the binary's loader lacks a library). A Kubernetes

@@ -4,7 +4,8 @@
 //!
 //! The format is PyTorch's: `{"message": {"message": "ValueError: bad shard 7", "extraInfo":
 //! {"py_callstack": "Traceback ...", "timestamp": "1700000000"}}}`, or an older
-//! `{"message": "..."}`. Nothing in the file is trusted: it is read up to [`MAX_BYTES`], and a
+//! `{"message": "..."}`; trainctl.torch adds `"trainctl": "unrecoverable"` to `extraInfo` for
+//! an error no retry can fix (its `UsageError` and `DivergedError`). Nothing in the file is trusted: it is read up to [`MAX_BYTES`], and a
 //! file that is not that JSON is reported as such, never a panic.
 
 use std::io::Read;
@@ -46,7 +47,15 @@ pub struct WorkerError {
     pub frames: Vec<Frame>,
     /// When the worker recorded it, in seconds since the Unix epoch.
     pub timestamp: Option<u64>,
+    /// The program marked it as one no retry can fix.
+    pub unrecoverable: bool,
+    /// For an unrecoverable error, the message's lines after the first (at most
+    /// [`MORE_LINES`]): trainctl.torch's say which ranks differ in what, and what to do.
+    pub more: Vec<String>,
 }
+
+/// The most lines of an unrecoverable error's message kept after its first.
+pub const MORE_LINES: usize = 8;
 
 /// Reads the error file at `path`: `Ok(None)` when the worker wrote none.
 pub fn read(path: &Path) -> Result<Option<WorkerError>, String> {
@@ -93,10 +102,23 @@ pub fn parse(bytes: &[u8]) -> Result<WorkerError, String> {
         .as_str()
         .map(innermost_frames)
         .unwrap_or_default();
+    let unrecoverable = extra["trainctl"].as_str() == Some("unrecoverable");
+    let more = if unrecoverable {
+        text.lines()
+            .filter(|l| !l.trim().is_empty())
+            .skip(1)
+            .take(MORE_LINES)
+            .map(|l| l.chars().take(300).collect())
+            .collect()
+    } else {
+        Vec::new()
+    };
     Ok(WorkerError {
         message: first_line(text),
         frames,
         timestamp,
+        unrecoverable,
+        more,
     })
 }
 

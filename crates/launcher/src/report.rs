@@ -78,6 +78,28 @@ pub struct Stuck {
 }
 
 impl Failure {
+    /// Whether no retry can fix it: the program said so (`contract::exit::UNRECOVERABLE`, or
+    /// its error file marked so).
+    pub fn unrecoverable(&self) -> bool {
+        self.exit == ExitKind::Code(contract::exit::UNRECOVERABLE)
+            || self.error.as_ref().is_some_and(|e| e.unrecoverable)
+    }
+
+    /// How it bears on an elastic job: a lost peer is another node's failure, a preempted
+    /// worker saved its work (neither counted), and an unrecoverable one ends the job.
+    pub fn kind(&self) -> rendezvous::FailureKind {
+        let consequence = [contract::exit::PEER_LOST, contract::exit::PREEMPTED]
+            .iter()
+            .any(|code| self.exit == ExitKind::Code(*code));
+        if self.unrecoverable() {
+            rendezvous::FailureKind::Unrecoverable
+        } else if consequence {
+            rendezvous::FailureKind::Uncounted
+        } else {
+            rendezvous::FailureKind::Counted
+        }
+    }
+
     /// `at` in milliseconds since the Unix epoch (what the rendezvous record compares).
     pub fn at_millis(&self) -> u64 {
         self.at
@@ -169,6 +191,14 @@ impl fmt::Display for Failure {
             _ => "the other workers were stopped",
         };
         writeln!(f, "{}; {stopped}", self.summary())?;
+        if self.unrecoverable() {
+            writeln!(
+                f,
+                "not retried: the program found it cannot train right (exit {}), and would fail \
+                 the same way again",
+                contract::exit::UNRECOVERABLE
+            )?;
+        }
         writeln!(f, "root cause (first failure):")?;
         writeln!(
             f,
@@ -185,6 +215,9 @@ impl fmt::Display for Failure {
         )?;
         if let Some(e) = &self.error {
             writeln!(f, "  error      : {}", e.message)?;
+            for line in &e.more {
+                writeln!(f, "               {line}")?;
+            }
             if !e.frames.is_empty() {
                 writeln!(f, "  traceback  : (innermost last)")?;
                 for frame in &e.frames {

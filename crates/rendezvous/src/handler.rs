@@ -559,11 +559,12 @@ impl Rendezvous {
         }
     }
 
-    /// A worker of this node failed. Returns `Ok(None)` to restart at the next round, or the
-    /// end of the job when `max_restarts` is exceeded (or someone else already ended it).
+    /// A worker of this node failed (`kind`: how it bears on the job). Returns `Ok(None)` to
+    /// restart at the next round, or the end of the job when `max_restarts` is exceeded, the
+    /// failure is unrecoverable, or someone else already ended it.
     pub fn worker_failed(
         &mut self,
-        counted: bool,
+        kind: state::FailureKind,
         report: &str,
         at_millis: u64,
         max_restarts: u32,
@@ -574,7 +575,7 @@ impl Rendezvous {
             let (write, result) = match state::fail_step(
                 read.state.as_ref(),
                 self.round,
-                counted,
+                kind,
                 report,
                 at_millis,
                 max_restarts,

@@ -15,7 +15,7 @@ pub use conf::{ConfError, Config, parse_conf};
 pub use handler::{
     Joined, Leaving, Rendezvous, Restart, StillJoining, Watch, Withdrawn, still_joining_every,
 };
-pub use state::{Assignment, Closed, Health, Limits};
+pub use state::{Assignment, Closed, FailureKind, Health, Limits};
 
 use std::time::Duration;
 

@@ -615,13 +615,27 @@ pub enum AfterFailure {
     GiveUp(Option<State>, Closed),
 }
 
-/// A worker of this node failed in `round`, at `at_millis` (its node's wall clock). `counted`
-/// failures (not a peer that vanished) count against `max_restarts`, once per round however
-/// many nodes report one; the earliest of them is the job's root cause.
+/// How a worker's failure bears on the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Another node's doing (its peer vanished) or a save on request: the round reopens,
+    /// uncounted.
+    Uncounted,
+    /// Counts against `max_restarts`.
+    Counted,
+    /// The program found it cannot train right (`contract::exit::UNRECOVERABLE`): the job
+    /// ends now, whatever `max_restarts` allows.
+    Unrecoverable,
+}
+
+/// A worker of this node failed in `round`, at `at_millis` (its node's wall clock). Counted
+/// failures count against `max_restarts`, once per round however many nodes report one; the
+/// earliest of them is the job's root cause. An unrecoverable one closes the job, and is its
+/// root cause unless an earlier failure of this round is.
 pub fn fail_step(
     state: Option<&State>,
     round: u64,
-    counted: bool,
+    kind: FailureKind,
     report: &str,
     at_millis: u64,
     max_restarts: u32,
@@ -634,7 +648,9 @@ pub fn fail_step(
         return AfterFailure::GiveUp(None, closed);
     }
     let mut next = state.clone();
-    if counted {
+    if kind != FailureKind::Uncounted {
+        // A root cause from an earlier round was retried past; this one ends the job.
+        let retried = next.last_failed_round.is_some_and(|r| r < round);
         if next.last_failed_round.is_none_or(|r| r < round) {
             next.failures = next.failures.saturating_add(1);
             next.last_failed_round = Some(round);
@@ -644,12 +660,12 @@ pub fn fail_step(
             (Some(_), Some(at)) => at_millis < at,
             (Some(_), None) => false,
         };
-        if earlier {
+        if earlier || (kind == FailureKind::Unrecoverable && retried) {
             next.root_cause = Some(report.to_string());
             next.root_cause_at = Some(at_millis);
         }
     }
-    if next.failures > max_restarts {
+    if next.failures > max_restarts || kind == FailureKind::Unrecoverable {
         next.phase = Phase::Closed { succeeded: false };
         let closed = next.closed();
         return AfterFailure::GiveUp(

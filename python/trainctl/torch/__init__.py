@@ -5,12 +5,16 @@ loop; docs/PYTORCH.md in the trainctl repository has what each pattern needs.
 
 ``UsageError``: a loop the package cannot make exact, refused before it changes anything.
 ``DivergedError``: the ranks' states parted; the job stops rather than train a wrong model.
+Either one ends the worker with exit code 76, which ``trainctl run`` never retries.
 """
 
 from __future__ import annotations
 
-from ._check import DivergedError
 from ._elastic import Elastic, Step
-from ._guards import UsageError
+from ._errors import DivergedError, UsageError, install_excepthook
+
+# A UsageError or DivergedError that ends the program ends it with the exit code no launcher
+# retries (see _errors).
+install_excepthook()
 
 __all__ = ["DivergedError", "Elastic", "Step", "UsageError"]

@@ -5,8 +5,9 @@ Every step's agreement carries each rank's *state hash*: a CRC32 of its counters
 applied, the scheduler's place and the learning rates and other hyperparameters of every
 parameter group: plain Python numbers, no device synchronisation) and of its weights'
 fingerprint as of its last check (a CRC32 of the parameters, taken at every epoch's end and
-after every regroup). A group's start compares the same hash among the ranks that hold the
-same step before any state travels, and ``job.finish()`` compares the final weights. Whatever
+after every regroup) and each ``state=`` object's (taken at the same points). A group's start
+compares the same hash among the ranks that hold the same step before any state travels, and
+``job.finish()`` compares the final weights and state. Whatever
 pattern made the ranks part (gradients not all-reduced, a scheduler stepped on some ranks,
 weights changed on one), it shows within a step of the counters parting or an epoch of the
 weights parting, not in the model the user ships.
@@ -23,18 +24,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ._errors import DivergedError
+
 if TYPE_CHECKING:
     from ._elastic import Elastic
 
 SLOTS = 2
 """Float32 slots per rank in a step's agreement."""
-
-
-class DivergedError(RuntimeError):
-    """The ranks no longer hold the same training state: training on would give a wrong model."""
-
-
-DivergedError.__module__ = "trainctl.torch"
 
 
 def crc32(tensors: Iterable[torch.Tensor]) -> int:
@@ -65,8 +61,11 @@ def _plain(value: Any) -> Any:
 
 def counters(job: Elastic) -> dict[str, Any]:
     """What every rank must hold alike, by name, in a form to print: the step, the weights'
-    fingerprint, the scheduler's steps and every hyperparameter of every parameter group."""
+    fingerprint, each ``state=`` object's, the scheduler's steps and every hyperparameter of
+    every parameter group."""
     out: dict[str, Any] = {"step": job.progress["global_step"], "weights": f"{job._weights_fp:08x}"}
+    for name, fp in job._kept_fps.items():
+        out[name] = f"{fp:08x}"
     if job.scheduler is not None:
         out["scheduler steps"] = getattr(job.scheduler, "last_epoch", None)
     groups = job.optimizer.param_groups
@@ -112,6 +111,10 @@ HINTS = {
     "scheduler steps": "a scheduler stepped a different number of times on some ranks",
     "step": "ranks at different steps",
 }
+STATE = (
+    "a state= object that parted: kept on some ranks only (on rank 0 alone, say), or "
+    "changed from something each rank has its own of"
+)
 HYPERPARAMETERS = (
     "hyperparameters that parted: an LR scheduler not given to Elastic (scheduler=), or a "
     "learning rate changed on some ranks only"
@@ -131,7 +134,7 @@ def describe(details: list[dict[str, Any]], where: str) -> str:
         if len(by_value) > 1:
             shown = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
             lines.append(f"  {key}: {shown}")
-            hints.append(HINTS.get(key, HYPERPARAMETERS))
+            hints.append(HINTS.get(key, STATE if key.startswith("state") else HYPERPARAMETERS))
     if len(lines) == 1:
         lines.append("  (their state hashes differ; the details did not)")
     lines.append(

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ..sampler import Shard
-from ._guards import UsageError
+from ._errors import UsageError
 
 if TYPE_CHECKING:
     from ._elastic import Elastic
@@ -105,6 +105,15 @@ class Loader:
     loaded as the new group shards it."""
 
     def __init__(self, job: Elastic, dataset: Any, kwargs: dict[str, Any]):
+        if isinstance(dataset, IterableDataset):
+            raise UsageError(
+                f"job.loader() was given an IterableDataset ({type(dataset).__name__}): the job "
+                "decides which samples each rank trains by their index, so that it can re-shard "
+                "the rest of an epoch when the group changes and prove every sample was trained "
+                "once; a stream has no index to resume from. Give a map-style Dataset "
+                "(__getitem__ and __len__: an index over your shards or files), and "
+                "Elastic(dataset_size=len(dataset))"
+            )
         taken = [k for k in _PLANNED if k in kwargs]
         if taken:
             raise UsageError(

@@ -39,9 +39,12 @@ from .. import control as ctl
 from .. import regroup, stragglers
 from ..sampler import MASK, digest
 from . import _check, _data, _guards, _membership, _state
+from ._errors import DivergedError, UsageError
 from ._flow import Flow
 from ._group import Group, detail, say, why
+from ._kept import Kept
 from ._records import Records
+from ._strays import Strays
 
 # A run id that torchrun makes anew at every launch (--standalone, or one node without an
 # endpoint): a relaunch would not find its checkpoint under it.
@@ -56,7 +59,9 @@ class Step:
     """One ``with job.step() as step:`` block: one micro-batch. Set ``step.loss`` (and
     ``step.correct``, the right predictions of this rank's batch) for the records and the loss
     lines. ``step.sync`` is True on the micro-batch whose end applies the update (always, unless
-    ``accumulate`` > 1)."""
+    ``accumulate`` > 1). After the block, ``step.applied`` says whether it applied the update:
+    code that changes state after an update (an EMA of your own, a counter) runs only ``if
+    step.applied:``."""
 
     def __init__(self, job: Elastic):
         self.job = job
@@ -66,6 +71,20 @@ class Step:
         # When its step's first micro-batch began, and how long the loop took to bring it.
         self.started = 0.0
         self.data_s = 0.0
+        self._applied: bool | None = None
+
+    @property
+    def applied(self) -> bool:
+        """After the block: True when it applied the optimizer's update; False after a
+        micro-batch before its step's last, and after a step dropped because a peer was lost
+        (the rank may then hold a peer's state that did apply it, with the loop's code after
+        it: running that code again would apply it twice)."""
+        if self._applied is None:
+            raise UsageError(
+                "step.applied was read inside `with job.step():`: the update is applied (or not) "
+                "at the block's end, so read it after the block"
+            )
+        return self._applied
 
     def __enter__(self) -> Step:
         self.job._enter_step(self)
@@ -108,8 +127,11 @@ class Elastic:
       follows no applied update (a dropped step, a micro-batch) does nothing.
     - ``scaler``: a ``torch.amp.GradScaler``; the job steps the optimizer through it and
       updates it; you call ``scaler.scale(loss).backward()``.
-    - ``state``: any object with ``state_dict``/``load_state_dict`` (tensors and plain values)
-      to travel with the model, such as your best accuracy so far.
+    - ``state``: what else the loop keeps, to travel with the model and into the checkpoint:
+      an object with ``state_dict``/``load_state_dict`` (tensors and plain values), or a list
+      or dict of them: an EMA (torch's ``AveragedModel``, whose ``update_parameters`` the job
+      gates as it gates the scheduler), your best accuracy so far. Every rank must hold it
+      alike (the safety net compares it); see docs/PYTORCH.md.
     - ``start_epoch``: the epoch to start at when neither a peer nor the job's checkpoint has a
       state (you loaded a checkpoint of your own into the model and optimizer).
     - ``on_resize(old, new)``: called on every rank when the world size the state was trained
@@ -164,7 +186,7 @@ class Elastic:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.user_state = state
+        self.kept = Kept(state)
         self.dataset_size = int(dataset_size)
         self.batch_size = int(batch_size)
         self.accumulate = int(accumulate)
@@ -211,8 +233,16 @@ class Elastic:
         self._flags_out: torch.Tensor | None = None
         self._flags_in: torch.Tensor | None = None
         self._hook_ran = False
+        # The weights' and the kept state's fingerprints as of the last check (_fingerprint).
         self._weights_fp = 0
-        self._skipped_said = False
+        self._kept_fps: dict[str, int] = {}
+        # Copies of the model the loop keeps without giving them (refused once they change).
+        self._strays = Strays(model)
+        # A DivergedError raised: every later call into the job raises it again.
+        self._diverged: DivergedError | None = None
+        # The step of the first look for copies of the model, and whether they were checked.
+        self._strays_at = 0
+        self._strays_checked = False
         # The straggler watch (as the built-in trainer's; window 0: none) and the step's times.
         self._watch = stragglers.Watch(straggler_factor, straggler_window) if straggler_window else None
         self._last_exit: float | None = None
@@ -233,7 +263,9 @@ class Elastic:
             _guards.gate_scheduler(self, scheduler)
         if scaler is not None:
             _guards.guard_scaler(self, scaler)
+        self.kept.gate(self._after_update_may_run)
         _guards.refuse_stray_scalers()
+        _guards.refuse_other_optimizers()
         _guards.set_live(self)
         # A loop that ends by an exception still tears the group down (a process that exits
         # with gloo's threads running aborts, hiding the exception's exit code), and a
@@ -298,16 +330,19 @@ class Elastic:
     def evaluate(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` between steps, with the collectives it runs made elastic: a
         peer lost meanwhile regroups the workers in place and ``fn`` runs again in the new
-        group. Returns what ``fn`` returns, or None on the ranks that must skip it: a rank that
-        came into the group skips the evaluations the others made before it came in, and when
-        a newcomer arrives in one, every rank skips that one (``fn`` would wait for it)."""
+        group. A node joining or leaving at the step before waits until the next batch: the
+        evaluation runs in the group that trained that step. Returns what ``fn`` returns, or
+        None on the ranks that must skip it (rare; each skip is said): a rank that came into
+        the group skips the evaluations the others made before it came in, and when a peer is
+        lost in one and the new group has a newcomer, every rank skips it (``fn`` would wait
+        for the newcomer, which is not there)."""
         if self._in_step:
-            raise _guards.UsageError(
+            raise UsageError(
                 "job.evaluate() inside `with job.step():`: evaluate between steps (after the block, "
                 "or after the epoch's batches)"
             )
         p = self.progress
-        synced = self._boundary()
+        synced = self._boundary(pause_after=True)
         if p["epoch_end_evals"] >= 0:
             p["epoch_end_evals"] += 1
         if synced is not None and synced["fresh"]:
@@ -323,7 +358,7 @@ class Elastic:
                     raise
                 synced = _membership.regroup(self, why(e), saver=self.rank == 0, lost=True, detail=detail(e))
                 if synced["fresh"]:
-                    return self._skip_evaluation("a node joined the group while it ran")
+                    return self._skip_evaluation("a peer was lost while it ran, and a node joined the new group")
 
     def finish(self) -> None:
         """The run's end: every rank checks that all hold the same weights, says where it ended
@@ -335,7 +370,7 @@ class Elastic:
             # compared one last time, and rank 0's buffers (batch norm's running statistics,
             # which DDP sends from rank 0 at each forward) made every rank's: whichever rank
             # saves the model saves the same one.
-            self._weights_fp = _check.fingerprint(self.module)
+            self._fingerprint()
             mine = torch.tensor([_check.state_hash(_check.counters(self))], dtype=torch.int64, device=self.device)
             everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
             try:
@@ -389,7 +424,7 @@ class Elastic:
                 self._handed = micro
                 yield micro
                 if self._handed is not None:
-                    raise _guards.UsageError(
+                    raise UsageError(
                         "the next batch was asked for before this one was trained: a DataLoader with "
                         "worker processes reads job.batches() ahead, and a regroup would re-plan the "
                         "epoch under it. Use job.loader(dataset, num_workers=..., ...) (the "
@@ -400,12 +435,29 @@ class Elastic:
                 if self._generation != generation:
                     break
 
-    def _boundary(self) -> dict[str, Any] | None:
-        """Carries out what the last step's agreement decided. Returns the new group's sync
-        when it regrouped."""
-        pending, self._pending = self._pending, None
+    def _boundary(self, pause_after: bool = False) -> dict[str, Any] | None:
+        """Carries out what the last step's agreement decided; with ``pause_after`` (an
+        evaluation), a pause (a regroup, this node's leave) waits for the next boundary, so
+        that the evaluation runs in the group that trained the step. Returns the new group's
+        sync when it regrouped. First, what the loop changed in the kept state after a step
+        that applied no update is undone, and the copies of the model it keeps are looked at."""
+        if self._diverged is not None:
+            raise self._diverged
+        undone = self.kept.undo()
+        if undone:
+            say(
+                f"rank {self.rank}: the loop changed {', '.join(undone)} after a step that applied no "
+                "update (a peer was lost and the step dropped); undone, so that it follows the updates "
+                "the job applied. Change it only `if step.applied:` after `with job.step() as step:`"
+            )
+        self._watch_strays()
+        pending = self._pending
         if pending is None or pending.do is regroup.Do.CONTINUE:
+            self._pending = None
             return None
+        if pause_after and pending.do in (regroup.Do.REGROUP, regroup.Do.LEAVE):
+            return None
+        self._pending = None
         if pending.do is regroup.Do.CHECKPOINT:
             self._checkpoint()
         elif pending.do is regroup.Do.STOP:
@@ -417,20 +469,45 @@ class Elastic:
         return None
 
     def _skip_evaluation(self, reason: str) -> Any:
-        if not self._skipped_said:
-            say(f"rank {self.rank} skips an evaluation ({reason}); job.evaluate() returns None where it skips")
-            self._skipped_said = True
+        say(
+            f"rank {self.rank} skips an evaluation ({reason}): job.evaluate() returns None here, so "
+            "use its result only `if result is not None:` (the ranks that ran it have it)"
+        )
         return None
 
-    def _scheduler_may_step(self) -> bool:
-        """Whether the loop's ``scheduler.step()`` steps (see ``_guards.gate_scheduler``)."""
+    def _after_update_may_run(self, what: str) -> bool:
+        """Whether the loop's ``what`` (``scheduler.step()``, an AveragedModel's
+        ``update_parameters()``) runs: only after a block that applied an update (see
+        ``_guards.gate_method``)."""
         if self._in_step:
-            raise _guards.UsageError(
-                "scheduler.step() inside `with job.step():`: the job steps the optimizer at the "
-                "block's end, so step the scheduler after the block (per step or per epoch), as "
-                "PyTorch documents (after optimizer.step())"
+            raise UsageError(
+                f"{what} inside `with job.step():`: the job steps the optimizer at the block's end, "
+                f"so call {what} after the block (per step or per epoch), as PyTorch documents "
+                "(after optimizer.step())"
             )
         return not self._flow.void
+
+    def _fingerprint(self) -> None:
+        """The weights' and the kept state's fingerprints, for the safety net's next checks."""
+        self._weights_fp = _check.fingerprint(self.module)
+        self._kept_fps = self.kept.fingerprints()
+
+    def _watch_strays(self) -> None:
+        """The copies of the model the loop keeps without giving them: looked for after the
+        first update, and those found refused if they changed two updates later (and at every
+        epoch's end)."""
+        step, strays = self.progress["global_step"], self._strays
+        if not strays.scans:
+            if step >= 1:
+                self._scan_strays()
+                self._strays_at = step
+        elif step >= self._strays_at + 2 and not self._strays_checked:
+            self._strays_checked = True
+            strays.refuse_changed()
+
+    def _scan_strays(self) -> None:
+        known: list[Any] = [self._ddp, self.optimizer, self.scheduler, self.scaler, *self.kept.parts()]
+        self._strays.scan(o for o in known if o is not None)
 
     # --- epochs --------------------------------------------------------------------------------
 
@@ -485,16 +562,22 @@ class Elastic:
         p["epoch_digest"] = 0
         p["epoch_end_evals"] = -1
         self._flow = Flow()
-        self._weights_fp = _check.fingerprint(self.module)
+        self._fingerprint()
+        self._strays.refuse_changed()
+        if self._strays.scans == 1:
+            # Copies made during the first epoch (an EMA made lazily) are found here.
+            self._scan_strays()
         self._checkpoint()
 
     # --- one step ------------------------------------------------------------------------------
 
     def _enter_step(self, step: Step) -> None:
+        if self._diverged is not None:
+            raise self._diverged
         if self._in_step:
-            raise _guards.UsageError("`with job.step():` inside another: one block per micro-batch")
+            raise UsageError("`with job.step():` inside another: one block per micro-batch")
         if self._handed is None:
-            raise _guards.UsageError(
+            raise UsageError(
                 "`with job.step():` without a batch of the job: each step trains the next batch of "
                 "job.batches() or job.loader()"
             )
@@ -531,19 +614,27 @@ class Elastic:
             if exc is not None:
                 if self._regroups(exc, self._step_started):
                     self._drop(exc)
+                    step._applied = False
                     return True
                 return False
             if not micro.last:
                 self._flow.step_ended(applied=False)
+                step._applied = False
                 return False
             try:
                 outcome = self._agree()
             except Exception as e:  # noqa: BLE001 - sorted below
                 if self._regroups(e, self._step_started):
                     self._drop(e)
+                    step._applied = False
                     return False
                 raise
-            self._apply(step, micro, outcome)
+            try:
+                self._apply(step, micro, outcome)
+            except DivergedError as e:
+                self._diverged = e
+                raise
+            step._applied = True
             return False
         finally:
             self._last_exit = time.monotonic()
@@ -608,13 +699,7 @@ class Elastic:
         self._flags_in = self._flags_out = None
         world = self.world_size
         if t is None:
-            if not self._hook_ran and any(p.grad is not None for p in self.module.parameters()):
-                raise _guards.UsageError(
-                    "this step's gradients were not all-reduced: its backward ran under no_sync(), "
-                    "or through the model itself instead of job.model, and the ranks would part. "
-                    "For gradient accumulation give Elastic accumulate=K (one `with job.step():` "
-                    "per micro-batch; the job all-reduces on the last) and drop no_sync()"
-                )
+            _guards.refuse_unreduced(self.module, self._hook_ran, self.ddp_options)
             assert flags_out is not None
             t = torch.cat([flags_out, self._time_slots(self.device)])
             dist.all_reduce(t)
@@ -669,6 +754,8 @@ class Elastic:
         """Whether ``e``, raised by a collective ``since`` (a monotonic time) or after, costs a
         regroup (the step dropped) rather than the run; with no agent, a lost peer's failure
         first has rank 0 save the last step every rank completed (``regroup.after_failure``)."""
+        if isinstance(e, (UsageError, DivergedError)):
+            return False
         waited = time.monotonic() - since if since is not None else 0.0
         decision = regroup.after_failure(self.group.failure(e, waited), self.control is not None, self.rank)
         if decision.save:
@@ -684,6 +771,9 @@ class Elastic:
         self._step_trained, self._step_samples = [], 0
         self._flow.step_ended(applied=False)
         _membership.regroup(self, why(e), saver=self.rank == 0, lost=True, detail=detail(e))
+        # What the loop's code after this block changes in the kept state is undone at the
+        # next boundary: this rank's state (its own, or a peer's) is whole as of now.
+        self.kept.hold()
 
     def _time_slots(self, device: torch.device) -> torch.Tensor:
         """This rank's times before the all-reduce, in its own slots of the step's agreement."""
@@ -763,17 +853,21 @@ def _run_id(launched: bool) -> str:
 
 
 def _refuse_at_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    # Before the group check: the other job's group is the one initialized.
+    if _guards.live_job() is not None:
+        raise UsageError(
+            "a second Elastic was made in this process while the first one trains: one job per "
+            "process (give the first one everything, or call job.finish() on it first)"
+        )
     if isinstance(model, DistributedDataParallel):
-        raise _guards.UsageError(
+        raise UsageError(
             "Elastic was given a DistributedDataParallel model: give it the model itself; "
             "job.model is the model wrapped in DDP, wrapped again after each regroup"
         )
     if dist.is_available() and dist.is_initialized():
-        raise _guards.UsageError(
+        raise UsageError(
             "a process group is already initialized: Elastic starts (and restarts) the group "
             "itself; remove your dist.init_process_group(...)"
         )
-    live = _guards.live_job()
-    if live is not None:
-        raise _guards.UsageError("another Elastic job runs in this process: call job.finish() on it first")
+    _guards.refuse_foreign_parameters(model, optimizer)
     _guards.refuse_stray_scheduler(optimizer, scheduler)

@@ -84,7 +84,9 @@ class Group:
     def init(self) -> tuple[int, int]:
         """``init_process_group`` for the environment's round; returns (rank, world size)."""
         if not self.launched:
+            hook = sys.excepthook
             dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            sys.excepthook = hook
             return 0, 1
         timeout = os.environ.get("TRAINCTL_COLLECTIVE_TIMEOUT")
         kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=float(timeout))} if timeout else {}
@@ -96,7 +98,12 @@ class Group:
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         _reset_group_names()
+        # torch wraps sys.excepthook at every init_process_group to prefix "[rankN]" (the rank
+        # of that group): after regroups, stale ranks nested. The launcher prefixes each line
+        # with the worker's rank now; the hook is kept as it was.
+        hook = sys.excepthook
         dist.init_process_group(self.backend, **kwargs)
+        sys.excepthook = hook
         self.aborted = False
         return dist.get_rank(), dist.get_world_size()
 

@@ -1,7 +1,9 @@
 """What keeps a training loop exact around ``Elastic``: the optimizer is stepped by the job
-alone (once every rank agreed the step is whole), the LR scheduler steps only after an update
-the job made, and a GradScaler is the job's. Each guard refuses, at once and saying what to
-do, the use that would otherwise train a wrong model without a word.
+alone (once every rank agreed the step is whole) and no other optimizer steps while it trains,
+the LR scheduler (and an ``AveragedModel`` given as ``state=``) steps only after an update the
+job made, a GradScaler is the job's, and a step whose gradients were not all-reduced is
+refused, naming why. Each guard refuses, at once and saying what to do, the use that would
+otherwise train a wrong model without a word.
 
 The guards change nothing the objects save: the optimizer gets a step pre-hook (PyTorch's own
 extension point); the scheduler and the scaler get a subclass of their own class made here
@@ -10,20 +12,16 @@ extension point); the scheduler and the scaler get a subclass of their own class
 
 from __future__ import annotations
 
+import importlib
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
+from ._errors import UsageError
+
 if TYPE_CHECKING:
     from ._elastic import Elastic
-
-
-class UsageError(RuntimeError):
-    """A use of ``trainctl.torch`` that it cannot make exact; the message says what to do."""
-
-
-UsageError.__module__ = "trainctl.torch"
 
 
 # The job each guarded object belongs to (kept out of the objects' own ``__dict__``, which
@@ -75,6 +73,80 @@ def refuse_stray_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> 
         )
 
 
+def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer given to Elastic updates the model given to it, nothing else: other
+    parameters would not be all-reduced, and would part among the ranks."""
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise UsageError(
+            f"the optimizer given to Elastic updates {foreign} parameter(s) that are not the "
+            "model's: the job all-reduces the gradients of the model it is given (through DDP), "
+            "so those would part among the ranks. Give Elastic the module that holds them all "
+            "(an nn.ModuleDict of your parts, say), or an optimizer over the model's parameters"
+        )
+
+
+def refuse_other_optimizers() -> None:
+    """While a job trains, an optimizer other than its own is refused at its first step,
+    before it changes anything: its parameters are not all-reduced by the job, its state does
+    not travel or go into the checkpoint, and its steps would be applied on the side (a GAN's
+    second optimizer). Installed once per process (PyTorch's global step pre-hook)."""
+    if _OTHERS_HOOKED:
+        return
+    # The module, not torch.optim's attribute of that name (which torch removes).
+    register = getattr(importlib.import_module("torch.optim.optimizer"), "register_optimizer_step_pre_hook", None)
+    if register is None:
+        return
+
+    def pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        job = live_job()
+        if job is None or optimizer is job.optimizer:
+            return
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        raise UsageError(
+            f"a second optimizer ({type(optimizer).__name__} over {n} parameter tensors) was stepped "
+            "by the training loop: trainctl.torch trains the model given to Elastic with the one "
+            "optimizer given to it, which the job steps once every rank agreed a step is whole. "
+            "Another optimizer's gradients are not all-reduced by the job, its state does not "
+            "travel to a joining rank or into the checkpoint, and its steps would be applied on "
+            "the side, so the model would be wrong after a regroup. Several optimizers stepped at "
+            "different points of an iteration (a GAN's generator and discriminator) are not "
+            "supported: use one optimizer over one model (its param groups can differ in "
+            "settings), or run this program with plain DDP under torchrun"
+        )
+
+    _OTHERS_HOOKED.append(register(pre_hook))
+
+
+_OTHERS_HOOKED: list[Any] = []
+
+
+def refuse_unreduced(module: torch.nn.Module, hook_ran: bool, ddp_options: dict[str, Any]) -> None:
+    """Called when a step's flags did not ride its gradients' all-reduce: refuses the step
+    when its gradients were not all-reduced, naming the cause, the parameters that received
+    no gradient (DDP waits for them unless ``find_unused_parameters``) before ``no_sync()``."""
+    params = list(module.named_parameters())
+    if not any(p.grad is not None for _, p in params):
+        return
+    unused = [name for name, p in params if p.requires_grad and p.grad is None]
+    if unused and not ddp_options.get("find_unused_parameters"):
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise UsageError(
+            f"this step's gradients were not all-reduced: {len(unused)} parameter(s) received no "
+            f"gradient ({shown}), and DDP waits for every parameter's gradient before it "
+            "all-reduces. Give Elastic ddp={'find_unused_parameters': True} (as you would give "
+            "DistributedDataParallel), or leave those parameters out of the model"
+        )
+    if not hook_ran:
+        raise UsageError(
+            "this step's gradients were not all-reduced: its backward ran under no_sync(), "
+            "or through the model itself instead of job.model, and the ranks would part. "
+            "For gradient accumulation give Elastic accumulate=K (one `with job.step():` "
+            "per micro-batch; the job all-reduces on the last) and drop no_sync()"
+        )
+
+
 # --- the scheduler and the scaler ---------------------------------------------------------
 
 _SUBCLASSES: dict[tuple[type, str], type] = {}
@@ -114,21 +186,32 @@ def _unguarded(obj: Any) -> type[Any]:
     return cls.__mro__[1] if cls in set(_SUBCLASSES.values()) else cls
 
 
+# The gate of each gated object (see gate_method), kept out of its own ``__dict__``.
+_GATES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
+
+
+def gate_method(obj: Any, name: str, may_run: Callable[[], bool]) -> None:
+    """``obj.name(...)`` runs only when ``may_run()`` says so, and does nothing (returns None)
+    otherwise; ``obj`` keeps its class's name, state and pickling."""
+    base = _unguarded(obj)
+    own = getattr(base, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate = _GATES.get(self)
+        if gate is not None and not gate():
+            return None
+        return own(self, *args, **kwargs)
+
+    obj.__class__ = _subclass(base, f"gate {name}", {name: method})
+    _GATES[obj] = may_run
+
+
 def gate_scheduler(job: Elastic, scheduler: Any) -> None:
     """``scheduler.step()`` steps it only when the job applied an update since its last step:
     after a dropped step (a peer lost) or a micro-batch of an accumulation, it does nothing.
     Wherever the loop steps it after ``with job.step()``, per step or per epoch, every rank's
     schedule then follows the updates the job applied, a joiner's too."""
-    base = _unguarded(scheduler)
-
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = _JOBS.get(self)
-        if owner is not None and not owner._scheduler_may_step():
-            return None
-        return base.step(self, *args, **kwargs)
-
-    scheduler.__class__ = _subclass(base, "scheduler", {"step": step})
-    _JOBS[scheduler] = job
+    gate_method(scheduler, "step", lambda: job._after_update_may_run("scheduler.step()"))
 
 
 def guard_scaler(job: Elastic, scaler: Any) -> None:

@@ -77,7 +77,7 @@ def _sync(job: Elastic) -> dict[str, Any]:
     """Every rank's state made the same (see the module's doc); the ranks at the furthest
     step are checked to hold the same state before anything travels."""
     if job.live:
-        job._weights_fp = _check.fingerprint(job.module)
+        job._fingerprint()
     mine = [job.progress["global_step"] + 1, _check.state_hash(_check.counters(job))] if job.live else [0, 0]
     t = torch.tensor(mine, dtype=torch.int64, device=job.device)
     out = [torch.zeros_like(t) for _ in range(job.world_size)]
@@ -103,7 +103,7 @@ def _sync(job: Elastic) -> dict[str, Any]:
         job.live = False
     nbytes, resumed = _state.broadcast(job, source, resumed)
     job.live = True
-    job._weights_fp = _check.fingerprint(job.module)
+    job._fingerprint()
     from_peer = furthest > 0
     # A process that starts the loop from its top in a state taken mid-loop (see Flow). A
     # survivor one step behind, which takes the furthest's state in a regroup, is at the
@@ -171,7 +171,7 @@ def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = ""
         except Exception as e:  # noqa: BLE001 - a collective of the new group failed
             if job.group.failure(e, time.monotonic() - started) is protocol.Failure.OTHER:
                 raise
-            say(f"rank {os.environ.get('RANK')}: the new group failed ({e}); waiting for the next round")
+            say(f"rank {os.environ.get('RANK')}: the new group failed ({why(e)}); waiting for the next round")
             teardown(job)
             cause, lost = f"joining the new group: {why(e)}", True
     _report_regroup(job, reason, world_size_before, step_left, synced, time.monotonic() - left, detail)
@@ -217,6 +217,7 @@ def _report_regroup(
                 regrouped["bytes"],
                 regrouped["seconds"],
                 regrouped["received"],
+                job._assignments,
             )
         )
     except ctl.ControlError:

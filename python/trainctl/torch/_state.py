@@ -1,6 +1,6 @@
 """A run's state as one object: what a joining rank receives from a peer and what the
-checkpoint holds (model, optimizer, scheduler, GradScaler, the user's ``state=`` object and
-where the run stands), its broadcast, and the checkpoint file.
+checkpoint holds (model, optimizer, scheduler, GradScaler, the objects given as ``state=``
+and where the run stands), its broadcast, and the checkpoint file.
 
 The checkpoint is written atomically (a temporary file, synced, renamed, the folder synced);
 torch's zip format checksums each record, and it is read with ``weights_only=True``.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ._group import say
-from ._guards import UsageError
+from ._errors import UsageError
 
 if TYPE_CHECKING:
     from ._elastic import Elastic
@@ -33,7 +33,7 @@ PROGRESS_DEFAULTS = {
     # The world size this state was trained at (0: none yet); ``on_resize`` is told a change.
     "world_size": 0,
     # Calls of ``job.evaluate()`` since the epoch's batches ended (-1: they have not): a rank
-    # that joins then skips as many (see ``_Evaluations``).
+    # that joins then skips as many (see ``Flow``).
     "epoch_end_evals": -1,
 }
 
@@ -47,7 +47,7 @@ def state(job: Elastic, resumed: bool) -> dict[str, Any]:
         "optimizer": job.optimizer.state_dict(),
         "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
         "scaler": job.scaler.state_dict() if job.scaler is not None else None,
-        "user": job.user_state.state_dict() if job.user_state is not None else None,
+        "user": job.kept.state_dict(),
     }
 
 
@@ -59,8 +59,7 @@ def load(job: Elastic, saved: dict[str, Any]) -> None:
         job.scheduler.load_state_dict(saved["scheduler"])
     if job.scaler is not None and saved.get("scaler") is not None:
         job.scaler.load_state_dict(saved["scaler"])
-    if job.user_state is not None and saved.get("user") is not None:
-        job.user_state.load_state_dict(saved["user"])
+    job.kept.load_state_dict(saved.get("user"))
 
 
 def broadcast(job: Elastic, source: int, resumed: bool) -> tuple[int, bool]:

@@ -3,6 +3,7 @@
 //! rendezvous' `state`). The agent's loop (`super::run_rounds`) gathers what it sees, asks
 //! here, and carries out the [`Next`] it gets.
 
+use rendezvous::FailureKind;
 use signal_hook::consts::SIGTERM;
 
 /// What one turn of the agent's loop saw while this node's workers run in a round, the most
@@ -16,9 +17,10 @@ pub(crate) enum Seen {
     PeerLost,
     /// Every worker exited 0.
     WorkersDone,
-    /// A worker failed, hung or did not answer; `counted` unless it was a consequence of
-    /// another node (a lost peer, exit 75) or a save on request (exit 143).
-    WorkerFailed { counted: bool },
+    /// A worker failed, hung or did not answer; counted unless it was a consequence of
+    /// another node (a lost peer, exit 75) or a save on request (exit 143), unrecoverable when
+    /// the program said no retry can fix it (exit 76).
+    WorkerFailed { kind: FailureKind },
     /// The ranks found this node a straggler and `--stragglers evict` asks to drop it.
     Straggler,
     /// The round, as the rendezvous saw it; not asked once another node closed the job.
@@ -87,9 +89,9 @@ pub(crate) enum Next {
     /// at the next round. `fallback` when they could have regrouped; `tell` as for
     /// [`Next::Regroup`].
     Restart { fallback: bool, tell: bool },
-    /// Record a worker failure with the rendezvous (`counted` against --max-restarts), then
-    /// restart at the next round, or end when the job gives up.
-    RecordFailure { counted: bool },
+    /// Record a worker failure with the rendezvous (`kind`: counted against --max-restarts,
+    /// or unrecoverable), then restart at the next round, or end when the job gives up.
+    RecordFailure { kind: FailureKind },
     /// Another node finished and this one's worker failed: this node's failure ends it.
     FailAlone,
     /// Another node finished the job: this node's workers finish too, and no round follows.
@@ -144,7 +146,7 @@ pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
         Seen::Straggler => Next::Wait,
         Seen::WorkersDone => Next::Succeed,
         Seen::WorkerFailed { .. } if memory.closing => Next::FailAlone,
-        Seen::WorkerFailed { counted } => Next::RecordFailure { counted },
+        Seen::WorkerFailed { kind } => Next::RecordFailure { kind },
         Seen::Round(Round::Healthy) if store_down => Next::StoreBack,
         Seen::Round(Round::Healthy) => Next::Wait,
         Seen::Round(Round::Reopened { node_gone }) if memory.can_regroup => Next::Regroup {

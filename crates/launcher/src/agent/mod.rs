@@ -7,6 +7,7 @@
 //! what it sees is decided in `decide`, a pure function tested on its own; this module
 //! gathers the observations and carries the decisions out.
 
+mod causes;
 mod decide;
 
 use std::time::{Duration, Instant};
@@ -15,9 +16,10 @@ use collective::control::ToAgent;
 use rendezvous::{Joined, Rendezvous, Restart, Watch};
 
 use crate::output::Sink;
-use crate::report::{ExitKind, Failure, Outcome};
+use crate::report::{Failure, Outcome};
 use crate::supervise::{Group, Launch, Status, with_timer};
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
+use causes::Causes;
 use decide::{Memory, Next, Round, Seen};
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
@@ -141,6 +143,8 @@ fn run_rounds(
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
     // workers are started again instead.
     let mut failed_regroups = 0u32;
+    // Why this node's workers were handed each round they have not yet said they train in.
+    let mut causes = Causes::default();
     loop {
         rdzv.set_port(crate::free_port()?);
         events(LaunchEvent::Joining {
@@ -182,10 +186,13 @@ fn run_rounds(
             k.group.stop(spec.grace);
             None
         });
-        // Why this node's workers regroup, until they report that they did.
-        let (group, regrouping) = match assigned {
-            Some(k) => (k.group, Some(k.reason)),
-            None => (
+        let group = match assigned {
+            Some(k) => {
+                causes.handed(k.group.assignments(), k.reason);
+                k.group
+            }
+            None => {
+                causes = Causes::default();
                 Group::spawn(
                     &round_spec,
                     assignment.restart_count,
@@ -193,16 +200,15 @@ fn run_rounds(
                     spec.regroup,
                     launch.outputs(&stdout, &stderr),
                     events,
-                )?,
-                None,
-            ),
+                )?
+            }
         };
         let mut round = InRound {
             spec,
             launch: &launch,
             rdzv: &mut *rdzv,
             restart_count: assignment.restart_count,
-            regrouping,
+            causes: &mut causes,
             failed_regroups,
             closing: false,
             store_down: false,
@@ -311,7 +317,7 @@ struct InRound<'a> {
     rdzv: &'a mut Rendezvous,
     restart_count: u32,
     /// Why this node's workers regroup, until they report that they did.
-    regrouping: Option<String>,
+    causes: &'a mut Causes,
     failed_regroups: u32,
     /// The job was closed by another node that finished: our workers finish too, no restart.
     closing: bool,
@@ -354,7 +360,7 @@ impl InRound<'_> {
                 let memory = Memory {
                     closing: self.closing,
                     can_regroup: group.can_regroup(),
-                    regrouping: self.regrouping.is_some(),
+                    regrouping: self.causes.pending(),
                     failed_regroups: self.failed_regroups,
                     max_restarts: spec.max_restarts,
                 };
@@ -394,7 +400,7 @@ impl InRound<'_> {
                     self.failed_regroups = 0;
                     events(LaunchEvent::Regrouped(crate::NodeRegrouped {
                         node: self.rdzv.node_id().to_string(),
-                        reason: self.regrouping.take().unwrap_or_default(),
+                        reason: self.causes.reported(r.assignments),
                         worker: r,
                     }));
                 }
@@ -424,12 +430,10 @@ impl InRound<'_> {
                     group.stop_troubled(self.spec.grace, trouble),
                     self.launch.timers.as_ref(),
                 );
-                // A lost peer is another node's failure; a preempted worker saved its work.
-                let counted = ![contract::exit::PEER_LOST, contract::exit::PREEMPTED]
-                    .iter()
-                    .any(|code| failure.exit == ExitKind::Code(*code));
                 return Some(Looked {
-                    seen: Seen::WorkerFailed { counted },
+                    seen: Seen::WorkerFailed {
+                        kind: failure.kind(),
+                    },
                     why: String::new(),
                     failure: Some(Box::new(failure)),
                 });
@@ -518,9 +522,9 @@ impl InRound<'_> {
                 tell,
             } => self.regroup(group, abort, failed, tell, why, events),
             Next::Restart { fallback, tell } => self.restart(group, fallback, tell, &why, events),
-            Next::RecordFailure { counted } => {
+            Next::RecordFailure { kind } => {
                 let failure = *failure.expect("a worker failure comes with its report");
-                self.record_failure(failure, counted, events)
+                self.record_failure(failure, kind, events)
             }
             Next::FailAlone => {
                 let failure = failure.expect("a worker failure comes with its report");
@@ -611,10 +615,12 @@ impl InRound<'_> {
         events: &mut dyn FnMut(LaunchEvent),
     ) -> RoundEnd {
         let report = format!("on node {}: {why}", self.rdzv.node_id());
-        match self
-            .rdzv
-            .worker_failed(false, &report, 0, self.spec.max_restarts)
-        {
+        match self.rdzv.worker_failed(
+            rendezvous::FailureKind::Uncounted,
+            &report,
+            0,
+            self.spec.max_restarts,
+        ) {
             // The store is gone (with the node that hosted it): joining waits for it, the
             // workers too.
             Err(e) => {
@@ -634,20 +640,25 @@ impl InRound<'_> {
         }
     }
 
-    /// A worker of this node failed: the rendezvous records it (`counted` against
+    /// A worker of this node failed: the rendezvous records it (`kind`: counted against
     /// --max-restarts) and the next round restarts every node's workers, or the job ends.
     fn record_failure(
         &mut self,
         failure: Failure,
-        counted: bool,
+        kind: rendezvous::FailureKind,
         events: &mut dyn FnMut(LaunchEvent),
     ) -> RoundEnd {
         let report = format!("on node {}: {failure}", self.rdzv.node_id());
         let at = failure.at_millis();
-        match self
+        let recorded = self
             .rdzv
-            .worker_failed(counted, &report, at, self.spec.max_restarts)
-        {
+            .worker_failed(kind, &report, at, self.spec.max_restarts);
+        match recorded {
+            // No retry can fix it: whether or not the record could tell the others, this node
+            // ends with it (the others learn of the end, or fail on their own).
+            Ok(None) | Err(_) if kind == rendezvous::FailureKind::Unrecoverable => {
+                RoundEnd::Over(Outcome::Failed(Box::new(failure)))
+            }
             // The store is gone, most likely with the node that hosted it (a c10d store dies
             // with its agent; its workers' deaths are what failed ours). Join again: joining
             // waits, up to the join timeout, for a store at the same address, which the host's
@@ -663,7 +674,8 @@ impl InRound<'_> {
             Ok(None) => {
                 events(LaunchEvent::Restarting {
                     failure,
-                    restart_count: self.restart_count + counted as u32,
+                    restart_count: self.restart_count
+                        + (kind == rendezvous::FailureKind::Counted) as u32,
                 });
                 RoundEnd::Next(None)
             }

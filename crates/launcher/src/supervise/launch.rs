@@ -99,7 +99,10 @@ pub fn launch(
                 }
             }
         };
-        if restart_count >= spec.max_restarts || signals.received().is_some() {
+        if restart_count >= spec.max_restarts
+            || signals.received().is_some()
+            || failure.unrecoverable()
+        {
             return Ok(Outcome::Failed(Box::new(failure)));
         }
         restart_count += 1;

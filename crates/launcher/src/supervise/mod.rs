@@ -213,6 +213,11 @@ impl Group {
         }
     }
 
+    /// How many rounds the workers were handed in place (local rank 0's count; all alike).
+    pub(crate) fn assignments(&self) -> u64 {
+        self.workers.first().map_or(0, |w| w.assignments)
+    }
+
     /// Whether every worker is running and has said it regroups in place.
     pub(crate) fn can_regroup(&self) -> bool {
         !self.workers.is_empty() && self.workers.iter().all(|w| w.ready && w.exited.is_none())

@@ -222,32 +222,56 @@ fn failures_count_once_per_round_and_the_first_is_the_root_cause() {
     let state = running(&["a", "b"]);
     let live = alive(&["a", "b"]);
     let round = state.as_ref().unwrap().round;
-    let AfterFailure::Restart(Some(s1)) =
-        fail_step(state.as_ref(), round, true, "rank 1 died", 1_000, 1, &live)
-    else {
+    let AfterFailure::Restart(Some(s1)) = fail_step(
+        state.as_ref(),
+        round,
+        FailureKind::Counted,
+        "rank 1 died",
+        1_000,
+        1,
+        &live,
+    ) else {
         panic!("first failure restarts");
     };
     assert_eq!(s1.failures, 1);
-    let AfterFailure::Restart(s2) =
-        fail_step(Some(&s1), round, true, "rank 3 died", 2_000, 1, &live)
-    else {
+    let AfterFailure::Restart(s2) = fail_step(
+        Some(&s1),
+        round,
+        FailureKind::Counted,
+        "rank 3 died",
+        2_000,
+        1,
+        &live,
+    ) else {
         panic!("second report of the same round restarts too");
     };
     let s2 = s2.unwrap_or(s1);
     assert_eq!(s2.failures, 1, "one failure per round");
     assert_eq!(s2.root_cause.as_deref(), Some("rank 1 died"));
     // A peer that vanished is not counted.
-    let AfterFailure::Restart(s3) =
-        fail_step(Some(&s2), round + 1, false, "peer lost", 3_000, 1, &live)
-    else {
+    let AfterFailure::Restart(s3) = fail_step(
+        Some(&s2),
+        round + 1,
+        FailureKind::Uncounted,
+        "peer lost",
+        3_000,
+        1,
+        &live,
+    ) else {
         panic!("restart");
     };
     let s3 = s3.unwrap_or(s2);
     assert_eq!(s3.failures, 1);
     // The next counted one exceeds --max-restarts 1: the job is over, with the first cause.
-    let AfterFailure::GiveUp(Some(s4), closed) =
-        fail_step(Some(&s3), round + 2, true, "rank 0 died", 4_000, 1, &live)
-    else {
+    let AfterFailure::GiveUp(Some(s4), closed) = fail_step(
+        Some(&s3),
+        round + 2,
+        FailureKind::Counted,
+        "rank 0 died",
+        4_000,
+        1,
+        &live,
+    ) else {
         panic!("exceeding max restarts ends the job");
     };
     assert_eq!(closed.root_cause.as_deref(), Some("rank 1 died"));
@@ -267,7 +291,7 @@ fn a_failure_reported_later_that_happened_earlier_is_the_root_cause() {
     let AfterFailure::Restart(Some(s1)) = fail_step(
         state.as_ref(),
         round,
-        true,
+        FailureKind::Counted,
         "on a: gloo lost its peer",
         5_400,
         1,
@@ -275,9 +299,15 @@ fn a_failure_reported_later_that_happened_earlier_is_the_root_cause() {
     ) else {
         panic!("first report restarts");
     };
-    let AfterFailure::Restart(s2) =
-        fail_step(Some(&s1), round, true, "on b: ValueError", 5_000, 1, &live)
-    else {
+    let AfterFailure::Restart(s2) = fail_step(
+        Some(&s1),
+        round,
+        FailureKind::Counted,
+        "on b: ValueError",
+        5_000,
+        1,
+        &live,
+    ) else {
         panic!("second report restarts");
     };
     let s2 = s2.expect("the earlier failure is written");
@@ -289,7 +319,15 @@ fn a_failure_reported_later_that_happened_earlier_is_the_root_cause() {
         root_cause_at: None,
         ..s1.clone()
     };
-    let AfterFailure::Restart(s3) = fail_step(Some(&old), round, true, "later", 1, 1, &live) else {
+    let AfterFailure::Restart(s3) = fail_step(
+        Some(&old),
+        round,
+        FailureKind::Counted,
+        "later",
+        1,
+        1,
+        &live,
+    ) else {
         panic!("restart");
     };
     assert_eq!(
@@ -367,13 +405,64 @@ fn a_node_that_was_in_the_closed_job_is_told_it_is_over_even_when_the_others_lef
 /// b, joining the next round, is told the job is over, even once a has left; it must not start
 /// a new job alone and wait for a second node that never comes.
 #[test]
+fn an_unrecoverable_failure_closes_the_job_at_once_with_its_cause() {
+    let state = running(&["a", "b"]);
+    let live = alive(&["a", "b"]);
+    let round = state.as_ref().unwrap().round;
+    // A program's own exception, retried (one of three restarts).
+    let AfterFailure::Restart(Some(retried)) = fail_step(
+        state.as_ref(),
+        round,
+        FailureKind::Counted,
+        "on a: ValueError",
+        1_000,
+        3,
+        &live,
+    ) else {
+        panic!("a counted failure within --max-restarts restarts");
+    };
+    // Two rounds later the safety net finds the ranks parted: no restart is left untried, the
+    // job is over now, and this is why, not the failure the job already came back from.
+    let AfterFailure::GiveUp(Some(closed), ended) = fail_step(
+        Some(&retried),
+        round + 2,
+        FailureKind::Unrecoverable,
+        "on b: DivergedError: the ranks no longer hold the same training state",
+        9_000,
+        3,
+        &live,
+    ) else {
+        panic!("an unrecoverable failure closes the job whatever --max-restarts allows");
+    };
+    assert_eq!(closed.phase, Phase::Closed { succeeded: false });
+    assert!(!ended.succeeded);
+    assert_eq!(
+        ended.root_cause.as_deref(),
+        Some("on b: DivergedError: the ranks no longer hold the same training state")
+    );
+    // In the same round an earlier failure stays the root cause (it may have caused this one).
+    let AfterFailure::GiveUp(_, same_round) = fail_step(
+        Some(&retried),
+        round,
+        FailureKind::Unrecoverable,
+        "on b: UsageError",
+        2_000,
+        3,
+        &live,
+    ) else {
+        panic!("closed");
+    };
+    assert_eq!(same_round.root_cause.as_deref(), Some("on a: ValueError"));
+}
+
+#[test]
 fn a_node_expected_by_a_reopened_round_that_closed_is_told_the_job_is_over() {
     let state = running(&["a", "b"]).unwrap();
     let both = alive(&["a", "b"]);
     let AfterFailure::Restart(Some(reopened)) = fail_step(
         Some(&state),
         state.round,
-        false,
+        FailureKind::Uncounted,
         "on b: peer lost",
         0,
         1,
@@ -385,7 +474,7 @@ fn a_node_expected_by_a_reopened_round_that_closed_is_told_the_job_is_over() {
     let AfterFailure::GiveUp(Some(closed), _) = fail_step(
         Some(&reopened),
         state.round,
-        true,
+        FailureKind::Counted,
         "rank 0 died",
         1_000,
         0,
@@ -470,7 +559,7 @@ proptest! {
                     WatchStep::Reopen(s, _) => Some(s),
                     _ => None,
                 },
-                Op::Fail(counted) => match fail_step(state.as_ref(), round, counted, "x", 0, 3, &live) {
+                Op::Fail(counted) => match fail_step(state.as_ref(), round, if counted { FailureKind::Counted } else { FailureKind::Uncounted }, "x", 0, 3, &live) {
                     AfterFailure::Restart(s) | AfterFailure::GiveUp(s, _) => s,
                 },
                 Op::Close(ok) => close_step(state.as_ref(), ok, None),

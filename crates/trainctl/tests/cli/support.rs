@@ -117,10 +117,15 @@ pub(crate) fn succeeded(cmd: &Command, out: Output) -> Output {
 
 /// Runs `cmd`, which must fail with exit code 1 (the job failed), and returns its stderr.
 pub(crate) fn run_failing(cmd: &mut Command) -> String {
+    run_failing_with(cmd, 1)
+}
+
+/// The stderr of `cmd`, which must exit with `code`.
+pub(crate) fn run_failing_with(cmd: &mut Command, code: i32) -> String {
     let out = cmd.output().unwrap();
     assert_eq!(
         out.status.code(),
-        Some(1),
+        Some(code),
         "{cmd:?}\nstdout:\n{}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
@@ -457,8 +462,8 @@ pub(crate) fn help_entries(help: &str) -> (Vec<(String, String)>, Vec<String>) {
 
 /// fixtures/loop_patterns.py's flags for every pattern at once: a per-step OneCycleLR,
 /// accumulation over two micro-batches, fp16 autocast with a GradScaler, two DataLoader
-/// workers and an evaluation every epoch.
-pub(crate) const EVERY_PATTERN: [&str; 8] = [
+/// workers, an evaluation every epoch and an EMA (torch's AveragedModel, given as `state=`).
+pub(crate) const EVERY_PATTERN: [&str; 10] = [
     "--scheduler",
     "onecycle",
     "--accumulate",
@@ -467,4 +472,6 @@ pub(crate) const EVERY_PATTERN: [&str; 8] = [
     "--workers",
     "2",
     "--evaluate",
+    "--ema",
+    "averaged",
 ];

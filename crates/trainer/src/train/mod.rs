@@ -85,6 +85,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             bytes: synced.bytes,
             seconds: since.elapsed().as_secs_f64(),
             received: synced.received,
+            assignments: 0, // the channel says its own count
         });
     }
 

@@ -118,8 +118,13 @@ impl Control {
         }
     }
 
-    /// Tells the agent the worker trains in its new group (what its regroup cost).
+    /// Tells the agent the worker trains in its new group (what its regroup cost), and which
+    /// of its assignments that group is.
     pub(super) fn regrouped(&mut self, regrouped: Regrouped) {
+        let regrouped = Regrouped {
+            assignments: self.assignments,
+            ..regrouped
+        };
         // The agent's report of the regroup; training goes on without it.
         let _ = self.channel.send(&ToAgent::Regrouped(regrouped));
     }
@@ -406,6 +411,7 @@ impl Run<'_> {
                         bytes: synced.bytes,
                         seconds: left.elapsed().as_secs_f64(),
                         received: synced.received,
+                        assignments: 0, // the channel says its own count
                     };
                     self.recorder.regroup(&regrouped, &reason, report);
                     control.regrouped(regrouped);

@@ -1,4 +1,5 @@
 use super::*;
+use rendezvous::FailureKind::*;
 use signal_hook::consts::SIGTERM;
 
 fn regrouping_workers() -> Memory {
@@ -106,16 +107,28 @@ fn a_round_reopened_elsewhere_regroups_in_place_or_restarts() {
 fn failures_are_recorded_with_the_rendezvous_unless_the_job_is_closing() {
     let m = regrouping_workers();
     assert_eq!(
-        next(&Seen::WorkerFailed { counted: true }, &m, false),
-        Next::RecordFailure { counted: true }
+        next(&Seen::WorkerFailed { kind: Counted }, &m, false),
+        Next::RecordFailure { kind: Counted }
     );
     assert_eq!(
-        next(&Seen::WorkerFailed { counted: false }, &m, false),
-        Next::RecordFailure { counted: false }
+        next(&Seen::WorkerFailed { kind: Uncounted }, &m, false),
+        Next::RecordFailure { kind: Uncounted }
+    );
+    assert_eq!(
+        next(
+            &Seen::WorkerFailed {
+                kind: Unrecoverable
+            },
+            &m,
+            false
+        ),
+        Next::RecordFailure {
+            kind: Unrecoverable
+        }
     );
     let closing = Memory { closing: true, ..m };
     assert_eq!(
-        next(&Seen::WorkerFailed { counted: true }, &closing, false),
+        next(&Seen::WorkerFailed { kind: Counted }, &closing, false),
         Next::FailAlone
     );
     assert_eq!(next(&Seen::WorkersDone, &m, false), Next::Succeed);

@@ -25,6 +25,8 @@ struct Ended {
     lr: String,
     scheduler: String,
     weights: String,
+    /// The EMA's CRC and its count of averages (`-` without one).
+    ema: String,
 }
 
 fn ended(all: &str) -> Vec<Ended> {
@@ -43,6 +45,7 @@ fn ended(all: &str) -> Vec<Ended> {
                 lr: field("lr")?,
                 scheduler: field("scheduler")?,
                 weights: field("weights")?,
+                ema: field("ema")?,
             })
         })
         .collect()
@@ -57,6 +60,13 @@ pub(super) fn verify(outputs: &[String], world_size: usize, flags: &[&str]) {
         ends.iter().all(|e| e == &ends[0] && e.world == world_size),
         "every rank ends with the same weights, learning rate and scheduler: {ends:#?}\n{all}"
     );
+    if flags.contains(&"--ema") {
+        assert_eq!(
+            ends[0].ema.split('/').nth(1),
+            Some(ends[0].steps.to_string().as_str()),
+            "the EMA averaged once per update the job applied: {ends:#?}"
+        );
+    }
     if flags.contains(&"onecycle") {
         assert_eq!(
             ends[0].scheduler,
@@ -101,7 +111,7 @@ pub(super) fn verify(outputs: &[String], world_size: usize, flags: &[&str]) {
 
 /// A node lost and another joining, under a per-step OneCycleLR, accumulation over two
 /// micro-batches, fp16 autocast with a GradScaler (whose first scales overflow: skipped
-/// updates), DataLoader worker processes and an evaluation every epoch.
+/// updates), DataLoader worker processes, an evaluation every epoch and an EMA.
 #[test]
 fn c10d_pytorch_patterns_lost_and_added_stay_exact() {
     agent_lost_and_another_added(cluster(
@@ -195,4 +205,54 @@ fn c10d_pytorch_patterns_kills_and_joins_at_random_stay_exact() {
         return;
     };
     soak(c, name);
+}
+
+/// Rank 0's node lost (etcd: it hosts no store) and replaced, under an EMA of the loop's own
+/// given as `state=` and updated after every block, unguarded: the survivors' dropped step is
+/// followed by an update the job undoes (and says so), the new rank 0 holds the EMA every rank
+/// holds, and at the end every rank's EMA has averaged exactly the updates applied.
+#[test]
+fn etcd_pytorch_rank_0s_node_lost_and_replaced_keeps_the_ema_exact() {
+    let Some(mut c) = cluster(
+        Store::Etcd,
+        "etcd-py-ema-rank0",
+        vec!["--scheduler", "onecycle", "--ema", "own-unguarded"],
+    ) else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    // The node of rank 0 is the first to join: whichever it was.
+    let mut rank0 = 0;
+    for (i, &a) in agents.iter().enumerate() {
+        let round = c.agents[a].wait_for_line(JOB_TIMEOUT, |l| {
+            l.contains(": node rank ") && l.contains(" of 3,")
+        });
+        if round.contains(": node rank 0 of 3,") {
+            rank0 = i;
+        }
+    }
+    c.wait_for_progress(2);
+    c.kill(agents[rank0]);
+    let replacement = c.start(rank0 + 1, 1);
+    let mut outputs: Vec<String> = (0..3)
+        .filter(|&i| i != rank0)
+        .map(|i| c.succeeds(agents[i]))
+        .collect();
+    outputs.push(c.succeeds(replacement));
+    let all = outputs.join("\n");
+    c.verify_end(&outputs, 3);
+    c.verify_exactly_once();
+    assert!(
+        all.contains(
+            "after a step that applied no update (a peer was lost and the step dropped); undone"
+        ),
+        "{all}"
+    );
+    for i in (0..3).filter(|&i| i != rank0) {
+        assert_eq!(
+            workers_of(&c.agents[agents[i]]).len(),
+            1,
+            "no worker restarted:\n{all}"
+        );
+    }
 }

@@ -17,10 +17,17 @@ fn fixture() -> PathBuf {
 /// The patterns loop on two local workers under `trainctl run`, in `dir` (its data in
 /// `dir/data`).
 fn two_workers(python: &Path, dir: &Path, flags: &[&str]) -> Command {
+    two_workers_run(python, dir, &[], flags)
+}
+
+/// [`two_workers`], with more of `trainctl run`'s flags (`run`).
+fn two_workers_run(python: &Path, dir: &Path, run: &[&str], flags: &[&str]) -> Command {
     let mut cmd = trainctl();
     cmd.current_dir(dir)
         .env("PYTHONPATH", testkit::python_package())
-        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+        .args(["run", "--standalone", "--nproc-per-node", "2"])
+        .args(run)
+        .arg("--")
         .arg(python)
         .arg(fixture())
         .args(flags);
@@ -73,7 +80,9 @@ macro_rules! python_or_skip {
 /// With nothing failing, each pattern trains as plain DDP does, bit for bit: the same sample
 /// order (DistributedSampler's), the gradients all-reduced once per update (accumulation),
 /// the GradScaler's skipped and applied steps, a per-step or per-epoch scheduler stepped as
-/// often, DataLoader workers, and the same evaluation.
+/// often, DataLoader workers, the same evaluation, an EMA (torch's AveragedModel updated after
+/// every block, micro-batches included: the job gates it; one of the loop's own, updated `if
+/// step.applied`) and a head the loss never uses (`find_unused_parameters`).
 #[test]
 fn each_pattern_trains_as_plain_ddp_does() {
     let python = python_or_skip!("each_pattern_trains_as_plain_ddp_does");
@@ -82,7 +91,7 @@ fn each_pattern_trains_as_plain_ddp_does() {
     for (run, flags) in [
         &EVERY_PATTERN[..],
         &["--scheduler", "plateau", "--accumulate", "3", "--evaluate"][..],
-        &["--scheduler", "steplr"][..],
+        &["--scheduler", "steplr", "--ema", "own", "--unused-head"][..],
     ]
     .into_iter()
     .enumerate()
@@ -151,7 +160,8 @@ fn loops_the_package_cannot_make_exact_are_refused() {
             "--out",
             misuse,
         ];
-        let err = run_failing(&mut alone(&python, job.dir.path(), &flags));
+        // Alone, the worker's own exit: the code no launcher retries.
+        let err = run_failing_with(&mut alone(&python, job.dir.path(), &flags), 76);
         assert!(
             err.contains(&format!("trainctl.torch.UsageError: {said}")),
             "{misuse}: {err}"
@@ -170,6 +180,137 @@ fn loops_the_package_cannot_make_exact_are_refused() {
             "{misuse}: {err}"
         );
     }
+}
+
+/// The loops adopters wrote that the package cannot make exact (issue 67), under `trainctl
+/// run --max-restarts 3`: each is refused with its own cause, and the job fails at once, not
+/// retried (the worker's exit 76), the refusal whole in the launcher's report: an EMA kept
+/// without giving it, a GAN's second optimizer, state kept on rank 0 alone, a forgotten
+/// `find_unused_parameters`, two Elastic jobs in one process, an IterableDataset.
+#[test]
+fn adopters_loops_that_cannot_be_made_exact_fail_the_job_at_once() {
+    let python = python_or_skip!("adopters_loops_that_cannot_be_made_exact_fail_the_job_at_once");
+    let job = Job::new(64, 16);
+    for (misuse, said) in [
+        (
+            "stray-ema",
+            "UsageError: an AveragedModel holding a copy of the model's parameters changes during training but was not given to Elastic",
+        ),
+        (
+            "gan",
+            "UsageError: a second optimizer (Adam over 2 parameter tensors) was stepped by the training loop",
+        ),
+        (
+            "rank-state",
+            "DivergedError: the ranks no longer hold the same training state",
+        ),
+        (
+            "forgot-find-unused",
+            "UsageError: this step's gradients were not all-reduced: 2 parameter(s) received no gradient (aux.weight, aux.bias)",
+        ),
+        (
+            "two-elastic",
+            "UsageError: a second Elastic was made in this process while the first one trains",
+        ),
+        (
+            "iterable",
+            "UsageError: job.loader() was given an IterableDataset (Stream)",
+        ),
+    ] {
+        let flags = ["--data", "data", "--misuse", misuse, "--out", misuse];
+        let err = run_failing(&mut two_workers_run(
+            &python,
+            job.dir.path(),
+            &["--max-restarts", "3"],
+            &flags,
+        ));
+        assert!(
+            err.contains(&format!("trainctl.torch.{said}")),
+            "{misuse}: {err}"
+        );
+        assert!(
+            err.contains("not retried: the program found it cannot train right (exit 76)"),
+            "{misuse}: {err}"
+        );
+        assert!(
+            err.contains(&format!("  error      : {said}")),
+            "{misuse}: {err}"
+        );
+        assert!(!err.contains("restarting all workers"), "{misuse}: {err}");
+    }
+}
+
+/// A DivergedError in an elastic job fails the job on every node at once, whatever
+/// --max-restarts allows: both agents exit 1 with it as the root cause, and neither restarts
+/// its workers (the bug: the agent restarted them from the checkpoint and the job ended 0).
+#[test]
+fn a_divergence_fails_an_elastic_job_on_every_node_unretried() {
+    let python = python_or_skip!("a_divergence_fails_an_elastic_job_on_every_node_unretried");
+    let job = Job::new(64, 16);
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let flags = ["--epochs", "2", "--misuse", "diverge-lr"];
+    let run = ["--nnodes", "2", "--max-restarts", "3"];
+    let agent = || {
+        Running::start(&mut agent_command(
+            &python, &job, &endpoint, "diverged", &run, &flags,
+        ))
+    };
+    let (mut a, mut b) = (agent(), agent());
+    let (a_status, b_status) = (
+        a.wait(Duration::from_secs(120)),
+        b.wait(Duration::from_secs(60)),
+    );
+    let (said_a, said_b) = (a.output(), b.output());
+    for (status, said) in [(a_status, &said_a), (b_status, &said_b)] {
+        assert_eq!(status.code(), Some(1), "{said_a}\n---\n{said_b}");
+        assert!(
+            said.contains(
+                "DivergedError: the ranks no longer hold the same training state at step "
+            ),
+            "{said_a}\n---\n{said_b}"
+        );
+        assert!(
+            said.contains("  lr: rank 0: ") && said.contains("not retried"),
+            "the root cause whole, on every node:\n{said_a}\n---\n{said_b}"
+        );
+        assert!(
+            !said.contains("restarting") && !said.contains("resuming from"),
+            "{said_a}\n---\n{said_b}"
+        );
+    }
+}
+
+/// A node that joins while the others are at a step followed by an evaluation (a mid-epoch
+/// evaluation after every step) waits for that evaluation: no rank skips it, and the loop's
+/// unguarded use of its result (`loss, _ = job.evaluate(...)`) never meets a None (the bug: a
+/// join there made every rank skip it, and the job failed on every retry).
+#[test]
+fn a_join_at_a_mid_epoch_evaluation_waits_for_it_and_no_rank_skips_it() {
+    let python =
+        python_or_skip!("a_join_at_a_mid_epoch_evaluation_waits_for_it_and_no_rank_skips_it");
+    let job = Job::new(64, 16);
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let flags = ["--epochs", "6", "--eval-every", "1", "--step-sleep", "0.05"];
+    let mut a = one_of_two_agents(&python, &job, &endpoint, "mid-eval", &flags);
+    a.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,"));
+    let mut b = one_of_two_agents(&python, &job, &endpoint, "mid-eval", &flags);
+    let (a_status, b_status) = (
+        a.wait(Duration::from_secs(300)),
+        b.wait(Duration::from_secs(120)),
+    );
+    let (said_a, said_b) = (a.output(), b.output());
+    assert!(
+        a_status.success() && b_status.success(),
+        "{said_a}\n---\n{said_b}"
+    );
+    assert!(
+        said_a.contains("regrouped in place: world size 1 → 2"),
+        "B joined A in place:\n{said_a}"
+    );
+    assert!(
+        !said_a.contains("skips an evaluation") && !said_b.contains("skips an evaluation"),
+        "{said_a}\n---\n{said_b}"
+    );
 }
 
 /// With no launcher the loop is a group of one: its collectives (its evaluation's all_reduce)
@@ -464,15 +605,36 @@ fn one_of_two_agents(
     id: &str,
     flags: &[&str],
 ) -> Running {
+    Running::start(&mut agent_command(
+        python,
+        job,
+        endpoint,
+        id,
+        &["--nnodes", "1:2"],
+        flags,
+    ))
+}
+
+/// An agent (c10d on loopback at `endpoint`, `run`: more of `trainctl run`'s flags) running the
+/// patterns loop with `flags` in `job`'s folder.
+fn agent_command(
+    python: &Path,
+    job: &Job,
+    endpoint: &str,
+    id: &str,
+    run: &[&str],
+    flags: &[&str],
+) -> Command {
     let mut cmd = trainctl();
     cmd.current_dir(job.dir.path())
         .env("PYTHONPATH", testkit::python_package())
-        .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+        .args(["run", "--rdzv-backend", "c10d"])
+        .args(run)
         .args(["--rdzv-endpoint", endpoint, "--rdzv-id", id])
         .args(["--health-check", "off", "--"])
         .arg(python)
         .arg(fixture())
         .args(["--data", "data", "--out", "runs"])
         .args(flags);
-    Running::start(&mut cmd)
+    cmd
 }
