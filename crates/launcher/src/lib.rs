@@ -18,7 +18,7 @@ pub mod timer;
 pub use agent::run_elastic;
 pub use rendezvous;
 pub use report::{ExitKind, Failure, Outcome, Stuck};
-pub use supervise::{agent_without_huge_pages, launch};
+pub use supervise::{agent_without_huge_pages, launch, record_stop_signals, stop_signal};
 pub use telemetry::Telemetry;
 
 use std::ffi::OsString;

@@ -196,6 +196,18 @@ impl Rendezvous {
         nproc: u32,
         local_addr: Option<String>,
     ) -> Result<Self, RendezvousError> {
+        Self::open_unless(cfg, kind, nproc, local_addr, &|| false)
+    }
+
+    /// [`Rendezvous::open`], giving up with [`RendezvousError::Stopped`] as soon as `stopped`
+    /// says so (a stop signal) while it waits for the store.
+    pub fn open_unless(
+        cfg: Config,
+        kind: &BackendKind,
+        nproc: u32,
+        local_addr: Option<String>,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<Self, RendezvousError> {
         let id = node_id();
         let started = Instant::now();
         let mut warned = false;
@@ -203,6 +215,7 @@ impl Rendezvous {
             match connect(&cfg, kind, &id) {
                 Ok(connected) => break connected,
                 Err(e @ RendezvousError::NotAStore { .. }) => return Err(e),
+                Err(_) if stopped() => return Err(RendezvousError::Stopped),
                 Err(e) if started.elapsed() < cfg.join_timeout => {
                     if !warned {
                         tracing::warn!(error = %e, "rendezvous store not reachable yet; waiting");

@@ -54,6 +54,9 @@ pub enum RendezvousError {
         "something answers at {endpoint} but it is not a trainctl rendezvous store or etcd (its answer: {problem}): another program holds that port; check --rdzv-endpoint (c10d's store listens on 29400 by default, etcd on 2379)"
     )]
     NotAStore { endpoint: String, problem: String },
+    /// A stop signal came while this node waited for the store: it never joined.
+    #[error("asked to stop before the rendezvous store answered: this node never joined the job")]
+    Stopped,
     #[error(transparent)]
     Collective(#[from] collective::CollectiveError),
     #[error("{0}")]

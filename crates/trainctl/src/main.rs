@@ -102,6 +102,13 @@ fn main() {
             .init(),
     }
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Run(_))
+        && let Err(e) = launcher::record_stop_signals()
+    {
+        // Before anything else: a SIGTERM that comes while the agent starts (a pod deleted as
+        // it comes up) must not be lost, and as a container's PID 1 it is unless handled.
+        output::warn(&format!("{e}"));
+    }
     if !matches!(cli.command, Command::Run(_)) {
         // `trainctl eval ... | head` ends quietly, as Unix tools do, instead of panicking on
         // EPIPE. The launcher keeps ignoring SIGPIPE: it must outlive a closed stdout long

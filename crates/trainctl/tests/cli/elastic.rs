@@ -761,6 +761,66 @@ fn c10d_agent_told_to_go_while_it_regroups_leaves_without_saving() {
     c.verify_exactly_once();
 }
 
+/// Two of four agents told to go at the same moment, as `job scale 4 → 2` and a drain of two
+/// pods do: both leave at a step boundary and exit 143, and the other two go on in place, in
+/// one regroup 4 → 2 (the second leaver withdraws from the round the first reopened), their
+/// workers never restarted and every image trained once an epoch. (They used to stop the whole
+/// job: "cannot leave alone: the job is between rounds".)
+fn two_agents_told_to_go_at_once(store: Store, name: &str) {
+    let Some(mut c) = Cluster::new(store, name) else {
+        return;
+    };
+    c.nnodes = "2:4";
+    // Two agents on host 2: four nodes on the cluster's three agent hosts.
+    let agents: Vec<usize> = [1, 2, 2, 3].iter().map(|&h| c.start(h, 1)).collect();
+    for &a in &agents {
+        c.agents[a].wait_for_line(JOB_TIMEOUT, |l| l.contains(" of 4, first rank "));
+    }
+    c.wait_for_progress(2);
+    let (leaving, staying) = ([agents[1], agents[3]], [agents[0], agents[2]]);
+    for &a in &leaving {
+        sigterm(&c.agents[a]);
+    }
+    for &a in &leaving {
+        let status = c.agents[a].wait(JOB_TIMEOUT);
+        let left = c.agents[a].output();
+        assert_eq!(status.code(), Some(143), "a leaver exits 143:\n{left}");
+        assert!(
+            !left.contains("cannot leave alone") && !left.contains("stopped on request"),
+            "both leave; nothing stops the job:\n{left}"
+        );
+    }
+    let outputs: Vec<String> = staying.iter().map(|&a| c.succeeds(a)).collect();
+    let all = outputs.join("\n");
+    for out in &outputs {
+        assert_eq!(
+            out.matches("regrouped in place").count(),
+            1,
+            "one regroup for both leaves:\n{all}"
+        );
+        assert!(out.contains("world size 4 → 2"), "{all}");
+    }
+    assert!(
+        !all.contains("restarting") && !all.contains("resuming"),
+        "{all}"
+    );
+    for &a in &staying {
+        assert_eq!(workers_of(&c.agents[a]).len(), 1, "{all}");
+    }
+    c.verify_end(&outputs, 2);
+    c.verify_exactly_once();
+}
+
+#[test]
+fn c10d_two_agents_told_to_go_at_once_both_leave_in_one_regroup() {
+    two_agents_told_to_go_at_once(Store::C10d, "c10d-two-leave");
+}
+
+#[test]
+fn etcd_two_agents_told_to_go_at_once_both_leave_in_one_regroup() {
+    two_agents_told_to_go_at_once(Store::Etcd, "etcd-two-leave");
+}
+
 /// Every agent told to go at once (a whole job deleted): at most one leaves alone, the others
 /// cannot go on without it, so the job stops as a whole; every agent exits 143, the checkpoint
 /// holds the last step trained, and running the same command again resumes there exactly.

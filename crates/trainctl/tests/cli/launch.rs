@@ -688,3 +688,47 @@ fn a_node_whose_workers_finished_first_waits_for_the_others_before_it_exits() {
         assert!(a.wait().unwrap().success());
     }
 }
+
+/// A SIGTERM that comes while the agent starts (a pod deleted as its container comes up: the
+/// agent still waits for the rendezvous store), to `trainctl run` as PID 1, a container's
+/// init, for which the kernel drops a signal it has no handler for: the agent never joins and
+/// exits 143 at once, saying so. (It used to lose the signal, join, and train until SIGKILL.)
+#[test]
+fn a_sigterm_as_the_agent_starts_is_kept_even_as_pid_1() {
+    let endpoint = format!("127.0.0.1:{}", testkit::free_port());
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args(["--pid", "--fork", "--kill-child"])
+        .arg(env!("CARGO_BIN_EXE_trainctl"))
+        .args(["run", "--nnodes", "1:2", "--rdzv-backend", "c10d"])
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "pid1"])
+        .args(["--rdzv-conf", "is_host=0", "--job-token", "t"])
+        .args(["--", "sleep", "600"]);
+    let mut run = Running::start(&mut cmd);
+    // Inside the new namespace trainctl is PID 1; outside, unshare's one child.
+    let children = format!("/proc/{}/task/{}/children", run.pid(), run.pid());
+    let waiting = run.wait_for_line(Duration::from_secs(30), |l| {
+        l.contains("rendezvous store not reachable yet; waiting") || l.contains("unshare:")
+    });
+    if waiting.contains("unshare:") {
+        eprintln!("SKIPPED a_sigterm_as_the_agent_starts_is_kept_even_as_pid_1: {waiting}");
+        return;
+    }
+    let agent: i32 = std::fs::read_to_string(&children)
+        .ok()
+        .and_then(|c| c.split_whitespace().next()?.parse().ok())
+        .expect("unshare's child");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = run.wait(Duration::from_secs(30));
+    let out = run.output();
+    assert_eq!(status.code(), Some(143), "{out}");
+    assert!(
+        out.contains("stopped (signal 15) while waiting for the rendezvous at")
+            && out.contains("this node never joined"),
+        "{out}"
+    );
+    assert!(!out.contains("started rank"), "{out}");
+}

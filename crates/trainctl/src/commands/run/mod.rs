@@ -605,9 +605,23 @@ fn run_elastic(
     let shown = endpoint.given.clone();
     let kind = endpoint.backend;
     let spec = worker_spec(args, nproc_per_node, run_id, token).map_err(super::usage)?;
-    let mut rdzv =
-        rendezvous::Rendezvous::open(cfg, &kind, nproc_per_node, args.local_addr.clone())
-            .with_context(|| format!("cannot reach the rendezvous at {shown}"))?;
+    let stopped = || launcher::stop_signal().is_some();
+    let mut rdzv = match rendezvous::Rendezvous::open_unless(
+        cfg,
+        &kind,
+        nproc_per_node,
+        args.local_addr.clone(),
+        &stopped,
+    ) {
+        Err(rendezvous::RendezvousError::Stopped) => {
+            let signal = launcher::stop_signal().unwrap_or(15);
+            crate::output::warn(&format!(
+                "stopped (signal {signal}) while waiting for the rendezvous at {shown}: this node never joined"
+            ));
+            return Ok(128 + signal);
+        }
+        opened => opened.with_context(|| format!("cannot reach the rendezvous at {shown}"))?,
+    };
     crate::output::agent_starting(&spec, &rdzv);
     let watch = LiveView::start(args)?;
     let spec = LaunchSpec {
