@@ -52,9 +52,11 @@ pub fn run_elastic(
 }
 
 /// How long, from their start, a node's workers may hold the admission of nodes waiting to
-/// join while they start (they have not said they regroup in place yet): enough for a PyTorch
-/// program's imports on a loaded machine. A program that never says so (one without
-/// `trainctl.torch`) is restarted for the joiner after at most this long, as torchrun would.
+/// join while they start again (they regrouped in place before, and have not said so yet
+/// since this start): enough for a PyTorch program's imports on a loaded machine. The job's
+/// first start holds nobody (nodes still arriving fill it), nor does a program that never
+/// said it regroups (one without `trainctl.torch`): its workers are restarted for the joiner
+/// at once, as torchrun would.
 const ADMISSION_HOLD: Duration = Duration::from_secs(20);
 
 /// The health check before the first join (`spec.health_check`): measures this node, puts
@@ -143,6 +145,8 @@ fn run_rounds(
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
     // workers are started again instead.
     let mut failed_regroups = 0u32;
+    // This node's workers have said they regroup in place (in an earlier round of the launch).
+    let mut regroup_in_place = false;
     // Why this node's workers were handed each round they have not yet said they train in.
     let mut causes = Causes::default();
     loop {
@@ -211,11 +215,13 @@ fn run_rounds(
             nodes: &assignment.nodes,
             causes: &mut causes,
             failed_regroups,
+            regroup_in_place,
             closing: false,
             store_down: false,
         };
         let end = round.run(group, events);
         failed_regroups = round.failed_regroups;
+        regroup_in_place = round.regroup_in_place;
         match end {
             RoundEnd::Next(k) => {
                 kept = k;
@@ -322,6 +328,8 @@ struct InRound<'a> {
     /// Why this node's workers regroup, until they report that they did.
     causes: &'a mut Causes,
     failed_regroups: u32,
+    /// This node's workers have said they regroup in place, in this round or an earlier one.
+    regroup_in_place: bool,
     /// The job was closed by another node that finished: our workers finish too, no restart.
     closing: bool,
     /// The last watch could not reach the store (said once, until it answers again).
@@ -446,8 +454,13 @@ impl InRound<'_> {
             return None;
         }
         // Workers still starting (a program importing torch) would have to be restarted to
-        // take a joiner now; held a while, they say they regroup and take it in place.
-        self.rdzv.hold_admissions(group.starting(ADMISSION_HOLD));
+        // take a joiner now; held a while, they say they regroup and take it in place. Only
+        // where that buys an in-place join: the program's workers have said they regroup
+        // before (a restart's, mid-job). The job's first start is still filling up, and a
+        // program that never says so would be restarted after the wait anyway.
+        self.regroup_in_place |= group.can_regroup();
+        self.rdzv
+            .hold_admissions(self.regroup_in_place && group.starting(ADMISSION_HOLD));
         Some(match self.rdzv.watch() {
             Ok(Watch::Healthy) => Looked::just(Seen::Round(Round::Healthy)),
             Ok(Watch::Restart(Restart { reason, node_gone })) => {
