@@ -23,7 +23,7 @@ pub enum RunFlag {
     FetchDir(String),
     /// Where the launcher writes a failure's root cause (Kubernetes' `terminationMessagePath`).
     TerminationLog(String),
-    /// Seconds without a line of output after which the workers are hung.
+    /// Seconds without progress (a line of output or CPU time) after which the workers are hung.
     HangTimeout(u32),
     /// What the job does about a node its ranks find slow: `warn` or `evict`.
     Stragglers(String),

@@ -25,11 +25,6 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// How long a node's workers may be silent while they start (before their first line), when
-/// `--hang-timeout` is shorter: importing torch and its friends on a loaded machine takes tens
-/// of seconds, and that is not a hang.
-pub(crate) const START_GRACE: Duration = Duration::from_secs(300);
-
 /// One node's launch, resolved: every value is final (the CLI did the parsing and defaults).
 #[derive(Debug, Clone)]
 pub struct LaunchSpec {
@@ -57,11 +52,9 @@ pub struct LaunchSpec {
     pub working_dir: Option<PathBuf>,
     /// Where the workers' metrics records go, if anywhere (`TRAINCTL_TELEMETRY_FD`).
     pub telemetry: Option<Telemetry>,
-    /// A node whose workers write no line for this long is hung: their stacks are taken and
-    /// they are stopped (a failure, restarted as `max_restarts` says).
-    /// No line of output from a node's workers for this long: hung. Counted from their
-    /// first line; before it they are starting, and the bound is the larger of this and
-    /// [`START_GRACE`].
+    /// A node whose workers show no progress for this long, neither a line of output nor CPU
+    /// time (`supervise::cpu`), is hung: their stacks are taken and they are stopped (a
+    /// failure, restarted as `max_restarts` says).
     pub hang_timeout: Option<Duration>,
     /// Serve torch.distributed.elastic's file-based timers at this named pipe
     /// (`TORCHELASTIC_ENABLE_FILE_TIMER=1`; the workers get `TORCHELASTIC_TIMER_FILE`).

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,16 +15,14 @@ pub(crate) const TAIL_LINES: usize = 20;
 
 pub(crate) type Tail = Arc<Mutex<VecDeque<String>>>;
 
-/// When a group's workers last wrote a line: what `--hang-timeout` watches. One relaxed atomic
-/// store per line, so watching costs a worker nothing it would notice.
+/// When a group's workers last wrote a line: what `--hang-timeout` watches, with their CPU
+/// time. One relaxed atomic store per line, so watching costs a worker nothing it would
+/// notice.
 #[derive(Debug)]
 pub struct Activity {
     start: Instant,
     /// Milliseconds after `start` of the last line.
     last: AtomicU64,
-    /// Whether the workers of the current attempt have written a line yet: before it they are
-    /// starting (a program importing torch on a loaded machine), which is not hanging.
-    spoken: AtomicBool,
 }
 
 impl Default for Activity {
@@ -32,7 +30,6 @@ impl Default for Activity {
         Activity {
             start: Instant::now(),
             last: AtomicU64::new(0),
-            spoken: AtomicBool::new(false),
         }
     }
 }
@@ -42,20 +39,11 @@ impl Activity {
     pub fn touch(&self) {
         let now = self.start.elapsed().as_millis() as u64;
         self.last.fetch_max(now, Ordering::Relaxed);
-        self.spoken.store(true, Ordering::Relaxed);
     }
 
-    /// New workers start now: their silence counts from here, as a start until their first
-    /// line.
+    /// New workers start now: their silence counts from here.
     pub fn restart(&self) {
-        let now = self.start.elapsed().as_millis() as u64;
-        self.last.fetch_max(now, Ordering::Relaxed);
-        self.spoken.store(false, Ordering::Relaxed);
-    }
-
-    /// Whether the current attempt's workers have written a line.
-    pub(crate) fn spoken(&self) -> bool {
-        self.spoken.load(Ordering::Relaxed)
+        self.touch();
     }
 
     /// How long since the last line (or since the start, before any).

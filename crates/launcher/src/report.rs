@@ -27,7 +27,7 @@ impl fmt::Display for ExitKind {
             }
             ExitKind::Hung(silent) => write!(
                 f,
-                "stopped after {:.0} s without a line of output (--hang-timeout)",
+                "stopped after {:.0} s without a line of output or CPU time (--hang-timeout)",
                 silent.as_secs_f64()
             ),
             ExitKind::Unanswered(waited) => write!(
@@ -112,7 +112,7 @@ impl Failure {
     pub fn summary(&self) -> String {
         if let ExitKind::Hung(silent) | ExitKind::Unanswered(silent) = self.exit {
             let what = match self.exit {
-                ExitKind::Hung(_) => "no line of output",
+                ExitKind::Hung(_) => "no line of output or CPU time",
                 _ => "no answer to a regroup",
             };
             let ranks: Vec<String> = self.stuck.iter().map(|s| s.rank.to_string()).collect();

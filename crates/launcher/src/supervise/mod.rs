@@ -3,6 +3,7 @@
 //! `stop`, one worker's process in `worker`, and what a launch keeps across attempts (the stop
 //! signals, the outputs, torchrun's static restart loop) in `launch`.
 
+mod cpu;
 mod launch;
 mod stop;
 mod worker;
@@ -17,6 +18,7 @@ use crate::error_file::{self, WorkerError};
 use crate::output::Activity;
 use crate::report::{ExitKind, Failure};
 use crate::{LaunchError, LaunchEvent, LaunchSpec, Started, worker_env};
+use cpu::CpuClock;
 
 pub(crate) use launch::{Launch, Outputs, with_timer};
 pub use launch::{launch, record_stop_signals, stop_signal};
@@ -56,6 +58,8 @@ pub(crate) struct Group {
     logs: Option<PathBuf>,
     /// When the workers last wrote a line.
     activity: Arc<Activity>,
+    /// When the workers last used the CPU as working processes do.
+    cpu: CpuClock,
     hang_timeout: Option<Duration>,
     /// How long a worker asked to regroup may take to answer.
     regroup_timeout: Duration,
@@ -128,7 +132,7 @@ impl Group {
             ))
         });
         let now = SystemTime::now();
-        // A new attempt's silence counts from its start, as a start until its first line.
+        // A new attempt's silence counts from its start.
         outputs.activity.restart();
         let mut group = Group {
             workers: Vec::new(),
@@ -140,6 +144,7 @@ impl Group {
             scratch: scratch.clone(),
             logs: attempt_dir.clone(),
             activity: outputs.activity.clone(),
+            cpu: CpuClock::new(Vec::new()),
             hang_timeout: spec.hang_timeout,
             regroup_timeout: spec.regroup_timeout,
             consequence_since: None,
@@ -171,6 +176,8 @@ impl Group {
         if let Some(timers) = outputs.timers {
             timers.workers(group.workers.iter().map(|w| (w.child.id(), w.rank)));
         }
+        // Each worker leads a process group of its own.
+        group.cpu = CpuClock::new(group.workers.iter().map(|w| w.child.id() as i32).collect());
         Ok(group)
     }
 
@@ -362,17 +369,14 @@ impl Group {
         if running == 0 {
             return Status::Succeeded;
         }
-        let silent = self.activity.silent_for();
-        // Before the workers' first line they are starting (imports, a model loading), which
-        // gets its own, longer bound.
-        let limit = |limit: Duration| {
-            if self.activity.spoken() {
-                limit
-            } else {
-                limit.max(crate::START_GRACE)
-            }
-        };
-        if self.hang_timeout.is_some_and(|l| silent >= limit(l)) {
+        // Hung: no sign of progress for the timeout, neither a line nor CPU time (a start,
+        // importing torch or loading a model, works however silent; a wait in a collective or
+        // a sleep does not, however early).
+        if self.hang_timeout.is_some() {
+            self.cpu.sample();
+        }
+        let silent = self.activity.silent_for().min(self.cpu.idle_for());
+        if self.hang_timeout.is_some_and(|l| silent >= l) {
             return Status::Trouble(Trouble::Hung(silent));
         }
         let owed = self.workers.iter().filter_map(|w| w.owes_since).min();

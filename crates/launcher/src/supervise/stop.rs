@@ -90,7 +90,7 @@ impl Group {
             (None, None) => return None,
         };
         let mut text = format!(
-            "no line of output for {:.1} s; the stacks of node {}'s workers:\n",
+            "no line of output or CPU time for {:.1} s; the stacks of node {}'s workers:\n",
             silent.as_secs_f64(),
             self.node_rank
         );

@@ -283,7 +283,7 @@ fn a_hang_is_declared_with_every_ranks_stack() {
         line_of(&script, "time.sleep(3600)")
     );
     assert!(
-        restart.contains("ranks 0, 1 hung: no line of output for 3 s; rank 1 at "),
+        restart.contains("ranks 0, 1 hung: no line of output or CPU time for 3 s; rank 1 at "),
         "{restart}"
     );
     assert!(restart.contains(&sleep), "{restart}");
@@ -295,7 +295,9 @@ fn a_hang_is_declared_with_every_ranks_stack() {
         line_of(&script, "done.wait()")
     );
     assert!(
-        out.contains("exit       : stopped after 3 s without a line of output (--hang-timeout)"),
+        out.contains(
+            "exit       : stopped after 3 s without a line of output or CPU time (--hang-timeout)"
+        ),
         "{out}"
     );
     assert!(
@@ -334,7 +336,7 @@ fn a_hang_on_two_hosts(backend: &str) {
     for block in blocks {
         let first = block.lines().next().unwrap();
         assert!(
-            first.contains(" hung: no line of output for 3 s; rank "),
+            first.contains(" hung: no line of output or CPU time for 3 s; rank "),
             "{block}"
         );
         assert!(
@@ -413,11 +415,12 @@ fn a_hung_program_that_is_not_python_is_described_by_its_threads() {
             .args(["--hang-timeout", "2", "--grace-period", "1"])
             .args(["--rdzv-id", "native", "--log-dir"])
             .arg(dir.path())
-            // A first line: silence counts as a hang from there (before it, it is a start).
             .args(["--", "sh", "-c", "echo started && exec sleep 60"]),
     );
     assert!(
-        out.contains("trainctl run: rank 0 hung: no line of output for 2 s; rank 0 at kernel: "),
+        out.contains(
+            "trainctl run: rank 0 hung: no line of output or CPU time for 2 s; rank 0 at kernel: "
+        ),
         "{out}"
     );
     assert!(
@@ -464,17 +467,46 @@ fn without_a_log_folder_the_stacks_are_kept_in_the_temporary_folder() {
     std::fs::remove_file(path).unwrap();
 }
 
-/// Issue 60, item 8: starting is not hanging. Workers silent for 5 s before their first line
-/// (a program importing torch on a loaded machine) are not declared hung by `--hang-timeout
-/// 2`: the clock counts from their first line, the start having its own, longer bound.
+/// Starting is not hanging, whatever it prints: workers silent for 5 s before their first line
+/// while they use the CPU (a program importing torch, loading a model) are not declared hung
+/// by `--hang-timeout 2`. (Issue 68: progress is a line or CPU time, not the first line.)
 #[test]
 fn a_slow_start_is_not_a_hang() {
+    let busy = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 5: pass\nprint('up', flush=True)\ntime.sleep(1)\nprint('done')";
     let out = run_ok(
         trainctl()
             .args(["run", "--standalone", "--nproc-per-node", "1"])
             .args(["--hang-timeout", "2", "--grace-period", "1", "--"])
-            .args(["sh", "-c", "sleep 5; echo up; sleep 1; echo done"]),
+            .args(["python3", "-c", busy]),
     );
     let all = text(&out.stdout) + &text(&out.stderr);
     assert!(all.contains("done") && !all.contains("hung"), "{all}");
+}
+
+/// A hang before the first line is a hang: the workers of `fixtures/hangs.py --silent` print
+/// nothing (as a DDP program that prints only at its first epoch's end), rank 1 asleep and
+/// rank 0 waiting for it; `--hang-timeout 3` names it with rank 1's stuck frame, well before
+/// the 300 s a start used to be allowed.
+#[test]
+fn a_silent_hang_before_the_first_line_is_named() {
+    let script = hang_fixture();
+    let started = std::time::Instant::now();
+    let out = run_failing(
+        trainctl()
+            .args(["run", "--standalone", "--nproc-per-node", "2"])
+            .args(["--hang-timeout", "3", "--grace-period", "1", "--"])
+            .arg("python3")
+            .arg(&script)
+            .arg("--silent"),
+    );
+    assert!(started.elapsed() < Duration::from_secs(60), "{out}");
+    let sleep = format!(
+        "hangs.py:{} in main: time.sleep(3600)",
+        line_of(&script, "time.sleep(3600)")
+    );
+    assert!(
+        out.contains("ranks 0, 1 hung: no line of output or CPU time for 3 s; rank 1 at ")
+            && out.contains(&sleep),
+        "{out}"
+    );
 }

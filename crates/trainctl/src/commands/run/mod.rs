@@ -115,12 +115,12 @@ pub(crate) struct Args {
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
     pub(crate) log_dir: Option<PathBuf>,
-    /// A node whose workers write no line of output for this many seconds is hung: trainctl
-    /// takes every worker's stack (Python stacks with py-spy's reader, else where each thread
-    /// waits), names where each rank is, writes the stacks to the log folder, and stops the
-    /// workers (a failure: restarted as --max-restarts says). Counted from the workers' first
-    /// line: before it they are starting (imports on a loaded machine), bounded by the larger
-    /// of this and 300 s. Off by default.
+    /// A node whose workers show no progress for this many seconds, neither a line of output
+    /// nor CPU time, is hung: trainctl takes every worker's stack (Python stacks with py-spy's
+    /// reader, else where each thread waits), names where each rank is, writes the stacks to
+    /// the log folder, and stops the workers (a failure: restarted as --max-restarts says). A
+    /// silent start (imports, a model loading) uses the CPU and is not a hang; a wait in a
+    /// collective or a sleep is one, however early. Off by default.
     #[arg(long, env = "TRAINCTL_HANG_TIMEOUT", value_name = "SECONDS")]
     pub(crate) hang_timeout: Option<f64>,
     /// Serve torch.distributed.elastic.timer's file-based timers, as torchrun does when
