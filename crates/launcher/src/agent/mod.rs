@@ -114,7 +114,7 @@ enum Leaving {
 
 /// This node's workers, left running between rounds to regroup in place.
 struct Kept {
-    group: Group,
+    group: Box<Group>,
     /// Why they left their group, for the report of the regroup.
     reason: String,
 }
@@ -193,7 +193,7 @@ fn run_rounds(
         let group = match assigned {
             Some(k) => {
                 causes.handed(k.group.assignments(), k.reason);
-                k.group
+                *k.group
             }
             None => {
                 causes = Causes::default();
@@ -253,7 +253,7 @@ fn not_joined(
             events(LaunchEvent::LeftBehind {
                 succeeded: c.succeeded,
             });
-            leave_unsaved(k.group, spec.grace, spec.grace);
+            leave_unsaved(*k.group, spec.grace, spec.grace);
             return Ok(match ended? {
                 Joined::Closed(c) if !c.succeeded => {
                     Outcome::JobFailed(c.root_cause.unwrap_or_default())
@@ -298,7 +298,7 @@ fn go_while_joining(
     let why = match rdzv.withdraw(held, &reason) {
         Ok(rendezvous::Withdrawn::Went { nodes }) => {
             events(LaunchEvent::Withdrawing { reason, nodes });
-            let_workers_go(spec, rdzv, kept.group);
+            let_workers_go(spec, rdzv, *kept.group);
             return Outcome::Left { signal };
         }
         Ok(rendezvous::Withdrawn::Refused(why)) => why,
@@ -312,6 +312,9 @@ fn go_while_joining(
 }
 
 /// What carrying a decision out left: the round's end, or the workers still running in it.
+// It lives for one turn of the agent's loop, on the stack: boxing the group would allocate at
+// every turn (every monitor interval) to save a few hundred bytes.
+#[allow(clippy::large_enum_variant)]
 enum Acted {
     Ended(RoundEnd),
     Running(Group),
@@ -585,7 +588,7 @@ impl InRound<'_> {
             reason: why.clone(),
         });
         let kept = Kept {
-            group,
+            group: Box::new(group),
             reason: why.clone(),
         };
         if tell {
