@@ -23,6 +23,19 @@ if [ "${1:-}" = --delete ]; then
 fi
 for f in "${files[@]}"; do kubectl apply --server-side -f "$f"; done
 echo "$runtime" | kubectl apply --server-side -f -
-kubectl wait --for condition=established --timeout=60s \
-  crd/trainjobs.trainer.kubeflow.org crd/trainingruntimes.trainer.kubeflow.org \
-  crd/clustertrainingruntimes.trainer.kubeflow.org crd/mpijobs.kubeflow.org
+# Wait until each is served. (`kubectl wait --for condition=established` right after the apply
+# fails at once, "<nil> is of the type <nil>", while the API server has not yet written the
+# CRD's conditions.)
+deadline=$((SECONDS + 60))
+for crd in trainjobs.trainer.kubeflow.org trainingruntimes.trainer.kubeflow.org \
+           clustertrainingruntimes.trainer.kubeflow.org mpijobs.kubeflow.org; do
+  query='{.status.conditions[?(@.type=="Established")].status}'
+  until [ "$(kubectl get crd "$crd" -o jsonpath="$query" 2>/dev/null)" = True ]; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "error: the CRD $crd was not established within 60 s: see kubectl describe crd $crd" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+done
+echo "the CRDs are established"

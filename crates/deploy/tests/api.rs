@@ -414,7 +414,7 @@ async fn a_pod_that_left_after_a_sigterm_is_not_a_failure() {
             .why
             .starts_with("node n4 is evicted as a straggler: node 3 (ranks 3)")
             && evicted.why.ends_with(
-                "(exit 143: not a failure; the Job replaces the pod without counting it)"
+                "(exit 143: not a failure, never counted; the Job replaces the pod unless `job scale` removed its index)"
             ),
         "{}",
         evicted.why
@@ -426,8 +426,8 @@ async fn a_pod_that_left_after_a_sigterm_is_not_a_failure() {
         .unwrap();
     assert_eq!(
         left.why,
-        "left the job (exit 143 after a SIGTERM: not a failure; the Job replaces the pod without \
-         counting it)"
+        "left the job (exit 143 after a SIGTERM: not a failure, never counted; the Job replaces \
+         the pod unless `job scale` removed its index)"
     );
     assert_eq!(left.last_words, None);
     let text = status.render();

@@ -209,6 +209,12 @@ pub enum LaunchEvent {
         reason: String,
         nodes: u32,
     },
+    /// This node was asked to go as it joined, before it had workers (`reason`): the round
+    /// forms without it, `nodes` others in it.
+    NeverJoined {
+        reason: String,
+        nodes: u32,
+    },
     /// As [`LaunchEvent::Withdrawing`], but the others cannot go on without this node's state
     /// (`why`): its workers stop, the one that was rank 0 saving a checkpoint.
     WithdrawRefused {

@@ -650,11 +650,12 @@ impl Rendezvous {
     }
 
     /// This node is asked to go (`reason`) while it joins the next round, its workers kept
-    /// from the last one, whose nodes were `held`: the round goes on without it when another
-    /// node that held the same state does ([`state::withdraw_step`]).
+    /// from the last one, whose nodes were `held` (None: it holds no training state): the
+    /// round goes on without it when another node that held the same state does
+    /// ([`state::withdraw_step`]).
     pub fn withdraw(
         &mut self,
-        held: &[String],
+        held: Option<&[String]>,
         reason: &str,
     ) -> Result<Withdrawn, RendezvousError> {
         let deadline = Instant::now() + self.cfg.close_timeout;

@@ -542,15 +542,16 @@ pub(crate) enum WithdrawStep {
 }
 
 /// Node `me` is asked to go for `reason` while it joins the next round, its workers still
-/// holding the state of the last round, whose nodes were `held`. It may go alone when at least
-/// `limits.min` live nodes go on and one of them held that round too (they hold the same
-/// state, or one step apart: a regroup takes the furthest). A round still gathering forgets
-/// this node; one that completed with it (its assignment not read yet) is reopened without it,
-/// as a node leaving a running round does.
+/// holding the state of the last round, whose nodes were `held` (None: it holds no training
+/// state, its workers never trained). It may go alone when at least `limits.min` live nodes go
+/// on and one of them held that round too (they hold the same state, or one step apart: a
+/// regroup takes the furthest). A round still gathering forgets this node; one that completed
+/// with it (its assignment not read yet) is reopened without it, as a node leaving a running
+/// round does.
 pub(crate) fn withdraw_step(
     state: Option<&State>,
     me: &str,
-    held: &[String],
+    held: Option<&[String]>,
     alive: &BTreeSet<String>,
     limits: Limits,
     reason: &str,
@@ -576,7 +577,9 @@ pub(crate) fn withdraw_step(
             limits.min.max(1)
         ));
     }
-    if !others.iter().any(|id| held.iter().any(|h| h == id)) {
+    if let Some(held) = held
+        && !others.iter().any(|id| held.iter().any(|h| h == id))
+    {
         return WithdrawStep::Refused(
             "no other node trained in the last round, so no other holds the training's state"
                 .into(),

@@ -63,7 +63,11 @@ impl Scaled {
                     .into(),
             );
         } else {
-            lines.push("no worker restarts: the built-in trainer regroups in place".into());
+            lines.push(
+                "no worker restarts: the built-in trainer regroups in place (workers still \
+                 starting, right after a launch, start again at the new size)"
+                    .into(),
+            );
         }
         if let Some(queue) = &self.queue
             && to > from

@@ -447,10 +447,11 @@ pub(super) fn node_problem(node: &Node) -> Option<String> {
 /// `trainctl run` was asked to stop (SIGTERM: a deleted or evicted pod, a deleted job) and left
 /// the job or checkpointed it. Not a failure: the Job's podFailurePolicy replaces the pod
 /// without counting it, so neither its exit nor its last lines are shown as one.
-const LEFT: &str = "left the job (exit 143 after a SIGTERM: not a failure; the Job replaces \
-                    the pod without counting it)";
+const LEFT: &str = "left the job (exit 143 after a SIGTERM: not a failure, never counted; the \
+                    Job replaces the pod unless `job scale` removed its index)";
 /// A node that left the job on its own (evicted as a straggler), after what it said.
-const LEFT_SHORT: &str = "exit 143: not a failure; the Job replaces the pod without counting it";
+const LEFT_SHORT: &str = "exit 143: not a failure, never counted; the Job replaces the pod \
+                          unless `job scale` removed its index";
 
 /// One pod of a job.
 #[derive(Debug, Clone)]

@@ -5,9 +5,12 @@
 //! Elastic: `job scale` patches completions and parallelism together (Kubernetes' elastic
 //! Indexed Job, 1.27+): the Job controller deletes the pods of the indexes removed (their
 //! agents leave gracefully) and creates the new ones (they join in place). The successPolicy
-//! ends the job, Succeeded, when one pod has (1.31+): a node's agent exits 0 only once every
-//! node's workers have finished (the rendezvous' exit barrier), so one success says training
-//! is over, and a pod still Pending then is removed instead of keeping the job running.
+//! ends the job, Succeeded, when pod 0 has (1.31+): a node's agent exits 0 only once every
+//! node's workers have finished (the rendezvous' exit barrier), so its success says training
+//! is over, and a pod still Pending then is removed instead of keeping the job running. Pod 0
+//! is the one that may stay last (the c10d store's host keeps the store up for a node lost
+//! near the end): the others have ended by then, so the policy removes none that still runs,
+//! and every pod's logs stay.
 
 use k8s_openapi::api::batch::v1::{Job, SuccessPolicy, SuccessPolicyRule};
 use kube::api::{ApiResource, DynamicObject};
@@ -54,12 +57,14 @@ impl Kind for Indexed {
             // drop both fields and keep backoffLimit, the whole job's limit.
             spec.backoff_limit_per_index = Some(j.max_restarts as i32);
             spec.max_failed_indexes = Some(0);
-            // Training is over when one pod has succeeded (its agent passed the exit barrier:
-            // every node's workers finished), whatever the job's size then.
+            // Training is over when pod 0 has succeeded (its agent passed the exit barrier:
+            // every node's workers finished), whatever the job's size then. Pod 0, not any
+            // pod: it may end last (lingering as the store's host), and a pod still running
+            // when the policy is met is removed, its logs with it.
             spec.success_policy = Some(SuccessPolicy {
                 rules: vec![SuccessPolicyRule {
-                    succeeded_count: Some(1),
-                    succeeded_indexes: None,
+                    succeeded_count: None,
+                    succeeded_indexes: Some("0".into()),
                 }],
             });
         }

@@ -64,8 +64,9 @@ pub(crate) struct Memory {
 pub(crate) enum Next {
     /// Nothing: look again after the monitor interval.
     Wait,
-    /// SIGTERM to a node whose workers regroup: ask the rendezvous to let this node go alone
-    /// (the others go on in place); when it refuses, [`Next::Stop`].
+    /// SIGTERM: ask the rendezvous to let this node go alone (the others go on: in place when
+    /// their workers regroup, else restarted at the new size, as torchrun's agents do); when it
+    /// refuses, [`Next::Stop`].
     Leave,
     /// Stop the workers (a worker at a step boundary checkpoints for all) and end, interrupted.
     Stop,
@@ -113,9 +114,10 @@ pub(crate) enum Next {
 pub(crate) fn next(seen: &Seen, memory: &Memory, store_down: bool) -> Next {
     match *seen {
         // SIGTERM is what a deleted or evicted pod gets first (`kubectl delete pod`, a drain,
-        // a spot interruption): it asks a node to go, not the job to stop.
+        // a spot interruption, `job scale` down): it asks a node to go, not the job to stop,
+        // whether or not its workers can regroup (still starting, or a plain program).
         Seen::Signal(signal) => {
-            if signal == SIGTERM && memory.can_regroup && !memory.closing {
+            if signal == SIGTERM && !memory.closing {
                 Next::Leave
             } else {
                 Next::Stop

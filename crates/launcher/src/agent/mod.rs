@@ -248,6 +248,15 @@ fn not_joined(
         (Ok(Joined::Stopped), Some(k)) => {
             return Ok(go_while_joining(spec, rdzv, k, held, signal, events));
         }
+        // Told to go as it joins, with no workers yet (a pod deleted as it starts): it holds
+        // nothing, and the round forms without it rather than wait for its heartbeat to lapse.
+        (Ok(Joined::Stopped), None) => {
+            let reason = format!("node {} leaves ({})", rdzv.node_id(), signal_name(signal));
+            if let Ok(rendezvous::Withdrawn::Went { nodes }) = rdzv.withdraw(None, &reason) {
+                events(LaunchEvent::NeverJoined { reason, nodes });
+            }
+            None
+        }
         // The job ended in a round without this node: its workers are behind (not to save).
         (Ok(Joined::Closed(c)), Some(k)) if !c.member => {
             events(LaunchEvent::LeftBehind {
@@ -295,7 +304,7 @@ fn go_while_joining(
 ) -> Outcome {
     let node = rdzv.node_id().to_string();
     let reason = format!("node {node} leaves ({})", signal_name(signal));
-    let why = match rdzv.withdraw(held, &reason) {
+    let why = match rdzv.withdraw(Some(held), &reason) {
         Ok(rendezvous::Withdrawn::Went { nodes }) => {
             events(LaunchEvent::Withdrawing { reason, nodes });
             let_workers_go(spec, rdzv, *kept.group);
@@ -797,7 +806,7 @@ impl InRound<'_> {
             // drain) reopened the round first: this one goes too, from the round that gathers,
             // when the others can go on without both.
             Ok(rendezvous::Leaving::Refused(why)) => {
-                match self.rdzv.withdraw(self.nodes, &reason) {
+                match self.rdzv.withdraw(Some(self.nodes), &reason) {
                     Ok(rendezvous::Withdrawn::Went { nodes }) => {
                         events(LaunchEvent::Withdrawing { reason, nodes });
                     }
@@ -823,11 +832,18 @@ impl InRound<'_> {
 /// This node leaves, the rendezvous already told: its workers leave after the step under way
 /// and exit (stopped if they do not), then its store, if it hosts it, stays until the others
 /// have formed their round. One budget for both waits: the pod's grace period bounds them
-/// together. Returns [`Group::wait_exited`]'s word on how the workers ended.
+/// together. Workers that cannot leave at a step (still starting, a program without
+/// `trainctl.torch`) are stopped as a stop signal stops them; the others restart theirs at the
+/// new size. Returns [`Group::wait_exited`]'s word on how the workers ended.
 fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, group: Group) -> Option<bool> {
     let wait = LEAVE_TIMEOUT.min(spec.regroup_timeout);
     let deadline = Instant::now() + wait;
-    let finished = leave_unsaved(group, wait, spec.grace);
+    let finished = if group.can_regroup() {
+        leave_unsaved(group, wait, spec.grace)
+    } else {
+        group.stop_interrupted(spec.grace);
+        None
+    };
     rdzv.hand_over(deadline.saturating_duration_since(Instant::now()));
     finished
 }

@@ -704,9 +704,14 @@ fn a_node_told_to_go_while_it_rejoins_leaves_when_a_node_that_trained_with_it_go
     let live = alive(&["a", "b"]);
     let one = Limits { min: 1, max: 3 };
     // b has not joined the gathering round yet (a has): it is only expected there.
-    let WithdrawStep::Write { next, nodes } =
-        withdraw_step(Some(&gathering), "b", &held, &live, one, "node b leaves")
-    else {
+    let WithdrawStep::Write { next, nodes } = withdraw_step(
+        Some(&gathering),
+        "b",
+        Some(&held),
+        &live,
+        one,
+        "node b leaves",
+    ) else {
         panic!("a trained in the last round and goes on: b may go");
     };
     assert_eq!(nodes, 1);
@@ -737,7 +742,7 @@ fn a_node_told_to_go_while_it_rejoins_leaves_when_a_node_that_trained_with_it_go
     let joined = joined.unwrap();
     if joined.phase == Phase::Joining {
         let WithdrawStep::Write { next, .. } =
-            withdraw_step(Some(&joined), "b", &held, &live, one, "node b leaves")
+            withdraw_step(Some(&joined), "b", Some(&held), &live, one, "node b leaves")
         else {
             panic!("b may go");
         };
@@ -745,7 +750,7 @@ fn a_node_told_to_go_while_it_rejoins_leaves_when_a_node_that_trained_with_it_go
     } else {
         // The round completed with b in it (its assignment not read): it reopens without b.
         let WithdrawStep::Write { next, .. } =
-            withdraw_step(Some(&joined), "b", &held, &live, one, "node b leaves")
+            withdraw_step(Some(&joined), "b", Some(&held), &live, one, "node b leaves")
         else {
             panic!("b may go");
         };
@@ -760,7 +765,7 @@ fn a_node_told_to_go_while_it_rejoins_stays_when_it_alone_holds_the_state_or_bel
     let live = alive(&["a", "b"]);
     // MIN 2: without b only a is left.
     assert!(matches!(
-        withdraw_step(Some(&gathering), "b", &held, &live, LIMITS, "b leaves"),
+        withdraw_step(Some(&gathering), "b", Some(&held), &live, LIMITS, "b leaves"),
         WithdrawStep::Refused(why) if why.contains("1 node(s)") && why.contains("minimum of 2")
     ));
     // The others are all new (d arrived; a and c, which trained with b, are gone): only b's
@@ -771,16 +776,22 @@ fn a_node_told_to_go_while_it_rejoins_stays_when_it_alone_holds_the_state_or_bel
     let live = alive(&["b", "d"]);
     let one = Limits { min: 1, max: 3 };
     assert!(matches!(
-        withdraw_step(Some(&state), "b", &held, &live, one, "b leaves"),
+        withdraw_step(Some(&state), "b", Some(&held), &live, one, "b leaves"),
         WithdrawStep::Refused(why) if why.contains("no other node trained")
+    ));
+    // A node whose workers never trained (it is told to go as it starts) holds nothing: it
+    // goes, and the round gathers without it.
+    assert!(matches!(
+        withdraw_step(Some(&state), "b", None, &live, one, "b leaves"),
+        WithdrawStep::Write { .. }
     ));
     let closed = close_step(Some(&gathering), true, None).unwrap();
     assert_eq!(
-        withdraw_step(Some(&closed), "b", &held, &live, one, "b leaves"),
+        withdraw_step(Some(&closed), "b", Some(&held), &live, one, "b leaves"),
         WithdrawStep::Refused("the job is over".into())
     );
     assert!(matches!(
-        withdraw_step(None, "b", &held, &live, one, "b leaves"),
+        withdraw_step(None, "b", Some(&held), &live, one, "b leaves"),
         WithdrawStep::Refused(_)
     ));
 }

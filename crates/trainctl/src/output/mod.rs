@@ -551,6 +551,9 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Withdrawing { reason, nodes } => err(format_args!(
             "trainctl run: {reason} while the job regroups: the next round forms without it ({nodes} other node(s), which hold the same state); this node's workers leave without saving"
         )),
+        LaunchEvent::NeverJoined { reason, nodes } => err(format_args!(
+            "trainctl run: {reason} before it joined: the round forms without it ({nodes} other node(s))"
+        )),
         LaunchEvent::WithdrawRefused { node, signal, why } => warn(&format!(
             "node {node} was asked to go (signal {signal}) while the job regroups but cannot leave alone: {why}; its workers stop, saving a checkpoint if one of them was rank 0"
         )),

@@ -1327,6 +1327,43 @@ fn c10d_pytorch_agent_told_to_go_as_it_starts_leaves_and_the_others_go_on() {
     agent_told_to_go(cluster, 3);
 }
 
+/// Told to go while its worker is still starting (it has not said it regroups in place: a
+/// slow import, 20 s here), as a pod removed by `job scale` right after launch: the node leaves
+/// all the same (the rendezvous goes on without it at once, no heartbeat to lapse), its worker
+/// is stopped, and the others start theirs again at world size 2 and finish. (It used to stop
+/// as a plain program's node did, leaving the others to find it gone.)
+#[test]
+fn c10d_pytorch_agent_told_to_go_while_its_workers_start_leaves() {
+    let Some(mut c) = Cluster::pytorch(Store::C10d, "c10d-py-leave-starting") else {
+        return;
+    };
+    if let Program::PyTorch { patterns, .. } = &mut c.program {
+        *patterns = Some(vec!["--slow-start", "20"]);
+    }
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    for &a in &agents {
+        c.agents[a].wait_for_line(JOB_TIMEOUT, |l| l.contains(" of 3, first rank "));
+    }
+    c.agents[agents[2]].wait_for_workers(1, JOB_TIMEOUT);
+    sigterm(&c.agents[agents[2]]);
+    let status = c.agents[agents[2]].wait(Duration::from_secs(60));
+    let left = c.agents[agents[2]].output();
+    assert_eq!(status.code(), Some(143), "{left}");
+    assert!(
+        left.contains("leaves (SIGTERM): the others go on at world size 2"),
+        "{left}"
+    );
+    let outputs: Vec<String> = agents[..2].iter().map(|&a| c.succeeds(a)).collect();
+    let all = outputs.join("\n");
+    assert!(
+        outputs.iter().all(|o| o.contains("leaves (SIGTERM)")),
+        "the others heard it leave:\n{all}"
+    );
+    assert!(!all.contains("no heartbeat"), "{all}");
+    c.verify_end(&outputs, 2);
+    c.verify_exactly_once();
+}
+
 #[test]
 fn c10d_pytorch_agent_lost_and_another_added_every_image_once() {
     agent_lost_and_another_added(Cluster::pytorch(Store::C10d, "c10d-py-lost-added"));

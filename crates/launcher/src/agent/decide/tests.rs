@@ -11,18 +11,22 @@ fn regrouping_workers() -> Memory {
 }
 
 #[test]
-fn sigterm_lets_a_node_whose_workers_regroup_leave_and_stops_the_rest() {
+fn sigterm_asks_a_node_to_leave_and_the_others_stop_the_job() {
     let m = regrouping_workers();
     assert_eq!(next(&Seen::Signal(SIGTERM), &m, false), Next::Leave);
-    // Ctrl-C and SIGHUP stop the job; so does SIGTERM to workers that cannot regroup (a user's
-    // program, --regroup restart) or once another node has finished the job.
-    assert_eq!(next(&Seen::Signal(2), &m, false), Next::Stop);
-    assert_eq!(next(&Seen::Signal(1), &m, false), Next::Stop);
+    // Workers that cannot regroup (still starting, a user's program, --regroup restart): the
+    // node leaves too, and the others restart at the new size instead of regrouping.
     let restarting = Memory {
         can_regroup: false,
         ..m
     };
-    assert_eq!(next(&Seen::Signal(SIGTERM), &restarting, false), Next::Stop);
+    assert_eq!(
+        next(&Seen::Signal(SIGTERM), &restarting, false),
+        Next::Leave
+    );
+    // Ctrl-C and SIGHUP stop the job; so does SIGTERM once another node has finished it.
+    assert_eq!(next(&Seen::Signal(2), &m, false), Next::Stop);
+    assert_eq!(next(&Seen::Signal(1), &m, false), Next::Stop);
     let closing = Memory { closing: true, ..m };
     assert_eq!(next(&Seen::Signal(SIGTERM), &closing, false), Next::Stop);
 }
