@@ -42,6 +42,9 @@ pub struct World {
     /// What the node's health check measured (matrix multiply MFLOP/s, loopback MB/s), when
     /// its agent ran one.
     pub node_health: Option<(u64, u64)>,
+    /// Started warm (`contract::env::WARM_START`): its node has no place in the job yet, so
+    /// `rank`, `world_size` and the master are placeholders until the agent hands the round.
+    pub warm: bool,
 }
 
 pub(crate) const DEFAULT_MASTER_PORT: u16 = contract::ports::MASTER;
@@ -81,6 +84,7 @@ impl World {
             telemetry_fd: None,
             control_fd: None,
             node_health: None,
+            warm: false,
         }
     }
 
@@ -93,7 +97,11 @@ impl World {
     /// Reads the contract through `lookup`, so tests need not touch the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, WorldError> {
         let single = World::single();
-        let Some(world_size) = lookup(vars::WORLD_SIZE) else {
+        let warm = lookup(vars::WARM_START).is_some_and(|v| v.trim() == "1");
+        // A warm worker has no round yet: its node's own size stands in until it has one.
+        let Some(world_size) = lookup(vars::WORLD_SIZE)
+            .or_else(|| warm.then(|| lookup(vars::LOCAL_WORLD_SIZE).unwrap_or("1".into())))
+        else {
             return Ok(single);
         };
         let world_size = parse_u32(vars::WORLD_SIZE, &world_size)?;
@@ -107,7 +115,7 @@ impl World {
         let num = |name: &'static str, default: u32| -> Result<u32, WorldError> {
             lookup(name).map_or(Ok(default), |v| parse_u32(name, &v))
         };
-        let rank = num(vars::RANK, 0)?;
+        let rank = num(vars::RANK, if warm { num(vars::LOCAL_RANK, 0)? } else { 0 })?;
         if rank >= world_size {
             return Err(WorldError::RankOutOfRange { rank, world_size });
         }
@@ -166,6 +174,7 @@ impl World {
                 let (g, l) = v.split_once(',')?;
                 Some((g.trim().parse().ok()?, l.trim().parse().ok()?))
             }),
+            warm,
         })
     }
 }

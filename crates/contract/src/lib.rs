@@ -78,6 +78,11 @@ pub mod env {
     /// trainctl's own: what the node's health check measured before it joined,
     /// `GEMM_MFLOPS,LOOPBACK_MBPS`, for the worker's start record.
     pub const NODE_HEALTH: &str = "TRAINCTL_NODE_HEALTH";
+    /// trainctl's own: set to 1 for a worker started before its node has a place in the job
+    /// (a warm start): it has no RANK, WORLD_SIZE, GROUP_RANK or MASTER_* yet, runs its start
+    /// (the built-in trainer: data and model; trainctl.torch: up to `Elastic(...)`), says it is
+    /// ready over the control channel and waits there for its round's environment.
+    pub const WARM_START: &str = "TRAINCTL_WARM_WORKER";
 }
 
 /// The rendezvous backends, named once: `trainctl run --rdzv-backend`, a project's

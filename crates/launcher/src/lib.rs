@@ -63,6 +63,10 @@ pub struct LaunchSpec {
     /// group without a restart when the group changes (`--regroup in-process`); otherwise
     /// every change restarts them (`--regroup restart`, torchrun's way).
     pub regroup: bool,
+    /// Elastic jobs: a node that joins a job under way whose workers regroup in place starts
+    /// its workers warm, before it asks for a place (`--warm-start auto`, the default; `off`:
+    /// they start once the node has one, as before).
+    pub warm_start: bool,
     /// How long a worker asked to regroup (pause, or join the next round's group) may take to
     /// answer before it counts as hung: it must finish its step, or wait for the joiners, up to
     /// its collective timeout.
@@ -94,6 +98,8 @@ pub struct Started {
     pub rank: u32,
     pub local_rank: u32,
     pub pid: u32,
+    /// Started warm: before its node has a place in the job (its rank is not known yet).
+    pub warm: bool,
 }
 
 /// What the launcher tells its caller while it runs.
@@ -140,6 +146,9 @@ pub enum LaunchEvent {
     /// its workers leave without saving, their state behind the job's.
     LeftBehind {
         succeeded: bool,
+        /// Its workers never trained: they started warm, and the job ended before the node
+        /// had a place (a spare, or a joiner too late).
+        warm: bool,
     },
     /// The job is over and this node hosts the store: it keeps the store up to `up_to` more
     /// for the nodes named, lost during the job without leaving, so that one only cut off
@@ -209,6 +218,15 @@ pub enum LaunchEvent {
         reason: String,
         nodes: u32,
     },
+    /// This node joins a job under way: its workers start warm, before it asks for a place.
+    Warming,
+    /// Its warm workers are ready, `seconds` after their start: it joins with them.
+    Warm {
+        seconds: f64,
+    },
+    /// A warm start did not work out (why): the node joins and starts its workers once it has
+    /// a place.
+    WarmStartFailed(String),
     /// This node was asked to go as it joined, before it had workers (`reason`): the round
     /// forms without it, `nodes` others in it.
     NeverJoined {
@@ -274,17 +292,29 @@ pub fn random_id(bytes: usize) -> String {
 }
 
 /// The environment of worker `local_rank`, with torchrun's names; `error_file` is where its
-/// `@record` writes the exception that ends it.
+/// `@record` writes the exception that ends it. A `warm` worker (started before its node has a
+/// place in the job) gets none of the round's names, and `TRAINCTL_WARM_START=1`.
 pub(crate) fn worker_env(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
     omp_is_set: bool,
     error_file: &std::path::Path,
+    warm: bool,
 ) -> Vec<(String, String)> {
     use contract::env as vars;
     let rank = spec.rank_offset + local_rank;
     let world_size = spec.world_size;
+    const ROUND: [&str; 8] = [
+        vars::RANK,
+        vars::WORLD_SIZE,
+        vars::GROUP_RANK,
+        vars::GROUP_WORLD_SIZE,
+        vars::ROLE_RANK,
+        vars::ROLE_WORLD_SIZE,
+        vars::MASTER_ADDR,
+        vars::MASTER_PORT,
+    ];
     let mut env: Vec<(String, String)> = [
         (vars::RANK, rank.to_string()),
         (vars::LOCAL_RANK, local_rank.to_string()),
@@ -306,8 +336,12 @@ pub(crate) fn worker_env(
         (vars::ERROR_FILE, error_file.display().to_string()),
     ]
     .into_iter()
+    .filter(|(k, _)| !(warm && ROUND.contains(k)))
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if warm {
+        env.push((vars::WARM_START.to_string(), "1".to_string()));
+    }
     if let Some(timers) = &spec.file_timer {
         env.push((vars::TIMER_FILE.to_string(), timers.display().to_string()));
     }
@@ -344,6 +378,7 @@ mod tests {
             hang_timeout: None,
             file_timer: None,
             regroup: false,
+            warm_start: false,
             regroup_timeout: Duration::from_secs(240),
             evict_stragglers: false,
             health_check: HealthCheck::Off,
@@ -353,7 +388,7 @@ mod tests {
     #[test]
     fn worker_environment_follows_torchrun() {
         let env: std::collections::HashMap<_, _> =
-            worker_env(&spec(), 1, 0, false, "/logs/1/error.json".as_ref())
+            worker_env(&spec(), 1, 0, false, "/logs/1/error.json".as_ref(), false)
                 .into_iter()
                 .collect();
         assert_eq!(env["RANK"], "3");
@@ -366,12 +401,33 @@ mod tests {
         assert_eq!(env["OMP_NUM_THREADS"], "1");
         assert_eq!(env["TORCHELASTIC_ERROR_FILE"], "/logs/1/error.json");
         let env: std::collections::HashMap<_, _> =
-            worker_env(&spec(), 0, 0, true, "/logs/0/error.json".as_ref())
+            worker_env(&spec(), 0, 0, true, "/logs/0/error.json".as_ref(), false)
                 .into_iter()
                 .collect();
         assert!(
             !env.contains_key("OMP_NUM_THREADS"),
             "a user's OMP_NUM_THREADS is kept"
         );
+    }
+
+    #[test]
+    fn a_warm_worker_has_no_place_in_a_round_yet() {
+        let env: std::collections::HashMap<_, _> =
+            worker_env(&spec(), 1, 0, false, "/logs/1/error.json".as_ref(), true)
+                .into_iter()
+                .collect();
+        for round in [
+            "RANK",
+            "WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            assert!(!env.contains_key(round), "{round}");
+        }
+        assert_eq!(env["TRAINCTL_WARM_WORKER"], "1");
+        assert_eq!(env["LOCAL_RANK"], "1");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["TORCHELASTIC_RUN_ID"], "job");
     }
 }

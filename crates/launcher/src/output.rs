@@ -54,8 +54,11 @@ impl Activity {
 }
 
 /// The rank a worker's lines are prefixed with: the worker's current one, which changes when
-/// it regroups in place.
+/// it regroups in place; [`WARM`] and its local rank while it has none (`[warm 0]:`).
 pub(crate) type Prefix = Arc<std::sync::atomic::AtomicU32>;
+
+/// A [`Prefix`] bit: the worker started warm and has no rank yet.
+pub(crate) const WARM: u32 = 1 << 31;
 
 /// Copies `from` to `sink` line by line with `[RANK]:` (`prefix`'s rank as each line comes), keeping the last lines in `tail` and
 /// noting each line in `activity`.
@@ -91,7 +94,11 @@ pub fn pump(
                 {
                     let mut out = sink.lock().unwrap_or_else(|p| p.into_inner());
                     let rank = prefix.load(std::sync::atomic::Ordering::Relaxed);
-                    let _ = write!(out, "[{rank}]:");
+                    let _ = if rank & WARM != 0 {
+                        write!(out, "[warm {}]:", rank & !WARM)
+                    } else {
+                        write!(out, "[{rank}]:")
+                    };
                     let _ = out.write_all(&line);
                     let _ = out.flush();
                 }

@@ -39,6 +39,12 @@ pub struct StillJoining {
     pub left: Duration,
     /// The store's last error, when it cannot be reached.
     pub store_error: Option<String>,
+    /// The job trains without this node, which waits for a place (no join timeout then): at
+    /// its next admission, or as a spare.
+    pub running_without: bool,
+    /// The job trains at its `--nnodes` MAX: this node is a spare, waiting to take the place of
+    /// a node that goes.
+    pub spare: bool,
 }
 
 /// How often a join that waits says so: every 30 s, or four times within a shorter join
@@ -336,12 +342,15 @@ impl Rendezvous {
         stop: &dyn Fn() -> bool,
         waiting: &mut dyn FnMut(StillJoining),
     ) -> Result<Joined, RendezvousError> {
-        let started = Instant::now();
+        let mut started = Instant::now();
         let every = still_joining_every(self.cfg.join_timeout);
         let mut next_report = started + every;
         let mut last_call: Option<(u64, Instant)> = None;
         let mut last_error: Option<RendezvousError> = None;
         let mut seen: Option<State> = None;
+        // Whether the job was last seen training without this node (said at once when it
+        // starts to, then every `every`).
+        let mut was_running_without = false;
         loop {
             if stop() {
                 return Ok(Joined::Stopped);
@@ -369,6 +378,18 @@ impl Rendezvous {
                     last_error = Some(e);
                 }
             }
+            // A job that trains without this node (at MAX, or until its next admission) is
+            // not a round failing to form: the wait for a place does not time out.
+            let running_without_me = seen.as_ref().is_some_and(|s| {
+                s.phase == Phase::Running && !s.is_participant(&self.me.id) && last_error.is_none()
+            });
+            if running_without_me {
+                started = Instant::now();
+                if !was_running_without {
+                    next_report = started;
+                }
+            }
+            was_running_without = running_without_me;
             let waited = started.elapsed();
             if waited >= self.cfg.join_timeout {
                 if let Some(e) = last_error {
@@ -393,6 +414,11 @@ impl Rendezvous {
                     waited,
                     left: self.cfg.join_timeout.saturating_sub(waited),
                     store_error: last_error.as_ref().map(ToString::to_string),
+                    running_without: running_without_me,
+                    spare: running_without_me
+                        && seen
+                            .as_ref()
+                            .is_some_and(|s| s.participants.len() as u32 >= self.cfg.limits.max),
                 });
             }
             self.backend.wait_change(self.cfg.poll);
@@ -647,6 +673,30 @@ impl Rendezvous {
                 });
             }
         }
+    }
+
+    /// This node's workers said they regroup in place: the record says so, once, so that a
+    /// node that joins the job later starts its workers warm.
+    pub fn note_in_place(&mut self) -> Result<(), RendezvousError> {
+        let deadline = Instant::now() + self.cfg.close_timeout;
+        loop {
+            let (read, _) = self.read()?;
+            let Some(next) = state::in_place_step(read.state.as_ref()) else {
+                return Ok(());
+            };
+            if self.backend.write(read.token.as_deref(), &next)? || Instant::now() > deadline {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Whether this node, about to join, should start its workers warm first
+    /// ([`State::warm_start_pays`]); false when the record cannot be read.
+    pub fn warm_start_pays(&mut self) -> bool {
+        self.read()
+            .ok()
+            .and_then(|(read, _)| read.state)
+            .is_some_and(|s| s.warm_start_pays())
     }
 
     /// This node is asked to go (`reason`) while it joins the next round, its workers kept

@@ -91,6 +91,11 @@ pub struct State {
     /// as the job ends learns that it did. The last [`MAX_LAPSED`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lapsed: Vec<String>,
+    /// A node's workers said they regroup in place (the built-in trainer, a program using
+    /// trainctl.torch): a node joining the job under way starts its workers warm, before it
+    /// asks for a place ([`State::warm_start_pays`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub regroups_in_place: bool,
 }
 
 /// The most lapsed nodes a record keeps (every agent reads the record: it stays small).
@@ -113,6 +118,7 @@ impl Default for State {
             admissions: 0,
             finished: Vec::new(),
             lapsed: Vec::new(),
+            regroups_in_place: false,
         }
     }
 }
@@ -176,6 +182,15 @@ impl State {
     fn written(mut self) -> State {
         self.version = self.version.saturating_add(1);
         self
+    }
+
+    /// Whether a node joining now should start its workers warm: the job is under way (a
+    /// round has run, and it is not over) and its workers regroup in place, so they will take
+    /// the joiner's workers in place, which then need only their group and the state.
+    pub fn warm_start_pays(&self) -> bool {
+        self.regroups_in_place
+            && self.closed().is_none()
+            && (self.round > 0 || self.phase == Phase::Running)
     }
 
     pub(crate) fn is_participant(&self, id: &str) -> bool {
@@ -607,6 +622,22 @@ pub(crate) fn withdraw_step(
         next: next.written(),
         nodes,
     }
+}
+
+/// The job's workers regroup in place, as a node's said: the record says so for joiners
+/// (None: it does already, or the job is over).
+pub(crate) fn in_place_step(state: Option<&State>) -> Option<State> {
+    let state = state?;
+    if state.regroups_in_place || state.closed().is_some() {
+        return None;
+    }
+    Some(
+        State {
+            regroups_in_place: true,
+            ..state.clone()
+        }
+        .written(),
+    )
 }
 
 /// What follows a worker failure on this node.

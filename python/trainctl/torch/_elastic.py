@@ -197,9 +197,12 @@ class Elastic:
         self.config = dict(config or {})
         self.ddp_options = dict(ddp or {})
         # Under a launcher (torchrun, trainctl run); otherwise a group of one.
-        self.launched = "WORLD_SIZE" in os.environ
+        # Started warm (trainctl run, a node joining a job under way): no place in the job
+        # yet; the first group waits for the round the agent hands it.
+        self.warm = os.environ.get(_membership.WARM_WORKER) == "1"
+        self.launched = self.warm or "WORLD_SIZE" in os.environ
         self.rank = int(os.environ.get("RANK", "0")) if self.launched else 0
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if self.launched else 1
+        self.world_size = int(os.environ.get("WORLD_SIZE", "0" if self.warm else "1")) if self.launched else 1
         self.run_id = run_id or _run_id(self.launched)
         self.run_dir = os.path.join(out, self.run_id)
         self.checkpoint_path = checkpoint or os.path.join(self.run_dir, "checkpoint.pt")
@@ -282,7 +285,7 @@ class Elastic:
             except ctl.ControlError as e:
                 say(f"the agent's control channel cannot be used: {e}; a change of group restarts this worker")
                 self.control = None
-        self._synced = _membership.first_start(self)
+        self._synced = _membership.warm_start(self) if self.warm else _membership.first_start(self)
 
     # --- what the training loop uses ---------------------------------------------------------
 

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 EXIT_PREEMPTED = 143
 EXIT_PEER_LOST = 75
 
+# contract::env::WARM_START: a worker started before its node had a place in the job.
+WARM_WORKER = "TRAINCTL_WARM_WORKER"
+
 # What a worker waiting for its next round does when it does not join.
 _STOP = object()
 _LEAVE = object()
@@ -73,6 +76,19 @@ def first_start(job: Elastic) -> dict[str, Any]:
         return regroup(job, f"the first group's start: {why(e)}", saver=False, lost=True)
 
 
+def warm_start(job: Elastic) -> dict[str, Any]:
+    """The first group of a worker started warm: its start (the program up to ``Elastic``) ran
+    before its node had a place in the job, and said it is ready (the constructor did); it waits
+    here for the round the agent hands it, as a regrouping worker does, without leaving a group
+    first, and takes the state from a peer there. The others paused only for that."""
+    if job.control is None:
+        raise RuntimeError(
+            f"{WARM_WORKER} is set but the agent's control channel cannot be used: this worker "
+            "cannot be handed its place in the job"
+        )
+    return regroup(job, "its node joins, its workers warm", saver=False, lost=False, warm=True)
+
+
 def _sync(job: Elastic) -> dict[str, Any]:
     """Every rank's state made the same (see the module's doc); the ranks at the furthest
     step are checked to hold the same state before anything travels."""
@@ -90,7 +106,13 @@ def _sync(job: Elastic) -> dict[str, Any]:
         [h if held[r] == furthest else 0 for r, h in enumerate(hashes)],
         f"as the group of world size {job.world_size} started, at step {max(furthest - 1, 0)}",
     )
-    result = {"resumed": False, "received": False, "bytes": 0, "fresh": furthest > 0 and min(held) == 0}
+    result = {
+        "resumed": False,
+        "received": False,
+        "bytes": 0,
+        "fresh": furthest > 0 and min(held) == 0,
+        "came_in": False,
+    }
     if furthest > 0 and all(h == furthest for h in held):
         job.live = True
         _resized(job)
@@ -118,6 +140,7 @@ def _sync(job: Elastic) -> dict[str, Any]:
         resumed=resumed,
         received=from_peer and held[job.rank] != furthest,
         bytes=nbytes if from_peer else 0,
+        came_in=came_in,
     )
     return result
 
@@ -138,11 +161,14 @@ def teardown(job: Elastic) -> None:
     job.group.teardown(drop_wrapper)
 
 
-def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = "") -> dict[str, Any]:
+def regroup(
+    job: Elastic, reason: str, saver: bool, lost: bool, detail: str = "", warm: bool = False
+) -> dict[str, Any]:
     """Leaves the group and goes on in the next round's, with every rank's state the same.
     Joining can fail (another node lost meanwhile): the worker says so and waits for the
     round after. `reason` is in trainctl's words; `detail`, PyTorch's own text of the error,
-    goes to the records."""
+    goes to the records. `warm`: a warm worker's first group (it has none to leave, and tells
+    the agent nothing before its round)."""
     if job.control is None:
         raise RuntimeError(f"{reason}: the group cannot change without trainctl run's agent")
     left = time.monotonic()
@@ -153,7 +179,8 @@ def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = ""
     if lost:
         reason = f"peer lost: {reason}"
     while True:
-        nxt = _next_round(job, cause, lost)
+        nxt = _next_round(job, cause, lost, tell=not warm)
+        warm = False
         if nxt is _LEAVE:
             leave(job)
         if nxt is _STOP:
@@ -175,7 +202,7 @@ def regroup(job: Elastic, reason: str, saver: bool, lost: bool, detail: str = ""
             teardown(job)
             cause, lost = f"joining the new group: {why(e)}", True
     _report_regroup(job, reason, world_size_before, step_left, synced, time.monotonic() - left, detail)
-    if synced["fresh"]:
+    if synced["fresh"] and not synced["came_in"]:
         # A newcomer runs the loop from its top: the evaluations it cannot be part of are
         # skipped here too (see Flow).
         job._flow.newcomer_arrived(job.progress["position"] >= job.dataset_size)
@@ -225,16 +252,17 @@ def _report_regroup(
         pass
 
 
-def _next_round(job: Elastic, why: str, lost: bool) -> Any:
-    """Tells the agent why this worker left its group, then waits for the next round's
-    environment, a stop, or the word that this node goes. A closed channel: the agent
-    restarts this node's workers, so this one exits as a lost peer's would."""
+def _next_round(job: Elastic, why: str, lost: bool, tell: bool = True) -> Any:
+    """Tells the agent why this worker left its group (unless not `tell`: a warm worker has
+    none), then waits for the next round's environment, a stop, or the word that this node
+    goes. A closed channel: the agent restarts this node's workers, so this one exits as a
+    lost peer's would."""
     assert job.control is not None
     step = job.progress["global_step"]
     try:
-        if lost:
+        if tell and lost:
             job.control.send(ctl.lost(job._assignments, step, why))
-        else:
+        elif tell:
             job.control.send(ctl.paused(job._assignments, step))
         assigned, job._assigned = job._assigned, None
         wait = 0.0
@@ -265,7 +293,10 @@ def _next_round(job: Elastic, why: str, lost: bool) -> Any:
 
 
 def leave(job: Elastic) -> None:
-    say(f"rank {job.rank} leaves the job after step {job.progress['global_step']}: its node was asked to go")
+    if job._first_start:
+        say(f"local rank {os.environ.get('LOCAL_RANK', '0')} leaves: its node goes before it had a place in the job")
+    else:
+        say(f"rank {job.rank} leaves the job after step {job.progress['global_step']}: its node was asked to go")
     teardown(job)
     sys.exit(EXIT_PREEMPTED)
 

@@ -9,6 +9,7 @@
 
 mod causes;
 mod decide;
+mod warm;
 
 use std::time::{Duration, Instant};
 
@@ -17,10 +18,11 @@ use rendezvous::{Joined, Rendezvous, Restart, Watch};
 
 use crate::output::Sink;
 use crate::report::{Failure, Outcome};
-use crate::supervise::{Group, Launch, Status, with_timer};
+use crate::supervise::{Group, Launch, Start, Status, with_timer};
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 use causes::Causes;
 use decide::{Memory, Next, Round, Seen};
+use warm::Warmed;
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
 /// grace, max restarts); the rendezvous decides ranks, world size and the master address.
@@ -139,7 +141,27 @@ fn run_rounds(
         Gate::Passed(health) => health,
     };
     let launch = Launch::open(spec)?;
-    let mut kept: Option<Kept> = None;
+    // Joining a job under way, the workers start warm: the others then wait for the state's
+    // transfer alone, not for this node's start.
+    let mut kept: Option<Kept> =
+        match warm::warm_up(spec, rdzv, &launch, (&stdout, &stderr), events)? {
+            Warmed::Ready(group) => Some(Kept {
+                group,
+                reason: format!("node {} joins, its workers warm", rdzv.node_id()),
+            }),
+            Warmed::Cold(why) => {
+                if let Some(why) = why {
+                    events(LaunchEvent::WarmStartFailed(why));
+                }
+                None
+            }
+            Warmed::Stopped(signal) => {
+                return Ok(Outcome::Interrupted {
+                    signal,
+                    checkpointed: false,
+                });
+            }
+        };
     // The nodes of the round the kept workers left.
     let mut held: Vec<String> = Vec::new();
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
@@ -201,7 +223,11 @@ fn run_rounds(
                     &round_spec,
                     assignment.restart_count,
                     assignment.round,
-                    spec.regroup,
+                    if spec.regroup {
+                        Start::InPlace
+                    } else {
+                        Start::Plain
+                    },
                     launch.outputs(&stdout, &stderr),
                     events,
                 )?
@@ -261,6 +287,7 @@ fn not_joined(
         (Ok(Joined::Closed(c)), Some(k)) if !c.member => {
             events(LaunchEvent::LeftBehind {
                 succeeded: c.succeeded,
+                warm: held.is_empty(),
             });
             leave_unsaved(*k.group, spec.grace, spec.grace);
             return Ok(match ended? {
@@ -304,7 +331,9 @@ fn go_while_joining(
 ) -> Outcome {
     let node = rdzv.node_id().to_string();
     let reason = format!("node {node} leaves ({})", signal_name(signal));
-    let why = match rdzv.withdraw(Some(held), &reason) {
+    // Warm workers that never trained hold nothing.
+    let held = (!held.is_empty()).then_some(held);
+    let why = match rdzv.withdraw(held, &reason) {
         Ok(rendezvous::Withdrawn::Went { nodes }) => {
             events(LaunchEvent::Withdrawing { reason, nodes });
             let_workers_go(spec, rdzv, *kept.group);
@@ -465,6 +494,10 @@ impl InRound<'_> {
         if self.closing {
             return None;
         }
+        // The record says the job regroups in place (once): a node joining later starts warm.
+        if group.can_regroup() && !self.regroup_in_place {
+            let _ = self.rdzv.note_in_place();
+        }
         // Workers still starting (a program importing torch) would have to be restarted to
         // take a joiner now; held a while, they say they regroup and take it in place. Only
         // where that buys an in-place join: the program's workers have said they regroup
@@ -563,7 +596,10 @@ impl InRound<'_> {
                 RoundEnd::Over(Outcome::JobFailed(why))
             }
             Next::LeftBehind { succeeded } => {
-                events(LaunchEvent::LeftBehind { succeeded });
+                events(LaunchEvent::LeftBehind {
+                    succeeded,
+                    warm: false,
+                });
                 leave_unsaved(group, grace, grace);
                 RoundEnd::Over(if succeeded {
                     Outcome::Succeeded

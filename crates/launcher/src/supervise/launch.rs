@@ -85,7 +85,7 @@ pub fn launch(
             spec,
             restart_count,
             restart_count.into(),
-            false,
+            super::Start::Plain,
             launch.outputs(&stdout, &stderr),
             events,
         )?;

@@ -108,14 +108,26 @@ fn recorded(path: &Path) -> Option<Recorded> {
     Some(Recorded { at, error })
 }
 
+/// How a group's workers start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// With the round's environment, no control channel: restarted when the group changes.
+    Plain,
+    /// With the round's environment and a control channel over which each may offer to
+    /// regroup in place.
+    InPlace,
+    /// Before the node has a place in the job: a control channel, no round's environment
+    /// (`contract::env::WARM_START`); each says it is ready, then waits for an assignment.
+    Warm,
+}
+
 impl Group {
-    /// Starts every local worker of `spec`; `attempt` names the log folder. With `regroup`,
-    /// each gets a control channel over which it may offer to regroup in place.
+    /// Starts every local worker of `spec` as `how` says; `attempt` names the log folder.
     pub(crate) fn spawn(
         spec: &LaunchSpec,
         restart_count: u32,
         attempt: u64,
-        regroup: bool,
+        how: Start,
         outputs: Outputs,
         events: &mut dyn FnMut(LaunchEvent),
     ) -> Result<Group, LaunchError> {
@@ -158,12 +170,13 @@ impl Group {
                 .unwrap_or(Path::new(".")),
         };
         for local_rank in 0..spec.nproc_per_node {
-            match spawn(spec, local_rank, restart_count, regroup, files, outputs) {
+            match spawn(spec, local_rank, restart_count, how, files, outputs) {
                 Ok(w) => {
                     events(LaunchEvent::Started(Started {
                         rank: w.rank,
                         local_rank: w.local_rank,
                         pid: w.child.id(),
+                        warm: how == Start::Warm,
                     }));
                     group.workers.push(w);
                 }
@@ -297,7 +310,7 @@ impl Group {
         self.node_rank = spec.node_rank;
         let omp = collective::world::is_set("OMP_NUM_THREADS");
         for w in &mut self.workers {
-            let env = worker_env(spec, w.local_rank, restart_count, omp, &w.error_file);
+            let env = worker_env(spec, w.local_rank, restart_count, omp, &w.error_file, false);
             let told = w
                 .control
                 .as_mut()

@@ -16,7 +16,7 @@ use nix::unistd::Pid;
 
 use collective::control::Channel;
 
-use super::Outputs;
+use super::{Outputs, Start};
 use crate::output::{Prefix, Tail, pump};
 use crate::report::ExitKind;
 use crate::telemetry::TelemetryPipe;
@@ -113,21 +113,28 @@ pub(super) fn spawn(
     spec: &LaunchSpec,
     local_rank: u32,
     restart_count: u32,
-    regroup: bool,
+    how: Start,
     files: Files,
     outputs: Outputs,
 ) -> Result<Worker, LaunchError> {
-    let rank = spec.rank_offset + local_rank;
+    // A warm worker has no rank yet: its files go under its local rank, its lines say it is
+    // warm, until its assignment.
+    let warm = how == Start::Warm;
+    let rank = if warm {
+        local_rank
+    } else {
+        spec.rank_offset + local_rank
+    };
     // torchrun's name; a file left by an earlier launch into the same folder is not this one's.
     let error_file = rank_dir(files.errors, rank)?.join("error.json");
     let _ = std::fs::remove_file(&error_file);
-    let (mut cmd, program) = command(spec, local_rank, restart_count, &error_file);
+    let (mut cmd, program) = command(spec, local_rank, restart_count, &error_file, warm);
     let telemetry_fd = outputs.telemetry.and_then(TelemetryPipe::fd);
     if let Some(fd) = telemetry_fd {
         cmd.env(contract::env::TELEMETRY_FD, fd.to_string());
     }
     // The worker's end stays open in this process only until the worker has it.
-    let (control, worker_end) = control_channel(regroup, rank)?;
+    let (control, worker_end) = control_channel(how != Start::Plain, rank)?;
     let control_fd = worker_end.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
     if let Some(fd) = control_fd {
         cmd.env(contract::env::CONTROL_FD, fd.to_string());
@@ -144,7 +151,11 @@ pub(super) fn spawn(
     })?;
     drop(worker_end);
     let tail: Tail = Arc::new(Mutex::new(Default::default()));
-    let prefix: Prefix = Arc::new(std::sync::atomic::AtomicU32::new(rank));
+    let prefix: Prefix = Arc::new(std::sync::atomic::AtomicU32::new(if warm {
+        crate::output::WARM | local_rank
+    } else {
+        rank
+    }));
     let stderr_path = stderr_log.as_ref().map(|l| l.1.clone());
     let pumps = start_pumps(
         &mut child,
@@ -180,6 +191,7 @@ fn command(
     local_rank: u32,
     restart_count: u32,
     error_file: &Path,
+    warm: bool,
 ) -> (Command, std::ffi::OsString) {
     let program = spec.program.first().cloned().unwrap_or_default();
     let mut cmd = Command::new(&program);
@@ -190,6 +202,7 @@ fn command(
             restart_count,
             collective::world::is_set("OMP_NUM_THREADS"),
             error_file,
+            warm,
         ))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

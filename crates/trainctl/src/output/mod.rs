@@ -498,6 +498,14 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::EvictRefused { report, why } => {
             warn(&format!("this node is slow ({report}) but stays: {why}"))
         }
+        LaunchEvent::StillJoining(w) if w.spare => err(format_args!(
+            "trainctl run: a spare: the job trains at its --nnodes maximum ({} nodes) without this node, which waits, its workers warm, to take the place of a node that goes",
+            w.joined
+        )),
+        LaunchEvent::StillJoining(w) if w.running_without => err(format_args!(
+            "trainctl run: the job trains at round {} without this node yet: it is admitted at a later round (nodes arriving one by one are admitted in batches)",
+            w.round
+        )),
         LaunchEvent::StillJoining(w) => err(format_args!(
             "trainctl run: still joining round {} after {}: {}; giving up in {} (join_timeout in --rdzv-conf)",
             w.round,
@@ -528,8 +536,17 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Regrouping { reason } => err(format_args!(
             "trainctl run: {reason}; the workers keep running and regroup at the next round"
         )),
+        // A warm worker's first group: it had no world before.
+        LaunchEvent::Regrouped(r) if r.worker.world_size_before == 0 => err(format_args!(
+            "trainctl run: joined in place, its workers started warm: world size {}, from step {}, {} received, {:.2} s from the assignment. Cause: {}",
+            r.worker.world_size,
+            r.worker.step,
+            megabytes(r.worker.bytes),
+            r.worker.seconds,
+            r.reason,
+        )),
         LaunchEvent::Regrouped(r) => err(format_args!(
-            "trainctl run: regrouped in place: world size {} → {}, from step {}, {} steps dropped, {} streamed, {:.2} s; no worker restarted. Cause: {}",
+            "trainctl run: regrouped in place: world size {} → {}, from step {}, {} steps dropped, {} streamed, paused {:.2} s; no worker restarted. Cause: {}",
             r.worker.world_size_before,
             r.worker.world_size,
             r.worker.step,
@@ -551,6 +568,13 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Withdrawing { reason, nodes } => err(format_args!(
             "trainctl run: {reason} while the job regroups: the next round forms without it ({nodes} other node(s), which hold the same state); this node's workers leave without saving"
         )),
+        LaunchEvent::Warming => err(format_args!(
+            "trainctl run: the job is under way and regroups in place: this node starts its workers warm, and asks for a place once they are ready"
+        )),
+        LaunchEvent::Warm { seconds } => err(format_args!(
+            "trainctl run: its workers are ready after {seconds:.1} s (their start); asking for a place in the job"
+        )),
+        LaunchEvent::WarmStartFailed(why) => warn(&format!("the warm start did not work: {why}")),
         LaunchEvent::NeverJoined { reason, nodes } => err(format_args!(
             "trainctl run: {reason} before it joined: the round forms without it ({nodes} other node(s))"
         )),
@@ -563,7 +587,14 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::JobAlreadyOver => err(format_args!(
             "trainctl run: this run id's job has already finished; nothing to do"
         )),
-        LaunchEvent::LeftBehind { succeeded } => warn(&format!(
+        LaunchEvent::LeftBehind {
+            succeeded,
+            warm: true,
+        } => err(format_args!(
+            "trainctl run: the job {} before this node had a place in it; its warm workers leave",
+            if succeeded { "finished" } else { "failed" }
+        )),
+        LaunchEvent::LeftBehind { succeeded, .. } => warn(&format!(
             "the job {} in a round without this node (it was cut off or stopped meanwhile); this \
              node's workers leave without saving: their state is behind the job's",
             if succeeded { "finished" } else { "failed" }
@@ -611,6 +642,10 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         )),
         LaunchEvent::StoreBack => err(format_args!(
             "trainctl run: rendezvous store reachable again"
+        )),
+        LaunchEvent::Started(w) if w.warm => err(format_args!(
+            "trainctl run: started local rank {} warm (pid {}): no place in the job yet",
+            w.local_rank, w.pid
         )),
         LaunchEvent::Started(w) => err(format_args!(
             "trainctl run: started rank {} (pid {})",

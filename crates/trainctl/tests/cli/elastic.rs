@@ -16,6 +16,7 @@ use crate::support::*;
 mod chaos;
 mod patterns;
 mod stragglers;
+mod warm;
 
 const TRAIN_IMAGES: u64 = 320;
 const EPOCHS: u64 = 2;

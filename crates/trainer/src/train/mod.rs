@@ -51,6 +51,23 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     let mut world = world.clone();
     // When this worker's first group broke up: it waited for another.
     let mut rejoined: Option<(Instant, u32)> = None;
+    // Started warm (its node joins a job under way): its data read before its node has a
+    // place, then its first round waited for; the others pause only for its group's start.
+    let mut prepared = None;
+    if world.warm {
+        let Some(control) = control.as_mut() else {
+            return Err(TrainError::Config(
+                "started warm, but the agent's control channel cannot be used: this worker \
+                 cannot be handed its place in the job"
+                    .into(),
+            ));
+        };
+        prepared = Some(Setup::prepare(cfg, &world, None, report)?);
+        control.ready()?;
+        world = control.first_round(&world, &cfg.stop)?;
+        // Its report says it had no world before (a warm join, not a regroup).
+        rejoined = Some((Instant::now(), 0));
+    }
     let Started {
         mut group,
         setup,
@@ -60,7 +77,7 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         state,
         synced,
     } = loop {
-        match start(cfg, &world, control.as_mut(), report) {
+        match start(cfg, &world, prepared.clone(), control.as_mut(), report) {
             Ok(started) => break started,
             // The group broke up before it trained (a peer lost or silent): with an agent to
             // regroup, this worker waits for its next round instead of failing.
@@ -158,12 +175,13 @@ struct Started {
     synced: regroup::Synced,
 }
 
-/// Joins the group `world` describes, reads the data, and takes the group's state: rank 0's
-/// (fresh or resumed) or, when this worker joins a group that is training, that of the rank
-/// furthest on.
+/// Joins the group `world` describes, reads the data (unless a warm start `prepared` it), and
+/// takes the group's state: rank 0's (fresh or resumed) or, when this worker joins a group
+/// that is training, that of the rank furthest on.
 fn start(
     cfg: &TrainConfig,
     world: &World,
+    prepared: Option<Setup>,
     control: Option<&mut Control>,
     report: &mut dyn FnMut(Event),
 ) -> Result<Started> {
@@ -171,7 +189,14 @@ fn start(
     if let Some(control) = control {
         control.watch(&group);
     }
-    let setup = Setup::prepare(cfg, world, &mut group, report)?;
+    let setup = match prepared {
+        // The data barrier every start passes (the others' regroup passes it too).
+        Some(setup) => {
+            group.barrier()?;
+            setup
+        }
+        None => Setup::prepare(cfg, world, Some(&mut group), report)?,
+    };
     let device = training_device();
     device.seed(cfg.seed);
     let model = Model::new(cfg.model, setup.info.classes.len(), &device);
@@ -197,6 +222,7 @@ fn start(
 }
 
 /// The data a run trains (and evaluates) on, read and checked before the model is built.
+#[derive(Clone)]
 struct Setup {
     train: Arc<Samples>,
     /// Read at the start when evaluating, so that a missing validation set stops the run now.
@@ -207,10 +233,12 @@ struct Setup {
 }
 
 impl Setup {
+    /// The data, downloaded by local rank 0 if need be; then, with a `group`, its barrier
+    /// (a warm start passes it once it has a group: [`start`]).
     fn prepare(
         cfg: &TrainConfig,
         world: &World,
-        group: &mut ProcessGroup,
+        group: Option<&mut ProcessGroup>,
         report: &mut dyn FnMut(Event),
     ) -> Result<Setup> {
         // One download per node, by local rank 0; the node's other workers wait for it on the
@@ -228,7 +256,7 @@ impl Setup {
         } else {
             handoff.wait(&cfg.stop, &mut |p| report(Event::Data(p)))?
         };
-        let passed = group.barrier();
+        let passed = group.map_or(Ok(()), |g| g.barrier());
         drop(handoff);
         ensured?;
         passed?;

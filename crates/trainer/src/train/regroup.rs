@@ -62,8 +62,9 @@ pub(super) struct Control {
 }
 
 impl Control {
-    /// The channel `world` names, announced ready; `None` (the worker restarts as torchrun's
-    /// do) when there is none or it cannot be used, which is reported.
+    /// The channel `world` names, announced ready (a warm worker says so once its data is read:
+    /// [`Control::ready`]); `None` (the worker restarts as torchrun's do) when there is none or
+    /// it cannot be used, which is reported.
     pub(super) fn open(world: &World, report: &mut dyn FnMut(Event)) -> Option<Control> {
         let fd = world.control_fd?;
         let links = Arc::new(Mutex::new(None));
@@ -74,7 +75,9 @@ impl Control {
             })
             .map_err(ControlError::from)
             .and_then(|(mut channel, reader)| {
-                channel.send(&ToAgent::Ready)?;
+                if !world.warm {
+                    channel.send(&ToAgent::Ready)?;
+                }
                 let inbox = read_on_a_thread(reader, Arc::clone(&links))?;
                 Ok((channel, inbox))
             });
@@ -104,7 +107,7 @@ impl Control {
         reason: String,
         stop: &AtomicBool,
     ) -> Result<World> {
-        match self.next_round(&Leave::Lost(reason.clone()), 0, stop) {
+        match self.next_round(Some(&Leave::Lost(reason.clone())), 0, stop) {
             Ok(Next::Round(env)) => world_from(&env, world),
             Ok(Next::Stop) => Err(TrainError::Stopped(format!(
                 "while waiting to join a group ({reason}); this worker had trained nothing"
@@ -172,25 +175,58 @@ impl Control {
         self.leaving
     }
 
-    /// Tells the agent why the worker left its group (holding global step `step`), then waits
-    /// for the next round's environment, a stop, or the agent's word that this node goes; an
-    /// error when the agent closed the channel (it will start this node's workers again).
+    /// Tells the agent this warm worker is ready: its start is done, and it waits for a place.
+    pub(super) fn ready(&mut self) -> Result<()> {
+        self.channel.send(&ToAgent::Ready).map_err(|e| {
+            TrainError::Collective(CollectiveError::PeerLost(format!(
+                "a warm worker could not tell its agent it is ready ({e})"
+            )))
+        })
+    }
+
+    /// A worker started warm (its data read before its node had a place in the job) waits for
+    /// its first round and returns its environment; it tells the agent nothing first (it said
+    /// it is ready when the channel opened).
+    pub(super) fn first_round(&mut self, world: &World, stop: &AtomicBool) -> Result<World> {
+        match self.next_round(None, 0, stop) {
+            Ok(Next::Round(env)) => world_from(&env, world),
+            Ok(Next::Stop) => Err(TrainError::Stopped(
+                "while it waited, warm, for a place in the job; this worker had trained nothing"
+                    .into(),
+            )),
+            Ok(Next::Leave) => Err(TrainError::Stopped(
+                "while it waited, warm, for a place in the job: its node was asked to go; this \
+                 worker had trained nothing"
+                    .into(),
+            )),
+            Err(e) => Err(TrainError::Collective(CollectiveError::PeerLost(format!(
+                "a warm worker's agent did not hand it a place in the job ({e})"
+            )))),
+        }
+    }
+
+    /// Tells the agent why the worker left its group (holding global step `step`; none for a
+    /// warm worker, which had no group), then waits for the next round's environment, a stop,
+    /// or the agent's word that this node goes; an error when the agent closed the channel (it
+    /// will start this node's workers again).
     fn next_round(
         &mut self,
-        why: &Leave,
+        why: Option<&Leave>,
         step: u64,
         stop: &AtomicBool,
     ) -> Result<Next, ControlError> {
         *self.links.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let assignments = self.assignments;
-        self.channel.send(&match why {
-            Leave::Lost(reason) => ToAgent::Lost {
-                assignments,
-                step,
-                reason: reason.clone(),
-            },
-            Leave::Paused { .. } | Leave::Going => ToAgent::Paused { assignments, step },
-        })?;
+        if let Some(why) = why {
+            self.channel.send(&match why {
+                Leave::Lost(reason) => ToAgent::Lost {
+                    assignments,
+                    step,
+                    reason: reason.clone(),
+                },
+                Leave::Paused { .. } | Leave::Going => ToAgent::Paused { assignments, step },
+            })?;
+        }
         let mut assigned = self.assigned.take();
         loop {
             // Rounds that came and went while this worker was busy: only the latest can form.
@@ -277,7 +313,7 @@ fn world_from(env: &[(String, String)], old: &World) -> Result<World> {
     Ok(World {
         telemetry_fd: old.telemetry_fd,
         control_fd: old.control_fd,
-        node_health: old.node_health,
+        node_health: world.node_health.or(old.node_health),
         ..world
     })
 }
@@ -388,7 +424,7 @@ impl Run<'_> {
         };
         loop {
             let step = self.state.progress.global_step;
-            let env = match control.next_round(&why, step, &self.cfg.stop) {
+            let env = match control.next_round(Some(&why), step, &self.cfg.stop) {
                 Ok(Next::Round(env)) => env,
                 Ok(Next::Stop) => return Err(self.stop_while_regrouping(saver, report)),
                 Ok(Next::Leave) => return Err(self.left()),

@@ -34,6 +34,14 @@ pub(crate) enum HealthCheck {
     Off,
 }
 
+/// Whether a node joining a job under way starts its workers before it asks for a place
+/// (`--warm-start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum WarmStart {
+    Auto,
+    Off,
+}
+
 /// What an elastic job's workers do when the group changes (`--regroup`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Regroup {
@@ -98,6 +106,14 @@ pub(crate) struct Args {
     /// does. Other programs always restart.
     #[arg(long, env = "TRAINCTL_REGROUP", value_enum, default_value_t = Regroup::InProcess)]
     pub(crate) regroup: Regroup,
+    /// Elastic jobs: a node that joins a job under way whose workers regroup in place (the
+    /// built-in trainer, a program using trainctl.torch) starts its workers first, warm: they
+    /// run their start (imports, data, model) with no place in the job yet, and the node asks
+    /// for one once they are ready, so the others pause only for the state's transfer. `auto`
+    /// (the default) does so; `off` starts them once the node has a place. A node waiting
+    /// while the job is at --nnodes MAX is a spare, kept warm the same way.
+    #[arg(long, env = "TRAINCTL_WARM_START", value_enum, default_value_t = WarmStart::Auto)]
+    pub(crate) warm_start: WarmStart,
     /// A node whose ranks take longer than the others' for a window of steps is a straggler
     /// (the built-in trainer compares them at every step: `train --straggler-factor` and
     /// `--straggler-window`): `warn` (the default) says so when it starts and when it ends;
@@ -466,6 +482,7 @@ fn worker_spec(
         telemetry: None,
         file_timer,
         regroup: args.regroup == Regroup::InProcess,
+        warm_start: args.warm_start == WarmStart::Auto,
         evict_stragglers: args.stragglers == Stragglers::Evict,
         health_check: match args.health_check {
             HealthCheck::Refuse => launcher::HealthCheck::Refuse,
