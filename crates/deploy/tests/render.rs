@@ -692,6 +692,42 @@ fn a_queue_labels_the_training_job_for_kueue() {
     assert!(err.contains("job.queue") && err.contains("Team A"), "{err}");
 }
 
+/// `--spares N`: the Indexed Job keeps N pods beyond `--nnodes` MAX (their agents wait warm
+/// as spares, the pods' command line unchanged), and says how many for `job scale`; a launcher
+/// whose operator keeps its own count of replicas refuses spares, saying what to use.
+#[test]
+fn spares_are_pods_beyond_max_of_an_indexed_job() {
+    let docs = manifests::training_job(
+        &project(&[
+            ("storage.efs", "fs-1"),
+            ("job.nnodes", "2:3"),
+            ("job.spares", "1"),
+        ]),
+        manifests::Token::Value("TOKEN"),
+    );
+    let job = docs.last().unwrap();
+    assert_eq!(job["spec"]["completions"], 4, "{job}");
+    assert_eq!(job["spec"]["parallelism"], 4, "{job}");
+    assert_eq!(job["metadata"]["annotations"]["trainctl.dev/spares"], "1");
+    assert_eq!(job["metadata"]["annotations"]["trainctl.dev/nnodes"], "2:3");
+    let args = job["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+    assert!(
+        args.contains("\"2:3\""),
+        "the agents' bounds stay MIN:MAX: {args}"
+    );
+    let err = Project::from_settings(&[
+        ("storage.efs", "fs-1"),
+        ("job.launcher", "pytorchjob"),
+        ("job.spares", "1"),
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("job.spares") && err.contains("use --launcher indexed"),
+        "{err}"
+    );
+}
+
 #[test]
 fn pytorchjobs_validate_against_the_crd() {
     for (name, nnodes) in [("job_pytorchjob", "2"), ("job_pytorchjob_elastic", "1:3")] {

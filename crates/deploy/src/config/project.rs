@@ -144,6 +144,8 @@ pub struct Job {
     pub batch_size: u32,
     pub learning_rate: f64,
     pub max_restarts: u32,
+    /// Pods beyond `max_nodes` that wait warm as spares (`--launcher indexed`).
+    pub spares: u32,
     /// Seconds without output after which a pod's workers are hung (`trainctl run
     /// --hang-timeout`); `None`: never.
     pub hang_timeout: Option<u32>,
@@ -290,6 +292,17 @@ impl Project {
                 format!(
                     "is the rendezvous port ({}); pick another, or 0 for none",
                     job.rdzv_port
+                ),
+            ));
+        }
+        if job.spares > 0 && !job.launcher.keeps_spares() {
+            return Err(v.invalid(
+                "job.spares",
+                format!(
+                    "spares wait as pods of an Indexed Job beyond its --nnodes maximum; --launcher {} \
+                     has its operator keep the replicas it is given: use --launcher indexed, or \
+                     --spares 0",
+                    job.launcher
                 ),
             ));
         }

@@ -218,7 +218,7 @@ impl Kube {
     pub async fn read_training_round(&self, status: &mut JobStatus) {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
         let mut latest: Option<Round> = None;
-        for pod in &status.pods {
+        for pod in &mut status.pods {
             if pod.phase != "Running" || pod.leaving || pod.node_problem.is_some() {
                 continue;
             }
@@ -227,8 +227,15 @@ impl Kube {
                 tail_lines: Some(2000),
                 ..kube::api::LogParams::default()
             };
-            if let Ok(log) = pods.logs(&pod.name, &params).await
-                && let Some(round) = last_round(&log)
+            let Ok(log) = pods.logs(&pod.name, &params).await else {
+                continue;
+            };
+            if status::waits_as_a_spare(&log) {
+                pod.spare = true;
+                pod.why = status::SPARE.into();
+                continue;
+            }
+            if let Some(round) = last_round(&log)
                 && latest.is_none_or(|l| round.round > l.round)
             {
                 latest = Some(round);

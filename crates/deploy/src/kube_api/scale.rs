@@ -5,7 +5,7 @@ use kube::api::{Patch, PatchParams};
 
 use super::error::api_error;
 use super::{ApiError, Kube};
-use crate::manifests::{NNODES_ANNOTATION, QUEUE_LABEL, TRAINER_ANNOTATION};
+use crate::manifests::{NNODES_ANNOTATION, QUEUE_LABEL, SPARES_ANNOTATION, TRAINER_ANNOTATION};
 
 /// What `job scale` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,6 +19,10 @@ pub struct Scaled {
     pub program: bool,
     /// The Kueue queue the job was admitted through, if any.
     pub queue: Option<String>,
+    /// Pods it keeps beyond `--nnodes` MAX as spares (`job launch --spares`).
+    pub spares: u32,
+    /// Its `--nnodes` MAX.
+    pub max: u32,
 }
 
 impl Scaled {
@@ -68,6 +72,24 @@ impl Scaled {
                  starting, right after a launch, start again at the new size)"
                     .into(),
             );
+        }
+        if self.spares > 0 {
+            let pods = to + self.spares;
+            lines.push(if pods > self.max {
+                format!(
+                    "its {} spare(s) stay: {pods} pods, of which {} train and {} wait warm to \
+                     take a node's place",
+                    self.spares,
+                    self.max.min(pods),
+                    pods - self.max.min(pods)
+                )
+            } else {
+                format!(
+                    "its {} spare(s) stay, so it has {pods} pods, and all of them train: a spare \
+                     waits only while the job is at its maximum of {} nodes",
+                    self.spares, self.max
+                )
+            });
         }
         if let Some(queue) = &self.queue
             && to > from
@@ -165,7 +187,14 @@ impl Kube {
                 max,
             });
         }
-        let from = kind.size(&object).unwrap_or(max);
+        // Its size counts the spares' pods; what `job scale` asks for does not.
+        let spares: u32 = annotations
+            .get(SPARES_ANNOTATION)
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        let from = kind
+            .size(&object)
+            .map_or(max, |pods| pods.saturating_sub(spares));
         let scaled = Scaled {
             name: name.to_string(),
             launcher: kind.name(),
@@ -173,12 +202,14 @@ impl Kube {
             to: nodes,
             program: annotations.get(TRAINER_ANNOTATION).map(String::as_str) == Some("program"),
             queue: labels.get(QUEUE_LABEL).cloned(),
+            spares,
+            max,
         };
         if from == nodes {
             return Ok(scaled);
         }
         let patch = kind
-            .size_patch(nodes)
+            .size_patch(nodes + spares)
             .ok_or_else(|| cannot("its launcher names no patch for its size".into()))?;
         let resource = &kind.resources()[0];
         self.api(resource, true)
@@ -211,6 +242,8 @@ mod tests {
             to: 2,
             program: false,
             queue: Some("q".into()),
+            spares: 0,
+            max: 4,
         };
         let said = down.describe().join("\n");
         assert!(said.contains("4 → 2 nodes: pods 2 and 3 leave"), "{said}");
@@ -230,6 +263,27 @@ mod tests {
         assert!(said.contains("2 → 4 nodes: pods 2 and 3 start"), "{said}");
         assert!(said.contains("only if it uses trainctl.torch"), "{said}");
         assert!(said.contains("ElasticJobsViaWorkloadSlices"), "{said}");
+        let with_a_spare = Scaled {
+            from: 4,
+            to: 2,
+            spares: 1,
+            ..up
+        };
+        let said = with_a_spare.describe().join("\n");
+        assert!(
+            said.contains("its 1 spare(s) stay, so it has 3 pods, and all of them train"),
+            "{said}"
+        );
+        let at_max = Scaled {
+            from: 2,
+            to: 4,
+            ..with_a_spare
+        };
+        let said = at_max.describe().join("\n");
+        assert!(
+            said.contains("5 pods, of which 4 train and 1 wait warm"),
+            "{said}"
+        );
     }
 
     #[test]

@@ -73,6 +73,19 @@ pub struct Round {
     pub world_size: u32,
 }
 
+/// Whether `log` (a training pod's output) says its node waits as a spare: its agent's last
+/// word is `trainctl run: a spare: ...`, after any round it joined.
+pub(super) fn waits_as_a_spare(log: &str) -> bool {
+    log.lines()
+        .rev()
+        .find(|l| l.contains("trainctl run: a spare: ") || l.contains("trainctl run: round "))
+        .is_some_and(|l| l.contains("trainctl run: a spare: "))
+}
+
+/// What `job status` says of a spare.
+pub(crate) const SPARE: &str =
+    "spare: its workers started warm; it takes the place of a node that goes, at once";
+
 /// The last round `log` (a training pod's output) says its node joined: `trainctl run: round
 /// R: node rank N of M, first rank F, world size W, ...`.
 pub fn last_round(log: &str) -> Option<Round> {
@@ -216,9 +229,13 @@ impl JobStatus {
         }
         let count = |f: &dyn Fn(&PodStatus) -> bool| self.pods.iter().filter(|p| f(p)).count();
         let leaving = count(&|p| p.leaving);
-        let running = count(&|p| !p.leaving && p.phase == "Running");
+        let spares = count(&|p| p.spare && !p.leaving);
+        let running = count(&|p| !p.leaving && !p.spare && p.phase == "Running");
         let pending = count(&|p| !p.leaving && p.phase == "Pending");
         let mut parts = vec![format!("{running} running")];
+        if spares > 0 {
+            parts.push(format!("{spares} spare"));
+        }
         if pending > 0 {
             parts.push(format!("{pending} pending"));
         }
@@ -302,6 +319,8 @@ impl JobStatus {
                 p.index.map_or("-".into(), |i| i.to_string()),
                 if p.leaving {
                     "Leaving"
+                } else if p.spare {
+                    "Spare"
                 } else {
                     p.phase.as_str()
                 },
@@ -484,6 +503,9 @@ pub struct PodStatus {
     pub node_problem: Option<String>,
     /// Deleted, and stopping (scaled away, evicted, deleted by hand): its node leaves the job.
     pub leaving: bool,
+    /// Its agent waits as a spare (its last word), workers warm, while the job trains at its
+    /// `--nnodes` MAX without it.
+    pub spare: bool,
 }
 
 /// The pod's first container: the one trainctl runs in (init containers aside).
@@ -591,6 +613,7 @@ impl PodStatus {
             last_words: last_words.filter(|m: &String| !m.trim().is_empty()),
             node_problem: None,
             leaving,
+            spare: false,
         }
     }
 
@@ -609,6 +632,18 @@ impl PodStatus {
 #[cfg(test)]
 mod tests {
     use super::{Round, last_round};
+
+    #[test]
+    fn a_pod_whose_agent_last_said_it_is_a_spare_is_one() {
+        let spare = "trainctl run: its workers are ready after 9.1 s (their start); asking for a place in the job
+trainctl run: a spare: the job trains at its --nnodes maximum (3 nodes) without this node, which waits";
+        assert!(super::waits_as_a_spare(spare));
+        let took_a_place = format!(
+            "{spare}\ntrainctl run: round 4: node rank 2 of 3, first rank 2, world size 3, restart count 0, store at a:1"
+        );
+        assert!(!super::waits_as_a_spare(&took_a_place));
+        assert!(!super::waits_as_a_spare("[0]: loss: 2.1"));
+    }
 
     #[test]
     fn the_last_round_a_pod_joined_is_read_from_its_output() {

@@ -43,7 +43,8 @@ impl Kind for Indexed {
         let j = &project.job;
         let template = worker_template(project, crate::manifests::CONTAINER, Some(j.name.clone()));
         let service = headless_service(project, &j.name, "worker", j.rdzv_port);
-        let pods = j.max_nodes as i32;
+        // Spares beyond MAX: their agents wait, workers warm, for a node's place.
+        let pods = (j.max_nodes + j.spares) as i32;
         // A lost pod is replaced under the same index and rejoins; each node may fail
         // max_restarts times (failures the podFailurePolicy ignores do not count) before
         // Kubernetes gives up on the job.
@@ -114,6 +115,10 @@ impl Kind for Indexed {
     }
 
     fn ends_with_pods_pending(&self) -> bool {
+        true
+    }
+
+    fn keeps_spares(&self) -> bool {
         true
     }
 }

@@ -104,6 +104,12 @@ pub trait Kind: Sync {
     fn ends_with_pods_pending(&self) -> bool {
         false
     }
+
+    /// Whether its job can keep pods beyond `--nnodes` MAX as spares (`job.spares`): pods it
+    /// renders itself, which no operator reconciles to a count of its own.
+    fn keeps_spares(&self) -> bool {
+        false
+    }
 }
 
 /// An operator a launcher needs.

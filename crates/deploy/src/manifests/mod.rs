@@ -47,6 +47,8 @@ pub const QUEUE_LABEL: &str = "kueue.x-k8s.io/queue-name";
 /// On a training job's object: its node bounds `MIN:MAX` (`--nnodes`), which `job scale`
 /// keeps to.
 pub(crate) const NNODES_ANNOTATION: &str = "trainctl.dev/nnodes";
+/// The pods a training job keeps beyond its `--nnodes` MAX as spares (`job.spares`), when any.
+pub(crate) const SPARES_ANNOTATION: &str = "trainctl.dev/spares";
 /// On a training job's object: `program` when its pods run the user's program, `built-in`
 /// for trainctl's trainer (`job scale` says which regroups in place).
 pub(crate) const TRAINER_ANNOTATION: &str = "trainctl.dev/trainer";

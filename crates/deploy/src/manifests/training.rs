@@ -14,7 +14,7 @@ use super::pod::{PodOptions, pod_template};
 use super::services::{etcd, etcd_name};
 use super::{
     ETCD_PORT, FETCH_DIR, KUEUE_ELASTIC_ANNOTATION, Manifest, NNODES_ANNOTATION, QUEUE_LABEL,
-    TERMINATION_GRACE_SECONDS, TERMINATION_LOG, TRAINER_ANNOTATION, meta,
+    SPARES_ANNOTATION, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, TRAINER_ANNOTATION, meta,
 };
 
 /// The job token's place in its Secret, which every training pod reads
@@ -239,6 +239,9 @@ pub(crate) fn sizing_annotations(project: &Project, meta: &mut ObjectMeta) {
         "built-in"
     };
     annotations.insert(TRAINER_ANNOTATION.into(), trainer.into());
+    if j.spares > 0 {
+        annotations.insert(SPARES_ANNOTATION.into(), j.spares.to_string());
+    }
     if j.queue.is_some() && j.is_elastic() {
         annotations.insert(KUEUE_ELASTIC_ANNOTATION.into(), "true".into());
     }
