@@ -13,13 +13,16 @@ from trainctl.torch._guards import gate_scheduler, guard_optimizer, guard_scaler
 
 
 class FakeJob:
-    """What the guards ask of the job."""
+    """What the guards ask of the job: whether it steps now, whether an update may follow."""
 
     def __init__(self) -> None:
         self._stepping = False
         self.allow = True
 
-    def _after_update_may_run(self, what: str) -> bool:
+    def stepping(self) -> bool:
+        return self._stepping
+
+    def may_run(self, what: str) -> bool:
         return self.allow
 
 
@@ -33,7 +36,7 @@ class GuardsTest(unittest.TestCase):
     def test_the_loops_optimizer_step_is_refused_and_the_jobs_is_not(self) -> None:
         model, optimizer = parts()
         job = FakeJob()
-        handle = guard_optimizer(job, optimizer)
+        handle = guard_optimizer(job.stepping, optimizer)
         model(torch.ones(1, 2)).sum().backward()
         before = model.weight.detach().clone()
         with self.assertRaisesRegex(UsageError, "optimizer.step\\(\\) was called by the training loop"):
@@ -49,7 +52,7 @@ class GuardsTest(unittest.TestCase):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         plain = scheduler.state_dict()
         job = FakeJob()
-        gate_scheduler(job, scheduler)
+        gate_scheduler(job.may_run, scheduler)
         self.assertEqual(set(scheduler.state_dict()), set(plain))
         self.assertIsInstance(scheduler, torch.optim.lr_scheduler.StepLR)
         job.allow = False
@@ -65,7 +68,7 @@ class GuardsTest(unittest.TestCase):
         model, optimizer = parts()
         scaler = torch.amp.GradScaler("cpu")
         job = FakeJob()
-        guard_scaler(job, scaler)
+        guard_scaler(job.stepping, scaler)
         scaler.scale(model(torch.ones(1, 2)).sum()).backward()
         for call in (lambda: scaler.step(optimizer), scaler.update):
             with self.assertRaisesRegex(UsageError, "the GradScaler given to Elastic is stepped and updated by the job"):

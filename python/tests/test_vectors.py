@@ -50,6 +50,33 @@ class RegroupVectorsTest(unittest.TestCase):
             self.assertEqual(got, regroup.Waiting(c["out"]), c["case"])
 
 
+    def test_who_saves_on_a_stop_while_waiting(self) -> None:
+        for c in table("saver_while_waiting"):
+            i = c["in"]
+            got = regroup.saver_while_waiting(i["lost"], i["saver"], i["live"])
+            self.assertEqual(got, regroup.Save(c["out"]), c["case"])
+
+    def test_what_follows_a_failed_group_start(self) -> None:
+        for c in table("after_start_failure"):
+            i = c["in"]
+            got = regroup.after_start_failure(regroup.Failure(i["failure"]), i["agent"])
+            self.assertEqual(got, regroup.Do(c["out"]), c["case"])
+
+    def test_when_a_checkpoint_is_due(self) -> None:
+        for c in table("checkpoint_due"):
+            i = c["in"]
+            got = regroup.checkpoint_due(i["global_step"], i["every"], i["epoch_ends"])
+            self.assertIs(got, c["out"], c["case"])
+
+    def test_every_shared_table_is_checked(self) -> None:
+        tables = set(json.loads((VECTORS / "regroup.json").read_text())) - {"about"}
+        checked = {
+            "raised", "after_step", "after_failure", "waiting", "saver_while_waiting",
+            "after_start_failure", "checkpoint_due",
+        }
+        self.assertEqual(tables, checked)
+
+
 class SamplerVectorsTest(unittest.TestCase):
     """``vectors/sampler.json``: the Rust trainer's sampler checks the same cases."""
 

@@ -1,13 +1,17 @@
 """The worker's side of the elastic protocol, as pure decisions: what a rank raises at a step,
-what it does once every rank agreed the step, when a collective fails, and while it waits for
-the next round. The built-in trainer follows the same tables (``crates/collective/src/
-regroup.rs``); their cases are data, ``vectors/regroup.json`` at the repository's root, which
-both languages' tests check (``python/tests/test_vectors.py`` here).
+what it does once every rank agreed the step, when a collective fails, when a group's start
+fails, while it waits for the next round (and who saves if a stop comes then), and when a
+checkpoint is due. No other place decides these. The built-in trainer follows the same tables
+(``crates/collective/src/regroup.rs``); their cases are data, ``vectors/regroup.json`` at the
+repository's root, which both languages' tests check (``python/tests/test_vectors.py`` here,
+under a plain Python too: this module needs no torch).
 
 Invariants (shown case by case in the vectors): every rank ends a step in the same decision; a
 stop wins over a pause, a pause over a scheduled checkpoint; exactly one rank saves on a stop
-or a regroup (rank 0, or the lowest that stays when rank 0's node leaves); a worker waiting for
-a round leaves before it joins, and joins before it stops.
+at a step or after a pause (rank 0, or the lowest that stays when rank 0's node leaves), and
+after a lost peer (rank 0, maybe) every survivor writes if its step is newer than the file's;
+a state a stream cut off half-way is never saved; a worker waiting for a round leaves before it
+joins, and joins before it stops.
 """
 
 from __future__ import annotations
@@ -126,3 +130,44 @@ def waiting(leaving: bool, assigned: bool, stop: bool) -> Waiting:
     if stop:
         return Waiting.STOP
     return Waiting.WAIT
+
+
+class Save(str, Enum):
+    """Whether a worker saves the checkpoint when a stop comes while it waits for a round."""
+
+    YES = "yes"
+    NO = "no"
+    IF_NEWER = "if_newer"
+    """When the checkpoint holds an earlier step: several ranks may each hold the job's state
+    and none knows it is the lowest one left, so each writes, and the furthest wins."""
+
+
+def saver_while_waiting(lost: bool, saver: bool, live: bool) -> Save:
+    """A worker waits for the next round and a stop comes: ``lost`` after a lost peer or a
+    failed group start (else after a pause), ``saver`` whether the pause's agreement named it
+    (``after_step``), ``live`` whether its state is one it trained or took whole (not what a
+    stream cut off half-way left). After a lost peer the saver is unknown: the lost rank may
+    be rank 0, and no survivor knows whether it is the lowest one left, so every survivor
+    saves if its step is newer than the checkpoint's."""
+    if not live:
+        return Save.NO
+    if lost:
+        return Save.IF_NEWER
+    return Save.YES if saver else Save.NO
+
+
+def after_start_failure(failure: Failure, agent: bool) -> Do:
+    """A group's start failed (the first, a warm one, or a round's): the worker waits for the
+    next round (``REGROUP``) when the group failed (a peer lost or silent) and an agent
+    regroups it; otherwise (its own error, or no agent) it fails."""
+    if agent and failure in (Failure.PEER_LOST, Failure.TIMED_OUT):
+        return Do.REGROUP
+    return Do.FAIL
+
+
+def checkpoint_due(global_step: int, every: int, epoch_ends: bool) -> bool:
+    """Whether the step just applied (global step ``global_step``) checkpoints on schedule:
+    every ``every`` global steps (0: never), counted from the run's start so that a regroup or a
+    resume never moves the schedule; not at the epoch's last step, whose end checkpoints
+    anyway."""
+    return every > 0 and global_step % every == 0 and not epoch_ends

@@ -1,10 +1,13 @@
 //! The worker's side of the elastic protocol, as pure decisions: what a worker that can regroup
 //! in place raises at a step, what it does once every rank agreed the step, when a collective
-//! fails, and while it waits for the next round. Both workers that speak the protocol follow
-//! these tables: the built-in trainer (`trainer::train`) calls them, and the Python package
-//! (`python/trainctl/regroup.py`) carries the same functions. Their cases are data,
-//! `vectors/regroup.json` at the repository's root, which this crate's tests and the Python
-//! package's tests both check, so a change one side does not follow fails CI.
+//! fails, when a group's start fails, while it waits for the next round (and who saves if a
+//! stop comes then), and when a checkpoint is due. No other place decides these.
+//!
+//! Both workers that speak the protocol follow these tables: the built-in trainer
+//! (`trainer::train`) calls them, and the Python package (`python/trainctl/regroup.py`)
+//! carries the same functions. Their cases are data, `vectors/regroup.json` at the
+//! repository's root, which this crate's tests check for both languages (the Python side
+//! under a plain `python3`), so a change one side does not follow fails CI.
 //!
 //! The messages that feed the tables are the control channel's ([`crate::control`]): an
 //! assignment (the next round, [`ToWorker::Assign`](crate::control::ToWorker::Assign)) makes
@@ -16,8 +19,13 @@
 //! - every rank ends a step in the same decision (its inputs are the agreed flags, plus
 //!   whether its own node leaves, which only splits `Leave` from `Regroup`);
 //! - a stop wins over a pause, a pause over a scheduled checkpoint;
-//! - exactly one rank saves on a stop or a regroup: rank 0, or, when rank 0's node leaves,
-//!   the lowest rank that stays (one node leaves at a time, its ranks consecutive);
+//! - exactly one rank saves on a stop at a step, or after a pause: rank 0, or, when rank 0's
+//!   node leaves, the lowest rank that stays (its ranks consecutive); after a lost peer, which
+//!   may be rank 0, every survivor writes if its step is newer than the file's, so the
+//!   checkpoint ends holding the furthest state, written whole once per step;
+//! - a state a stream cut off half-way is never saved;
+//! - a checkpoint is due at every multiple of `--checkpoint-every` global steps, wherever the
+//!   run resumed or regrouped;
 //! - a worker waiting for a round leaves before it joins, and joins before it stops (a stop
 //!   that came with an assignment rides the new group's first step).
 
@@ -119,6 +127,34 @@ pub enum Failure {
     Other,
 }
 
+impl Failure {
+    /// How `e` involves the group, by its kind: a link closed, reset or refused (a peer gone,
+    /// or one of an overtaken round) is [`Failure::PeerLost`]; a wait past the group's timeout
+    /// (a collective, a connect, a handshake), [`Failure::TimedOut`]; anything else (a port
+    /// this worker cannot bind, a malformed frame, collectives out of step) is the worker's
+    /// own, [`Failure::Other`].
+    pub fn of(e: &crate::CollectiveError) -> Failure {
+        use crate::CollectiveError as E;
+        use crate::wire::WireError as W;
+        use std::io::ErrorKind as K;
+        let io = |e: &std::io::Error| match e.kind() {
+            K::TimedOut | K::WouldBlock => Failure::TimedOut,
+            K::ConnectionReset
+            | K::ConnectionAborted
+            | K::ConnectionRefused
+            | K::BrokenPipe
+            | K::UnexpectedEof => Failure::PeerLost,
+            _ => Failure::Other,
+        };
+        match e {
+            E::PeerLost(_) | E::Refused(_) | E::Wire(W::Truncated) => Failure::PeerLost,
+            E::Timeout { .. } | E::Connect { .. } => Failure::TimedOut,
+            E::Io(e) | E::Wire(W::Io(e)) => io(e),
+            E::Bind { .. } | E::Desync(_) | E::Wire(_) => Failure::Other,
+        }
+    }
+}
+
 /// What a worker does when a collective of its step fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "do", rename_all = "snake_case")]
@@ -166,6 +202,63 @@ pub fn waiting(leaving: bool, assigned: bool, stop: bool) -> Waiting {
     } else {
         Waiting::Wait
     }
+}
+
+/// Whether a worker saves the checkpoint when a stop (SIGTERM) comes while it waits for a
+/// round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Save {
+    Yes,
+    No,
+    /// Only when the checkpoint holds an earlier step: several ranks may each hold the job's
+    /// state and none knows it is the lowest one left, so each writes (under a lock), and the
+    /// furthest wins.
+    IfNewer,
+}
+
+/// A worker waits for the next round and a stop comes: `lost` after a lost peer or a failed
+/// group start (else after a pause), `saver` whether the pause's agreement named it
+/// ([`after_step`]), `live` whether its state is one it trained or took whole (not what a
+/// stream cut off half-way left). After a lost peer the saver is unknown: the lost rank may
+/// be rank 0, and no survivor knows whether it is the lowest one left, so every survivor
+/// saves if its step is newer than the checkpoint's.
+pub fn saver_while_waiting(lost: bool, saver: bool, live: bool) -> Save {
+    if !live {
+        Save::No
+    } else if lost {
+        Save::IfNewer
+    } else if saver {
+        Save::Yes
+    } else {
+        Save::No
+    }
+}
+
+/// What a worker does when a group's start fails (the first, a warm one, or a round's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AfterStartFailure {
+    /// The group failed (a peer lost or silent): wait for the next round.
+    Regroup,
+    /// Its own error, or no agent to hand it a round: the worker fails.
+    Fail,
+}
+
+/// A group's start failed (`failure`); `agent` is whether an agent regroups this worker.
+pub fn after_start_failure(failure: Failure, agent: bool) -> AfterStartFailure {
+    match failure {
+        Failure::PeerLost | Failure::TimedOut if agent => AfterStartFailure::Regroup,
+        _ => AfterStartFailure::Fail,
+    }
+}
+
+/// Whether the step just applied (global step `global_step`) checkpoints on schedule: every
+/// `every` global steps (0: never), counted from the run's start, so that a regroup or a
+/// resume never moves the schedule; not at the epoch's last step, whose end checkpoints
+/// anyway.
+pub fn checkpoint_due(global_step: u64, every: u64, epoch_ends: bool) -> bool {
+    every > 0 && global_step.is_multiple_of(every) && !epoch_ends
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 //! there.
 
 use collective::regroup::{
-    AfterFailure, AfterStep, Agreed, Failure, Raised, Waiting, after_failure, after_step, raised,
+    AfterFailure, AfterStartFailure, AfterStep, Agreed, Failure, Raised, Save, Waiting,
+    after_failure, after_start_failure, after_step, checkpoint_due, raised, saver_while_waiting,
     waiting,
 };
 use serde::Deserialize;
@@ -45,6 +46,26 @@ struct WaitingIn {
     leaving: bool,
     assigned: bool,
     stop: bool,
+}
+
+#[derive(Deserialize)]
+struct SaverIn {
+    lost: bool,
+    saver: bool,
+    live: bool,
+}
+
+#[derive(Deserialize)]
+struct StartFailureIn {
+    failure: Failure,
+    agent: bool,
+}
+
+#[derive(Deserialize)]
+struct CheckpointDueIn {
+    global_step: u64,
+    every: u64,
+    epoch_ends: bool,
 }
 
 fn vectors() -> serde_json::Value {
@@ -88,4 +109,87 @@ fn what_follows_a_failed_collective_follows_the_shared_cases() {
 #[test]
 fn what_a_waiting_worker_does_follows_the_shared_cases() {
     check_table::<WaitingIn, Waiting>("waiting", |i| waiting(i.leaving, i.assigned, i.stop));
+}
+
+#[test]
+fn who_saves_on_a_stop_while_waiting_follows_the_shared_cases() {
+    check_table::<SaverIn, Save>("saver_while_waiting", |i| {
+        saver_while_waiting(i.lost, i.saver, i.live)
+    });
+}
+
+#[test]
+fn what_follows_a_failed_group_start_follows_the_shared_cases() {
+    check_table::<StartFailureIn, AfterStartFailure>("after_start_failure", |i| {
+        after_start_failure(i.failure, i.agent)
+    });
+}
+
+#[test]
+fn when_a_checkpoint_is_due_follows_the_shared_cases() {
+    check_table::<CheckpointDueIn, bool>("checkpoint_due", |i| {
+        checkpoint_due(i.global_step, i.every, i.epoch_ends)
+    });
+}
+
+/// Every table of the file is checked by a test here (a table added on one side only, or
+/// renamed, fails).
+#[test]
+fn every_shared_table_is_checked() {
+    let mut tables: Vec<String> = vectors()
+        .as_object()
+        .expect("an object")
+        .keys()
+        .filter(|k| *k != "about")
+        .cloned()
+        .collect();
+    tables.sort();
+    assert_eq!(
+        tables,
+        [
+            "after_failure",
+            "after_start_failure",
+            "after_step",
+            "checkpoint_due",
+            "raised",
+            "saver_while_waiting",
+            "waiting"
+        ]
+    );
+}
+
+/// The Python half of these tables, and the package's other parts that need no torch (the
+/// sampler, the straggler watch, the loop's flow, the run's progress), under a plain
+/// `python3`, with torch made unimportable: they run in every suite run, with or without a
+/// Python that has torch, and none of them may come to need it.
+#[test]
+fn the_python_side_passes_under_a_plain_python_without_torch() {
+    let package = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    let shadow = std::env::temp_dir().join(format!("trainctl-no-torch-{}", std::process::id()));
+    std::fs::create_dir_all(shadow.join("torch")).unwrap();
+    std::fs::write(
+        shadow.join("torch/__init__.py"),
+        "raise ImportError('torch is blocked: this test runs the parts that must not need it')\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new("python3")
+        .current_dir(&package)
+        .env("PYTHONPATH", &shadow)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .args([
+            "-m",
+            "unittest",
+            "tests.test_vectors",
+            "tests.test_stragglers",
+            "tests.test_flow",
+            "tests.test_progress",
+        ])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("python3: {e} (the suite needs a python3 on PATH: install python3)")
+        });
+    let _ = std::fs::remove_dir_all(&shadow);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("OK"), "{said}");
 }

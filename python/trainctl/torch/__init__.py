@@ -10,11 +10,30 @@ Either one ends the worker with exit code 76, which ``trainctl run`` never retri
 
 from __future__ import annotations
 
-from ._elastic import Elastic, Step
+from typing import TYPE_CHECKING, Any
+
 from ._errors import DivergedError, UsageError, install_excepthook
+
+if TYPE_CHECKING:
+    from ._elastic import Elastic
+    from ._step import Step
 
 # A UsageError or DivergedError that ends the program ends it with the exit code no launcher
 # retries (see _errors).
 install_excepthook()
 
 __all__ = ["DivergedError", "Elastic", "Step", "UsageError"]
+
+
+def __getattr__(name: str) -> Any:
+    # The parts that need torch are imported when first named, so that the package's pure
+    # parts (the flow, the progress, the protocol's tables) import, and are tested, without it.
+    if name == "Elastic":
+        from ._elastic import Elastic
+
+        return Elastic
+    if name == "Step":
+        from ._step import Step
+
+        return Step
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,15 +19,12 @@ A hash rides the step's float32 all-reduce as two 16-bit halves in slots of the 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from ._errors import DivergedError
-
-if TYPE_CHECKING:
-    from ._elastic import Elastic
 
 SLOTS = 2
 """Float32 slots per rank in a step's agreement."""
@@ -59,16 +56,22 @@ def _plain(value: Any) -> Any:
     return "?"
 
 
-def counters(job: Elastic) -> dict[str, Any]:
+def counters(
+    step: int,
+    weights_fp: int,
+    kept_fps: dict[str, int],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+) -> dict[str, Any]:
     """What every rank must hold alike, by name, in a form to print: the step, the weights'
     fingerprint, each ``state=`` object's, the scheduler's steps and every hyperparameter of
     every parameter group."""
-    out: dict[str, Any] = {"step": job.progress["global_step"], "weights": f"{job._weights_fp:08x}"}
-    for name, fp in job._kept_fps.items():
+    out: dict[str, Any] = {"step": step, "weights": f"{weights_fp:08x}"}
+    for name, fp in kept_fps.items():
         out[name] = f"{fp:08x}"
-    if job.scheduler is not None:
-        out["scheduler steps"] = getattr(job.scheduler, "last_epoch", None)
-    groups = job.optimizer.param_groups
+    if scheduler is not None:
+        out["scheduler steps"] = getattr(scheduler, "last_epoch", None)
+    groups = optimizer.param_groups
     for i, g in enumerate(groups):
         for k, v in sorted(g.items()):
             if k != "params":
@@ -144,17 +147,18 @@ def describe(details: list[dict[str, Any]], where: str) -> str:
     return "\n".join(lines)
 
 
-def compare(job: Elastic, hashes: list[int], where: str) -> None:
+def compare(hashes: list[int], where: str, rank: int, counters: Callable[[], dict[str, Any]]) -> None:
     """Raises ``DivergedError`` when the non-zero ``hashes`` differ, after every rank of the
-    group has gathered every rank's details (all ranks see the same hashes, so all come here)."""
+    group has gathered every rank's ``counters()`` (read only then; all ranks see the same
+    hashes, so all come here); ``rank`` is this one's."""
     seen = {h for h in hashes if h}
     if len(seen) <= 1:
         return
-    mine = {"rank": job.rank, **counters(job)}
-    details: list[Any] = [None] * dist.get_world_size()
+    mine = {"rank": rank, **counters()}
+    everyone: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(details, mine)
+        dist.all_gather_object(everyone, mine)
     except Exception:  # noqa: BLE001 - the group broke meanwhile: say what this rank knows
-        details = [mine]
-    details = [d for d in details if d is not None and hashes[d["rank"]]]
+        everyone = [mine]
+    details = [d for d in everyone if d is not None and hashes[d["rank"]]]
     raise DivergedError(describe(details, where))

@@ -11,15 +11,14 @@ ahead, because it drops what it prefetched when the plan changes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..sampler import Shard
 from ._errors import UsageError
-
-if TYPE_CHECKING:
-    from ._elastic import Elastic
+from ._progress import Progress
 
 # DataLoader arguments the job decides: which samples each batch holds, and in what order.
 _PLANNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
@@ -65,6 +64,49 @@ def plan(
     return out
 
 
+class Plan:
+    """The epochs' order (``torch.randperm`` seeded by seed + epoch, as DistributedSampler's)
+    and the rest of an epoch's micro-batches for a rank, from where the run stands."""
+
+    def __init__(self, dataset_size: int, seed: int, batch_size: int, accumulate: int):
+        self.dataset_size = dataset_size
+        self.seed = seed
+        self.batch_size = batch_size
+        self.accumulate = accumulate
+        self._order: tuple[int, list[int]] | None = None
+
+    def order(self, epoch: int) -> list[int]:
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            self._order = (epoch, torch.randperm(self.dataset_size, generator=g).tolist())
+        return self._order[1]
+
+    def rest(self, progress: Progress, world_size: int, rank: int, generation: int) -> list[Micro]:
+        return plan(
+            self.order(progress.epoch),
+            progress.position,
+            world_size,
+            rank,
+            self.batch_size,
+            self.accumulate,
+            generation,
+        )
+
+    def steps_done(self, progress: Progress, world_size: int) -> int:
+        """Steps of the epoch trained so far, counted at ``world_size``."""
+        return -(-progress.position // (self.batch_size * self.accumulate * world_size))
+
+
+class Epoch(Protocol):
+    """The loop's epoch, as the batch iterators ask for it: the rest of it planned, and its
+    micro-batches one at a time, with a boundary after each (the façade's)."""
+
+    def planned(self) -> list[Micro]: ...
+
+    def iterate(self, on_plan: Callable[[list[Micro]], None] | None = None) -> Iterator[Micro]: ...
+
+
 class Batches:
     """``job.batches()``: this rank's sample indices of each micro-batch left in the epoch.
 
@@ -72,15 +114,14 @@ class Batches:
     processes; each iteration is the rest of the current epoch. Train each batch inside
     ``with job.step():`` before asking for the next."""
 
-    def __init__(self, job: Elastic):
-        self._job = job
+    def __init__(self, epoch: Epoch):
+        self._epoch = epoch
 
     def __len__(self) -> int:
-        return len(self._job._plan())
+        return len(self._epoch.planned())
 
     def __iter__(self) -> Iterator[list[int]]:
-        job = self._job
-        for micro in job._iterate():
+        for micro in self._epoch.iterate():
             yield micro.indices
 
 
@@ -104,7 +145,7 @@ class Loader:
     changes, what they prefetched for the old plan is dropped and the rest of the epoch is
     loaded as the new group shards it."""
 
-    def __init__(self, job: Elastic, dataset: Any, kwargs: dict[str, Any]):
+    def __init__(self, epoch: Epoch, dataset: Any, kwargs: dict[str, Any]):
         if isinstance(dataset, IterableDataset):
             raise UsageError(
                 f"job.loader() was given an IterableDataset ({type(dataset).__name__}): the job "
@@ -121,19 +162,18 @@ class Loader:
                 "(Elastic's batch_size, the epoch's order re-sharded over the group): drop "
                 f"{'it' if len(taken) == 1 else 'them'}"
             )
-        self._job = job
+        self._epoch = epoch
         self._segment = _Segment()
         self._loader = DataLoader(dataset, batch_sampler=self._segment, **kwargs)
         # A new plan since the DataLoader's iterator was made (see __iter__).
         self._fresh = True
 
     def __len__(self) -> int:
-        return len(self._job._plan())
+        return len(self._epoch.planned())
 
     def __iter__(self) -> Iterator[Any]:
-        job = self._job
         loaded: Iterator[Any] | None = None
-        for _micro in job._iterate(on_plan=self._start):
+        for _micro in self._epoch.iterate(on_plan=self._start):
             if self._fresh:
                 # A plan cut short (the group changed) is dropped with its iterator: its
                 # workers stop, or, persistent, start over on the new plan.

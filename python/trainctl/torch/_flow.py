@@ -14,6 +14,10 @@ class Flow:
     """See the module's doc."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """A new epoch: every rank at its start, alike."""
         # The last `with job.step()` applied no update (dropped, a micro-batch before its
         # step's last, or none yet on a rank that came in mid-loop): scheduler.step() waits.
         self.void = False

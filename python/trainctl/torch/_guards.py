@@ -14,28 +14,33 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 
 from ._errors import UsageError
 
-if TYPE_CHECKING:
-    from ._elastic import Elastic
+
+class Live(Protocol):
+    """The job training in this process, as the process-wide guards see it."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: Any
 
 
-# The job each guarded object belongs to (kept out of the objects' own ``__dict__``, which
-# an LR scheduler's ``state_dict`` returns whole).
-_JOBS: weakref.WeakKeyDictionary[Any, Elastic] = weakref.WeakKeyDictionary()
+
+# How the job each guarded scaler belongs to says it steps it (kept out of the scaler's own
+# ``__dict__``).
+_STEPPING: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
 # The job of this process while it trains (one at a time).
-_LIVE: list[weakref.ReferenceType[Elastic]] = []
+_LIVE: list[weakref.ReferenceType[Live]] = []
 
 
-def live_job() -> Elastic | None:
+def live_job() -> Live | None:
     return _LIVE[0]() if _LIVE else None
 
 
-def set_live(job: Elastic | None) -> None:
+def set_live(job: Live | None) -> None:
     _LIVE.clear()
     if job is not None:
         _LIVE.append(weakref.ref(job))
@@ -44,12 +49,13 @@ def set_live(job: Elastic | None) -> None:
 # --- the optimizer ------------------------------------------------------------------------
 
 
-def guard_optimizer(job: Elastic, optimizer: torch.optim.Optimizer) -> Any:
-    """Refuses every ``optimizer.step()`` but the job's (``scaler.step(optimizer)`` included),
-    before it changes anything. Returns the hook's handle."""
+def guard_optimizer(stepping: Callable[[], bool], optimizer: torch.optim.Optimizer) -> Any:
+    """Refuses every ``optimizer.step()`` but the job's (``stepping()`` says when the job steps
+    it; ``scaler.step(optimizer)`` included), before it changes anything. Returns the hook's
+    handle."""
 
     def pre_hook(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if not job._stepping:
+        if not stepping():
             raise UsageError(
                 "optimizer.step() was called by the training loop: with trainctl.torch the job "
                 "steps the optimizer at the end of each `with job.step():`, once every rank agreed "
@@ -206,15 +212,15 @@ def gate_method(obj: Any, name: str, may_run: Callable[[], bool]) -> None:
     _GATES[obj] = may_run
 
 
-def gate_scheduler(job: Elastic, scheduler: Any) -> None:
+def gate_scheduler(may_run: Callable[[str], bool], scheduler: Any) -> None:
     """``scheduler.step()`` steps it only when the job applied an update since its last step:
     after a dropped step (a peer lost) or a micro-batch of an accumulation, it does nothing.
     Wherever the loop steps it after ``with job.step()``, per step or per epoch, every rank's
     schedule then follows the updates the job applied, a joiner's too."""
-    gate_method(scheduler, "step", lambda: job._after_update_may_run("scheduler.step()"))
+    gate_method(scheduler, "step", lambda: may_run("scheduler.step()"))
 
 
-def guard_scaler(job: Elastic, scaler: Any) -> None:
+def guard_scaler(stepping: Callable[[], bool], scaler: Any) -> None:
     """The job steps the optimizer through ``scaler`` and updates it; the loop's own
     ``scaler.step()``/``scaler.update()`` are refused (scaling, ``unscale_`` for clipping and
     ``get_scale`` are the loop's)."""
@@ -224,8 +230,8 @@ def guard_scaler(job: Elastic, scaler: Any) -> None:
         own = getattr(base, name)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            owner = _JOBS.get(self)
-            if owner is not None and not owner._stepping:
+            job_steps = _STEPPING.get(self)
+            if job_steps is not None and not job_steps():
                 raise UsageError(
                     f"scaler.{name}() was called by the training loop: the GradScaler given to "
                     "Elastic is stepped and updated by the job at the end of each `with "
@@ -237,7 +243,7 @@ def guard_scaler(job: Elastic, scaler: Any) -> None:
         return method
 
     scaler.__class__ = _subclass(base, "scaler", {"step": refuse("step"), "update": refuse("update")})
-    _JOBS[scaler] = job
+    _STEPPING[scaler] = stepping
 
 
 def _grad_scaler_class() -> type[Any] | None:
@@ -269,3 +275,40 @@ def refuse_stray_scalers() -> None:
         return original(self, outputs)
 
     cls.scale = scale
+
+
+def refuse_at_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """What ``Elastic(...)`` refuses before anything starts."""
+    # Before the group check: the other job's group is the one initialized.
+    if live_job() is not None:
+        raise UsageError(
+            "a second Elastic was made in this process while the first one trains: one job per "
+            "process (give the first one everything, or call job.finish() on it first)"
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise UsageError(
+            "Elastic was given a DistributedDataParallel model: give it the model itself; "
+            "job.model is the model wrapped in DDP, wrapped again after each regroup"
+        )
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise UsageError(
+            "a process group is already initialized: Elastic starts (and restarts) the group "
+            "itself; remove your dist.init_process_group(...)"
+        )
+    refuse_foreign_parameters(model, optimizer)
+    refuse_stray_scheduler(optimizer, scheduler)
+
+
+def guard_all(stepping: Callable[[], bool], may_run: Callable[[str], bool], state: Any, job: Live) -> Any:
+    """Every guard around a job's objects (``state``: its ``TrainingState``), and ``job`` the
+    process's live one. Returns the optimizer hook's handle."""
+    hook = guard_optimizer(stepping, state.optimizer)
+    if state.scheduler is not None:
+        gate_scheduler(may_run, state.scheduler)
+    if state.scaler is not None:
+        guard_scaler(stepping, state.scaler)
+    state.kept.gate(may_run)
+    refuse_stray_scalers()
+    refuse_other_optimizers()
+    set_live(job)
+    return hook

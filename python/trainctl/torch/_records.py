@@ -5,23 +5,63 @@ lines."""
 from __future__ import annotations
 
 import os
+import re
 import time
-from typing import TYPE_CHECKING, Any
-
-import torch
+from dataclasses import dataclass
+from typing import Any
 
 from ..records import SCHEMA_VERSION, Metrics
-
-if TYPE_CHECKING:
-    from ._elastic import Elastic, Step
+from ._progress import Progress
 
 VERSION = "0.2.0"
 
+# A run id that torchrun makes anew at every launch (--standalone, or one node without an
+# endpoint): a relaunch would not find its checkpoint under it.
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def run_id(launched: bool) -> str:
+    """The launcher's run id, or ``local`` for a one-node run whose id torchrun makes anew at
+    every launch (a UUID) and for a run with no launcher, as ``trainctl run`` names it."""
+    given = os.environ.get("TORCHELASTIC_RUN_ID", "") if launched else ""
+    if not given or _UUID.match(given):
+        return "local"
+    return given
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What sizes a run's steps: samples per rank per micro-batch, micro-batches per step, the
+    data set's size."""
+
+    batch_size: int
+    accumulate: int
+    dataset_size: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """A step just applied, for its record."""
+
+    started: float
+    """When its first micro-batch began (monotonic)."""
+    data_s: float
+    """How long the loop took to bring that micro-batch."""
+    epoch_first_step: int
+    """The global step before the epoch's first step (the epoch's counter runs from it)."""
+    samples: int
+    """This rank's samples in the step."""
+    lr: float
+    loss: Any
+    correct: Any
+    slowdown: float | None
+
 
 class Records:
-    def __init__(self, run_dir: str, print_freq: int):
+    def __init__(self, run_dir: str, print_freq: int, shape: Shape):
         self.run_dir = run_dir
         self.print_freq = print_freq
+        self.shape = shape
         self._file: Metrics | None = None
         self._rank = -1
         # The steps since the last loss line: (loss, images), and when the first began.
@@ -41,99 +81,117 @@ class Records:
             self._file.close()
             self._file = None
 
-    def start(self, job: Elastic) -> None:
-        group = job.optimizer.param_groups[0]
+    def start(self, rank: int, world_size: int, step: int, resumed: bool, from_peer: bool, config: dict[str, Any]) -> None:
         self.write(
-            job.rank,
+            rank,
             "start",
             v=SCHEMA_VERSION,
-            rank=job.rank,
-            world_size=job.world_size,
+            rank=rank,
+            world_size=world_size,
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            step=job.progress["global_step"],
-            resumed=bool(job._synced["resumed"]),
-            from_peer=bool(job._synced["received"]),
-            config={
-                "run_id": job.run_id,
-                "epochs": job.epochs_total,
-                "batch_size": job.batch_size,
-                "learning_rate": float(group.get("lr", 0.0)),
-                "momentum": float(group.get("momentum", 0.0) or 0.0),
-                "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
-                "seed": job.seed,
-                "threads": torch.get_num_threads(),
-                "checkpoint_every": job.checkpoint_every,
-                "data": str(job.config.get("data", "")),
-                "backend": f"pytorch-{job.backend}",
-                "version": f"trainctl.torch {VERSION}, torch {torch.__version__}",
-                "model": str(job.config.get("model", type(job.module).__name__)),
-                "image_size": int(job.config.get("image_size", 0)),
-            },
+            step=step,
+            resumed=resumed,
+            from_peer=from_peer,
+            config=config,
         )
 
-    def step(self, job: Elastic, step: Step, slowdown: float | None) -> None:
-        """The step just applied: its record, and every ``print_freq`` steps rank 0's loss line."""
-        p = job.progress
-        assert job._epoch_mark is not None
+    def step(self, rank: int, world_size: int, progress: Progress, done: Done) -> None:
+        """The step just applied (``done``): its record, and every ``print_freq`` steps rank
+        0's loss line."""
+        p, shape = progress, self.shape
         now = time.monotonic()
-        seconds = now - step.started
-        iter_ = p["global_step"] - job._epoch_mark[2]
-        per_step = job.batch_size * job.accumulate * job.world_size
-        steps_in_epoch = iter_ + -(-max(job.dataset_size - p["position"], 0) // per_step)
-        loss = float(step.loss) if step.loss is not None else 0.0
-        batch = job._step_samples
-        images = batch * job.world_size
-        correct = float(step.correct) if step.correct is not None else 0.0
+        seconds = now - done.started
+        iter_ = p.global_step - done.epoch_first_step
+        per_step = shape.batch_size * shape.accumulate * world_size
+        steps_in_epoch = iter_ + -(-max(shape.dataset_size - p.position, 0) // per_step)
+        loss = float(done.loss) if done.loss is not None else 0.0
+        batch = done.samples
+        images = batch * world_size
+        correct = float(done.correct) if done.correct is not None else 0.0
         self.write(
-            job.rank,
+            rank,
             "step",
-            rank=job.rank,
-            world_size=job.world_size,
+            rank=rank,
+            world_size=world_size,
             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            epoch=p["epoch"] + 1,
-            step=p["global_step"],
+            epoch=p.epoch + 1,
+            step=p.global_step,
             iter=iter_,
             steps_in_epoch=steps_in_epoch,
             loss=loss,
             accuracy=correct / max(batch, 1),
-            lr=float(job.optimizer.param_groups[0].get("lr", 0.0)),
+            lr=done.lr,
             images=images,
             images_per_sec=images / max(seconds, 1e-9),
             step_s=seconds,
-            data_s=step.data_s,
+            data_s=done.data_s,
             compute_s=seconds,
             allreduce_s=0.0,
-            **({"slowdown": slowdown} if slowdown is not None else {}),
+            **({"slowdown": done.slowdown} if done.slowdown is not None else {}),
         )
         if not self._window:
-            self._window_started = step.started
+            self._window_started = done.started
         self._window.append((loss, images))
-        if job.rank == 0 and self.print_freq and iter_ % self.print_freq == 0:
+        if rank == 0 and self.print_freq and iter_ % self.print_freq == 0:
             mean = sum(x for x, _ in self._window) / len(self._window)
             elapsed = now - self._window_started
             print(
-                f"[{p['epoch'] + 1}, {iter_:5d}] loss: {mean:.3f}  ({iter_}/{steps_in_epoch} steps, "
+                f"[{p.epoch + 1}, {iter_:5d}] loss: {mean:.3f}  ({iter_}/{steps_in_epoch} steps, "
                 f"{sum(n for _, n in self._window) / max(elapsed, 1e-9):.1f} images/s)",
                 flush=True,
             )
             self._window = []
 
-    def epoch(self, job: Elastic, seconds: float) -> None:
+    def epoch(self, rank: int, progress: Progress, seconds: float, epochs_total: int) -> None:
         """The epoch's batches all trained: the digest proves each sample was trained once."""
-        p = job.progress
+        p = progress
         self.write(
-            job.rank,
+            rank,
             "epoch",
-            rank=job.rank,
-            epoch=p["epoch"] + 1,
-            step=p["global_step"],
+            rank=rank,
+            epoch=p.epoch + 1,
+            step=p.global_step,
             seconds=seconds,
-            samples_digest=f"{p['epoch_digest']:016x}",
+            samples_digest=f"{p.epoch_digest:016x}",
         )
-        if job.rank == 0:
-            total = f" of {job.epochs_total}" if job.epochs_total else ""
-            print(f"epoch {p['epoch']} done ({p['epoch'] + 1}{total}) in {seconds:.1f} s", flush=True)
+        if rank == 0:
+            total = f" of {epochs_total}" if epochs_total else ""
+            print(f"epoch {p.epoch} done ({p.epoch + 1}{total}) in {seconds:.1f} s", flush=True)
 
-    def checkpoint(self, job: Elastic) -> None:
-        p = job.progress
-        self.write(job.rank, "checkpoint", rank=job.rank, step=p["global_step"], epoch=p["epoch"], position=p["position"])
+    def checkpoint(self, rank: int, progress: Progress) -> None:
+        p = progress
+        self.write(rank, "checkpoint", rank=rank, step=p.global_step, epoch=p.epoch, position=p.position)
+
+
+def run_config(
+    run_id: str,
+    epochs: int,
+    shape: Shape,
+    optimizer: Any,
+    seed: int,
+    checkpoint_every: int | None,
+    backend: str,
+    model: Any,
+    given: dict[str, Any],
+) -> dict[str, Any]:
+    """The start record's `config`: the built-in trainer's fields, from the loop's objects and
+    what it gave as ``config=`` (its data, model name, image size)."""
+    import torch
+
+    group = optimizer.param_groups[0]
+    return {
+        "run_id": run_id,
+        "epochs": epochs,
+        "batch_size": shape.batch_size,
+        "learning_rate": float(group.get("lr", 0.0)),
+        "momentum": float(group.get("momentum", 0.0) or 0.0),
+        "weight_decay": float(group.get("weight_decay", 0.0) or 0.0),
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+        "checkpoint_every": checkpoint_every,
+        "data": str(given.get("data", "")),
+        "backend": f"pytorch-{backend}",
+        "version": f"trainctl.torch {VERSION}, torch {torch.__version__}",
+        "model": str(given.get("model", type(model).__name__)),
+        "image_size": int(given.get("image_size", 0)),
+    }

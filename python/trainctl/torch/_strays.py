@@ -49,6 +49,27 @@ class Strays:
         self.model = model
         self.copies: list[Copy] = []
         self.scans = 0
+        # The step of the first look, and whether the copies were checked since.
+        self._first_at = 0
+        self._checked = False
+
+    def at_boundary(self, step: int, known: Iterable[Any]) -> None:
+        """At a boundary of the loop, global step ``step``: the first look after the first
+        update, and the copies found refused if they changed two updates later."""
+        if not self.scans:
+            if step >= 1:
+                self.scan(known)
+                self._first_at = step
+        elif step >= self._first_at + 2 and not self._checked:
+            self._checked = True
+            self.refuse_changed()
+
+    def at_epoch_end(self, known: Iterable[Any]) -> None:
+        """At every epoch's end the copies are checked again, and after the first epoch the
+        process looked through once more (a copy made lazily)."""
+        self.refuse_changed()
+        if self.scans == 1:
+            self.scan(known)
 
     def scan(self, known: Iterable[Any]) -> None:
         """Looks for copies among the process's objects, leaving out the ``known`` ones (given

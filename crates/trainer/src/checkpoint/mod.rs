@@ -19,7 +19,10 @@ mod training;
 pub use atomic::write_atomic;
 pub use info::ModelInfo;
 pub use model_file::{ModelFile, read_model, save_model};
-pub use training::{Checkpoint, Progress, inspect_checkpoint, load_checkpoint, save_checkpoint};
+pub use training::{
+    Checkpoint, Progress, checkpoint_step, inspect_checkpoint, load_checkpoint, save_checkpoint,
+    save_checkpoint_if_newer,
+};
 
 pub(crate) use model_file::describe_model;
 pub(crate) use training::{envelope, parse_checkpoint};

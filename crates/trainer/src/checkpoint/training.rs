@@ -71,6 +71,57 @@ pub fn save_checkpoint(
     write_atomic(path, &envelope(&payload))
 }
 
+/// As [`save_checkpoint`], only when the file at `path` holds an earlier global step than
+/// `progress` (or none that can be read), decided and written under an exclusive lock on a file
+/// beside it (`PATH.lock`), so that of several ranks writing at once the furthest wins.
+/// Returns whether it wrote.
+pub fn save_checkpoint_if_newer(
+    path: &Path,
+    snapshot: &Snapshot,
+    momentum: &[f32],
+    progress: &Progress,
+    info: &ModelInfo,
+) -> Result<bool> {
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = std::path::PathBuf::from(lock_path);
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&lock_path)
+        .at(&lock_path)?;
+    lock.lock().at(&lock_path)?;
+    if checkpoint_step(path).is_some_and(|held| held >= progress.global_step) {
+        return Ok(false);
+    }
+    save_checkpoint(path, snapshot, momentum, progress, info)?;
+    Ok(true)
+}
+
+/// The global step the checkpoint at `path` holds, read from its header alone (not verified:
+/// only [`save_checkpoint_if_newer`] asks), or `None` when there is none that can be read.
+pub fn checkpoint_step(path: &Path) -> Option<u64> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut head = [0u8; HEADER + 8];
+    f.read_exact(&mut head).ok()?;
+    if &head[..16] != MAGIC {
+        return None;
+    }
+    let n = u64::from_le_bytes(head[HEADER..].try_into().ok()?);
+    // The safetensors header: JSON, its metadata holding the progress record.
+    let mut json = vec![0u8; usize::try_from(n).ok().filter(|&n| n <= 1 << 24)?];
+    f.read_exact(&mut json).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    let progress = header.get("__metadata__")?.get(PROGRESS_KEY)?.as_str()?;
+    serde_json::from_str::<Progress>(progress)
+        .ok()
+        .map(|p| p.global_step)
+}
+
 /// Reads and verifies a checkpoint. `Ok(None)` when there is none; an error, naming what is
 /// wrong, when the file is damaged or belongs to another model. `template` is the network
 /// being trained, or `None` to take the one the checkpoint describes.

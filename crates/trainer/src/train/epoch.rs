@@ -102,7 +102,6 @@ impl Run<'_> {
             .saturating_sub(mark.global_step) as usize;
         let mut loader = self.loader(&shard, epoch)?;
         let mut losses = LossWindow::new();
-        let mut last_checkpoint_step = self.state.progress.global_step;
         for step in 0..shard.steps() {
             let step_start = Instant::now();
             let batch = next_batch(&mut loader, &mut self.unreadable, report)?;
@@ -135,18 +134,15 @@ impl Run<'_> {
             if rank == 0 {
                 losses.add(&place, outcome.loss, cfg.print_freq, report);
             }
-            // The epoch's end checkpoints anyway.
-            let due = step + 1 < shard.steps()
-                && cfg
-                    .checkpoint_every
-                    .is_some_and(|n| n > 0 && place.global_step - last_checkpoint_step >= n);
+            let due = protocol::checkpoint_due(
+                place.global_step,
+                cfg.checkpoint_every.unwrap_or(0),
+                step + 1 == shard.steps(),
+            );
             let me_leaving = control.as_ref().is_some_and(|c| c.leaving());
             match protocol::after_step(outcome.agreed, me_leaving, due) {
                 AfterStep::Continue => {}
-                AfterStep::Checkpoint => {
-                    self.checkpoint(report)?;
-                    last_checkpoint_step = place.global_step;
-                }
+                AfterStep::Checkpoint => self.checkpoint(report)?,
                 AfterStep::Stop { saver } => {
                     if rank as u32 == saver {
                         self.checkpoint(report)?;
@@ -229,12 +225,7 @@ impl Run<'_> {
         agent: bool,
         report: &mut dyn FnMut(Event),
     ) -> Result<Option<Leave>> {
-        let failure = match e {
-            CollectiveError::PeerLost(_) => Failure::PeerLost,
-            CollectiveError::Timeout { .. } => Failure::TimedOut,
-            _ => Failure::Other,
-        };
-        match protocol::after_failure(failure, agent, self.rank as u32) {
+        match protocol::after_failure(Failure::of(&e), agent, self.rank as u32) {
             AfterFailure::Regroup => Ok(Some(Leave::Lost(e.to_string()))),
             AfterFailure::Fail { save } => {
                 if save {

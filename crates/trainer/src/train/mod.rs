@@ -23,6 +23,7 @@ mod tests;
 use std::sync::Arc;
 use std::time::Instant;
 
+use collective::regroup as protocol;
 use collective::{ProcessGroup, World};
 
 pub use config::{TrainConfig, check_sgd, check_stragglers};
@@ -81,7 +82,10 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
             Ok(started) => break started,
             // The group broke up before it trained (a peer lost or silent): with an agent to
             // regroup, this worker waits for its next round instead of failing.
-            Err(TrainError::Collective(e)) if control.is_some() => {
+            Err(TrainError::Collective(e))
+                if protocol::after_start_failure(protocol::Failure::of(&e), control.is_some())
+                    == protocol::AfterStartFailure::Regroup =>
+            {
                 if let Some(control) = control.as_mut() {
                     rejoined.get_or_insert((Instant::now(), world.world_size));
                     world = control.rejoin(&world, e.to_string(), &cfg.stop)?;

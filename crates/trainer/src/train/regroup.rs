@@ -417,16 +417,21 @@ impl Run<'_> {
         drop(group);
         // What the steps left in the model, for the state's checkpoint or broadcast.
         self.step.store(&mut self.state);
-        let (reason, mut saver) = match &why {
-            Leave::Lost(e) => (format!("peer lost: {e}"), self.rank == 0),
-            Leave::Paused { saver } => ("paused for a new round".to_string(), self.rank == *saver),
+        let (reason, lost, saver) = match &why {
+            Leave::Lost(e) => (format!("peer lost: {e}"), true, false),
+            Leave::Paused { saver } => (
+                "paused for a new round".to_string(),
+                false,
+                self.rank == *saver,
+            ),
             Leave::Going => return Err(self.left()),
         };
+        let mut save = protocol::saver_while_waiting(lost, saver, self.live);
         loop {
             let step = self.state.progress.global_step;
             let env = match control.next_round(Some(&why), step, &self.cfg.stop) {
                 Ok(Next::Round(env)) => env,
-                Ok(Next::Stop) => return Err(self.stop_while_regrouping(saver, report)),
+                Ok(Next::Stop) => return Err(self.stop_while_regrouping(save, report)),
                 Ok(Next::Leave) => return Err(self.left()),
                 Err(e) => {
                     return Err(TrainError::Collective(CollectiveError::PeerLost(format!(
@@ -435,7 +440,6 @@ impl Run<'_> {
                 }
             };
             let world = world_from(&env, &self.world)?;
-            saver = world.rank == 0;
             match self.join_new_group(&world, control, report) {
                 Ok((group, synced)) => {
                     let regrouped = Regrouped {
@@ -453,12 +457,16 @@ impl Run<'_> {
                     control.regrouped(regrouped);
                     return Ok(group);
                 }
-                Err(TrainError::Collective(e)) => {
+                Err(TrainError::Collective(e))
+                    if protocol::after_start_failure(protocol::Failure::of(&e), true)
+                        == protocol::AfterStartFailure::Regroup =>
+                {
                     report(Event::Warning(format!(
                         "rank {}: the new group failed ({e}); waiting for the next round",
                         world.rank
                     )));
                     why = Leave::Lost(format!("joining the new group: {e}"));
+                    save = protocol::saver_while_waiting(true, false, self.live);
                 }
                 Err(e) => return Err(e),
             }
@@ -518,13 +526,21 @@ impl Run<'_> {
     }
 
     /// A stop (SIGTERM) while waiting for the next round: the survivors hold the same state
-    /// (or one step apart), so the one last assigned rank 0 (`saver`) saves its own, as a stop
-    /// at a step boundary would.
-    fn stop_while_regrouping(&mut self, saver: bool, report: &mut dyn FnMut(Event)) -> TrainError {
-        if saver
-            && let Err(e) =
-                self.state
-                    .checkpoint(self.cfg, &self.template, 0, &mut self.recorder, report)
+    /// (or one step apart), so the rank the tables name saves its own, as a stop at a step
+    /// boundary would (`save`: [`protocol::saver_while_waiting`]).
+    fn stop_while_regrouping(
+        &mut self,
+        save: protocol::Save,
+        report: &mut dyn FnMut(Event),
+    ) -> TrainError {
+        if save != protocol::Save::No
+            && let Err(e) = self.state.save(
+                self.cfg,
+                &self.template,
+                save == protocol::Save::IfNewer,
+                &mut self.recorder,
+                report,
+            )
         {
             return e;
         }

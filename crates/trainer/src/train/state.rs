@@ -4,7 +4,9 @@
 use kernels::sgd::Sgd;
 
 use super::record::Recorder;
-use crate::checkpoint::{ModelInfo, Progress, load_checkpoint, save_checkpoint};
+use crate::checkpoint::{
+    ModelInfo, Progress, load_checkpoint, save_checkpoint, save_checkpoint_if_newer,
+};
 use crate::error::{Result, TrainError};
 use crate::model::{Net, Snapshot, StepGradients, sgd_step, snapshot};
 
@@ -274,13 +276,34 @@ impl TrainState {
         if rank != 0 {
             return Ok(());
         }
-        save_checkpoint(
-            &cfg.checkpoint_file,
-            &self.snapshot(template),
-            &self.momentum,
-            &self.progress,
-            &self.info,
-        )?;
+        self.save(cfg, template, false, recorder, report)
+    }
+
+    /// Writes the checkpoint of this state; `if_newer`: only when the file holds an earlier
+    /// step ([`save_checkpoint_if_newer`], as `regroup::Save::IfNewer` asks).
+    pub(super) fn save(
+        &self,
+        cfg: &TrainConfig,
+        template: &Snapshot,
+        if_newer: bool,
+        recorder: &mut Recorder,
+        report: &mut dyn FnMut(Event),
+    ) -> Result<()> {
+        let (file, snapshot) = (&cfg.checkpoint_file, self.snapshot(template));
+        if if_newer {
+            let wrote = save_checkpoint_if_newer(
+                file,
+                &snapshot,
+                &self.momentum,
+                &self.progress,
+                &self.info,
+            )?;
+            if !wrote {
+                return Ok(());
+            }
+        } else {
+            save_checkpoint(file, &snapshot, &self.momentum, &self.progress, &self.info)?;
+        }
         recorder.checkpoint(
             self.progress.global_step,
             self.progress.epoch,
