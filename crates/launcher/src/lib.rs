@@ -220,6 +220,9 @@ pub enum LaunchEvent {
     },
     /// This node joins a job under way: its workers start warm, before it asks for a place.
     Warming,
+    /// A node waiting for a place with no workers yet heard that the job now regroups in
+    /// place: it starts its workers warm as it waits.
+    WarmingWhileWaiting,
     /// Its warm workers are ready, `seconds` after their start: it joins with them.
     Warm {
         seconds: f64,

@@ -45,6 +45,9 @@ pub struct StillJoining {
     /// The job trains at its `--nnodes` MAX: this node is a spare, waiting to take the place of
     /// a node that goes.
     pub spare: bool,
+    /// The job trains without this node, and its workers regroup in place: workers started now
+    /// would be taken in warm ([`State::warm_start_pays`]). Said at once when it becomes true.
+    pub warm_start_pays: bool,
 }
 
 /// How often a join that waits says so: every 30 s, or four times within a shorter join
@@ -351,6 +354,7 @@ impl Rendezvous {
         // Whether the job was last seen training without this node (said at once when it
         // starts to, then every `every`).
         let mut was_running_without = false;
+        let mut warm_paid = false;
         loop {
             if stop() {
                 return Ok(Joined::Stopped);
@@ -390,6 +394,11 @@ impl Rendezvous {
                 }
             }
             was_running_without = running_without_me;
+            let warm_pays = running_without_me && seen.as_ref().is_some_and(State::warm_start_pays);
+            if warm_pays && !warm_paid {
+                next_report = Instant::now();
+            }
+            warm_paid = warm_pays;
             let waited = started.elapsed();
             if waited >= self.cfg.join_timeout {
                 if let Some(e) = last_error {
@@ -419,6 +428,7 @@ impl Rendezvous {
                         && seen
                             .as_ref()
                             .is_some_and(|s| s.participants.len() as u32 >= self.cfg.limits.max),
+                    warm_start_pays: warm_pays,
                 });
             }
             self.backend.wait_change(self.cfg.poll);

@@ -606,7 +606,10 @@ pub(crate) fn withdraw_step(
     if !mentioned {
         return WithdrawStep::Go { nodes };
     }
-    if state.phase == Phase::Running {
+    // A node that only waits (for its admission, or as a spare) is not in the group that
+    // trains: its going changes nothing there, and the round is not reopened for it.
+    let trains = state.is_participant(me) || state.expected.iter().any(|id| id == me);
+    if state.phase == Phase::Running && trains {
         let mut staying = alive.clone();
         staying.remove(me);
         return WithdrawStep::Write {

@@ -54,11 +54,12 @@ pub fn run_elastic(
 }
 
 /// How long, from their start, a node's workers may hold the admission of nodes waiting to
-/// join while they start again (they regrouped in place before, and have not said so yet
-/// since this start): enough for a PyTorch program's imports on a loaded machine. The job's
-/// first start holds nobody (nodes still arriving fill it), nor does a program that never
-/// said it regroups (one without `trainctl.torch`): its workers are restarted for the joiner
-/// at once, as torchrun would.
+/// join while they start (at this node's first start, or again after they regrouped in place
+/// before), until they say they regroup in place: enough for a PyTorch program's imports on a
+/// loaded machine. A node arriving while the first workers import torch is then taken in place
+/// rather than costing them a restart. A program that never says so (one without
+/// `trainctl.torch`) holds a late node this long at its first start, then is restarted for it
+/// as torchrun would; after that it holds nobody.
 const ADMISSION_HOLD: Duration = Duration::from_secs(20);
 
 /// The health check before the first join (`spec.health_check`): measures this node, puts
@@ -169,6 +170,8 @@ fn run_rounds(
     let mut failed_regroups = 0u32;
     // This node's workers have said they regroup in place (in an earlier round of the launch).
     let mut regroup_in_place = false;
+    // Rounds this node's workers ran in.
+    let mut rounds = 0u32;
     // Why this node's workers were handed each round they have not yet said they train in.
     let mut causes = Causes::default();
     loop {
@@ -176,16 +179,30 @@ fn run_rounds(
         events(LaunchEvent::Joining {
             node: rdzv.node_id().to_string(),
         });
+        let mut warming = warm::WhileWaiting::new(spec, kept.is_some());
         let joined = rdzv.join(&|| launch.signals.received().is_some(), &mut |w| {
+            warming.heard(w.warm_start_pays, spec, &launch, (&stdout, &stderr), events);
             events(LaunchEvent::StillJoining(w))
         });
         let assignment = match joined {
             Ok(Joined::Assigned(a)) => a,
             ended => {
                 let signal = launch.signals.received().unwrap_or(15);
-                return not_joined(ended, spec, rdzv, kept.take(), &held, signal, events);
+                let kept = kept.take().or_else(|| {
+                    warming.into_group().map(|group| Kept {
+                        group,
+                        reason: String::new(),
+                    })
+                });
+                return not_joined(ended, spec, rdzv, kept, &held, signal, events);
             }
         };
+        if let Some(group) = warming.ready(spec, &launch, events) {
+            kept = Some(Kept {
+                group,
+                reason: format!("node {} takes a place, its workers warm", rdzv.node_id()),
+            });
+        }
         events(LaunchEvent::Joined(assignment.clone()));
         let mut extra_env = spec.extra_env.clone();
         if let Some(h) = health {
@@ -242,10 +259,12 @@ fn run_rounds(
             causes: &mut causes,
             failed_regroups,
             regroup_in_place,
+            first_start: rounds == 0,
             closing: false,
             store_down: false,
         };
         let end = round.run(group, events);
+        rounds += 1;
         failed_regroups = round.failed_regroups;
         regroup_in_place = round.regroup_in_place;
         match end {
@@ -371,6 +390,8 @@ struct InRound<'a> {
     failed_regroups: u32,
     /// This node's workers have said they regroup in place, in this round or an earlier one.
     regroup_in_place: bool,
+    /// This node's first workers of the launch (no round before this one).
+    first_start: bool,
     /// The job was closed by another node that finished: our workers finish too, no restart.
     closing: bool,
     /// The last watch could not reach the store (said once, until it answers again).
@@ -499,13 +520,12 @@ impl InRound<'_> {
             let _ = self.rdzv.note_in_place();
         }
         // Workers still starting (a program importing torch) would have to be restarted to
-        // take a joiner now; held a while, they say they regroup and take it in place. Only
-        // where that buys an in-place join: the program's workers have said they regroup
-        // before (a restart's, mid-job). The job's first start is still filling up, and a
-        // program that never says so would be restarted after the wait anyway.
+        // take a joiner now; held a while, they say they regroup and take it in place (see
+        // ADMISSION_HOLD): at this node's first start, and mid-job where they said so before.
         self.regroup_in_place |= group.can_regroup();
-        self.rdzv
-            .hold_admissions(self.regroup_in_place && group.starting(ADMISSION_HOLD));
+        self.rdzv.hold_admissions(
+            (self.first_start || self.regroup_in_place) && group.starting(ADMISSION_HOLD),
+        );
         Some(match self.rdzv.watch() {
             Ok(Watch::Healthy) => Looked::just(Seen::Round(Round::Healthy)),
             Ok(Watch::Restart(Restart { reason, node_gone })) => {

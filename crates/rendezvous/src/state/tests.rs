@@ -796,6 +796,32 @@ fn a_node_told_to_go_while_it_rejoins_stays_when_it_alone_holds_the_state_or_bel
     ));
 }
 
+/// A spare (a node waiting while the job trains at MAX) told to go: it leaves the waiting list,
+/// and the round that trains is not reopened for it (the others do not regroup).
+#[test]
+fn a_spare_told_to_go_leaves_without_reopening_the_round() {
+    let mut state = Some(running_round_of_three());
+    let live = alive(&["a", "b", "c", "d"]);
+    assert!(matches!(
+        join(&mut state, "d", &live, false),
+        JoinStep::Wait
+    ));
+    let state = state.unwrap();
+    assert!(state.waiting.iter().any(|n| n.id == "d"), "{state:?}");
+    let WithdrawStep::Write { next, nodes } =
+        withdraw_step(Some(&state), "d", None, &live, LIMITS, "node d leaves")
+    else {
+        panic!("a spare may go");
+    };
+    assert_eq!(nodes, 3);
+    assert_eq!(
+        (next.phase.clone(), next.round),
+        (Phase::Running, state.round)
+    );
+    assert_eq!(next.participants, state.participants);
+    assert!(!next.waiting.iter().any(|n| n.id == "d"), "{next:?}");
+}
+
 /// Plays one agent of a backend with announcements: `announced` are the nodes with a key for
 /// the round; only the round's writer is given them.
 fn join_announced(

@@ -571,8 +571,11 @@ pub(crate) fn launch_event(event: launcher::LaunchEvent) {
         LaunchEvent::Warming => err(format_args!(
             "trainctl run: the job is under way and regroups in place: this node starts its workers warm, and asks for a place once they are ready"
         )),
+        LaunchEvent::WarmingWhileWaiting => err(format_args!(
+            "trainctl run: the job now says its workers regroup in place: this node, waiting for a place, starts its workers warm, so that it takes one without their start"
+        )),
         LaunchEvent::Warm { seconds } => err(format_args!(
-            "trainctl run: its workers are ready after {seconds:.1} s (their start); asking for a place in the job"
+            "trainctl run: its workers are ready after {seconds:.1} s (their start)"
         )),
         LaunchEvent::WarmStartFailed(why) => warn(&format!("the warm start did not work: {why}")),
         LaunchEvent::NeverJoined { reason, nodes } => err(format_args!(

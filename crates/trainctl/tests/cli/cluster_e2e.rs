@@ -837,9 +837,10 @@ fn cluster_e2e_losing_pod_0_of_an_elastic_c10d_job_costs_a_wait_not_a_restart() 
 /// between rounds".)
 fn four_to_two_at_once(backend: &str) {
     let name = format!("e2e-two-{backend}-{}", std::process::id());
-    let t = e2e_sized(&name, &image(), 60, "400m");
+    let t = e2e_sized(&name, &image(), 30, "400m");
     let _clean = CleanUp(t.clone());
-    storage_and_data(&t, 512);
+    // Enough images for loss lines at four nodes (every 10 steps of 16 per worker).
+    storage_and_data(&t, 1024);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:4", "--rdzv-backend", backend]));
     let mut follow = follow_once_training(&t, 4);
     let scaled = std::time::Instant::now();
@@ -885,7 +886,7 @@ fn cluster_e2e_a_scale_right_after_launch_is_kept() {
     let name = format!("e2e-early-{}", std::process::id());
     let t = e2e_sized(&name, &image(), 20, "400m");
     let _clean = CleanUp(t.clone());
-    storage_and_data(&t, 512);
+    storage_and_data(&t, 1024);
     run_ok(t(&["job", "launch"]).args(["--nnodes", "2:4"]));
     run_ok(&mut t(&["job", "scale", "3"]));
     let mut follow = follow_once_training(&t, 3);

@@ -59,9 +59,15 @@ struct Cluster {
     /// `--rdzv-conf` for every agent.
     rdzv_conf: &'static str,
     epochs: u64,
+    /// The built-in trainer's `--checkpoint-every`.
+    checkpoint_every: u64,
     /// More flags of `trainctl run`, and of `train`.
     run_args: Vec<&'static str>,
     train_args: Vec<&'static str>,
+    /// A PyTorch program's steps sleep SECONDS while its world is smaller than WORLD
+    /// ("WORLD:SECONDS", fixtures/slow_steps): a job that a node joins outlasts the joiner's
+    /// warm start, as a real one would.
+    slow_below: Option<&'static str>,
     etcd: Option<EtcdServer>,
     // Dropped after the processes: the namespaces outlive every process started in them.
     net: Network,
@@ -115,8 +121,10 @@ impl Cluster {
             collective_timeout: 20,
             rdzv_conf: "last_call_timeout=0.5",
             epochs: EPOCHS,
+            checkpoint_every: 2,
             run_args: Vec::new(),
             train_args: Vec::new(),
+            slow_below: None,
             etcd,
             net,
             _one_at_a_time: one_at_a_time,
@@ -156,14 +164,8 @@ impl Cluster {
             Program::Builtin => cmd
                 .args(["train", "--data", "data", "--out", "runs"])
                 .args(["--epochs", &self.epochs.to_string(), "--batch-size", "16"])
-                .args([
-                    "--threads",
-                    "1",
-                    "--print-freq",
-                    "2",
-                    "--checkpoint-every",
-                    "2",
-                ])
+                .args(["--threads", "1", "--print-freq", "2"])
+                .args(["--checkpoint-every", &self.checkpoint_every.to_string()])
                 .args(&self.train_args)
                 .arg("--no-eval"),
             Program::PyTorch { python, patterns } => {
@@ -174,7 +176,14 @@ impl Cluster {
                     ),
                     Some(flags) => ("tests/cli/fixtures/loop_patterns.py", flags.clone()),
                 };
-                cmd.env("PYTHONPATH", testkit::python_package())
+                let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures");
+                let mut path = testkit::python_package().into_os_string();
+                if let Some(slow) = self.slow_below {
+                    path.push(":");
+                    path.push(fixtures.join("slow_steps"));
+                    cmd.env("TRAINCTL_TEST_SLOW_BELOW", slow);
+                }
+                cmd.env("PYTHONPATH", path)
                     .arg("--")
                     .arg(python)
                     .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(program))
@@ -284,6 +293,25 @@ impl Cluster {
             self.progress()
                 .is_some_and(|p| p["global_step"].as_u64() >= Some(step))
         });
+    }
+
+    /// The global step a PyTorch run's checkpoint (`trainctl.torch`'s) holds.
+    fn torch_checkpoint_step(&self) -> Option<u64> {
+        let Program::PyTorch { python, .. } = &self.program else {
+            return None;
+        };
+        let path = self
+            .job
+            .path("runs")
+            .join(&self.run_id)
+            .join("checkpoint.pt");
+        let out = Command::new(python)
+            .arg("-c")
+            .arg("import sys, torch; print(torch.load(sys.argv[1], weights_only=True)['progress']['global_step'])")
+            .arg(path)
+            .output()
+            .ok()?;
+        text(&out.stdout).trim().parse().ok()
     }
 
     fn progress(&self) -> Option<serde_json::Value> {
@@ -887,17 +915,98 @@ fn every_agent_told_to_go(store: Store, name: &str) {
     c.verify_exactly_once();
 }
 
+/// The node holding rank 0 lost, then the job stopped (SIGTERM to every node left) while the
+/// others wait for a round that cannot form (`--nnodes 3:3`). No survivor knows it is the
+/// lowest rank left, so each saves if its step is newer than the checkpoint's
+/// (`regroup::saver_while_waiting`): the checkpoint holds the last step trained, and the same
+/// command again resumes there and trains every image once. (Before, the saver was rank 0,
+/// the one lost: nobody saved, and the steps since the last checkpoint were lost.)
+fn rank_0_lost_then_stopped_while_waiting(cluster: Option<Cluster>) {
+    let Some(mut c) = cluster else {
+        return;
+    };
+    c.nnodes = "3:3";
+    // Only the epochs' ends on schedule: the stop's checkpoint is the one the test reads.
+    c.checkpoint_every = 1000;
+    c.epochs = 3;
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    let rank_0 = *agents
+        .iter()
+        .find(|&&a| {
+            c.agents[a]
+                .wait_for_line(JOB_TIMEOUT, |l| l.contains("round 0: node rank "))
+                .contains("node rank 0 ")
+        })
+        .expect("one node holds rank 0");
+    c.wait_for_recorded_step(1);
+    c.kill(rank_0);
+    let survivors: Vec<usize> = agents.iter().copied().filter(|&a| a != rank_0).collect();
+    for &a in &survivors {
+        c.agents[a].wait_for_line(JOB_TIMEOUT, |l| l.contains("regroup at the next round"));
+    }
+    for &a in &survivors {
+        sigterm(&c.agents[a]);
+    }
+    let mut stopped = Vec::new();
+    for &a in &survivors {
+        let status = c.agents[a].wait(JOB_TIMEOUT);
+        let out = c.agents[a].output();
+        assert_eq!(status.code(), Some(143), "agent {a} exits 143:\n{out}");
+        stopped.push(out);
+    }
+    let stopped = stopped.join("\n");
+    let trained = c
+        .metrics()
+        .iter()
+        .flatten()
+        .filter_map(|r| match r {
+            Record::Step(s) => Some(s.step),
+            _ => None,
+        })
+        .max()
+        .expect("steps were trained");
+    let held = match c.program {
+        Program::Builtin => c.progress().and_then(|p| p["global_step"].as_u64()),
+        Program::PyTorch { .. } => c.torch_checkpoint_step(),
+    };
+    assert_eq!(
+        held,
+        Some(trained),
+        "the checkpoint holds the last step trained:\n{stopped}"
+    );
+    let again: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    let outputs: Vec<String> = again.iter().map(|&a| c.succeeds(a)).collect();
+    assert!(
+        outputs.iter().any(|o| o.contains("resum")),
+        "the second run resumes from the checkpoint:\n{}",
+        outputs.join("\n")
+    );
+    c.verify_end(&outputs, 3);
+    c.verify_every_image_once(true);
+}
+
+#[test]
+fn etcd_rank_0_lost_then_every_node_stopped_while_waiting_saves_the_last_step() {
+    rank_0_lost_then_stopped_while_waiting(Cluster::new(Store::Etcd, "etcd-rank0-stop"));
+}
+
+#[test]
+fn etcd_pytorch_rank_0_lost_then_every_node_stopped_while_waiting_saves_the_last_step() {
+    rank_0_lost_then_stopped_while_waiting(Cluster::pytorch(Store::Etcd, "etcd-py-rank0-stop"));
+}
+
 fn agent_added(cluster: Option<Cluster>) {
     let Some(mut c) = cluster else {
         return;
     };
+    c.slow_below = Some("3:0.2");
     let first = [c.start(1, 1), c.start(2, 1)];
     c.wait_for_progress(2);
     let late = c.start(3, 1);
     let mut outputs: Vec<String> = first.iter().map(|&a| c.succeeds(a)).collect();
     outputs.push(c.succeeds(late));
     assert!(
-        outputs.iter().any(|o| o.contains("waiting to join")),
+        outputs[2].contains("joined in place") && !outputs[2].contains("round 0:"),
         "the newcomer must be admitted at a new round:\n{}",
         outputs.join("\n")
     );
@@ -931,6 +1040,7 @@ fn agent_lost_and_another_added(cluster: Option<Cluster>) {
     let Some(mut c) = cluster else {
         return;
     };
+    c.slow_below = Some("3:0.2");
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
     c.wait_for_progress(2);
     c.kill(agents[2]);
@@ -953,7 +1063,7 @@ fn agent_lost_and_another_added(cluster: Option<Cluster>) {
     );
 }
 
-/// A joining node lost while it joins (its agent killed as soon as its worker starts, while the
+/// A joining node lost while it joins (its agent killed as soon as it has a place, while the
 /// survivors wait for it in the new group or stream it the state): the survivors' regroup
 /// fails and starts over without it, counted as one failed regroup (within --max-restarts 1,
 /// so no fallback to a restart), and the job finishes with every image once per epoch.
@@ -961,10 +1071,15 @@ fn joiner_lost_while_joining(cluster: Option<Cluster>) {
     let Some(mut c) = cluster else {
         return;
     };
+    c.slow_below = Some("3:0.2");
     let agents = [c.start(1, 1), c.start(2, 1)];
     c.wait_for_progress(2);
     let joiner = c.start(3, 1);
-    c.agents[joiner].wait_for_workers(1, JOB_TIMEOUT);
+    // Its workers start warm before it asks for a place: killed at its assignment, it is lost
+    // as the survivors form the new group with it or stream it the state.
+    c.agents[joiner].wait_for_line(JOB_TIMEOUT, |l| {
+        l.contains(": node rank ") && l.contains(" of 3,")
+    });
     c.kill(joiner);
     let outputs: Vec<String> = agents.iter().map(|&a| c.succeeds(a)).collect();
     let all = outputs.join("\n");

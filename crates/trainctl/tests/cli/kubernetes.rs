@@ -627,7 +627,7 @@ fn job_render_refuses_what_cannot_run_and_warns_about_what_may_not() {
     let out = run_ok(&mut render(&["--nnodes", "1:4"]));
     assert!(
         text(&out.stderr).contains("the job starts with the pods that fit")
-            && text(&out.stdout).contains("succeededCount: 1"),
+            && text(&out.stdout).contains("succeededIndexes: \"0\""),
         "{}",
         text(&out.stderr)
     );

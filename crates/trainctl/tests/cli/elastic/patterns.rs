@@ -216,7 +216,16 @@ fn etcd_pytorch_rank_0s_node_lost_and_replaced_keeps_the_ema_exact() {
     let Some(mut c) = cluster(
         Store::Etcd,
         "etcd-py-ema-rank0",
-        vec!["--scheduler", "onecycle", "--ema", "own-unguarded"],
+        // Two nodes step slowly until the replacement (started warm: it joins once its
+        // workers are ready) is in.
+        vec![
+            "--scheduler",
+            "onecycle",
+            "--ema",
+            "own-unguarded",
+            "--slow-below",
+            "3:0.3",
+        ],
     ) else {
         return;
     };

@@ -290,7 +290,8 @@ fn a_join_at_a_mid_epoch_evaluation_waits_for_it_and_no_rank_skips_it() {
         python_or_skip!("a_join_at_a_mid_epoch_evaluation_waits_for_it_and_no_rank_skips_it");
     let job = Job::new(64, 16);
     let endpoint = format!("127.0.0.1:{}", testkit::free_port());
-    let flags = ["--epochs", "6", "--eval-every", "1", "--step-sleep", "0.05"];
+    // A, alone, steps slowly: B (which starts its workers warm first) joins before A ends.
+    let flags = ["--epochs", "6", "--eval-every", "1", "--slow-below", "2:1"];
     let mut a = one_of_two_agents(&python, &job, &endpoint, "mid-eval", &flags);
     a.wait_for_line(Duration::from_secs(120), |l| l.contains("[1,"));
     let mut b = one_of_two_agents(&python, &job, &endpoint, "mid-eval", &flags);
@@ -414,11 +415,15 @@ fn runs_resume_the_way_users_resume() {
         "seeded from the plain loop's epoch-1 checkpoint"
     );
 
-    let err = run_failing(&mut alone(
-        &python,
-        job.dir.path(),
-        &["--epochs", "1", "--checkpoint", "own.pt"],
-    ));
+    // A UsageError: the exit code no launcher retries.
+    let err = run_failing_with(
+        &mut alone(
+            &python,
+            job.dir.path(),
+            &["--epochs", "1", "--checkpoint", "own.pt"],
+        ),
+        76,
+    );
     assert!(
         err.contains("own.pt is not a trainctl.torch checkpoint (it holds epoch, model, optimizer, scheduler): to start from a checkpoint of your own, load it into the model and optimizer")
             && err.contains("pass start_epoch=THE_EPOCH_IT_REACHED"),
