@@ -79,24 +79,36 @@ def wait_for(lines, pred, deadline, what):
             return at, line
 
 
-def step_gap(run_dir, since):
-    """The largest gap between two consecutive steps of the survivors (ranks 0 and 1: a regroup
-    moves no survivor) from wall-clock time `since` on, from their metrics records' times."""
-    gap = 0.0
-    for rank in (0, 1):
-        times = []
-        path = os.path.join(run_dir, "metrics", f"rank-{rank}.jsonl")
-        if not os.path.isfile(path):
-            continue
+def steps_of(run_dir, rank):
+    """The wall-clock times of rank `rank`'s step records (its metrics file)."""
+    times = []
+    path = os.path.join(run_dir, "metrics", f"rank-{rank}.jsonl")
+    if os.path.isfile(path):
         with open(path) as f:
             for raw in f:
                 try:
                     r = json.loads(raw)
                 except ValueError:
                     continue
-                if r.get("kind") == "step" and r.get("time", 0) >= since:
+                if r.get("kind") == "step":
                     times.append(r["time"])
-        times.sort()
+    return sorted(times)
+
+
+def wait_for_steps(run_dir, n, deadline):
+    """Until rank 0 has recorded `n` steps."""
+    while len(steps_of(run_dir, 0)) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {n} steps in {run_dir}")
+        time.sleep(0.2)
+
+
+def step_gap(run_dir, since):
+    """The largest gap between two consecutive steps of the survivors (ranks 0 and 1: a regroup
+    moves no survivor) from wall-clock time `since` on, from their metrics records' times."""
+    gap = 0.0
+    for rank in (0, 1):
+        times = [t for t in steps_of(run_dir, rank) if t >= since]
         gap = max([gap] + [b - a for a, b in zip(times, times[1:])])
     return gap
 
@@ -113,7 +125,7 @@ def agent_cmd(args, port, run_id, program, warm):
 def program_of(args, kind, start):
     if kind == "builtin":
         return ["train", "--data", "data", "--epochs", "1000", "--batch-size", "16",
-                "--no-eval", "--out", "runs", "--print-freq", "1000"]
+                "--no-eval", "--out", "runs", "--threads", "1"]
     return ["--", args.python, FIXTURE, "--data", "data", "--out", "runs", "--epochs", "1000",
             "--slow-start", str(start), "--step-sleep", "0.02"]
 
@@ -128,9 +140,7 @@ def join_case(args, work, kind, start, warm):
               for i in range(2)]
     try:
         deadline = time.monotonic() + 300
-        # Training: a loss line (the built-in trainer) or a pattern loop's.
-        wait_for(lines, lambda n, l: "loss:" in l, deadline, "the first steps")
-        time.sleep(2)
+        wait_for_steps(os.path.join(work, "runs", run_id), 20, deadline)
         joined_at, joined_wall = time.monotonic(), time.time()
         joiner = Agent("j", agent_cmd(args, port, run_id, program, warm), work, env, lines)
         agents.append(joiner)
@@ -158,7 +168,7 @@ def spare_case(args, work, kind):
               for i in range(3)]
     try:
         deadline = time.monotonic() + 300
-        wait_for(lines, lambda n, l: "loss:" in l, deadline, "the first steps")
+        wait_for_steps(os.path.join(work, "runs", run_id), 20, deadline)
         spare = Agent("s", agent_cmd(args, port, run_id, program, True), work, env, lines)
         agents.append(spare)
         wait_for(lines, lambda n, l: n == "s" and "trainctl run: a spare: " in l, deadline,

@@ -15,7 +15,7 @@ For each backend (c10d, etcd) and each N in --sizes, on loopback:
 Prints one row per case and a Markdown table at the end.
 
 Usage: bench/rdzv_scale.py [--sizes 16,64,128,256] [--backends c10d,etcd] [--spread SECONDS]
-[--trainctl PATH] [--deadline SECONDS] [--rdzv-conf CONF]
+[--trainctl PATH] [--deadline SECONDS] [--rdzv-conf CONF] [--regroup restart|in-process]
 Needs `etcd` on PATH for the etcd backend (scripts/test installs Debian's etcd-server) and a
 release build (cargo build --release -p trainctl).
 """
@@ -199,6 +199,7 @@ def run_case(args, backend, n):
         "--rdzv-id", run_id, "--job-token", "bench",
         # The rendezvous is what is measured, not N health checks on the same cores.
         "--health-check", "off",
+        "--regroup", args.regroup,
     ]
     if args.rdzv_conf:
         cmd += ["--rdzv-conf", args.rdzv_conf]
@@ -333,6 +334,11 @@ def main():
     p.add_argument("--program", choices=["sleep", "train"], default="sleep",
                    help="what each agent runs: `sleep 600`, or the built-in trainer (seed CNN on "
                         "a generated 960-image set, batch 8, 1 thread: for small N)")
+    p.add_argument("--regroup", choices=["restart", "in-process"], default="restart",
+                   help="the agents' --regroup: `restart` (the default here) for `sleep`, a program "
+                        "that never regroups in place; under `in-process` (trainctl run's default) "
+                        "an agent cannot tell so at its first start and holds late nodes up to 20 s "
+                        "for its workers (ADMISSION_HOLD)")
     p.add_argument("--timeline", action="store_true",
                    help="print when the agents came up and each round formed")
     p.add_argument("--trainctl", default=os.path.join(

@@ -29,9 +29,10 @@ pub enum ToAgent {
     /// This worker regroups in place when its group changes.
     Ready,
     /// A collective failed (a peer is gone); the worker holds the last step it completed, at
-    /// global step `step`, and waits for an assignment. `assignments` is how many it had
-    /// received: the agent tells a report about the group it has just assigned from a stale
-    /// one, sent before the worker read the assignment.
+    /// global step `step`, and waits for an assignment. `assignments` is which of its
+    /// assignments made the group that failed (0: its first group): the agent tells a loss in
+    /// the group it has just assigned from a stale one, in a group the worker was leaving (it
+    /// had not read the assignment yet, or held it for the step's end).
     Lost {
         assignments: u64,
         step: u64,

@@ -3,6 +3,9 @@
 //! The figures are AWS's published specifications (vCPUs, memory, GPUs, EFA interfaces); they
 //! size the pods' requests and decide whether a node group gets EFA.
 
+/// The node label the training pods select by default: their nodes are of the instance type.
+pub const INSTANCE_TYPE_LABEL: &str = "node.kubernetes.io/instance-type";
+
 /// One EC2 instance type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InstanceType {

@@ -43,6 +43,10 @@ class Inbox:
         # at), and how many rounds it was handed in all.
         self.assigned: Env | None = None
         self.assignments = 0
+        # Which of them made the group this worker is in or starting (0: its first): a loss is
+        # reported as that group's, so that one in a group the worker is already leaving for an
+        # assignment in hand is stale to the agent.
+        self.joined = 0
         # Its node was asked to go.
         self.leaving = False
 
@@ -97,7 +101,7 @@ class Inbox:
         assert self.channel is not None
         try:
             if tell and lost:
-                self.channel.send(ctl.lost(self.assignments, step, why))
+                self.channel.send(ctl.lost(self.joined, step, why))
             elif tell:
                 self.channel.send(ctl.paused(self.assignments, step))
             assigned, self.assigned = self.assigned, None
@@ -120,6 +124,7 @@ class Inbox:
                     return Leave()
                 if decision is protocol.Waiting.JOIN:
                     assert assigned is not None
+                    self.joined = self.assignments
                     return assigned
                 if decision is protocol.Waiting.STOP:
                     return Stop()

@@ -9,14 +9,11 @@
 //! (the default node selector); with another selector, or `none`, the pods go wherever the
 //! cluster has room, which `job launch` asks the cluster itself about.
 
-use crate::catalog::InstanceType;
+use crate::catalog::{INSTANCE_TYPE_LABEL, InstanceType};
 
 use super::layers::pod_size;
 use super::values::{Values, bytes, millicores};
 use super::{ConfigError, DEFAULT_IMAGE, Project, Source};
-
-/// The node label the training pods select by default: their nodes are of the instance type.
-pub const INSTANCE_TYPE_LABEL: &str = "node.kubernetes.io/instance-type";
 
 /// What a command renders, for [`Project::review`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,9 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::catalog::{self, InstanceType, Preset};
+use crate::catalog::{self, INSTANCE_TYPE_LABEL, InstanceType, Preset};
 
-use super::fit::INSTANCE_TYPE_LABEL;
 use super::{ConfigError, DEFAULT_IMAGE, S3_SERVICE_ACCOUNT, SETTINGS, Source, setting};
 
 /// The values as given, layer by layer.

@@ -244,7 +244,8 @@ pub(crate) const TENSORBOARD_IMAGE: &str = "tensorflow/tensorflow:2.18.0";
 /// and the pods run under.
 pub(crate) const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
 
-pub use fit::{INSTANCE_TYPE_LABEL, Renders};
+pub use crate::catalog::INSTANCE_TYPE_LABEL;
+pub use fit::Renders;
 pub use layers::{Layers, Resolved, join_words, split_words};
 pub use project::{
     Cluster, Data, EtcdStorage, Job, Launcher, MAX_JOB_NAME, MpiImplementation, Project,

@@ -1,5 +1,6 @@
 //! What every pod and Job trainctl renders shares: the pod template (image, command, volumes,
-//! security, accelerators), the Job around it and its failure policy.
+//! security, accelerators), the Job around it and its failure policy, and the Services in front
+//! of pods.
 
 use std::collections::BTreeMap;
 
@@ -10,14 +11,14 @@ use k8s_openapi::api::batch::v1::{
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
     PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, Toleration,
-    Volume, VolumeMount,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Service, ServicePort,
+    ServiceSpec, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::config::Project;
 
-use super::services::cluster_ip_service;
 use super::{
     BINARY, BINARY_DIR, COMPONENT_LABEL, CONTAINER, EFA_RESOURCE, HELPER_SIZE, INSTALL_CONTAINER,
     METRICS_PORT_NAME, RDZV_PORT_NAME, RUN_AS, TERMINATION_GRACE_SECONDS, labels, meta, quantity,
@@ -478,4 +479,29 @@ pub(crate) fn headless_service(
         spec.publish_not_ready_addresses = Some(true);
     }
     service
+}
+
+/// A Service in front of the job's pods of `component` (or a helper's), on one TCP port.
+pub(super) fn cluster_ip_service(
+    project: &Project,
+    name: &str,
+    component: &str,
+    port_name: &str,
+    port: u16,
+) -> Service {
+    Service {
+        metadata: meta(project, name, component),
+        spec: Some(ServiceSpec {
+            selector: Some(labels(&project.job.name, component)),
+            ports: Some(vec![ServicePort {
+                name: Some(port_name.into()),
+                port: port.into(),
+                target_port: Some(IntOrString::Int(port.into())),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
 }

@@ -1,5 +1,5 @@
-//! What runs beside a job: its etcd and TensorBoard (Deployments and Services), the Services
-//! themselves, and the NVIDIA device plugin.
+//! What runs beside a job: its etcd and TensorBoard (Deployments and Services) and the NVIDIA
+//! device plugin.
 
 use std::collections::BTreeMap;
 
@@ -8,15 +8,14 @@ use k8s_openapi::api::apps::v1::{
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, HTTPGetAction, HostPathVolumeSource, PodSpec,
-    PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Service, ServicePort,
-    ServiceSpec, Toleration, Volume, VolumeMount,
+    PodTemplateSpec, Probe, ResourceRequirements, SecurityContext, Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::config::{EtcdStorage, Project};
 
-use super::pod::{claim_volume, empty_dir, pod_security, restricted};
+use super::pod::{claim_volume, cluster_ip_service, empty_dir, pod_security, restricted};
 use super::{ETCD_PORT, MANAGED_BY, Manifest, TENSORBOARD_PORT, labels, meta, quantity};
 
 pub fn etcd_name(project: &Project) -> String {
@@ -216,30 +215,6 @@ pub(super) fn deployment(
             ..DeploymentSpec::default()
         }),
         ..Deployment::default()
-    }
-}
-
-pub(super) fn cluster_ip_service(
-    project: &Project,
-    name: &str,
-    component: &str,
-    port_name: &str,
-    port: u16,
-) -> Service {
-    Service {
-        metadata: meta(project, name, component),
-        spec: Some(ServiceSpec {
-            selector: Some(labels(&project.job.name, component)),
-            ports: Some(vec![ServicePort {
-                name: Some(port_name.into()),
-                port: port.into(),
-                target_port: Some(IntOrString::Int(port.into())),
-                protocol: Some("TCP".into()),
-                ..ServicePort::default()
-            }]),
-            ..ServiceSpec::default()
-        }),
-        ..Service::default()
     }
 }
 

@@ -59,7 +59,8 @@ pub fn run_elastic(
 /// loaded machine. A node arriving while the first workers import torch is then taken in place
 /// rather than costing them a restart. A program that never says so (one without
 /// `trainctl.torch`) holds a late node this long at its first start, then is restarted for it
-/// as torchrun would; after that it holds nobody.
+/// as torchrun would; after that it holds nobody. The agent cannot tell such a program at its
+/// first start; under `--regroup restart` nothing is held.
 const ADMISSION_HOLD: Duration = Duration::from_secs(20);
 
 /// The health check before the first join (`spec.health_check`): measures this node, puts
@@ -521,10 +522,13 @@ impl InRound<'_> {
         }
         // Workers still starting (a program importing torch) would have to be restarted to
         // take a joiner now; held a while, they say they regroup and take it in place (see
-        // ADMISSION_HOLD): at this node's first start, and mid-job where they said so before.
+        // ADMISSION_HOLD): at this node's first start, and mid-job where they said so before;
+        // never under --regroup restart, where a joiner restarts them whenever it comes.
         self.regroup_in_place |= group.can_regroup();
         self.rdzv.hold_admissions(
-            (self.first_start || self.regroup_in_place) && group.starting(ADMISSION_HOLD),
+            self.spec.regroup
+                && (self.first_start || self.regroup_in_place)
+                && group.starting(ADMISSION_HOLD),
         );
         Some(match self.rdzv.watch() {
             Ok(Watch::Healthy) => Looked::just(Seen::Round(Round::Healthy)),

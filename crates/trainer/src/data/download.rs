@@ -12,8 +12,89 @@ use reqwest::StatusCode;
 use reqwest::blocking::{Client, Response};
 use reqwest::header::{CONTENT_RANGE, RANGE};
 
-use super::archive::{DataProgress, DownloadOptions, private_name};
 use crate::error::{IoContext, Result, TrainError};
+
+/// How long a download may go without a byte before the try is given up (and retried).
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone)]
+pub struct DownloadOptions {
+    pub enabled: bool,
+    pub url: String,
+    /// Expected MD5 of the archive, lower-case hex.
+    pub md5: String,
+    /// Expected size of the archive in bytes, when known (the official archives').
+    pub size: Option<u64>,
+    /// No byte from the server for this long ends a try of the download (see
+    /// [`download`]): `--download-stall-timeout`.
+    pub stall_timeout: Duration,
+    /// How the command at hand turns downloads on, for the hint when they are off and no
+    /// data set is there: `drop --no-download` (train), `pass --download` (eval); `None`
+    /// where it cannot (a worker re-reading what its node's local rank 0 fetched).
+    pub turn_on: Option<&'static str>,
+}
+
+impl DownloadOptions {
+    /// Whether `url` is a data set's official address (not a mirror the user gave).
+    pub(crate) fn official_url(&self) -> bool {
+        super::DatasetName::ALL
+            .iter()
+            .any(|d| d.contract().url == self.url)
+    }
+}
+
+impl Default for DownloadOptions {
+    fn default() -> Self {
+        super::DatasetName::Cifar10.official()
+    }
+}
+
+/// How far a download or an extraction has come, in bytes of the archive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataProgress {
+    /// `total` is the server's Content-Length, when it sent one.
+    Downloading {
+        done: u64,
+        total: Option<u64>,
+    },
+    /// A try of the download failed (`problem`, naming the URL); the next one starts `after`
+    /// this wait, from byte `from`. The download gives up after `tries_left` more tries that
+    /// bring no new byte.
+    Retrying {
+        problem: String,
+        after: Duration,
+        from: u64,
+        tries_left: u32,
+    },
+    Extracting {
+        done: u64,
+        total: u64,
+    },
+    /// A download starts: `what` (CIFAR-10, tiny-imagenet-200) from `url` into `dir`, which
+    /// did not exist and was made for it when `created` (a mistyped `--data`, perhaps).
+    Fetching {
+        what: &'static str,
+        url: String,
+        dir: std::path::PathBuf,
+        created: bool,
+    },
+    /// This worker waits for its node's local rank 0 (`rank`) to get the data set.
+    Waiting {
+        rank: u32,
+    },
+    /// The download (or extraction) ended, well or not.
+    Done,
+}
+
+/// A hidden name of this process's own in a folder other nodes may share: process ids repeat
+/// across pods (each container numbers its own), so a random part goes with the id.
+pub(super) fn private_name(stem: &str) -> String {
+    format!(
+        ".{stem}.{}.{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    )
+}
 
 /// Tries in a row that bring no new byte before a download gives up (the first and its
 /// retries).

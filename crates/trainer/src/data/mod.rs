@@ -21,8 +21,8 @@ use crate::error::{Result, TrainError};
 use archive::{Archive, extract_present, fetch_into};
 use cifar::IMAGE_BYTES;
 
-pub use archive::{DEFAULT_STALL_TIMEOUT, DataProgress, DownloadOptions};
 pub use augment::Augment;
+pub use download::{DEFAULT_STALL_TIMEOUT, DataProgress, DownloadOptions};
 pub use handoff::Handoff;
 
 /// How pixels become the network's inputs.

@@ -9,7 +9,7 @@ use std::time::Instant;
 use collective::regroup::{self as protocol, AfterFailure, AfterStep, Failure};
 use collective::{CollectiveError, ProcessGroup};
 
-use super::regroup::{Control, Leave};
+use super::membership::{Control, Leave};
 use super::step::{StepInput, StepOutcome};
 use super::{EpochMark, Event, Run, stragglers};
 use crate::data::Unreadable;

@@ -12,8 +12,8 @@
 mod config;
 mod epoch;
 mod event;
+mod membership;
 pub mod record;
-mod regroup;
 mod state;
 mod step;
 pub mod stragglers;
@@ -35,8 +35,8 @@ use crate::device::{set_cpu_threads, training_device};
 use crate::error::{Result, TrainError};
 use crate::eval::{Confusion, evaluate, inference_model};
 use crate::model::{Model, Snapshot, load, snapshot};
+use membership::{Control, Leave, sync};
 use record::Recorder;
-use regroup::{Control, Leave, sync};
 use state::TrainState;
 use step::Step;
 use stragglers::{Change, StragglerWatch};
@@ -176,7 +176,7 @@ struct Started {
     model: Model,
     template: Snapshot,
     state: TrainState,
-    synced: regroup::Synced,
+    synced: membership::Synced,
 }
 
 /// Joins the group `world` describes, reads the data (unless a warm start `prepared` it), and

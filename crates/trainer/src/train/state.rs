@@ -280,7 +280,7 @@ impl TrainState {
     }
 
     /// Writes the checkpoint of this state; `if_newer`: only when the file holds an earlier
-    /// step ([`save_checkpoint_if_newer`], as `regroup::Save::IfNewer` asks).
+    /// step ([`save_checkpoint_if_newer`], as `collective::regroup::Save::IfNewer` asks).
     pub(super) fn save(
         &self,
         cfg: &TrainConfig,

@@ -167,7 +167,7 @@ struct Held {
     fill: f32,
 }
 
-/// Runs [`super::regroup::sync`] on a world of `held.len()` threads; returns each rank's
+/// Runs [`super::membership::sync`] on a world of `held.len()` threads; returns each rank's
 /// (global step, first parameter, first momentum value, received, bytes, live after).
 fn sync_on(held: Vec<Held>) -> Vec<(u64, f32, f32, bool, u64, bool)> {
     let ranks = held.len();
@@ -191,7 +191,7 @@ fn sync_on(held: Vec<Held>) -> Vec<(u64, f32, f32, bool, u64, bool)> {
                 state.momentum.fill(h.fill / 2.0);
                 let mut live = h.live;
                 let synced =
-                    super::regroup::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {})
+                    super::membership::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {})
                         .unwrap();
                 (
                     state.progress.global_step,
@@ -303,7 +303,7 @@ fn a_stream_cut_off_half_way_leaves_no_live_state() {
     let mut state = TrainState::fresh(&cfg, &start, 2, 16, ModelInfo::seed_cifar());
     state.progress.global_step = 3;
     let mut live = true;
-    let synced = super::regroup::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {});
+    let synced = super::membership::sync(&cfg, &mut group, &mut state, &mut live, &mut |_| {});
     source.join().unwrap();
     assert!(synced.is_err(), "the stream was cut off");
     assert!(!live, "what it left is not a live state");

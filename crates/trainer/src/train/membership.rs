@@ -57,6 +57,10 @@ pub(super) struct Control {
     assigned: Option<Vec<(String, String)>>,
     /// Assignments received, for the agent to tell current reports from stale ones.
     assignments: u64,
+    /// Which of them made the group this worker is in or starting (0: its first, from its
+    /// start's environment): a loss is reported as that group's, so that a loss in a group the
+    /// worker is already leaving for an assignment in hand is stale to the agent.
+    joined: u64,
     /// The agent asked this worker to leave the job (its node goes).
     leaving: bool,
 }
@@ -88,6 +92,7 @@ impl Control {
                 links,
                 assigned: None,
                 assignments: 0,
+                joined: 0,
                 leaving: false,
             }),
             Err(e) => {
@@ -220,7 +225,7 @@ impl Control {
         if let Some(why) = why {
             self.channel.send(&match why {
                 Leave::Lost(reason) => ToAgent::Lost {
-                    assignments,
+                    assignments: self.joined,
                     step,
                     reason: reason.clone(),
                 },
@@ -243,6 +248,7 @@ impl Control {
                 Waiting::Leave => return Ok(Next::Leave),
                 Waiting::Join => {
                     if let Some(env) = assigned.take() {
+                        self.joined = self.assignments;
                         return Ok(Next::Round(env));
                     }
                 }
