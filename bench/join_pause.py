@@ -177,13 +177,18 @@ def spare_case(args, work, kind):
         victim = agents[2]
         killed = time.monotonic()
         victim.stop()
-        at, _ = wait_for(lines, lambda n, l: n == "s" and "joined in place" in l, deadline,
-                         "the spare's place")
-        pauses = []
-        while len(pauses) < 2:
-            _, line = wait_for(lines, lambda n, l: n in ("a0", "a1") and PAUSED.search(l),
-                               deadline, "the survivors' regroup")
-            pauses.append(float(PAUSED.search(line).group(3)))
+        # The spare's line and the survivors' regroup lines come in any order.
+        at, pauses = None, []
+        while at is None or len(pauses) < 2:
+            when, line = wait_for(
+                lines,
+                lambda n, l: (n == "s" and "joined in place" in l)
+                or (n in ("a0", "a1") and PAUSED.search(l)),
+                deadline, "the spare's place and the survivors' regroup")
+            if "joined in place" in line:
+                at = when
+            else:
+                pauses.append(float(PAUSED.search(line).group(3)))
         return {"case": f"{kind}: a node killed, one spare", "loss_to_full": at - killed,
                 "paused": max(pauses)}
     finally:

@@ -15,6 +15,7 @@ and the objects the job already keeps.
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 import zlib
 from collections import Counter
@@ -80,6 +81,8 @@ class Strays:
             return
         own = _storages(list(self.model.parameters()) + list(self.model.buffers()))
         skip = {id(m) for m in self.model.modules()}
+        # Modules' namespaces: the largest dicts of a process with torch loaded, and no copy.
+        skip.update(id(vars(m)) for m in list(sys.modules.values()) if hasattr(m, "__dict__"))
         for obj in known:
             skip.update(_parts(obj))
         seen = {id(c.ref) for c in self.copies}
