@@ -165,6 +165,20 @@ fn succeeded_without_a_restart(t: &impl Fn(&[&str]) -> Command, follow: &mut Run
 /// Deletes pod `pod` as an eviction or a spot reclaim would (through the API, grace period
 /// and all).
 fn delete_pod(pod: &str) {
+    delete_pod_with(pod, kube::api::DeleteParams::default());
+}
+
+/// Deletes pod `pod` at once (no grace period: its processes are killed, as a node's crash
+/// would kill them).
+fn force_delete_pod(pod: &str) {
+    let now = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    delete_pod_with(pod, now);
+}
+
+fn delete_pod_with(pod: &str, params: kube::api::DeleteParams) {
     use k8s_openapi::api::core::v1::Pod;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -173,9 +187,7 @@ fn delete_pod(pod: &str) {
     runtime.block_on(async {
         let client = kube::Client::try_default().await.unwrap();
         let pods: kube::Api<Pod> = kube::Api::namespaced(client, "default");
-        pods.delete(pod, &kube::api::DeleteParams::default())
-            .await
-            .unwrap();
+        pods.delete(pod, &params).await.unwrap();
     });
 }
 
@@ -941,25 +953,6 @@ fn cluster_e2e_the_logs_of_a_job_that_lost_a_pod_are_kept() {
         all.contains("Accuracy of the network on the "),
         "rank 0's accuracy table is kept:\n{all}"
     );
-}
-
-/// Deletes pod `pod` at once (no grace period: its processes are killed, as a node's crash
-/// would kill them).
-fn force_delete_pod(pod: &str) {
-    use k8s_openapi::api::core::v1::Pod;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let client = kube::Client::try_default().await.unwrap();
-        let pods: kube::Api<Pod> = kube::Api::namespaced(client, "default");
-        let now = kube::api::DeleteParams {
-            grace_period_seconds: Some(0),
-            ..Default::default()
-        };
-        pods.delete(pod, &now).await.unwrap();
-    });
 }
 
 /// Issue 69: a job launched with `--spares 1` trains at its MAX (3) with a fourth pod waiting

@@ -295,6 +295,19 @@ impl Cluster {
         });
     }
 
+    /// The last global step any rank's metrics recorded (the job trained some).
+    fn last_recorded_step(&self) -> u64 {
+        self.metrics()
+            .iter()
+            .flatten()
+            .filter_map(|r| match r {
+                Record::Step(s) => Some(s.step),
+                _ => None,
+            })
+            .max()
+            .expect("steps were trained")
+    }
+
     /// The global step a PyTorch run's checkpoint (`trainctl.torch`'s) holds.
     fn torch_checkpoint_step(&self) -> Option<u64> {
         let Program::PyTorch { python, .. } = &self.program else {
@@ -880,16 +893,7 @@ fn every_agent_told_to_go(store: Store, name: &str) {
         stopped.matches("the others go on at world size").count() <= 1,
         "at most one node leaves alone:\n{stopped}"
     );
-    let trained = c
-        .metrics()
-        .iter()
-        .flatten()
-        .filter_map(|r| match r {
-            Record::Step(s) => Some(s.step),
-            _ => None,
-        })
-        .max()
-        .expect("steps were trained");
+    let trained = c.last_recorded_step();
     let p = c.progress().expect("the stop left a checkpoint");
     assert_eq!(
         p["global_step"].as_u64(),
@@ -955,16 +959,7 @@ fn rank_0_lost_then_stopped_while_waiting(cluster: Option<Cluster>) {
         stopped.push(out);
     }
     let stopped = stopped.join("\n");
-    let trained = c
-        .metrics()
-        .iter()
-        .flatten()
-        .filter_map(|r| match r {
-            Record::Step(s) => Some(s.step),
-            _ => None,
-        })
-        .max()
-        .expect("steps were trained");
+    let trained = c.last_recorded_step();
     let held = match c.program {
         Program::Builtin => c.progress().and_then(|p| p["global_step"].as_u64()),
         Program::PyTorch { .. } => c.torch_checkpoint_step(),
@@ -1112,6 +1107,9 @@ fn soak(mut c: Cluster, name: &str) {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| std::process::id() as u64);
     eprintln!("{name}: seed {seed} (TRAINCTL_SOAK_SEED={seed} replays it)");
+    // The job ends at world size 3: it waits, at world size 2, for the last replacement's warm
+    // start.
+    c.slow_below = Some("3:0.2");
     let mut rng = seed;
     let mut draw = |n: u64| {
         rng = rng
