@@ -295,6 +295,19 @@ impl Cluster {
         });
     }
 
+    /// The same command again on the three hosts, after a stop: it resumes from the
+    /// checkpoint (said on some node's output) and every node succeeds; their outputs.
+    fn run_again_from_the_checkpoint(&mut self) -> Vec<String> {
+        let again: Vec<usize> = (1..=3).map(|h| self.start(h, 1)).collect();
+        let outputs: Vec<String> = again.iter().map(|&a| self.succeeds(a)).collect();
+        assert!(
+            outputs.iter().any(|o| o.contains("resum")),
+            "the second run resumes from the checkpoint:\n{}",
+            outputs.join("\n")
+        );
+        outputs
+    }
+
     /// The last global step any rank's metrics recorded (the job trained some).
     fn last_recorded_step(&self) -> u64 {
         self.metrics()
@@ -908,13 +921,7 @@ fn every_agent_told_to_go(store: Store, name: &str) {
     // the last call's 0.5 s on this 2-core machine waited for the next round, which a job
     // this short may not reach, and the job ended at world size 2.
     c.nnodes = "3:3";
-    let again: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    let outputs: Vec<String> = again.iter().map(|&a| c.succeeds(a)).collect();
-    assert!(
-        outputs.iter().any(|o| o.contains("resum")),
-        "the second run resumes from the checkpoint:\n{}",
-        outputs.join("\n")
-    );
+    let outputs = c.run_again_from_the_checkpoint();
     c.verify_finished(&outputs, 3);
     c.verify_exactly_once();
 }
@@ -969,13 +976,7 @@ fn rank_0_lost_then_stopped_while_waiting(cluster: Option<Cluster>) {
         Some(trained),
         "the checkpoint holds the last step trained:\n{stopped}"
     );
-    let again: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
-    let outputs: Vec<String> = again.iter().map(|&a| c.succeeds(a)).collect();
-    assert!(
-        outputs.iter().any(|o| o.contains("resum")),
-        "the second run resumes from the checkpoint:\n{}",
-        outputs.join("\n")
-    );
+    let outputs = c.run_again_from_the_checkpoint();
     c.verify_end(&outputs, 3);
     c.verify_every_image_once(true);
 }
