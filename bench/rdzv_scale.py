@@ -334,11 +334,9 @@ def main():
     p.add_argument("--program", choices=["sleep", "train"], default="sleep",
                    help="what each agent runs: `sleep 600`, or the built-in trainer (seed CNN on "
                         "a generated 960-image set, batch 8, 1 thread: for small N)")
-    p.add_argument("--regroup", choices=["restart", "in-process"], default="restart",
-                   help="the agents' --regroup: `restart` (the default here) for `sleep`, a program "
-                        "that never regroups in place; under `in-process` (trainctl run's default) "
-                        "an agent cannot tell so at its first start and holds late nodes up to 20 s "
-                        "for its workers (ADMISSION_HOLD)")
+    p.add_argument("--regroup", choices=["restart", "in-process"], default="in-process",
+                   help="the agents' --regroup (trainctl run's default: in-process; `sleep` is no "
+                        "Python program, so no agent holds late nodes for its workers' start)")
     p.add_argument("--timeline", action="store_true",
                    help="print when the agents came up and each round formed")
     p.add_argument("--trainctl", default=os.path.join(

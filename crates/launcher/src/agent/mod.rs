@@ -9,6 +9,7 @@
 
 mod causes;
 mod decide;
+mod hold;
 mod warm;
 
 use std::time::{Duration, Instant};
@@ -22,6 +23,7 @@ use crate::supervise::{Group, Launch, Start, Status, with_timer};
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 use causes::Causes;
 use decide::{Memory, Next, Round, Seen};
+use hold::{ADMISSION_HOLD, may_regroup_in_place};
 use warm::Warmed;
 
 /// Runs this node's part of an elastic job. `spec` gives the workers (program, nproc, log dir,
@@ -52,16 +54,6 @@ pub fn run_elastic(
     }
     Ok(outcome)
 }
-
-/// How long, from their start, a node's workers may hold the admission of nodes waiting to
-/// join while they start (at this node's first start, or again after they regrouped in place
-/// before), until they say they regroup in place: enough for a PyTorch program's imports on a
-/// loaded machine. A node arriving while the first workers import torch is then taken in place
-/// rather than costing them a restart. A program that never says so (one without
-/// `trainctl.torch`) holds a late node this long at its first start, then is restarted for it
-/// as torchrun would; after that it holds nobody. The agent cannot tell such a program at its
-/// first start; under `--regroup restart` nothing is held.
-const ADMISSION_HOLD: Duration = Duration::from_secs(20);
 
 /// The health check before the first join (`spec.health_check`): measures this node, puts
 /// the figures in its entry of the record, compares them with the nodes already in the job,
@@ -260,7 +252,7 @@ fn run_rounds(
             causes: &mut causes,
             failed_regroups,
             regroup_in_place,
-            first_start: rounds == 0,
+            may_hold: rounds == 0 && may_regroup_in_place(&spec.program),
             closing: false,
             store_down: false,
         };
@@ -391,8 +383,10 @@ struct InRound<'a> {
     failed_regroups: u32,
     /// This node's workers have said they regroup in place, in this round or an earlier one.
     regroup_in_place: bool,
-    /// This node's first workers of the launch (no round before this one).
-    first_start: bool,
+    /// These workers are this node's first of the launch (no round before this one), of a
+    /// program that may say it regroups in place (`hold::may_regroup_in_place`): while they
+    /// start, they hold late nodes.
+    may_hold: bool,
     /// The job was closed by another node that finished: our workers finish too, no restart.
     closing: bool,
     /// The last watch could not reach the store (said once, until it answers again).
@@ -522,12 +516,13 @@ impl InRound<'_> {
         }
         // Workers still starting (a program importing torch) would have to be restarted to
         // take a joiner now; held a while, they say they regroup and take it in place (see
-        // ADMISSION_HOLD): at this node's first start, and mid-job where they said so before;
-        // never under --regroup restart, where a joiner restarts them whenever it comes.
+        // ADMISSION_HOLD): at this node's first start of a program that may say so, and mid-job
+        // where they said so before; never under --regroup restart, where a joiner restarts
+        // them whenever it comes.
         self.regroup_in_place |= group.can_regroup();
         self.rdzv.hold_admissions(
             self.spec.regroup
-                && (self.first_start || self.regroup_in_place)
+                && (self.may_hold || self.regroup_in_place)
                 && group.starting(ADMISSION_HOLD),
         );
         Some(match self.rdzv.watch() {

@@ -2,6 +2,7 @@
 //! backends. Correctness, not speed (bench/rdzv_scale.py measures that): the job starts in
 //! one round of 32 after a few at most (late agents admitted together, not one round each),
 //! and a killed agent's 31 survivors all land in one round of 31.
+//! A plain program holds no late node at its first start.
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -228,4 +229,30 @@ fn late_agents_are_admitted_together_c10d() {
 fn late_agents_are_admitted_together_etcd() {
     let etcd = EtcdServer::start();
     late_agents("etcd", &etcd.url());
+}
+
+/// A program that cannot say it regroups in place (`sleep`: not Python, not the built-in
+/// trainer) holds no late node at its first start: the agent that arrives while the first
+/// agent's workers start is admitted after the join window, not after the 20 s a PyTorch
+/// program's start may hold it (the launcher's `ADMISSION_HOLD`), which 256 agents once paid
+/// in a row. Under 15 s here; the hold would be 20 s from the workers' start.
+#[test]
+fn a_program_that_is_not_python_holds_no_late_node_at_its_first_start() {
+    let port = free_port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let run_id = format!("nohold-{}", std::process::id());
+    let mut agents = Agents {
+        children: Vec::new(),
+        seen: Vec::new(),
+    };
+    agents.add("c10d", &endpoint, &run_id, 1, 2);
+    agents.wait_for_round(&[0], 1);
+    let arrived = Instant::now();
+    agents.add("c10d", &endpoint, &run_id, 1, 2);
+    agents.wait_for_round(&[0, 1], 2);
+    let waited = arrived.elapsed();
+    assert!(
+        waited < Duration::from_secs(15),
+        "the late agent was admitted {waited:?} after it started: held for the first workers' start"
+    );
 }
