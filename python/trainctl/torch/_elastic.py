@@ -257,7 +257,9 @@ class Elastic:
         None on the ranks that must skip it (rare; each skip is said): a rank that came into
         the group skips the evaluations the others made before it came in, and when a peer is
         lost in one and the new group has a newcomer, every rank skips it (``fn`` would wait
-        for the newcomer, which is not there)."""
+        for the newcomer, which is not there). When a lost peer interrupts ``fn``, the modules'
+        train/eval modes are put back as they were before it (its ``model.train()`` never
+        came)."""
         if self._stepper.in_step:
             raise UsageError(
                 "job.evaluate() inside `with job.step():`: evaluate between steps (after the block, "
@@ -273,11 +275,14 @@ class Elastic:
             return self._skip_evaluation("this rank came into the group after the others made it")
         while True:
             started = time.monotonic()
+            modes = self.state.modes()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - sorted below
                 if not self._stepper.regroups(e, started):
                     raise
+                # fn stopped midway: its model.eval() stays unless undone.
+                modes()
                 synced = self._membership.regroup(why(e), lost=True, detail=detail(e))
                 if synced.fresh:
                     return self._skip_evaluation("a peer was lost while it ran, and a node joined the new group")

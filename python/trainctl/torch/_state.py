@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import io
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,25 @@ class TrainingState:
         # The weights' and the kept state's fingerprints as of the last check (`fingerprint`).
         self.weights_fp = 0
         self.kept_fps: dict[str, int] = {}
+
+    # --- the modules' train/eval modes ----------------------------------------------------------
+
+    def modes(self) -> Callable[[], int]:
+        """Remembers the train/eval mode of every module of the model and of the kept state
+        (an EMA's): the returned function puts back those that changed since, and says how
+        many. An evaluation a lost peer interrupts has called ``model.eval()`` and never
+        reaches its ``model.train()``: without this, the rank would train on in eval mode
+        (batch norm on its running statistics, no dropout), unlike its peers."""
+        modules = [self.module] + [obj for _, obj in self.kept.objects if isinstance(obj, torch.nn.Module)]
+        held = [(m, m.training) for top in modules for m in top.modules()]
+
+        def restore() -> int:
+            changed = [m for m, training in held if m.training != training]
+            for m, training in held:
+                m.training = training
+            return len(changed)
+
+        return restore
 
     # --- what the safety net compares -----------------------------------------------------------
 

@@ -199,13 +199,12 @@ fn c10d_pytorch_a_node_lost_while_evaluating_the_others_evaluate_again() {
 /// nodes killed at random steps, each replaced, under a per-step OneCycleLR, accumulation, a
 /// GradScaler, DataLoader workers and an evaluation every epoch.
 ///
-/// Ignored until an open bug is fixed: once in three full runs (2026-11-29, seed 4099) a node
-/// killed during the epoch-end evaluation while a joiner came in ended the job with
-/// `DivergedError` (the AveragedModel's state differing between the survivor, which skipped
-/// the evaluation, and the joiner): loud, not silent, and not yet understood. `cargo test -p
-/// trainctl --test cli -- --ignored c10d_pytorch_patterns_kills_and_joins` runs it.
+/// Seed 4099 (`TRAINCTL_SOAK_SEED=4099`) once ended with `DivergedError`: a node killed in the
+/// epoch-end evaluation as a joiner came in left the survivor's model in eval mode (the
+/// evaluation's `model.train()` never ran, and the survivor skipped it), so the survivor trained
+/// on in eval mode and its AveragedModel parted from the joiner's. `job.evaluate()` now puts the
+/// modules' modes back.
 #[test]
-#[ignore = "open bug: an intermittent DivergedError when a node dies in the epoch-end evaluation as a joiner comes in"]
 fn c10d_pytorch_patterns_kills_and_joins_at_random_stay_exact() {
     let name = "c10d-py-patterns-soak";
     let Some(c) = cluster(Store::C10d, name, EVERY_PATTERN.to_vec()) else {
