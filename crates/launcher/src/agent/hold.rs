@@ -31,9 +31,10 @@ pub(super) fn may_regroup_in_place(program: &[OsString]) -> bool {
     };
     let trainer = matches!(program, [exe, verb, ..] if name(exe) == "trainctl" && verb == "train");
     trainer
-        || program.iter().map(name).any(|n| {
-            n.starts_with("python") || n.starts_with("pypy") || n.ends_with(".py")
-        })
+        || program
+            .iter()
+            .map(name)
+            .any(|n| n.starts_with("python") || n.starts_with("pypy") || n.ends_with(".py"))
 }
 
 #[cfg(test)]

@@ -13,7 +13,11 @@ use crate::supervise::Group;
 /// together. Workers that cannot leave at a step (still starting, a program without
 /// `trainctl.torch`) are stopped as a stop signal stops them; the others restart theirs at the
 /// new size. Returns [`Group::wait_exited`]'s word on how the workers ended.
-pub(super) fn let_workers_go(spec: &LaunchSpec, rdzv: &mut Rendezvous, group: Group) -> Option<bool> {
+pub(super) fn let_workers_go(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    group: Group,
+) -> Option<bool> {
     let wait = LEAVE_TIMEOUT.min(spec.regroup_timeout);
     let deadline = Instant::now() + wait;
     let finished = if group.can_regroup() {

@@ -76,7 +76,11 @@ impl Looked {
 
 impl InRound<'_> {
     /// Watches `group` until the round ends for this node: look, decide, act.
-    pub(super) fn run(&mut self, mut group: Group, events: &mut dyn FnMut(LaunchEvent)) -> RoundEnd {
+    pub(super) fn run(
+        &mut self,
+        mut group: Group,
+        events: &mut dyn FnMut(LaunchEvent),
+    ) -> RoundEnd {
         let spec = self.spec;
         loop {
             if let Some(looked) = self.look(&mut group, events) {

@@ -6,8 +6,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use super::{Joined, Rendezvous};
-use crate::state::{self, JoinStep, Node, Phase, State};
 use crate::RendezvousError;
+use crate::state::{self, JoinStep, Node, Phase, State};
 
 /// A join that has waited a while without a round: said every [`still_joining_every`], so
 /// nothing waits silently for its join timeout.
