@@ -75,6 +75,8 @@ impl Resolved {
         Ok(resolved)
     }
 
+    /// The settings' defaults and the preset's, then the settings derived from the others,
+    /// where no layer gave them.
     pub(super) fn fill_defaults(&mut self) {
         let preset = self
             .get("cluster.preset")
@@ -94,8 +96,11 @@ impl Resolved {
             Source::Preset(preset.name()),
         );
         default("cluster.nodes", "2".into(), Source::Preset(preset.name()));
+        self.derive();
+    }
 
-        // Settings computed from others.
+    /// The settings computed from others (`Source::Derived`), where none was given.
+    fn derive(&mut self) {
         let mount = self
             .get("storage.mount_path")
             .unwrap_or("/data")

@@ -16,11 +16,11 @@ mod leave;
 mod round;
 mod warm;
 
-use rendezvous::{Joined, Rendezvous};
+use rendezvous::{Assignment, Joined, Rendezvous};
 
 use crate::output::Sink;
 use crate::report::Outcome;
-use crate::supervise::{Group, Launch, Start};
+use crate::supervise::{Group, Launch, Outputs, Start};
 use crate::{LaunchError, LaunchEvent, LaunchSpec};
 use causes::Causes;
 use hold::may_regroup_in_place;
@@ -139,25 +139,11 @@ fn run_rounds(
     let launch = Launch::open(spec)?;
     // Joining a job under way, the workers start warm: the others then wait for the state's
     // transfer alone, not for this node's start.
-    let mut kept: Option<Kept> =
-        match warm::warm_up(spec, rdzv, &launch, (&stdout, &stderr), events)? {
-            Warmed::Ready(group) => Some(Kept {
-                group,
-                reason: format!("node {} joins, its workers warm", rdzv.node_id()),
-            }),
-            Warmed::Cold(why) => {
-                if let Some(why) = why {
-                    events(LaunchEvent::WarmStartFailed(why));
-                }
-                None
-            }
-            Warmed::Stopped(signal) => {
-                return Ok(Outcome::Interrupted {
-                    signal,
-                    checkpointed: false,
-                });
-            }
-        };
+    let warmed = warm::warm_up(spec, rdzv, &launch, (&stdout, &stderr), events)?;
+    let mut kept = match kept_warm(warmed, rdzv.node_id(), events) {
+        Ok(kept) => kept,
+        Err(stopped) => return Ok(stopped),
+    };
     // The nodes of the round the kept workers left.
     let mut held: Vec<String> = Vec::new();
     // Regroups in a row whose new group failed before it trained: past --max-restarts, the
@@ -170,81 +156,30 @@ fn run_rounds(
     // Why this node's workers were handed each round they have not yet said they train in.
     let mut causes = Causes::default();
     loop {
-        rdzv.set_port(crate::free_port()?);
-        events(LaunchEvent::Joining {
-            node: rdzv.node_id().to_string(),
-        });
-        let mut warming = warm::WhileWaiting::new(spec, kept.is_some());
-        let joined = rdzv.join(&|| launch.signals.received().is_some(), &mut |w| {
-            warming.heard(w.warm_start_pays, spec, &launch, (&stdout, &stderr), events);
-            events(LaunchEvent::StillJoining(w))
-        });
-        let assignment = match joined {
-            Ok(Joined::Assigned(a)) => a,
-            ended => {
-                let signal = launch.signals.received().unwrap_or(15);
-                let kept = kept.take().or_else(|| {
-                    warming.into_group().map(|group| Kept {
-                        group,
-                        reason: String::new(),
-                    })
-                });
-                return not_joined(ended, spec, rdzv, kept, &held, signal, events);
-            }
+        let assignment = match join_round(
+            spec,
+            rdzv,
+            &launch,
+            (&stdout, &stderr),
+            &mut kept,
+            &held,
+            events,
+        )? {
+            Ok(assignment) => assignment,
+            Err(over) => return Ok(over),
         };
-        if let Some(group) = warming.ready(spec, &launch, events) {
-            kept = Some(Kept {
-                group,
-                reason: format!("node {} takes a place, its workers warm", rdzv.node_id()),
-            });
-        }
         events(LaunchEvent::Joined(assignment.clone()));
-        let mut extra_env = spec.extra_env.clone();
-        if let Some(h) = health {
-            extra_env.push((
-                contract::env::NODE_HEALTH.into(),
-                format!("{},{}", h.gemm_mflops, h.loopback_mbps),
-            ));
-        }
-        let round_spec = LaunchSpec {
-            extra_env,
-            nnodes: assignment.nnodes,
-            node_rank: assignment.node_rank,
-            rank_offset: assignment.rank_offset,
-            world_size: assignment.world_size,
-            master_addr: assignment.master_addr.clone(),
-            master_port: assignment.master_port,
-            ..spec.clone()
-        };
-        let assigned = kept.take().and_then(|mut k| {
-            if k.group.assign(&round_spec, assignment.restart_count) {
-                return Some(k);
-            }
-            // One of them exited meanwhile: this node starts afresh.
-            k.group.stop(spec.grace);
-            None
-        });
-        let group = match assigned {
-            Some(k) => {
-                causes.handed(k.group.assignments(), k.reason);
-                *k.group
-            }
-            None => {
-                causes = Causes::default();
-                Group::spawn(
-                    &round_spec,
-                    assignment.restart_count,
-                    assignment.round,
-                    if spec.regroup {
-                        Start::InPlace
-                    } else {
-                        Start::Plain
-                    },
-                    launch.outputs(&stdout, &stderr),
-                    events,
-                )?
-            }
-        };
+        let round_spec = round_spec(spec, &assignment, health);
+        let outputs = launch.outputs(&stdout, &stderr);
+        let group = round_workers(
+            kept.take(),
+            &round_spec,
+            &assignment,
+            spec,
+            &mut causes,
+            outputs,
+            events,
+        )?;
         let mut round = InRound {
             spec,
             launch: &launch,
@@ -271,6 +206,136 @@ fn run_rounds(
             RoundEnd::Over(outcome) => return Ok(outcome),
         }
     }
+}
+
+/// Joins the next round, the workers `kept` from the last one (whose nodes were `held`) still
+/// running, or starting warm meanwhile when the job turns out to train without this node; those
+/// workers are in `kept` once it has a place. `Err`: joining ended without a round (a stop, the
+/// job over, an error), and the launch ends so.
+fn join_round(
+    spec: &LaunchSpec,
+    rdzv: &mut Rendezvous,
+    launch: &Launch,
+    outputs: (&Sink, &Sink),
+    kept: &mut Option<Kept>,
+    held: &[String],
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Result<Assignment, Outcome>, LaunchError> {
+    rdzv.set_port(crate::free_port()?);
+    events(LaunchEvent::Joining {
+        node: rdzv.node_id().to_string(),
+    });
+    let mut warming = warm::WhileWaiting::new(spec, kept.is_some());
+    let joined = rdzv.join(&|| launch.signals.received().is_some(), &mut |w| {
+        warming.heard(w.warm_start_pays, spec, launch, outputs, events);
+        events(LaunchEvent::StillJoining(w))
+    });
+    let assignment = match joined {
+        Ok(Joined::Assigned(a)) => a,
+        ended => {
+            let signal = launch.signals.received().unwrap_or(15);
+            let kept = kept.take().or_else(|| {
+                warming.into_group().map(|group| Kept {
+                    group,
+                    reason: String::new(),
+                })
+            });
+            return not_joined(ended, spec, rdzv, kept, held, signal, events).map(Err);
+        }
+    };
+    if let Some(group) = warming.ready(spec, launch, events) {
+        *kept = Some(Kept {
+            group,
+            reason: format!("node {} takes a place, its workers warm", rdzv.node_id()),
+        });
+    }
+    Ok(Ok(assignment))
+}
+
+/// The workers a warm start left (`Warmed`), kept for the first round; `Err`: a stop signal
+/// came while they started, and the launch ends so.
+fn kept_warm(
+    warmed: Warmed,
+    node: &str,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Option<Kept>, Outcome> {
+    match warmed {
+        Warmed::Ready(group) => Ok(Some(Kept {
+            group,
+            reason: format!("node {node} joins, its workers warm"),
+        })),
+        Warmed::Cold(why) => {
+            if let Some(why) = why {
+                events(LaunchEvent::WarmStartFailed(why));
+            }
+            Ok(None)
+        }
+        Warmed::Stopped(signal) => Err(Outcome::Interrupted {
+            signal,
+            checkpointed: false,
+        }),
+    }
+}
+
+/// The workers' spec in the round `assignment` gives: its ranks, world size and master, and
+/// this node's health figures (`contract::env::NODE_HEALTH`) when it measured them.
+fn round_spec(
+    spec: &LaunchSpec,
+    assignment: &Assignment,
+    health: Option<crate::health::Health>,
+) -> LaunchSpec {
+    let mut extra_env = spec.extra_env.clone();
+    if let Some(h) = health {
+        extra_env.push((
+            contract::env::NODE_HEALTH.into(),
+            format!("{},{}", h.gemm_mflops, h.loopback_mbps),
+        ));
+    }
+    LaunchSpec {
+        extra_env,
+        nnodes: assignment.nnodes,
+        node_rank: assignment.node_rank,
+        rank_offset: assignment.rank_offset,
+        world_size: assignment.world_size,
+        master_addr: assignment.master_addr.clone(),
+        master_port: assignment.master_port,
+        ..spec.clone()
+    }
+}
+
+/// The workers of the round `assignment` gives: those `kept` running, handed the round, or,
+/// when there are none or one of them exited meanwhile (the others are stopped), new ones.
+/// `causes` learns why kept workers were handed it, and starts afresh with new ones.
+fn round_workers(
+    kept: Option<Kept>,
+    round_spec: &LaunchSpec,
+    assignment: &Assignment,
+    spec: &LaunchSpec,
+    causes: &mut Causes,
+    outputs: Outputs<'_>,
+    events: &mut dyn FnMut(LaunchEvent),
+) -> Result<Group, LaunchError> {
+    if let Some(mut k) = kept {
+        if k.group.assign(round_spec, assignment.restart_count) {
+            causes.handed(k.group.assignments(), k.reason);
+            return Ok(*k.group);
+        }
+        k.group.stop(spec.grace);
+    }
+    *causes = Causes::default();
+    let start = if spec.regroup {
+        Start::InPlace
+    } else {
+        Start::Plain
+    };
+    Group::spawn(
+        round_spec,
+        assignment.restart_count,
+        assignment.round,
+        start,
+        outputs,
+        events,
+    )
 }
 
 /// Joining ended without a round (`ended`: a stop, the job over, an error): the launch ends,

@@ -52,23 +52,14 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     let mut world = world.clone();
     // When this worker's first group broke up: it waited for another.
     let mut rejoined: Option<(Instant, u32)> = None;
-    // Started warm (its node joins a job under way): its data read before its node has a
-    // place, then its first round waited for; the others pause only for its group's start.
-    let mut prepared = None;
-    if world.warm {
-        let Some(control) = control.as_mut() else {
-            return Err(TrainError::Config(
-                "started warm, but the agent's control channel cannot be used: this worker \
-                 cannot be handed its place in the job"
-                    .into(),
-            ));
-        };
-        prepared = Some(Setup::prepare(cfg, &world, None, report)?);
-        control.ready()?;
-        world = control.first_round(&world, &cfg.stop)?;
+    let prepared = if world.warm {
+        let prepared = warm_start(cfg, &mut world, control.as_mut(), report)?;
         // Its report says it had no world before (a warm join, not a regroup).
         rejoined = Some((Instant::now(), 0));
-    }
+        Some(prepared)
+    } else {
+        None
+    };
     let Started {
         mut group,
         setup,
@@ -77,23 +68,14 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         template,
         state,
         synced,
-    } = loop {
-        match start(cfg, &world, prepared.clone(), control.as_mut(), report) {
-            Ok(started) => break started,
-            // The group broke up before it trained (a peer lost or silent): with an agent to
-            // regroup, this worker waits for its next round instead of failing.
-            Err(TrainError::Collective(e))
-                if protocol::after_start_failure(protocol::Failure::of(&e), control.is_some())
-                    == protocol::AfterStartFailure::Regroup =>
-            {
-                if let Some(control) = control.as_mut() {
-                    rejoined.get_or_insert((Instant::now(), world.world_size));
-                    world = control.rejoin(&world, e.to_string(), &cfg.stop)?;
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    };
+    } = first_group(
+        cfg,
+        &mut world,
+        prepared,
+        control.as_mut(),
+        &mut rejoined,
+        report,
+    )?;
     let world = &world;
     let (rank, world_size) = (group.rank(), group.world_size());
     if let (Some((since, world_size_before)), Some(control)) = (rejoined, control.as_mut()) {
@@ -111,27 +93,15 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
     }
 
     let mut recorder = Recorder::open(&cfg.run_dir, world, report);
-    recorder.start(
-        telemetry::metrics::Start {
-            v: telemetry::metrics::SCHEMA_VERSION,
-            time: telemetry::unix_time(),
-            rank: rank as u32,
-            world_size: world_size as u32,
-            restart: world.restart_count,
-            step: state.progress.global_step,
-            resumed: synced.resumed,
-            from_peer: synced.received,
-            health: world.node_health.map(|(gemm_mflops, loopback_mbps)| {
-                telemetry::metrics::NodeHealth {
-                    gemm_mflops,
-                    loopback_mbps,
-                }
-            }),
-            config: config::run_config(cfg, world, setup.image_size),
-        },
-        world_size,
-        report,
+    let start = start_record(
+        cfg,
+        world,
+        &setup,
+        (rank, world_size),
+        state.progress.global_step,
+        &synced,
     );
+    recorder.start(start, world_size, report);
 
     let mut run = Run {
         cfg,
@@ -166,6 +136,85 @@ pub fn train(cfg: &TrainConfig, world: &World, report: &mut dyn FnMut(Event)) ->
         control.finished();
     }
     Ok(())
+}
+
+/// A warm start (its node joins a job under way): this worker reads its data before its node
+/// has a place, says it is ready, and waits for its first round (`world` then); the others
+/// pause only for its group's start.
+fn warm_start(
+    cfg: &TrainConfig,
+    world: &mut World,
+    control: Option<&mut Control>,
+    report: &mut dyn FnMut(Event),
+) -> Result<Setup> {
+    let Some(control) = control else {
+        return Err(TrainError::Config(
+            "started warm, but the agent's control channel cannot be used: this worker \
+             cannot be handed its place in the job"
+                .into(),
+        ));
+    };
+    let prepared = Setup::prepare(cfg, world, None, report)?;
+    control.ready()?;
+    *world = control.first_round(world, &cfg.stop)?;
+    Ok(prepared)
+}
+
+/// Starts this worker's first group in `world`, and while it breaks up before it trains (a
+/// peer lost or silent) with an agent to regroup, waits for the next round instead of failing
+/// (`rejoined`: since when, from which world size, for the report of that regroup).
+fn first_group(
+    cfg: &TrainConfig,
+    world: &mut World,
+    prepared: Option<Setup>,
+    mut control: Option<&mut Control>,
+    rejoined: &mut Option<(Instant, u32)>,
+    report: &mut dyn FnMut(Event),
+) -> Result<Started> {
+    loop {
+        match start(cfg, world, prepared.clone(), control.as_deref_mut(), report) {
+            Ok(started) => return Ok(started),
+            Err(TrainError::Collective(e))
+                if protocol::after_start_failure(protocol::Failure::of(&e), control.is_some())
+                    == protocol::AfterStartFailure::Regroup =>
+            {
+                if let Some(control) = control.as_deref_mut() {
+                    rejoined.get_or_insert((Instant::now(), world.world_size));
+                    *world = control.rejoin(world, e.to_string(), &cfg.stop)?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The run's start record: where this worker starts (`step`, resumed or from a peer as
+/// `synced` says), its node's health figures and the run's configuration.
+fn start_record(
+    cfg: &TrainConfig,
+    world: &World,
+    setup: &Setup,
+    (rank, world_size): (usize, usize),
+    step: u64,
+    synced: &membership::Synced,
+) -> telemetry::metrics::Start {
+    telemetry::metrics::Start {
+        v: telemetry::metrics::SCHEMA_VERSION,
+        time: telemetry::unix_time(),
+        rank: rank as u32,
+        world_size: world_size as u32,
+        restart: world.restart_count,
+        step,
+        resumed: synced.resumed,
+        from_peer: synced.received,
+        health: world.node_health.map(|(gemm_mflops, loopback_mbps)| {
+            telemetry::metrics::NodeHealth {
+                gemm_mflops,
+                loopback_mbps,
+            }
+        }),
+        config: config::run_config(cfg, world, setup.image_size),
+    }
 }
 
 /// A worker's group, its data and its state, the same as every other rank's.
