@@ -6,6 +6,7 @@
 //! - [`manifests`]: the Kubernetes objects (storage, data, training, test and doctor jobs);
 //! - [`launchers`]: the kinds of training job (Indexed Job, PyTorchJob, TrainJob, MPIJob), one
 //!   module each behind one trait, chosen from one table;
+//! - [`status`]: a job's and its pods' state, read from the API's objects;
 //! - [`kube_api`]: applying them and watching jobs through the Kubernetes API (kube-rs);
 //! - [`doctor`]: the in-cluster checks of `trainctl doctor check`.
 //!
@@ -18,3 +19,4 @@ pub mod eksctl;
 pub mod kube_api;
 pub mod launchers;
 pub mod manifests;
+pub mod status;

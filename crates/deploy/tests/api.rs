@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use deploy::config::Project;
 use deploy::kube_api::{ApiError, Kube, Phase};
-use deploy::manifests;
+use deploy::{launchers, manifests};
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use serde_json::{Value, json};
@@ -1326,7 +1326,7 @@ async fn top_shows_pods_and_their_nodes() {
 async fn launch_applies_each_object_server_side() {
     let api = MockApi::default();
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     for doc in &docs {
         let path = match doc["kind"].as_str().unwrap() {
             "Secret" => "/api/v1/namespaces/default/secrets/cifar10-token",
@@ -1386,7 +1386,7 @@ async fn launch_applies_each_object_server_side() {
 #[tokio::test]
 async fn launch_checks_the_server_and_the_namespace_first() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("T"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("T"));
     let api = MockApi::default();
     api.on(Method::GET, "/version", vec![version_info("1", "25+")]);
     let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
@@ -1418,7 +1418,7 @@ async fn launch_checks_the_server_and_the_namespace_first() {
 async fn a_launch_refused_half_way_removes_what_it_applied() {
     let api = MockApi::default();
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("T"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("T"));
     let secret = "/api/v1/namespaces/default/secrets/cifar10-token";
     let service = "/api/v1/namespaces/default/services/cifar10";
     api.on(Method::PATCH, secret, vec![ok(docs[0].clone())]);
@@ -1463,7 +1463,7 @@ async fn launch_refuses_to_replace_an_existing_job() {
         .kube()
         .launch(
             "cifar10",
-            &manifests::training_job(&p, manifests::Token::Value("T")),
+            &launchers::training_job(&p, launchers::Token::Value("T")),
         )
         .await
         .unwrap_err();
@@ -1479,7 +1479,7 @@ async fn launch_refuses_to_replace_an_existing_job() {
 async fn launching_a_pytorchjob_without_the_operator_says_install_it() {
     let api = MockApi::default();
     let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "pytorchjob")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("T"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("T"));
     api.on(
         Method::PATCH,
         "/api/v1/namespaces/default/secrets/cifar10-token",
@@ -1507,7 +1507,7 @@ async fn launching_a_pytorchjob_without_the_operator_says_install_it() {
 async fn launching_a_trainjob_without_trainer_says_install_it() {
     let api = MockApi::default();
     let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "trainjob")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("T"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("T"));
     let e = api.kube().launch("cifar10", &docs).await.unwrap_err();
     assert!(!api.requests().iter().any(|r| r.starts_with("PATCH")));
     let text = e.to_string();
@@ -1741,7 +1741,7 @@ async fn follow_streams_until_the_job_has_finished() {
 async fn launch_with_etcd_applies_the_etcd_before_the_job() {
     let api = MockApi::default();
     let p = project(&[("storage.efs", "fs-1"), ("job.rdzv_backend", "etcd")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     for doc in &docs {
         let name = doc["metadata"]["name"].as_str().unwrap();
         let path = match doc["kind"].as_str().unwrap() {
@@ -2108,7 +2108,7 @@ async fn unauthorized_forbidden_and_missing_namespace_say_what_to_do() {
     assert!(!e.contains("in namespace"), "{e}");
 
     let api = MockApi::default();
-    let secret = manifests::training_job(&p, manifests::Token::Value("T")).remove(0);
+    let secret = launchers::training_job(&p, launchers::Token::Value("T")).remove(0);
     api.on(
         Method::PATCH,
         "/api/v1/namespaces/default/secrets/cifar10-token",

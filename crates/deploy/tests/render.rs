@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use deploy::config::{Project, Renders};
-use deploy::{eksctl, manifests};
+use deploy::{eksctl, launchers, manifests};
 use serde_json::Value;
 
 fn project(flags: &[(&'static str, &str)]) -> Project {
@@ -311,7 +311,7 @@ fn storage_renders_a_class_a_volume_and_a_read_write_many_claim() {
 #[test]
 fn indexed_training_job() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     insta::assert_snapshot!("job_indexed", manifests::to_yaml(&docs));
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Secret", "Service", "Job"]);
@@ -361,7 +361,7 @@ fn indexed_training_job() {
 #[test]
 fn a_one_node_job_names_its_pod_like_the_endpoint() {
     let p = project(&[("storage.efs", "fs-1"), ("job.nnodes", "1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     let job = docs.last().unwrap();
     assert_eq!(job["spec"]["completionMode"], "Indexed");
     assert_eq!(job["spec"]["completions"], 1);
@@ -386,7 +386,7 @@ fn a_one_node_job_names_its_pod_like_the_endpoint() {
 #[test]
 fn permanent_exit_codes_fail_the_job_and_failures_keep_their_last_lines() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let mut jobs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let mut jobs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     jobs.push(manifests::data_job(&p, None));
     jobs.push(manifests::test_job(&p));
     jobs.extend(manifests::doctor_job(&p));
@@ -434,7 +434,7 @@ fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
         ),
     ] {
         let p = project(flags);
-        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
         let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
         let spec = &job["spec"];
         let rules = spec["podFailurePolicy"]["rules"].as_array().unwrap();
@@ -491,7 +491,7 @@ fn the_training_job_replaces_disrupted_and_departed_pods_without_counting() {
 #[test]
 fn training_pods_announce_their_metrics_port() {
     let pod_of = |flags: &[(&'static str, &str)]| {
-        let docs = manifests::training_job(&project(flags), manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&project(flags), launchers::Token::Value("TOKEN"));
         docs[2]["spec"]["template"].clone()
     };
     let pod = pod_of(&[("storage.efs", "fs-1"), ("job.metrics_port", "9100")]);
@@ -539,7 +539,7 @@ fn gpu_nodes_give_their_gpus_to_a_program_not_to_the_built_in_trainer() {
         ("job.nproc_per_node", "8"),
     ];
     let p = project(&flags);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     let pod = &docs[2]["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
     for resource in ["nvidia.com/gpu", manifests::EFA_RESOURCE] {
@@ -581,7 +581,7 @@ fn gpu_nodes_give_their_gpus_to_a_program_not_to_the_built_in_trainer() {
     insta::assert_snapshot!("job_indexed_g4dn", manifests::to_yaml(&docs));
 
     let p = project(&[flags.as_slice(), &[("job.command", "python train.py")]].concat());
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     let pod = &docs[2]["spec"]["template"]["spec"];
     let resources = &pod["containers"][0]["resources"];
     for (resource, count) in [("nvidia.com/gpu", "8"), (manifests::EFA_RESOURCE, "1")] {
@@ -610,7 +610,7 @@ fn gpu_pods_on_efa_nodes_take_every_adapter_and_tell_nccl() {
             ("cluster.instance_type", instance),
             ("job.command", "python train.py"),
         ]);
-        manifests::training_job(&p, manifests::Token::Value("TOKEN"))[2]["spec"]["template"]["spec"]
+        launchers::training_job(&p, launchers::Token::Value("TOKEN"))[2]["spec"]["template"]["spec"]
             ["containers"][0]
             .clone()
     };
@@ -660,13 +660,13 @@ fn gpu_pods_on_efa_nodes_take_every_adapter_and_tell_nccl() {
 #[test]
 fn a_queue_labels_the_training_job_for_kueue() {
     for launcher in ["indexed", "pytorchjob", "trainjob"] {
-        let docs = manifests::training_job(
+        let docs = launchers::training_job(
             &project(&[
                 ("storage.efs", "fs-1"),
                 ("job.launcher", launcher),
                 ("job.queue", "team-a"),
             ]),
-            manifests::Token::Value("TOKEN"),
+            launchers::Token::Value("TOKEN"),
         );
         let job = docs.last().unwrap();
         assert_eq!(
@@ -680,9 +680,9 @@ fn a_queue_labels_the_training_job_for_kueue() {
         if launcher == "trainjob" {
             assert_valid(trainjob_validator(), job, "queued TrainJob");
         }
-        let unqueued = manifests::training_job(
+        let unqueued = launchers::training_job(
             &project(&[("storage.efs", "fs-1"), ("job.launcher", launcher)]),
-            manifests::Token::Value("TOKEN"),
+            launchers::Token::Value("TOKEN"),
         );
         assert!(!manifests::to_yaml(&unqueued).contains(manifests::QUEUE_LABEL));
     }
@@ -697,13 +697,13 @@ fn a_queue_labels_the_training_job_for_kueue() {
 /// whose operator keeps its own count of replicas refuses spares, saying what to use.
 #[test]
 fn spares_are_pods_beyond_max_of_an_indexed_job() {
-    let docs = manifests::training_job(
+    let docs = launchers::training_job(
         &project(&[
             ("storage.efs", "fs-1"),
             ("job.nnodes", "2:3"),
             ("job.spares", "1"),
         ]),
-        manifests::Token::Value("TOKEN"),
+        launchers::Token::Value("TOKEN"),
     );
     let job = docs.last().unwrap();
     assert_eq!(job["spec"]["completions"], 4, "{job}");
@@ -736,7 +736,7 @@ fn pytorchjobs_validate_against_the_crd() {
             ("job.launcher", "pytorchjob"),
             ("job.nnodes", nnodes),
         ]);
-        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
         assert_eq!(docs[1]["kind"], "PyTorchJob");
         assert_valid(pytorchjob_validator(), &docs[1], name);
         insta::assert_snapshot!(name, manifests::to_yaml(&docs));
@@ -782,7 +782,7 @@ fn trainjobs_validate_against_trainers_crds() {
         let mut settings = vec![("storage.efs", "fs-1"), ("job.launcher", "trainjob")];
         settings.extend_from_slice(flags);
         let p = project(&settings);
-        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
         let kinds: Vec<&str> = docs.iter().map(|d| d.kind()).collect();
         let runtime = &docs[docs.len() - 2];
         let job = &docs[docs.len() - 1];
@@ -815,7 +815,7 @@ fn trainjobs_validate_against_trainers_crds() {
             assert_eq!(pod["initContainers"][0]["name"], "install-trainctl");
         } else {
             assert_eq!(endpoint, Some("cifar10-node-0-0.cifar10:29400"));
-            assert_eq!(manifests::rdzv_host(&p), "cifar10-node-0-0.cifar10");
+            assert_eq!(launchers::rdzv_host(&p), "cifar10-node-0-0.cifar10");
             assert!(args.iter().any(|a| a == "1:3"), "{args:?}");
         }
     }
@@ -834,7 +834,7 @@ fn mpijobs_validate_against_the_mpi_operators_crd() {
         ("job.mpi_implementation", "intel"),
         ("image", "mpioperator/openmpi:v0.6.0"),
     ]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     assert_eq!(docs.len(), 1, "no Secret, no etcd: {docs:?}");
     let job = &docs[0];
     assert_eq!(job.kind(), "MPIJob");
@@ -903,7 +903,7 @@ fn an_mpijob_refuses_the_built_in_trainer_and_an_elastic_size() {
 #[test]
 fn the_crd_check_catches_a_misplaced_field() {
     let p = project(&[("storage.efs", "fs-1"), ("job.launcher", "pytorchjob")]);
-    let mut job = manifests::training_job(&p, manifests::Token::Value("TOKEN")).remove(1);
+    let mut job = launchers::training_job(&p, launchers::Token::Value("TOKEN")).remove(1);
     job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplica": 1 });
     assert!(!pytorchjob_validator().is_valid(&job));
     job["spec"]["elasticPolicy"] = serde_json::json!({ "minReplicas": "one" });
@@ -984,7 +984,7 @@ fn a_resnet_on_tiny_imagenet() {
             "90528d7ca1a48142e341f4ef8d21d0de",
         ]
     );
-    let docs = manifests::training_job(&p, manifests::Token::Value("token"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("token"));
     let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
     let train = args(job).join(" ");
     assert!(
@@ -1013,7 +1013,7 @@ fn core_objects_read_back_as_their_k8s_openapi_types() {
     use k8s_openapi::api::batch::v1::Job;
     use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Service};
     let p = project(&[("storage.efs", "fs-1")]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     let service: Service = serde_json::from_value(docs[1].clone().into()).unwrap();
     let job: Job = serde_json::from_value(docs[2].clone().into()).unwrap();
     assert_eq!(service.metadata.name.as_deref(), Some("cifar10"));
@@ -1029,19 +1029,19 @@ fn every_object_carries_the_resource_it_is_served_at() {
     // and a namespaced resource is exactly one rendered with a namespace.
     let p = project(&[("storage.efs", "fs-1"), ("job.rdzv_backend", "etcd")]);
     let pytorchjob = project(&[("job.launcher", "pytorchjob")]);
-    let mut all = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
-    all.extend(manifests::training_job(
+    let mut all = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
+    all.extend(launchers::training_job(
         &pytorchjob,
-        manifests::Token::Value("TOKEN"),
+        launchers::Token::Value("TOKEN"),
     ));
     all.extend(manifests::storage(&p).unwrap());
     all.extend(manifests::doctor_job(&p));
     all.extend(manifests::tensorboard(&p));
     all.push(manifests::data_job(&p, None));
     all.push(manifests::test_job(&p));
-    all.push(manifests::token_secret(
+    all.push(launchers::token_secret(
         &p,
-        manifests::Token::Value("TOKEN"),
+        launchers::Token::Value("TOKEN"),
     ));
     all.push(manifests::nvidia_device_plugin());
     let mut kinds = std::collections::BTreeSet::new();
@@ -1108,7 +1108,7 @@ fn a_user_program_in_its_own_image_runs_under_trainctl_run() {
                 "python /data/code/ddp_gloo.py --epochs 2 --note 'two words'",
             ),
         ]);
-        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
         let job = docs.last().unwrap();
         let pod = if launcher == "indexed" {
             &job["spec"]["template"]["spec"]
@@ -1194,7 +1194,7 @@ fn trainctl_comes_from_the_image_or_an_init_container() {
         ("trainctl_image", "me/pytorch-and-trainctl:1"),
         ("job.command", "python main.py"),
     ]);
-    let job = manifests::training_job(&p, manifests::Token::Value("TOKEN"))
+    let job = launchers::training_job(&p, launchers::Token::Value("TOKEN"))
         .pop()
         .unwrap();
     let pod = &job["spec"]["template"]["spec"];
@@ -1245,7 +1245,7 @@ fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
             ("job.nnodes", nnodes),
             ("job.rdzv_backend", "etcd"),
         ]);
-        let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+        let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
         let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
         let job = docs.last().unwrap();
         let pod = if launcher == "indexed" {
@@ -1314,9 +1314,9 @@ fn etcd_rendezvous_renders_an_etcd_beside_the_job() {
         .to_string();
     assert!(e.contains("choose c10d") && e.contains("zookeeper"), "{e}");
     // The default stays c10d: no etcd.
-    let docs = manifests::training_job(
+    let docs = launchers::training_job(
         &project(&[("storage.efs", "fs-1")]),
-        manifests::Token::Value("TOKEN"),
+        launchers::Token::Value("TOKEN"),
     );
     assert!(docs.iter().all(|d| d["kind"] != "Deployment"));
 }
@@ -1432,7 +1432,7 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
             "/data/cifar10"
         ]
     );
-    let docs = manifests::training_job(&p, manifests::Token::Value("token"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("token"));
     let job = docs.iter().find(|d| d["kind"] == "Job").unwrap();
     let train = args(&pod(job)).join(" ");
     assert!(
@@ -1462,7 +1462,7 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
         ),
         ("job.upload", "none"),
     ]);
-    let docs = manifests::training_job(&p, manifests::Token::Value("TOKEN"));
+    let docs = launchers::training_job(&p, launchers::Token::Value("TOKEN"));
     let job = docs.last().unwrap();
     assert_valid(
         pytorchjob_validator(),
@@ -1502,7 +1502,7 @@ fn an_s3_bucket_gives_the_pods_an_irsa_service_account() {
 #[test]
 fn the_token_secret_is_the_same_on_every_render_and_holds_no_token() {
     let p = project(&[("storage.efs", "fs-1")]);
-    let render = || manifests::training_job(&p, manifests::Token::Withheld);
+    let render = || launchers::training_job(&p, launchers::Token::Withheld);
     let first = render();
     assert_eq!(manifests::to_yaml(&first), manifests::to_yaml(&render()));
     let secret = &first[0];
@@ -1511,7 +1511,7 @@ fn the_token_secret_is_the_same_on_every_render_and_holds_no_token() {
         secret.get("stringData").is_none() && secret.get("data").is_none(),
         "{secret}"
     );
-    let launched = manifests::training_job(&p, manifests::Token::Value("s3cret-from-launch"));
+    let launched = launchers::training_job(&p, launchers::Token::Value("s3cret-from-launch"));
     assert_eq!(launched[0]["stringData"]["token"], "s3cret-from-launch");
     let mut without_value = launched[0].clone();
     without_value.as_object_mut().unwrap().remove("stringData");

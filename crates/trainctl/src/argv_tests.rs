@@ -136,7 +136,7 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
     ];
     let mut seen = std::collections::BTreeSet::new();
     for job in &jobs {
-        let run = deploy::manifests::worker_run_args(job);
+        let run = deploy::launchers::worker_run_args(job);
         for flag in &run.flags {
             seen.insert(flag.flag());
         }

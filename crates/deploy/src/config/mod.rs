@@ -8,6 +8,7 @@
 //! values are refused here, before anything is rendered.
 
 mod fit;
+mod launcher;
 mod layers;
 mod project;
 mod read;
@@ -246,10 +247,11 @@ pub(crate) const S3_SERVICE_ACCOUNT: &str = "trainctl-s3";
 
 pub use crate::catalog::INSTANCE_TYPE_LABEL;
 pub use fit::Renders;
+pub use launcher::{Launcher, Operator};
 pub use layers::{Layers, Resolved, join_words, split_words};
 pub use project::{
-    Cluster, Data, EtcdStorage, Job, Launcher, MAX_JOB_NAME, MpiImplementation, Project,
-    RdzvBackend, Storage, StorageBackend,
+    Cluster, Data, EtcdStorage, Job, MAX_JOB_NAME, MpiImplementation, Project, RdzvBackend,
+    Storage, StorageBackend,
 };
 pub use values::{Parse, bytes, is_aws_id, is_dns_label, is_quantity, millicores};
 use values::{is_kubernetes_version, is_region};

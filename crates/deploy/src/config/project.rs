@@ -3,7 +3,9 @@
 use crate::catalog::{InstanceType, Preset};
 
 use super::values::Values;
-use super::{ConfigError, Layers, Resolved, SETTINGS, Source, is_dns_label, write_fields};
+use super::{
+    ConfigError, Launcher, Layers, Resolved, SETTINGS, Source, is_dns_label, write_fields,
+};
 
 /// Where the job's rendezvous state lives: the backends of [`contract::rdzv::Backend`] a job
 /// across pods can use.
@@ -35,9 +37,6 @@ pub enum EtcdStorage {
     /// A folder of the shared claim: a restarted etcd pod has the job's state back.
     Claim,
 }
-
-/// How the workers of a job are started: one of [`crate::launchers::KINDS`].
-pub use crate::launchers::Launcher;
 
 /// The MPI an MPIJob's image runs (`--launcher mpijob`), as the MPI Operator names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

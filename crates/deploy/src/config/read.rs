@@ -3,10 +3,9 @@
 //! the row names (`by ...`) where the field's type alone does not say how.
 
 use crate::catalog::{self, InstanceType, Preset};
-use crate::launchers::{self, Launcher};
 
 use super::values::Values;
-use super::{ConfigError, EtcdStorage, MpiImplementation, RdzvBackend, split_words};
+use super::{ConfigError, EtcdStorage, Launcher, MpiImplementation, RdzvBackend, split_words};
 
 /// A type a setting's value is read into, naming the setting and its source on error. The
 /// value has passed its row's [`super::Parse`] check already.
@@ -70,10 +69,8 @@ impl FromSetting for Preset {
 
 impl FromSetting for Launcher {
     fn read(v: &Values, key: &'static str) -> Result<Self, ConfigError> {
-        match launchers::find(&v.str(key)?) {
-            Some(kind) => Ok(Launcher::of(kind)),
-            None => Err(v.invalid(key, format!("choose {}", launchers::choices()))),
-        }
+        Launcher::parse(&v.str(key)?)
+            .ok_or_else(|| v.invalid(key, format!("choose {}", Launcher::choices())))
     }
 }
 
@@ -177,11 +174,5 @@ pub(super) fn s3_bucket(v: &Values, key: &'static str) -> Result<Option<String>,
 impl Default for &'static InstanceType {
     fn default() -> Self {
         &catalog::INSTANCE_TYPES[0]
-    }
-}
-
-impl Default for Launcher {
-    fn default() -> Self {
-        Launcher::of(launchers::KINDS[0])
     }
 }

@@ -297,7 +297,7 @@ fn the_tables_defaults_are_the_constants_they_stand_for() {
         default("job.rdzv_backend"),
         contract::rdzv::Backend::C10d.name()
     );
-    assert_eq!(default("job.launcher"), crate::launchers::KINDS[0].name());
+    assert_eq!(default("job.launcher"), super::Launcher::ALL[0].name());
     // Every default is a value its own setting accepts: the project of defaults reads.
     Project::from_settings(&[("storage.efs", "fs-1")]).unwrap();
 }

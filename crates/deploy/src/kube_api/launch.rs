@@ -30,7 +30,7 @@ fn minor_version(major: &str, minor: &str) -> Option<u32> {
 /// or which launcher needs none.
 fn operator_missing(what: &str, resource: &ApiResource) -> ApiError {
     let kind = crate::launchers::serving(resource);
-    let operator = kind.and_then(|k| k.operator());
+    let operator = kind.and_then(|k| k.launcher().operator());
     ApiError::NotServed {
         what: what.into(),
         api: format!("{} {}", resource.api_version, resource.kind),

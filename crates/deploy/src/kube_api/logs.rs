@@ -12,9 +12,9 @@ use kube::api::LogParams;
 use tokio::sync::{mpsc, watch};
 
 use super::error::{api_error, pod_logs_problem};
-use super::status::{PodStatus, main_container};
 use super::{ApiError, Kube};
 use crate::manifests;
+use crate::status::{PodStatus, main_container};
 
 /// How many polls `--follow` waits at most between two tries to reattach to a pod whose
 /// stream broke: the waits double from one poll to this many (2 s to 16 s by default).

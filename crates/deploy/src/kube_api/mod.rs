@@ -9,14 +9,13 @@ mod error;
 mod launch;
 mod logs;
 mod scale;
-mod status;
 mod top;
 
 pub use crate::config::{bytes, millicores};
+pub use crate::status::{Condition, JobStatus, Phase, PodStatus, Round, last_round};
 pub use error::ApiError;
 pub use launch::MIN_KUBERNETES_MINOR;
 pub use scale::{ScaleError, Scaled};
-pub use status::{Condition, JobStatus, Phase, PodStatus, Round, last_round};
 pub use top::{Top, Usage};
 
 use std::collections::BTreeMap;
@@ -33,8 +32,8 @@ use kube::api::{
     PropagationPolicy,
 };
 
+use crate::status::{self, node_problem};
 use error::{CLUSTER, api_error, is_not_found};
-use status::node_problem;
 
 use crate::launchers::is_custom;
 use crate::manifests::{self, Manifest};

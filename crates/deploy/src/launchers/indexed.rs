@@ -15,24 +15,20 @@
 use k8s_openapi::api::batch::v1::{Job, SuccessPolicy, SuccessPolicyRule};
 use kube::api::{ApiResource, DynamicObject};
 
-use crate::config::Project;
-use crate::kube_api::JobStatus;
-use crate::manifests::{
-    Manifest, Token, headless_service, job, queue_label, rendezvous_objects, sizing_annotations,
-    worker_template,
-};
+use crate::config::{Launcher, Project};
+use crate::manifests::{Manifest, headless_service, job};
+use crate::status::JobStatus;
 
 use super::Kind;
+use super::training::{
+    Token, queue_label, rendezvous_objects, sizing_annotations, worker_template,
+};
 
 pub struct Indexed;
 
 impl Kind for Indexed {
-    fn name(&self) -> &'static str {
-        "indexed"
-    }
-
-    fn summary(&self) -> &'static str {
-        "a Job, no operator"
+    fn launcher(&self) -> Launcher {
+        Launcher::Indexed
     }
 
     fn resources(&self) -> Vec<ApiResource> {
@@ -112,13 +108,5 @@ impl Kind for Indexed {
     fn size_patch(&self, nodes: u32) -> Option<serde_json::Value> {
         // Kubernetes takes a new completions only with the same parallelism.
         Some(serde_json::json!({ "spec": { "completions": nodes, "parallelism": nodes } }))
-    }
-
-    fn ends_with_pods_pending(&self) -> bool {
-        true
-    }
-
-    fn keeps_spares(&self) -> bool {
-        true
     }
 }

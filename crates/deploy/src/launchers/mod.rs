@@ -1,52 +1,64 @@
 //! How a training job's pods are started on Kubernetes: one module per kind of launcher, each
-//! behind [`Kind`], and [`KINDS`], the table `--launcher` (`job.launcher`) picks from.
+//! behind [`Kind`], found from the project's [`Launcher`] by [`kind`]; [`KINDS`] lists them
+//! for what reads a job back from the cluster.
 //!
-//! Adding a launcher is one file here implementing [`Kind`] (its objects, the API resource the
-//! job is served at, its status, what the cluster must serve for it) and its line in
-//! [`KINDS`]. Nothing else names a kind: rendering, launching, `job status|logs|wait|delete`
-//! and `cluster addons` go through the table. Custom resources are typed structs
-//! ([`custom_resource!`]), so no code compares kind strings.
+//! Adding a launcher is a variant of [`Launcher`] (its name and what the project's checks
+//! must know of it, in `config`) and one file here implementing [`Kind`] (its objects, the API
+//! resource the job is served at, its status), named in [`kind`]. Nothing else names a kind:
+//! rendering, launching, `job status|logs|wait|delete` and `cluster addons` go through them.
+//! Custom resources are typed structs ([`custom_resource!`]), so no code compares kind
+//! strings. [`training`] holds what every launcher builds its job from.
 
 #[macro_use]
 mod crd;
 mod indexed;
 mod mpijob;
 mod pytorchjob;
+mod training;
 mod trainjob;
 
 use kube::api::{ApiResource, DynamicObject};
 
 use contract::argv::RunFlag;
 
-use crate::config::{Job, Project};
-use crate::kube_api::JobStatus;
-use crate::manifests::{Manifest, Token};
+use crate::config::{Launcher, Project};
+use crate::manifests::Manifest;
+use crate::status::JobStatus;
 
 pub use indexed::Indexed;
 pub use mpijob::MpiJob;
 pub use pytorchjob::PyTorchJob;
+pub use training::{
+    Token, rdzv_host, token_secret, token_secret_name, training_job, worker_run_args,
+};
 pub use trainjob::TrainJob;
 
-/// Every launcher, in the order `--help` lists them; the first is the default.
+/// Every launcher, in [`Launcher::ALL`]'s order.
 pub static KINDS: &[&dyn Kind] = &[&Indexed, &PyTorchJob, &TrainJob, &MpiJob];
+
+/// The launcher the project names.
+pub fn kind(launcher: Launcher) -> &'static dyn Kind {
+    match launcher {
+        Launcher::Indexed => &Indexed,
+        Launcher::PyTorchJob => &PyTorchJob,
+        Launcher::TrainJob => &TrainJob,
+        Launcher::MpiJob => &MpiJob,
+    }
+}
 
 /// One way of starting a training job's pods.
 pub trait Kind: Sync {
-    /// Its name for `--launcher` and `job.launcher`.
-    fn name(&self) -> &'static str;
+    /// Which launcher it is.
+    fn launcher(&self) -> Launcher;
 
-    /// What it is and what it needs, for the setting's help and errors.
-    fn summary(&self) -> &'static str;
+    /// Its name for `--launcher` and `job.launcher`.
+    fn name(&self) -> &'static str {
+        self.launcher().name()
+    }
 
     /// The API resources of what it renders, the job's own first: `job delete` removes them,
     /// and finds the job by the first.
     fn resources(&self) -> Vec<ApiResource>;
-
-    /// Why it cannot run this job, if it cannot (checked when the project is read, so that
-    /// the error names the setting).
-    fn refuses(&self, _job: &Job) -> Option<String> {
-        None
-    }
 
     /// The job's objects in the order they are applied: what the pods need first, the job
     /// last.
@@ -58,12 +70,7 @@ pub trait Kind: Sync {
     /// What tells the pods' `trainctl run` its nodes, rendezvous and restarts: the flags by
     /// default; an operator that injects torchrun's `PET_*` variables may leave some out.
     fn node_flags(&self, project: &Project) -> Vec<RunFlag> {
-        crate::manifests::node_flags(project)
-    }
-
-    /// Its training pods run `trainctl run` (an MPIJob's run mpirun and sshd).
-    fn runs_trainctl(&self) -> bool {
-        true
+        training::node_flags(project)
     }
 
     /// Its pods run in a Job of trainctl's (podFailurePolicy, per-index backoff), which needs a
@@ -78,12 +85,6 @@ pub trait Kind: Sync {
     /// The label each of the job's pods carries with the job's name.
     fn pod_job_label(&self) -> &'static str;
 
-    /// The operator that serves its custom resources, if it needs one: what is missing when
-    /// the cluster does not serve them, and how to install it (`cluster addons`).
-    fn operator(&self) -> Option<Operator> {
-        None
-    }
-
     /// Whether a running job of this kind can change its number of nodes in place (`job
     /// scale`), and why not when it cannot.
     fn scales(&self) -> Result<(), &'static str>;
@@ -97,35 +98,6 @@ pub trait Kind: Sync {
     fn size_patch(&self, _nodes: u32) -> Option<serde_json::Value> {
         None
     }
-
-    /// Whether the job still ends when it trains with some of its pods never scheduled: then
-    /// a MAX the cluster cannot hold yet is no reason to refuse the launch (the job starts at
-    /// what fits and grows as room appears).
-    fn ends_with_pods_pending(&self) -> bool {
-        false
-    }
-
-    /// Whether its job can keep pods beyond `--nnodes` MAX as spares (`job.spares`): pods it
-    /// renders itself, which no operator reconciles to a count of its own.
-    fn keeps_spares(&self) -> bool {
-        false
-    }
-}
-
-/// An operator a launcher needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Operator {
-    /// Who it is: "the Kubeflow training operator".
-    pub name: &'static str,
-    /// How to install it.
-    pub install: &'static str,
-    /// How to see whether its controller runs.
-    pub check: &'static str,
-}
-
-/// The launcher called `name`.
-pub fn find(name: &str) -> Option<&'static dyn Kind> {
-    KINDS.iter().copied().find(|k| k.name() == name)
 }
 
 /// The launcher whose objects include one served at `resource`.
@@ -145,52 +117,6 @@ pub(crate) fn is_custom(resource: &ApiResource) -> bool {
 /// Whether `doc` is a training job itself (not what it owns).
 pub(crate) fn is_job(doc: &Manifest) -> bool {
     KINDS.iter().any(|k| k.resources()[0] == *doc.resource())
-}
-
-/// `indexed (...), pytorchjob (...), ...`: the choices, for help and errors.
-pub fn choices() -> String {
-    KINDS
-        .iter()
-        .map(|k| format!("{} ({})", k.name(), k.summary()))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// A launcher, as a project holds it: compared and printed by name.
-#[derive(Clone, Copy)]
-pub struct Launcher(&'static dyn Kind);
-
-impl Launcher {
-    pub fn of(kind: &'static dyn Kind) -> Launcher {
-        Launcher(kind)
-    }
-}
-
-impl std::ops::Deref for Launcher {
-    type Target = dyn Kind;
-    fn deref(&self) -> &(dyn Kind + 'static) {
-        self.0
-    }
-}
-
-impl PartialEq for Launcher {
-    fn eq(&self, other: &Launcher) -> bool {
-        self.0.name() == other.0.name()
-    }
-}
-
-impl Eq for Launcher {}
-
-impl std::fmt::Debug for Launcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0.name())
-    }
-}
-
-impl std::fmt::Display for Launcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0.name())
-    }
 }
 
 #[cfg(test)]
@@ -220,7 +146,7 @@ mod tests {
                 ("job.launcher", kind.name()),
             ])
             .unwrap();
-            let docs = kind.render(&project, crate::manifests::Token::Withheld);
+            let docs = kind.render(&project, Token::Withheld);
             let job = docs.iter().find(|d| is_job(d)).unwrap();
             let object: DynamicObject = serde_json::from_value((**job).clone()).unwrap();
             match kind.scales() {
@@ -250,8 +176,9 @@ mod tests {
         names.sort_unstable();
         names.dedup();
         assert_eq!(names.len(), KINDS.len());
-        for k in KINDS {
-            assert_eq!(find(k.name()).map(|f| f.name()), Some(k.name()));
+        for (k, launcher) in KINDS.iter().zip(Launcher::ALL) {
+            assert_eq!(k.launcher(), launcher);
+            assert_eq!(kind(launcher).name(), k.name());
             assert_eq!(serving(&k.resources()[0]).map(|f| f.name()), Some(k.name()));
         }
     }

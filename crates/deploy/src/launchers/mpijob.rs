@@ -13,12 +13,13 @@ use std::collections::BTreeMap;
 use kube::api::{ApiResource, DynamicObject};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Job, Project};
-use crate::kube_api::JobStatus;
-use crate::manifests::{Manifest, Token, mpi_template, object_meta, queue_label};
+use crate::config::{Launcher, Project};
+use crate::manifests::{Manifest, object_meta};
+use crate::status::JobStatus;
 
+use super::Kind;
 use super::pytorchjob::{ReplicaSpec, RunPolicy};
-use super::{Kind, Operator};
+use super::training::{Token, mpi_template, queue_label};
 
 /// Where the operator mounts the SSH keys: the MPI Operator images' non-root user's home.
 pub(super) const SSH_AUTH_MOUNT_PATH: &str = "/home/mpiuser/.ssh";
@@ -50,41 +51,12 @@ custom_resource!(
 pub struct MpiJob;
 
 impl Kind for MpiJob {
-    fn name(&self) -> &'static str {
-        "mpijob"
-    }
-
-    fn summary(&self) -> &'static str {
-        "MPI Operator's MPIJob for an MPI program, not elastic"
+    fn launcher(&self) -> Launcher {
+        Launcher::MpiJob
     }
 
     fn resources(&self) -> Vec<ApiResource> {
         vec![ApiResource::erase::<MpiJobObject>(&())]
-    }
-
-    fn refuses(&self, job: &Job) -> Option<String> {
-        if job.command.is_none() {
-            return Some(
-                "an MPIJob runs an MPI program with mpirun, and the built-in trainer is not one \
-                 (it forms its own group with trainctl run): pass your program with -- PROGRAM \
-                 (or --command), or use --launcher indexed, pytorchjob or trainjob"
-                    .into(),
-            );
-        }
-        if job.is_elastic() {
-            return Some(format!(
-                "an MPIJob is not elastic (mpirun starts a fixed set of ranks) and --nnodes is \
-                 {}: pass --nnodes {} for a fixed size, or use --launcher indexed or trainjob, \
-                 which regroup in place",
-                job.nnodes(),
-                job.max_nodes
-            ));
-        }
-        None
-    }
-
-    fn runs_trainctl(&self) -> bool {
-        false
     }
 
     fn render(&self, project: &Project, _token: Token) -> Vec<Manifest> {
@@ -139,7 +111,7 @@ impl Kind for MpiJob {
     }
 
     fn status(&self, object: &DynamicObject) -> JobStatus {
-        JobStatus::from_conditions(object, "MPIJob", "Succeeded", self.operator())
+        JobStatus::from_conditions(object, "MPIJob", "Succeeded", Launcher::MpiJob.operator())
     }
 
     fn pod_job_label(&self) -> &'static str {
@@ -151,17 +123,5 @@ impl Kind for MpiJob {
             "mpirun starts every rank once, on the hosts it was given at launch: an MPI world \
              cannot grow or shrink; launch with --launcher indexed to scale in place",
         )
-    }
-
-    fn operator(&self) -> Option<Operator> {
-        Some(Operator {
-            name: "the MPI Operator",
-            install: concat!(
-                "The MPI Operator is installed from its release manifest, which trainctl does not ",
-                "vendor:\n  kubectl apply --server-side -f ",
-                "https://raw.githubusercontent.com/kubeflow/mpi-operator/v0.6.0/deploy/v2beta1/mpi-operator.yaml"
-            ),
-            check: "kubectl get pods -A | grep mpi-operator",
-        })
     }
 }

@@ -12,14 +12,15 @@ use serde::{Deserialize, Serialize};
 
 use contract::argv::RunFlag;
 
-use crate::config::{Project, RdzvBackend};
-use crate::kube_api::JobStatus;
-use crate::manifests::{
-    CONTAINER, ETCD_PORT, Manifest, Token, etcd_name, launch_flags, object_meta, queue_label,
-    rdzv_flags, rendezvous_objects, sizing_annotations, worker_template,
-};
+use crate::config::{Launcher, Project, RdzvBackend};
+use crate::manifests::{CONTAINER, ETCD_PORT, Manifest, etcd_name, object_meta};
+use crate::status::JobStatus;
 
-use super::{Kind, Operator};
+use super::Kind;
+use super::training::{
+    Token, launch_flags, queue_label, rdzv_flags, rendezvous_objects, sizing_annotations,
+    worker_template,
+};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -73,12 +74,8 @@ custom_resource!(
 pub struct PyTorchJob;
 
 impl Kind for PyTorchJob {
-    fn name(&self) -> &'static str {
-        "pytorchjob"
-    }
-
-    fn summary(&self) -> &'static str {
-        "Kubeflow Training Operator v1's PyTorchJob"
+    fn launcher(&self) -> Launcher {
+        Launcher::PyTorchJob
     }
 
     fn resources(&self) -> Vec<ApiResource> {
@@ -152,7 +149,12 @@ impl Kind for PyTorchJob {
     }
 
     fn status(&self, object: &DynamicObject) -> JobStatus {
-        JobStatus::from_conditions(object, "PyTorchJob", "Succeeded", self.operator())
+        JobStatus::from_conditions(
+            object,
+            "PyTorchJob",
+            "Succeeded",
+            Launcher::PyTorchJob.operator(),
+        )
     }
 
     fn pod_job_label(&self) -> &'static str {
@@ -175,18 +177,5 @@ impl Kind for PyTorchJob {
         Some(serde_json::json!({
             "spec": { "pytorchReplicaSpecs": { "Worker": { "replicas": nodes } } }
         }))
-    }
-
-    fn operator(&self) -> Option<Operator> {
-        Some(Operator {
-            name: "the Kubeflow training operator",
-            // The release whose CRD the PyTorchJobs are validated against (schemas/).
-            install: concat!(
-                "The Kubeflow training operator is installed from its release manifests ",
-                "(kustomize), which trainctl does not vendor:\n  kubectl apply --server-side -k ",
-                "\"github.com/kubeflow/training-operator.git/manifests/overlays/standalone?ref=v1.9.0\""
-            ),
-            check: "kubectl get pods -A | grep training-operator",
-        })
     }
 }

@@ -19,13 +19,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{ApiResource, DynamicObject};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Project;
-use crate::kube_api::JobStatus;
-use crate::manifests::{
-    Manifest, Token, job, object_meta, queue_label, rendezvous_objects, worker_template,
-};
+use crate::config::{Launcher, Project};
+use crate::manifests::{Manifest, job, object_meta};
+use crate::status::JobStatus;
 
-use super::{Kind, Operator};
+use super::Kind;
+use super::training::{Token, queue_label, rendezvous_objects, worker_template};
 
 /// The replicated job, and its container, that Trainer treats as the trainer's.
 const NODE: &str = "node";
@@ -115,12 +114,8 @@ custom_resource!(
 pub struct TrainJob;
 
 impl Kind for TrainJob {
-    fn name(&self) -> &'static str {
-        "trainjob"
-    }
-
-    fn summary(&self) -> &'static str {
-        "Kubeflow Trainer v2's TrainJob, elastic through trainctl"
+    fn launcher(&self) -> Launcher {
+        Launcher::TrainJob
     }
 
     fn resources(&self) -> Vec<ApiResource> {
@@ -210,7 +205,12 @@ impl Kind for TrainJob {
     }
 
     fn status(&self, object: &DynamicObject) -> JobStatus {
-        JobStatus::from_conditions(object, "TrainJob", "Complete", self.operator())
+        JobStatus::from_conditions(
+            object,
+            "TrainJob",
+            "Complete",
+            Launcher::TrainJob.operator(),
+        )
     }
 
     fn pod_job_label(&self) -> &'static str {
@@ -224,19 +224,5 @@ impl Kind for TrainJob {
              restart of every pod from the checkpoint, not a regroup (Trainer v2.2 removed the \
              elastic policy); launch with --launcher indexed to scale in place",
         )
-    }
-
-    fn operator(&self) -> Option<Operator> {
-        Some(Operator {
-            name: "Kubeflow Trainer v2",
-            install: concat!(
-                "Kubeflow Trainer v2 (and JobSet, which it runs jobs with) is installed from its ",
-                "release manifests, which trainctl does not vendor:\n  kubectl apply --server-side ",
-                "-k \"github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0\"\n",
-                "trainctl's TrainJobs bring their own TrainingRuntime: the cluster's runtimes are ",
-                "not needed."
-            ),
-            check: "kubectl get pods -A | grep trainer-controller-manager",
-        })
     }
 }

@@ -1,7 +1,6 @@
-//! The Kubernetes objects trainctl renders: storage, the data job, the training job (as its
-//! launcher in [`crate::launchers`] renders it, running the built-in trainer or the user's
-//! program, with an etcd beside it for `--rdzv-backend etcd`), the test job, the doctor job,
-//! TensorBoard and the NVIDIA device plugin.
+//! The Kubernetes objects trainctl renders: storage, the data job, the test job, the doctor job,
+//! TensorBoard, the job's etcd and the NVIDIA device plugin, and the pod pieces
+//! ([`pod_template`], [`job`]) that [`crate::launchers`] builds the training job from.
 //!
 //! Core objects are built from `k8s-openapi` types, so their shape is the API's. Every object
 //! carries the labels in [`labels`], which is how `job status|logs|top|delete` find them again.
@@ -10,7 +9,6 @@ mod helpers;
 mod pod;
 mod services;
 mod storage;
-mod training;
 
 use std::collections::BTreeMap;
 
@@ -26,15 +24,8 @@ use crate::config::Project;
 pub use helpers::{data_job, doctor_job, doctor_job_name, test_job};
 pub use services::{etcd, etcd_name, nvidia_device_plugin, tensorboard, tensorboard_name};
 pub use storage::{NoStorage, storage};
-pub use training::{
-    Token, rdzv_host, token_secret, token_secret_name, training_job, worker_run_args,
-};
 // What the launchers (crate::launchers) build their jobs from.
-pub(crate) use pod::{headless_service, job};
-pub(crate) use training::{
-    launch_flags, mpi_template, node_flags, queue_label, rdzv_flags, rendezvous_objects,
-    sizing_annotations, worker_template,
-};
+pub(crate) use pod::{PodOptions, headless_service, job, pod_template};
 
 /// `app.kubernetes.io/managed-by: trainctl` on everything trainctl creates.
 pub(crate) const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "trainctl");
@@ -114,7 +105,7 @@ pub(crate) fn object_meta(project: &Project, name: &str, component: &str) -> Obj
     meta(project, name, component)
 }
 
-fn meta(project: &Project, name: &str, component: &str) -> ObjectMeta {
+pub(crate) fn meta(project: &Project, name: &str, component: &str) -> ObjectMeta {
     ObjectMeta {
         name: Some(name.into()),
         namespace: Some(project.namespace.clone()),

@@ -25,39 +25,39 @@ use super::{
 };
 
 /// What differs between the pods trainctl runs.
-pub(super) struct PodOptions {
-    pub(super) component: &'static str,
+pub(crate) struct PodOptions {
+    pub(crate) component: &'static str,
     /// The container's name: [`CONTAINER`] for the training pods (the PyTorchJob operator and
     /// the podFailurePolicy look for it), what the container does for the others.
-    pub(super) container: &'static str,
+    pub(crate) container: &'static str,
     /// trainctl's arguments, or with `runs_trainctl` false the command line itself.
-    pub(super) args: Vec<String>,
+    pub(crate) args: Vec<String>,
     /// The container runs trainctl (copied in by an init container when the image lacks it),
     /// or `args` as they are (an MPIJob's mpirun and sshd).
-    pub(super) runs_trainctl: bool,
+    pub(crate) runs_trainctl: bool,
     /// The image the container runs.
-    pub(super) image: String,
+    pub(crate) image: String,
     /// CPU and memory of a training pod, or a small request for helper jobs.
-    pub(super) training_size: bool,
+    pub(crate) training_size: bool,
     /// Runs on the training nodes: the GPU taint's toleration on GPU instances, and the GPUs
     /// and EFA adapters a training pod takes ([`Project::accelerators`]) with NCCL's variables
     /// (training pods, and the doctor's, which checks that they are seen).
-    pub(super) accelerators: bool,
+    pub(crate) accelerators: bool,
     /// Runs the user's program: the image's own working directory and a writable root file
     /// system (a program may write beside itself), HOME in /tmp.
-    pub(super) user_program: bool,
-    pub(super) port: Option<u16>,
+    pub(crate) user_program: bool,
+    pub(crate) port: Option<u16>,
     /// Training pods: the port `trainctl run --metrics-port` serves, announced to Prometheus
     /// by the usual `prometheus.io/*` pod annotations.
-    pub(super) metrics_port: Option<u16>,
-    pub(super) token_secret: Option<String>,
+    pub(crate) metrics_port: Option<u16>,
+    pub(crate) token_secret: Option<String>,
     /// Indexed Job pods: the headless Service that gives them DNS names.
-    pub(super) subdomain: Option<String>,
+    pub(crate) subdomain: Option<String>,
     /// Runs under the project's service account (IRSA: the pods that reach S3).
-    pub(super) service_account: bool,
+    pub(crate) service_account: bool,
 }
 
-pub(super) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
+pub(crate) fn pod_template(project: &Project, o: PodOptions) -> PodTemplateSpec {
     let job = &project.job;
     let (gpus, adapters) = if o.accelerators {
         project.accelerators()

@@ -130,7 +130,7 @@ pub(crate) fn zones_picked(zones: &[String], region: &str, instance_type: &str) 
 }
 
 /// How to install the operator a launcher needs, which trainctl does not vendor.
-pub(crate) fn install_operator(operator: &deploy::launchers::Operator) {
+pub(crate) fn install_operator(operator: &deploy::config::Operator) {
     out(format_args!("{}", operator.install));
 }
 

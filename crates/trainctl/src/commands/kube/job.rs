@@ -2,7 +2,7 @@
 
 use deploy::config::{Project, Renders};
 use deploy::kube_api::{JobStatus, Kube, Phase};
-use deploy::manifests;
+use deploy::launchers;
 
 use super::super::project::{ProjectArgs, uses};
 use super::{
@@ -94,8 +94,8 @@ fn run(cmd: JobCommand) -> anyhow::Result<i32> {
             let mut project = with_program(project, program)?.project()?;
             project.job.train_again = train_again_for(&project, train_again)?;
             let project = reviewed(project, Renders::TrainingJob)?;
-            let docs = manifests::training_job(&project, manifests::Token::Withheld);
-            let secret = manifests::token_secret_name(&project);
+            let docs = launchers::training_job(&project, launchers::Token::Withheld);
+            let secret = launchers::token_secret_name(&project);
             // An MPIJob's pods do not run trainctl: no token.
             if docs.iter().any(|d| d.name() == secret) {
                 output::kube::token_withheld(&secret, &project.namespace);
@@ -189,7 +189,7 @@ fn launch(
     project.job.train_again = train_again_for(&project, train_again)?;
     let project = reviewed(project, Renders::TrainingJob)?;
     let token = launcher::random_id(16);
-    let docs = manifests::training_job(&project, manifests::Token::Value(&token));
+    let docs = launchers::training_job(&project, launchers::Token::Value(&token));
     let name = project.job.name.clone();
     runtime()?.block_on(async {
         let kube = connect(&project).await?;

@@ -7,7 +7,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::DynamicObject;
 
-use crate::launchers::Operator;
+use crate::config::Operator;
 
 /// Where a job stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +75,7 @@ pub struct Round {
 
 /// Whether `log` (a training pod's output) says its node waits as a spare: its agent's last
 /// word is `trainctl run: a spare: ...`, after any round it joined.
-pub(super) fn waits_as_a_spare(log: &str) -> bool {
+pub(crate) fn waits_as_a_spare(log: &str) -> bool {
     log.lines()
         .rev()
         .find(|l| l.contains("trainctl run: a spare: ") || l.contains("trainctl run: round "))
@@ -193,7 +193,7 @@ impl JobStatus {
     }
 
     /// A job Kubernetes counts as active is only running once one of its pods is.
-    pub(super) fn settle(&mut self) {
+    pub(crate) fn settle(&mut self) {
         if self.phase == Phase::Running && !self.pods.iter().any(|p| p.phase == "Running") {
             self.phase = Phase::Pending;
         }
@@ -440,7 +440,7 @@ fn phase_from_conditions(cs: &[Condition], success: &[&str], failure: &[&str]) -
 
 /// What is wrong with `node`, if it is not Ready: "is NotReady (Kubelet stopped posting node
 /// status.)".
-pub(super) fn node_problem(node: &Node) -> Option<String> {
+pub(crate) fn node_problem(node: &Node) -> Option<String> {
     let ready = node
         .status
         .as_ref()?
@@ -509,7 +509,7 @@ pub struct PodStatus {
 }
 
 /// The pod's first container: the one trainctl runs in (init containers aside).
-pub(super) fn main_container(p: &Pod) -> &str {
+pub(crate) fn main_container(p: &Pod) -> &str {
     p.spec
         .as_ref()
         .and_then(|s| s.containers.first())
@@ -517,7 +517,7 @@ pub(super) fn main_container(p: &Pod) -> &str {
 }
 
 impl PodStatus {
-    pub(super) fn from_pod(p: &Pod) -> PodStatus {
+    pub(crate) fn from_pod(p: &Pod) -> PodStatus {
         let labels = p.metadata.labels.clone().unwrap_or_default();
         // An MPIJob's launcher has no node index: it sorts (and its logs come) first.
         let launcher = labels
@@ -617,11 +617,11 @@ impl PodStatus {
         }
     }
 
-    pub(super) fn has_started(&self) -> bool {
+    pub(crate) fn has_started(&self) -> bool {
         matches!(self.phase.as_str(), "Running" | "Succeeded" | "Failed")
     }
 
-    pub(super) fn prefix(&self) -> String {
+    pub(crate) fn prefix(&self) -> String {
         match self.index {
             Some(i) => format!("[{} pod {i}] ", self.name),
             None => format!("[{}] ", self.name),

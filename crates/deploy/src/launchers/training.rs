@@ -1,5 +1,5 @@
-//! The training job: its token Secret, the pods' typed command line ([`worker_run_args`]), and
-//! the Indexed Job or the Kubeflow PyTorchJob that runs them.
+//! What every launcher builds its training job from: the job token's Secret, the rendezvous
+//! objects, the pods' typed command line ([`worker_run_args`]) and the worker's pod template.
 
 use std::collections::BTreeMap;
 
@@ -9,12 +9,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use contract::argv::{RunArgs, RunFlag, Target, TrainArgs};
 
 use crate::config::{Project, RdzvBackend};
-
-use super::pod::{PodOptions, pod_template};
-use super::services::{etcd, etcd_name};
-use super::{
-    ETCD_PORT, FETCH_DIR, KUEUE_ELASTIC_ANNOTATION, Manifest, NNODES_ANNOTATION, QUEUE_LABEL,
-    SPARES_ANNOTATION, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, TRAINER_ANNOTATION, meta,
+use crate::manifests::{
+    ETCD_PORT, FETCH_DIR, KUEUE_ELASTIC_ANNOTATION, Manifest, NNODES_ANNOTATION, PodOptions,
+    QUEUE_LABEL, SPARES_ANNOTATION, TERMINATION_GRACE_SECONDS, TERMINATION_LOG, TRAINER_ANNOTATION,
+    etcd, etcd_name, meta, pod_template,
 };
 
 /// The job token's place in its Secret, which every training pod reads
@@ -48,7 +46,7 @@ pub fn token_secret_name(project: &Project) -> String {
 }
 
 /// The `trainctl train` arguments of the job.
-pub(super) fn train_args(project: &Project) -> TrainArgs {
+fn train_args(project: &Project) -> TrainArgs {
     let j = &project.job;
     TrainArgs {
         model: j.model.clone(),
@@ -67,7 +65,7 @@ pub(super) fn train_args(project: &Project) -> TrainArgs {
 
 /// The training job, as its launcher ([`crate::launchers`]) renders it.
 pub fn training_job(project: &Project, token: Token) -> Vec<Manifest> {
-    project.job.launcher.render(project, token)
+    super::kind(project.job.launcher).render(project, token)
 }
 
 /// What every job whose pods run `trainctl run` needs first: a Secret for the job token, and
@@ -82,7 +80,7 @@ pub(crate) fn rendezvous_objects(project: &Project, token: Token) -> Vec<Manifes
 
 /// The host of the rendezvous store: pod 0's stable DNS name.
 pub fn rdzv_host(project: &Project) -> String {
-    project.job.launcher.rdzv_host(project)
+    super::kind(project.job.launcher).rdzv_host(project)
 }
 
 /// The rendezvous backend's endpoint: the store on pod 0 (c10d), or the job's etcd.
@@ -149,7 +147,7 @@ pub(crate) fn mpi_template(
     )
 }
 
-pub(super) fn metrics_flag(project: &Project) -> Option<RunFlag> {
+fn metrics_flag(project: &Project) -> Option<RunFlag> {
     project.job.metrics_port.map(RunFlag::MetricsPort)
 }
 
@@ -157,7 +155,7 @@ pub(super) fn metrics_flag(project: &Project) -> Option<RunFlag> {
 /// (or `-- PROGRAM ARGS...`: the user's program, with torchrun's environment).
 pub fn worker_run_args(project: &Project) -> RunArgs {
     let j = &project.job;
-    let mut flags = j.launcher.node_flags(project);
+    let mut flags = super::kind(j.launcher).node_flags(project);
     flags.extend(metrics_flag(project));
     // The workers' share of the pod's grace: finish the step, write the checkpoint; the
     // launcher keeps a few seconds to report and exit.
