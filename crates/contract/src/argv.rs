@@ -3,6 +3,8 @@
 //! deploy builds these and renders them with `to_argv`; the CLI's parsers read them back (a
 //! round-trip test in the CLI parses every variant and compares field by field).
 
+use crate::choices::{HealthCheck, Model, Precision, Stragglers};
+
 /// One flag of `trainctl run` that a pod sets. The order of a [`RunArgs`]'s flags is the order
 /// they are written in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,10 +27,10 @@ pub enum RunFlag {
     TerminationLog(String),
     /// Seconds without progress (a line of output or CPU time) after which the workers are hung.
     HangTimeout(u32),
-    /// What the job does about a node its ranks find slow: `warn` or `evict`.
-    Stragglers(String),
-    /// What a node far below the others in its health check does: `warn`, `refuse` or `off`.
-    HealthCheck(String),
+    /// What the job does about a node its ranks find slow.
+    Stragglers(Stragglers),
+    /// What a node far below the others in its health check does.
+    HealthCheck(HealthCheck),
 }
 
 impl RunFlag {
@@ -60,9 +62,9 @@ impl RunFlag {
             | RunFlag::RdzvId(s)
             | RunFlag::Fetch(s)
             | RunFlag::FetchDir(s)
-            | RunFlag::TerminationLog(s)
-            | RunFlag::Stragglers(s)
-            | RunFlag::HealthCheck(s) => s.clone(),
+            | RunFlag::TerminationLog(s) => s.clone(),
+            RunFlag::Stragglers(s) => s.to_string(),
+            RunFlag::HealthCheck(h) => h.to_string(),
             RunFlag::NprocPerNode(n) | RunFlag::MaxRestarts(n) | RunFlag::HangTimeout(n) => {
                 n.to_string()
             }
@@ -110,8 +112,8 @@ impl RunArgs {
 /// The `trainctl train` arguments a job's pods run with; the rest keep the CLI's defaults.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainArgs {
-    /// One of [`crate::models::ALL`]; the default (the seed CNN) is not written.
-    pub model: String,
+    /// The default (the seed CNN) is not written.
+    pub model: Model,
     pub data: String,
     pub out: String,
     pub epochs: u32,
@@ -121,8 +123,8 @@ pub struct TrainArgs {
     pub no_download: bool,
     /// `s3://` prefix the model, checkpoint and run files go to when training ends.
     pub upload: Option<String>,
-    /// `--precision` when not the default (fp32): `bf16`.
-    pub precision: Option<String>,
+    /// Not written when the default (fp32).
+    pub precision: Precision,
     /// `--train-again`: a checkpoint holding a finished run is trained again from scratch
     /// instead of refused.
     pub train_again: bool,
@@ -132,8 +134,8 @@ impl TrainArgs {
     /// `train` and its flags.
     pub fn to_argv(&self) -> Vec<String> {
         let mut argv = vec!["train".to_string()];
-        if self.model != crate::models::SEED_CNN {
-            argv.extend(["--model".into(), self.model.clone()]);
+        if self.model != Model::default() {
+            argv.extend(["--model".into(), self.model.to_string()]);
         }
         argv.extend([
             "--data".into(),
@@ -153,8 +155,8 @@ impl TrainArgs {
         if let Some(upload) = &self.upload {
             argv.extend(["--upload".into(), upload.clone()]);
         }
-        if let Some(precision) = &self.precision {
-            argv.extend(["--precision".into(), precision.clone()]);
+        if self.precision != Precision::default() {
+            argv.extend(["--precision".into(), self.precision.to_string()]);
         }
         if self.train_again {
             argv.push("--train-again".into());

@@ -1,6 +1,6 @@
 //! What several of trainctl's crates must agree on, written once: the exit codes the launcher,
 //! the workers and the Kubernetes failure policy read the same way, the worker environment's
-//! names, the default ports, the names of the networks and data sets with their official
+//! names, the default ports, the names of the settings' choices ([`choices`]) and the data sets with their official
 //! archives, and the `trainctl run ... train ...` command line that deploy renders into pods
 //! and the CLI parses back ([`argv`]).
 //!
@@ -8,6 +8,7 @@
 //! crates must keep equal lives here, not in a copy kept equal by a test.
 
 pub mod argv;
+pub mod choices;
 
 /// Exit codes with a meaning beyond "failed".
 pub mod exit {
@@ -195,18 +196,6 @@ pub mod train_defaults {
     pub const BATCH_SIZE: &str = "128";
     /// SGD's learning rate.
     pub const LEARNING_RATE: &str = "0.001";
-    /// The convolutions' arithmetic.
-    pub const PRECISION: &str = "fp32";
-}
-
-/// The networks of the built-in trainer (`trainctl train --model`, a job's `job.model`).
-pub mod models {
-    /// The seed's CNN for CIFAR-10: the default.
-    pub const SEED_CNN: &str = "seed-cnn";
-    pub(crate) const RESNETS: [&str; 4] = ["resnet18", "resnet34", "resnet50", "resnet101"];
-    pub const ALL: [&str; 5] = [SEED_CNN, RESNETS[0], RESNETS[1], RESNETS[2], RESNETS[3]];
-    /// For messages.
-    pub const CHOICES: &str = "seed-cnn, resnet18, resnet34, resnet50 or resnet101";
 }
 
 /// A data set the trainer downloads when the data folder holds none (`--dataset`), and its
@@ -305,13 +294,5 @@ mod tests {
             assert!(DATASET_CHOICES.contains(d.name));
         }
         assert_eq!(Dataset::parse("imagenet"), None);
-    }
-
-    #[test]
-    fn the_model_choices_name_every_model() {
-        for m in models::ALL {
-            assert!(models::CHOICES.contains(m), "{m}");
-        }
-        assert_eq!(models::CHOICES.matches(", ").count() + 2, models::ALL.len());
     }
 }

@@ -12,7 +12,7 @@ pub mod bench;
 pub mod conv;
 pub mod layout;
 pub mod matmul;
-pub use matmul::Precision;
+pub use matmul::{Precision, available};
 pub mod norm;
 pub mod phases;
 pub mod pool;

@@ -281,7 +281,7 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
     }
     let precisions = [Precision::F32, Precision::Bf16]
         .into_iter()
-        .filter(|p| p.available());
+        .filter(|p| crate::matmul::available(*p));
     for (algorithm, precision) in precisions.flat_map(|p| algorithms.iter().map(move |a| (*a, p))) {
         let packed = Prepared::with(algorithm, &s, Weight::torch(&w)).in_precision(precision);
         let one = run(&packed, 1);
@@ -309,7 +309,7 @@ fn assert_bit_identical_at_any_thread_count(s: ConvShape) {
 /// the exact result, relative to the largest value.
 #[test]
 fn bf16_convolutions_stay_within_bf16_rounding_of_the_exact_result() {
-    if !Precision::Bf16.available() {
+    if !crate::matmul::available(Precision::Bf16) {
         eprintln!("SKIPPED: this CPU has no AVX512_BF16");
         return;
     }

@@ -81,16 +81,7 @@ pub struct LaunchSpec {
 }
 
 /// What a node far below the others in its health check does (`trainctl run --health-check`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HealthCheck {
-    /// It does not join: the launch ends, saying the figures.
-    Refuse,
-    /// It joins, with a warning saying the figures.
-    #[default]
-    Warn,
-    /// No check.
-    Off,
-}
+pub use contract::choices::HealthCheck;
 
 /// A worker the launcher started.
 #[derive(Debug, Clone, Copy)]

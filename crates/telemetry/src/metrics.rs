@@ -122,7 +122,7 @@ fn fp32() -> String {
 }
 
 fn seed_cnn() -> String {
-    contract::models::SEED_CNN.into()
+    contract::choices::Model::SeedCnn.name().into()
 }
 
 fn cifar_size() -> usize {

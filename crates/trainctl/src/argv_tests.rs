@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use contract::argv::{RunArgs, RunFlag, Target, TrainArgs};
+use contract::choices::{Choice, Model, Precision};
 use deploy::config::Project;
 
 use crate::{Cli, Command};
@@ -39,8 +40,8 @@ fn assert_round_trip(run: &RunArgs) {
             RunFlag::TerminationLog(p) => {
                 assert_eq!(args.termination_log.as_deref(), Some(p.as_ref()))
             }
-            RunFlag::Stragglers(v) => assert_eq!(&value_name(&args.stragglers), v),
-            RunFlag::HealthCheck(v) => assert_eq!(&value_name(&args.health_check), v),
+            RunFlag::Stragglers(v) => assert_eq!(args.stragglers, *v),
+            RunFlag::HealthCheck(v) => assert_eq!(args.health_check, *v),
         }
     }
     let fetched = run
@@ -71,12 +72,6 @@ fn assert_round_trip(run: &RunArgs) {
 }
 
 /// A value-enum flag's value as its command line spells it.
-fn value_name(v: &impl clap::ValueEnum) -> String {
-    v.to_possible_value()
-        .map(|p| p.get_name().to_string())
-        .unwrap_or_default()
-}
-
 fn assert_train_round_trip(train: &TrainArgs) {
     let Command::Train(args) = parse(train.to_argv()) else {
         panic!("not `trainctl train`: {:?}", train.to_argv());
@@ -89,10 +84,7 @@ fn assert_train_round_trip(train: &TrainArgs) {
     assert_eq!(args.learning_rate, train.learning_rate, "exactly");
     assert_eq!(args.no_download, train.no_download);
     assert_eq!(args.upload, train.upload);
-    assert_eq!(
-        args.precision.name(),
-        train.precision.as_deref().unwrap_or("fp32")
-    );
+    assert_eq!(args.precision, train.precision);
     assert_eq!(args.train_again, train.train_again);
 }
 
@@ -149,9 +141,9 @@ fn every_rendered_worker_command_parses_back_to_what_deploy_meant() {
 /// A model other than the default, and values at their edges, read back exactly.
 #[test]
 fn train_arguments_read_back_exactly() {
-    for model in contract::models::ALL {
+    for &model in <Model as Choice>::ALL {
         assert_train_round_trip(&TrainArgs {
-            model: model.into(),
+            model,
             data: "/data/with space".into(),
             out: "/runs".into(),
             epochs: u32::MAX,
@@ -159,8 +151,8 @@ fn train_arguments_read_back_exactly() {
             learning_rate: 1e-7,
             no_download: false,
             upload: None,
-            precision: Some("bf16".into()),
-            train_again: model == contract::models::SEED_CNN,
+            precision: Precision::Bf16,
+            train_again: model == Model::SeedCnn,
         });
     }
 }

@@ -40,7 +40,7 @@ static BF16: AtomicBool = AtomicBool::new(false);
 /// and sums in f32 (PyTorch's CPU autocast); weights, gradients, the optimizer and batch
 /// norm stay f32 either way. Refused, with what to do, where the CPU cannot.
 pub fn set_precision(precision: Precision) -> Result<(), String> {
-    check_precision(precision, precision.available())?;
+    check_precision(precision, kernels::available(precision))?;
     BF16.store(precision == Precision::Bf16, Ordering::Relaxed);
     Ok(())
 }

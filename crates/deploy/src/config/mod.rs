@@ -19,6 +19,8 @@ mod values;
 use std::fmt;
 use std::path::PathBuf;
 
+use contract::choices::{HealthCheck, Model, Precision, Stragglers};
+
 /// Where a value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -184,15 +186,15 @@ settings! {
     "job.cpu", "--cpu", [Training] => Parse::Matches(is_quantity, "a CPU quantity such as 14 or 500m"), "CPU each training pod requests, in cores (14, 0.5) or millicores (500m); by default what a node of the instance type has left for pods (85 % of its vCPUs)" -> job.cpu;
     "job.memory", "--memory", [Training] => Parse::Matches(is_quantity, "a quantity such as 24Gi"), "memory each training pod requests and is limited to, a Kubernetes quantity in bytes (24Gi, 512Mi); by default what a node of the instance type has left for pods (80 % of its memory)" -> job.memory;
     "job.shm_size", "--shm-size", [Training] => Parse::Matches(is_quantity, "a quantity such as 2Gi"), "size of each training pod's /dev/shm (memory, counted in --memory), a quantity in bytes (2Gi, 512Mi); by default an eighth of --memory (at most 8Gi), a quarter (at most 64Gi) on GPU nodes" -> job.shm_size;
-    "job.model", "--model", [Training] = contract::models::SEED_CNN => Parse::Matches(|s| contract::models::ALL.contains(&s), contract::models::CHOICES), "the built-in trainer's network: seed-cnn, resnet18, resnet34, resnet50 or resnet101" -> job.model;
+    "job.model", "--model", [Training] = Model::SeedCnn.name() => Parse::Typed, "the built-in trainer's network: seed-cnn, resnet18, resnet34, resnet50 or resnet101" -> job.model;
     "job.epochs", "--epochs", [Training] = contract::train_defaults::EPOCHS => Parse::Count, "the built-in trainer's epochs" -> job.epochs;
     "job.batch_size", "--batch-size", [Training] = contract::train_defaults::BATCH_SIZE => Parse::Count, "the built-in trainer's images per step on each worker" -> job.batch_size;
     "job.learning_rate", "--learning-rate" (alias "--lr"), [Training] = contract::train_defaults::LEARNING_RATE => Parse::Matches(|s| s.parse::<f64>().is_ok_and(|lr| lr.is_finite() && lr > 0.0), "a positive number"), "the built-in trainer's SGD learning rate" -> job.learning_rate;
-    "job.precision", "--precision", [Training] = contract::train_defaults::PRECISION => Parse::Matches(|s| matches!(s, "fp32" | "bf16"), "fp32 or bf16"), "the built-in trainer's convolution arithmetic: fp32, or bf16 (inputs rounded to bf16 and summed in fp32, as PyTorch's CPU autocast; weights, checkpoints and the model stay fp32); bf16 needs nodes whose CPUs have AVX512_BF16 (Intel Sapphire Rapids, AMD Zen 4 and later: c7i, m7i, r7i, c7a, m7a, r7a)" -> job.precision;
+    "job.precision", "--precision", [Training] = Precision::F32.name() => Parse::Typed, "the built-in trainer's convolution arithmetic: fp32, or bf16 (inputs rounded to bf16 and summed in fp32, as PyTorch's CPU autocast; weights, checkpoints and the model stay fp32); bf16 needs nodes whose CPUs have AVX512_BF16 (Intel Sapphire Rapids, AMD Zen 4 and later: c7i, m7i, r7i, c7a, m7a, r7a)" -> job.precision;
     "job.spares", "--spares", [Training] = "0" => Parse::Number, "pods beyond --nnodes MAX that wait as spares, their workers started warm: a lost pod's place is taken at once, at full size (each an idle pod's resources; --launcher indexed)" -> job.spares;
     "job.max_restarts", "--max-restarts", [Training] = "3" => Parse::Number, "worker-group restarts before the job fails (and failures per pod before the Job gives up)" -> job.max_restarts;
-    "job.stragglers", "--stragglers", [Training] = "warn" => Parse::Matches(|s| matches!(s, "warn" | "evict"), "warn or evict"), "a node whose ranks take longer than the others' for a window of steps (the built-in trainer compares them): warn says so; evict also drops it by a regroup in place, never below the job's minimum nodes" -> job.stragglers;
-    "job.health_check", "--health-check", [Training] = "warn" => Parse::Matches(|s| matches!(s, "warn" | "refuse" | "off"), "warn, refuse or off"), "a pod's health check before it joins (a CPU matrix multiply and a loopback stream against the pods in the job): warn when far below them, refuse to join, or off" -> job.health_check;
+    "job.stragglers", "--stragglers", [Training] = Stragglers::Warn.name() => Parse::Typed, "a node whose ranks take longer than the others' for a window of steps (the built-in trainer compares them): warn says so; evict also drops it by a regroup in place, never below the job's minimum nodes" -> job.stragglers;
+    "job.health_check", "--health-check", [Training] = HealthCheck::Warn.name() => Parse::Typed, "a pod's health check before it joins (a CPU matrix multiply and a loopback stream against the pods in the job): warn when far below them, refuse to join, or off" -> job.health_check;
     "job.hang_timeout", "--hang-timeout", [Training] => Parse::OrNone(&Parse::Count), "seconds without progress (a line of output or CPU time) after which a pod's workers are hung: their stacks are taken, then they restart as job.max_restarts says; none: never" -> job.hang_timeout;
     "job.rdzv_backend", "--rdzv-backend", [Training] = "c10d" => Parse::Typed, "c10d (the store in pod 0) or etcd (an etcd next to the job, so that pod 0 is not a single point of failure)" -> job.rdzv_backend;
     "job.rdzv_port", "--rdzv-port", [Training, Doctor] = "29400" => Parse::Port, "port of the rendezvous store on node 0" -> job.rdzv_port;

@@ -1,5 +1,7 @@
 //! [`Project`]: the resolved values checked and typed, what everything else reads.
 
+use contract::choices::{HealthCheck, Model, Precision, Stragglers};
+
 use crate::catalog::{InstanceType, Preset};
 
 use super::values::Values;
@@ -156,9 +158,9 @@ pub struct Job {
     /// The user's program and its arguments; `None`: the built-in trainer.
     pub command: Option<Vec<String>>,
     /// The built-in trainer's network (`--model`).
-    pub model: String,
-    /// The built-in trainer's `--precision`: `fp32` or `bf16`.
-    pub precision: String,
+    pub model: Model,
+    /// The built-in trainer's `--precision`.
+    pub precision: Precision,
     /// The built-in trainer's `--train-again` (`job launch --train-again`, not a setting: it
     /// is about one launch, not the project).
     pub train_again: bool,
@@ -167,10 +169,10 @@ pub struct Job {
     pub etcd_storage: EtcdStorage,
     /// `--launcher mpijob`: the image's MPI.
     pub mpi_implementation: MpiImplementation,
-    /// `trainctl run --stragglers`: `warn` or `evict`.
-    pub stragglers: String,
-    /// `trainctl run --health-check`: `warn`, `refuse` or `off`.
-    pub health_check: String,
+    /// `trainctl run --stragglers`.
+    pub stragglers: Stragglers,
+    /// `trainctl run --health-check`.
+    pub health_check: HealthCheck,
     pub runs_dir: String,
     pub ttl_seconds: i32,
     /// Where rank 0 uploads the results (`trainctl train --upload`).

@@ -2,6 +2,8 @@
 //! [`super::SETTINGS`] that names its field (`-> job.epochs`) uses to write it, or the reader
 //! the row names (`by ...`) where the field's type alone does not say how.
 
+use contract::choices::{Choice, HealthCheck, Model, Precision, Stragglers};
+
 use crate::catalog::{self, InstanceType, Preset};
 
 use super::values::Values;
@@ -46,6 +48,19 @@ impl FromSetting for Vec<String> {
         Ok(v.list(key))
     }
 }
+
+/// A setting with a few named values ([`Choice`]), refused with its choices.
+macro_rules! choices {
+    ($($t:ty),*) => {$(
+        impl FromSetting for $t {
+            fn read(v: &Values, key: &'static str) -> Result<Self, ConfigError> {
+                <$t as Choice>::parse(&v.str(key)?)
+                    .ok_or_else(|| v.invalid(key, format!("choose {}", <$t as Choice>::choices())))
+            }
+        }
+    )*};
+}
+choices!(Model, Precision, Stragglers, HealthCheck);
 
 impl FromSetting for &'static InstanceType {
     fn read(v: &Values, key: &'static str) -> Result<Self, ConfigError> {

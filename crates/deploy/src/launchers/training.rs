@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::{PodTemplateSpec, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use contract::argv::{RunArgs, RunFlag, Target, TrainArgs};
+use contract::choices::{HealthCheck, Stragglers};
 
 use crate::config::{Project, RdzvBackend};
 use crate::manifests::{
@@ -49,7 +50,7 @@ pub fn token_secret_name(project: &Project) -> String {
 fn train_args(project: &Project) -> TrainArgs {
     let j = &project.job;
     TrainArgs {
-        model: j.model.clone(),
+        model: j.model,
         data: project.data.dir.clone(),
         out: j.runs_dir.clone(),
         epochs: j.epochs,
@@ -58,7 +59,7 @@ fn train_args(project: &Project) -> TrainArgs {
         // The data job puts the data set on the volume first.
         no_download: true,
         upload: j.upload.clone(),
-        precision: (j.precision != "fp32").then(|| j.precision.clone()),
+        precision: j.precision,
         train_again: j.train_again,
     }
 }
@@ -164,11 +165,11 @@ pub fn worker_run_args(project: &Project) -> RunArgs {
     flags.push(RunFlag::TerminationLog(TERMINATION_LOG.into()));
     flags.extend(j.hang_timeout.map(RunFlag::HangTimeout));
     // Said only when not trainctl run's own defaults.
-    if j.stragglers != "warn" {
-        flags.push(RunFlag::Stragglers(j.stragglers.clone()));
+    if j.stragglers != Stragglers::default() {
+        flags.push(RunFlag::Stragglers(j.stragglers));
     }
-    if j.health_check != "warn" {
-        flags.push(RunFlag::HealthCheck(j.health_check.clone()));
+    if j.health_check != HealthCheck::default() {
+        flags.push(RunFlag::HealthCheck(j.health_check));
     }
     flags.extend(j.fetch.iter().cloned().map(RunFlag::Fetch));
     if !j.fetch.is_empty() {

@@ -84,7 +84,7 @@ pub enum GemmLine {
 /// The peaks, then each of [`RESNET_SHAPES`] timed on the calling thread (median of `repeats`
 /// runs of at least 50 ms each), fp32 and, where the CPU has it, bf16.
 pub fn gemm_report(repeats: usize) -> Vec<GemmLine> {
-    let bf16 = Precision::Bf16.available();
+    let bf16 = crate::matmul::available(Precision::Bf16);
     let fp32_peak = peak(Precision::F32).unwrap_or(f64::NAN);
     let bf16_peak = bf16.then(|| peak(Precision::Bf16)).flatten();
     let mut lines = vec![GemmLine::Peak {
@@ -143,7 +143,9 @@ fn peak(precision: Precision) -> Option<f64> {
     {
         let iterations = 20_000_000;
         let (flops_per_iteration, run): (f64, unsafe fn(usize) -> f32) = match precision {
-            Precision::Bf16 if Precision::Bf16.available() => (24.0 * 64.0, x86::bf16_chains),
+            Precision::Bf16 if crate::matmul::available(Precision::Bf16) => {
+                (24.0 * 64.0, x86::bf16_chains)
+            }
             Precision::F32 if std::arch::is_x86_feature_detected!("avx512f") => {
                 (24.0 * 32.0, x86::avx512_chains)
             }

@@ -12,44 +12,19 @@ pub mod bf16;
 mod par;
 pub use par::{Tiling, par_matmul, par_matmul_packed, par_matmul_uninit};
 
-/// What a GEMM's inputs are rounded to before they are multiplied; the sums are f32 either way.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// f32 inputs (the `gemm` crate).
-    #[default]
-    F32,
-    /// bf16 inputs, f32 sums: AVX512_BF16's `vdpbf16ps`, as PyTorch's CPU autocast does.
-    Bf16,
-}
+/// What a GEMM's inputs are rounded to before they are multiplied; the sums are f32 either way:
+/// `F32` by the `gemm` crate, `Bf16` by AVX512_BF16's `vdpbf16ps`, as PyTorch's CPU autocast
+/// does. The setting's own enum (`--precision`), shared with the crates that name it.
+pub use contract::choices::Precision;
 
-impl Precision {
-    pub const NAMES: [&str; 2] = ["fp32", "bf16"];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "fp32",
-            Precision::Bf16 => "bf16",
-        }
-    }
-
-    /// `fp32` (or `f32`) or `bf16`.
-    pub fn parse(text: &str) -> Option<Self> {
-        match text {
-            "fp32" | "f32" => Some(Precision::F32),
-            "bf16" => Some(Precision::Bf16),
-            _ => None,
-        }
-    }
-
-    /// Whether this machine computes in this precision: bf16 needs AVX512_BF16.
-    pub fn available(self) -> bool {
-        match self {
-            Precision::F32 => true,
-            #[cfg(target_arch = "x86_64")]
-            Precision::Bf16 => bf16::available(),
-            #[cfg(not(target_arch = "x86_64"))]
-            Precision::Bf16 => false,
-        }
+/// Whether this machine computes in `precision`: bf16 needs AVX512_BF16.
+pub fn available(precision: Precision) -> bool {
+    match precision {
+        Precision::F32 => true,
+        #[cfg(target_arch = "x86_64")]
+        Precision::Bf16 => bf16::available(),
+        #[cfg(not(target_arch = "x86_64"))]
+        Precision::Bf16 => false,
     }
 }
 
@@ -288,7 +263,7 @@ fn check_product(
     precision: Precision,
 ) {
     assert!(
-        precision.available(),
+        available(precision),
         "matmul: this CPU has no {} arithmetic (the command line refuses it first)",
         precision.name()
     );
@@ -517,7 +492,7 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 7) % 13) as f32 / 4.0).collect();
         let (lhs, rhs) = (Mat::rows(&a, m, k), Mat::rows(&b, k, n));
         for precision in [Precision::F32, Precision::Bf16] {
-            if !precision.available() {
+            if !available(precision) {
                 eprintln!("SKIPPED: {} (this CPU lacks it)", precision.name());
                 continue;
             }

@@ -16,8 +16,8 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 128)]
     batch_size: usize,
     /// The network whose step is timed: seed-cnn, resnet18, resnet34, resnet50 or resnet101.
-    #[arg(long, default_value = contract::models::SEED_CNN)]
-    model: String,
+    #[arg(long, default_value_t, value_parser = super::args::choice::<contract::choices::Model>())]
+    model: contract::choices::Model,
     /// Image side in pixels (the seed CNN: 32 only; the ResNets: 32 or more).
     #[arg(long, default_value_t = 32)]
     image_size: usize,
@@ -63,7 +63,7 @@ pub(crate) struct Args {
     /// The convolutions' arithmetic of the timed step and of --layers: fp32, or bf16 (inputs
     /// rounded to bf16, sums in fp32, as PyTorch's CPU autocast; needs AVX512_BF16). --gemm
     /// times both.
-    #[arg(long, default_value = "fp32", value_parser = super::train::parse_precision)]
+    #[arg(long, default_value_t, value_parser = super::args::choice::<kernels::Precision>())]
     precision: kernels::Precision,
     /// Time the GEMM alone instead, on the shapes of resnet18's and resnet50's convolutions at
     /// --batch-size 32 and 64×64 images, one thread, fp32 and bf16 (where the CPU has it), with
@@ -124,7 +124,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
         }
         return Ok(0);
     }
-    let model = super::train::parse_model(&args.model)?;
+    let model = trainer::model::Architecture::from(args.model);
     if let Err(problem) = model.check_image_size(args.image_size) {
         bail!("--image-size {}: {problem}", args.image_size);
     }

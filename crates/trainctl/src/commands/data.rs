@@ -21,7 +21,7 @@ pub(crate) enum Command {
         #[arg(long, default_value = contract::CIFAR10.name)]
         dataset: String,
         #[command(flatten)]
-        mirror: super::train::Mirror,
+        mirror: super::args::Mirror,
     },
     /// Copy every object under an S3 prefix (or the one object a URI names) into DIR, several
     /// at a time; files already there with the object's size and checksum are skipped, so an
@@ -94,7 +94,7 @@ pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
             dataset,
             mirror,
         } => {
-            let dataset = super::train::parse_dataset(&dataset)?;
+            let dataset = super::args::parse_dataset(&dataset)?;
             let opts = mirror.options(dataset, true, None)?;
             let mut progress = crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
             let layout = data::ensure(&data, dataset, &opts, &mut |p| progress.data(p))?;

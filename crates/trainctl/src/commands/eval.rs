@@ -27,7 +27,7 @@ pub(crate) struct Args {
     #[arg(long, default_value = contract::CIFAR10.name)]
     dataset: String,
     #[command(flatten)]
-    mirror: super::train::Mirror,
+    mirror: super::args::Mirror,
     /// Threads decoding images.
     #[arg(long, default_value_t = 2)]
     loader_threads: usize,
@@ -40,7 +40,7 @@ pub(crate) struct Args {
 pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     let model = super::s3::model_file(&args.model)?;
     let loaded = trainer::eval::load_model_file(&model.path)?;
-    let dataset = super::train::parse_dataset(&args.dataset)?;
+    let dataset = super::args::parse_dataset(&args.dataset)?;
     let opts = args
         .mirror
         .options(dataset, args.download, Some("pass --download"))?;

@@ -1,5 +1,6 @@
 //! One file per subcommand: parse, call the library, report.
 
+pub(crate) mod args;
 pub(crate) mod bench;
 pub(crate) mod checkpoint;
 pub(crate) mod data;

@@ -7,19 +7,21 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, bail};
+use contract::choices::{Model, Precision};
 
 use collective::{CollectiveError, World};
+
+use super::args::{Mirror, choice, parse_dataset};
 use trainer::TrainError;
-use trainer::data::{Augment, DatasetName};
-use trainer::data::{DEFAULT_STALL_TIMEOUT, DownloadOptions};
+use trainer::data::Augment;
 use trainer::model::Architecture;
 use trainer::train::{Event, TrainConfig};
 
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// The network: seed-cnn, resnet18, resnet34, resnet50 or resnet101 (torchvision's).
-    #[arg(long, default_value = contract::models::SEED_CNN)]
-    pub(crate) model: String,
+    #[arg(long, default_value_t, value_parser = choice::<Model>())]
+    pub(crate) model: Model,
     /// The data: CIFAR-10 (either official layout) or an image folder (train/CLASS/*.jpg and
     /// val/CLASS/..., or tiny-imagenet-200's layout). --dataset is downloaded here if it holds
     /// neither.
@@ -95,8 +97,8 @@ pub(crate) struct Args {
     /// The convolutions' arithmetic: fp32, or bf16 (their inputs rounded to bf16 and summed in
     /// fp32, as PyTorch's CPU autocast does; weights, gradients, the optimizer, batch norm,
     /// checkpoints and the model file stay fp32). bf16 needs a CPU with AVX512_BF16.
-    #[arg(long, default_value = contract::train_defaults::PRECISION, value_parser = parse_precision)]
-    pub(crate) precision: kernels::Precision,
+    #[arg(long, default_value_t, value_parser = choice::<Precision>())]
+    pub(crate) precision: Precision,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
@@ -150,7 +152,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     // the checks above, which must leave nothing behind.)
     check_writable(&run_dir, world.rank)?;
     let cfg = TrainConfig {
-        model: parse_model(&args.model)?,
+        model: Architecture::from(args.model),
         data: args.data,
         dataset,
         download: args
@@ -253,7 +255,6 @@ fn upload_run(client: &objects::Client, cfg: &TrainConfig, to: &objects::S3Uri) 
 /// The checks of `args` that need nothing but the command line: run by the worker before it
 /// starts, and by `trainctl run` before it starts any worker (so a typo fails once, exit 2).
 pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
-    parse_model(&args.model)?;
     parse_dataset(&args.dataset)?;
     if let Some(a) = &args.augment {
         Augment::parse(a)
@@ -281,15 +282,9 @@ pub(crate) fn check(args: &Args) -> anyhow::Result<()> {
         args.weight_decay,
     )?;
     trainer::train::check_stragglers(args.straggler_factor, args.straggler_window)?;
-    trainer::device::check_precision(args.precision, args.precision.available())
+    trainer::device::check_precision(args.precision, kernels::available(args.precision))
         .map_err(anyhow::Error::msg)?;
     Ok(())
-}
-
-/// `--precision`'s value: fp32 (or f32) or bf16.
-pub(crate) fn parse_precision(text: &str) -> Result<kernels::Precision, String> {
-    kernels::Precision::parse(text)
-        .ok_or_else(|| format!("choose {}", kernels::Precision::NAMES.join(" or ")))
 }
 
 /// Whether `dir` (the run's folder: checkpoint, model, metrics) can be written, by making it
@@ -324,65 +319,4 @@ pub(crate) fn check_argv(argv: &[std::ffi::OsString]) -> anyhow::Result<()> {
         anyhow::anyhow!("{}", text.trim_start_matches("error: ").trim_end())
     })?;
     check(&parsed.args)
-}
-
-pub(crate) fn parse_model(name: &str) -> anyhow::Result<Architecture> {
-    match Architecture::parse(name) {
-        Some(a) => Ok(a),
-        None => bail!("--model {name:?}: choose {}", Architecture::CHOICES),
-    }
-}
-
-pub(crate) fn parse_dataset(name: &str) -> anyhow::Result<DatasetName> {
-    match DatasetName::parse(name) {
-        Some(d) => Ok(d),
-        None => bail!("--dataset {name:?}: choose {}", DatasetName::CHOICES),
-    }
-}
-
-/// Where a missing data set is downloaded from: the flags `train`, `eval` and `data fetch`
-/// share.
-#[derive(clap::Args, Debug, Clone)]
-pub(crate) struct Mirror {
-    /// Download from here instead of the official address of --dataset.
-    #[arg(long)]
-    pub(crate) download_url: Option<String>,
-    /// Expected MD5 of the downloaded archive (default: the official archive's).
-    #[arg(long)]
-    download_md5: Option<String>,
-    /// Seconds without a byte from the download's server before a try is given up; the
-    /// download is retried with backoff, resuming, and fails after 4 tries in a row that bring
-    /// nothing.
-    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_STALL_TIMEOUT.as_secs_f64())]
-    pub(crate) download_stall_timeout: f64,
-}
-
-impl Mirror {
-    /// The official archive of `dataset`, or the mirror and checksum given (a mirror's size is
-    /// not known; its MD5 still is checked). `turn_on` says how this command enables
-    /// downloads (`DownloadOptions::turn_on`), for the hint when `enabled` is false.
-    pub(crate) fn options(
-        self,
-        dataset: DatasetName,
-        enabled: bool,
-        turn_on: Option<&'static str>,
-    ) -> anyhow::Result<DownloadOptions> {
-        let seconds = self.download_stall_timeout;
-        if !(seconds.is_finite() && seconds > 0.0) {
-            bail!(
-                "--download-stall-timeout must be a positive number of seconds, got {seconds}; leave it out for {} s",
-                DEFAULT_STALL_TIMEOUT.as_secs()
-            );
-        }
-        let official = dataset.official();
-        let (url, md5) = (self.download_url, self.download_md5);
-        Ok(DownloadOptions {
-            enabled,
-            size: official.size.filter(|_| md5.is_none() && url.is_none()),
-            url: url.unwrap_or(official.url),
-            md5: md5.unwrap_or(official.md5),
-            stall_timeout: std::time::Duration::from_secs_f64(seconds),
-            turn_on,
-        })
-    }
 }

@@ -31,7 +31,7 @@ impl ModelInfo {
             format!(
                 "names the network {:?}, which this trainctl does not know ({})",
                 self.architecture,
-                Architecture::CHOICES
+                Architecture::choices()
             )
         })
     }
@@ -115,7 +115,7 @@ impl ModelInfo {
                 _ => {
                     return Err(format!(
                         "looks like a ResNet but has {stage3} blocks in layer3 (bottleneck: {bottleneck}); trainctl knows {}",
-                        Architecture::CHOICES
+                        Architecture::choices()
                     ));
                 }
             };

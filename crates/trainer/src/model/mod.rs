@@ -13,6 +13,7 @@ pub mod resnet;
 use burn::module::Module;
 use burn::nn::BatchNorm;
 use burn::tensor::{Device, Tensor};
+use contract::choices::{self, Choice};
 
 pub use cnn::SeedCnn;
 pub(crate) use flat::to_vec;
@@ -28,23 +29,42 @@ pub enum Architecture {
     ResNet(Arch),
 }
 
-impl Architecture {
-    /// The names `--model` takes, for messages.
-    pub const CHOICES: &str = contract::models::CHOICES;
+impl From<choices::Model> for Architecture {
+    fn from(model: choices::Model) -> Architecture {
+        match model {
+            choices::Model::SeedCnn => Architecture::SeedCnn,
+            choices::Model::ResNet18 => Architecture::ResNet(Arch::ResNet18),
+            choices::Model::ResNet34 => Architecture::ResNet(Arch::ResNet34),
+            choices::Model::ResNet50 => Architecture::ResNet(Arch::ResNet50),
+            choices::Model::ResNet101 => Architecture::ResNet(Arch::ResNet101),
+        }
+    }
+}
 
-    /// `seed-cnn`, `resnet18`, ...
-    pub fn parse(name: &str) -> Option<Architecture> {
-        match name {
-            contract::models::SEED_CNN => Some(Architecture::SeedCnn),
-            other => Arch::parse(other).map(Architecture::ResNet),
+impl Architecture {
+    /// The setting that names it (`--model`, `job.model`).
+    pub fn model(self) -> choices::Model {
+        match self {
+            Architecture::SeedCnn => choices::Model::SeedCnn,
+            Architecture::ResNet(Arch::ResNet18) => choices::Model::ResNet18,
+            Architecture::ResNet(Arch::ResNet34) => choices::Model::ResNet34,
+            Architecture::ResNet(Arch::ResNet50) => choices::Model::ResNet50,
+            Architecture::ResNet(Arch::ResNet101) => choices::Model::ResNet101,
         }
     }
 
+    /// `seed-cnn`, `resnet18`, ...
+    pub fn parse(name: &str) -> Option<Architecture> {
+        choices::Model::parse(name).map(Architecture::from)
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            Architecture::SeedCnn => contract::models::SEED_CNN,
-            Architecture::ResNet(a) => a.name(),
-        }
+        self.model().name()
+    }
+
+    /// The names `--model` takes, for messages.
+    pub fn choices() -> String {
+        choices::Model::choices()
     }
 
     /// Why this network cannot take `size`² images, if it cannot (sizes from files are checked
@@ -152,14 +172,19 @@ pub(crate) fn settle_norms<'a>(norms: impl IntoIterator<Item = &'a BatchNorm>) {
 
 #[cfg(test)]
 mod tests {
+    use contract::choices::{Choice, Model};
+
     use super::Architecture;
 
     /// The trainer knows exactly the networks the other crates offer (`job.model`).
     #[test]
-    fn every_model_name_of_the_contract_is_a_network_and_back() {
-        for name in contract::models::ALL {
-            let arch = Architecture::parse(name).unwrap_or_else(|| panic!("{name}"));
-            assert_eq!(arch.name(), name);
+    fn every_model_of_the_contract_is_a_network_and_back() {
+        for model in <Model as Choice>::ALL {
+            assert_eq!(Architecture::from(*model).model(), *model);
+            assert_eq!(
+                Architecture::parse(model.name()).map(|a| a.model()),
+                Some(*model)
+            );
         }
         assert_eq!(Architecture::parse("resnet152"), None);
     }

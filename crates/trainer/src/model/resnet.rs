@@ -35,16 +35,7 @@ impl Arch {
 
     /// torchvision's name: `resnet18`, ...
     pub fn name(self) -> &'static str {
-        match self {
-            Arch::ResNet18 => "resnet18",
-            Arch::ResNet34 => "resnet34",
-            Arch::ResNet50 => "resnet50",
-            Arch::ResNet101 => "resnet101",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Arch> {
-        Arch::ALL.into_iter().find(|a| a.name() == name)
+        super::Architecture::ResNet(self).name()
     }
 
     /// Blocks per stage.

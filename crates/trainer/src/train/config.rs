@@ -89,7 +89,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     if let Some(s) = cfg.stragglers {
         check_stragglers(s.factor, s.window)?;
     }
-    crate::device::check_precision(cfg.precision, cfg.precision.available())
+    crate::device::check_precision(cfg.precision, kernels::available(cfg.precision))
         .map_err(TrainError::Config)?;
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 mod plan;
 
+use contract::choices::{HealthCheck, Stragglers};
 use contract::rdzv::Backend as RdzvBackend;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -16,23 +17,10 @@ use anyhow::{Context, bail};
 use launcher::rendezvous::{self, Limits};
 
 use launcher::{LaunchSpec, Outcome};
+
+use super::args::choice;
 use plan::{Endpoint, Plan, Topology};
 use telemetry::prometheus::JobGauges;
-
-/// What an elastic job does about a node its ranks find a straggler (`--stragglers`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Stragglers {
-    Warn,
-    Evict,
-}
-
-/// What a node far below the others in its health check does (`--health-check`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum HealthCheck {
-    Refuse,
-    Warn,
-    Off,
-}
 
 /// Whether a node joining a job under way starts its workers before it asks for a place
 /// (`--warm-start`).
@@ -119,14 +107,14 @@ pub(crate) struct Args {
     /// `--straggler-window`): `warn` (the default) says so when it starts and when it ends;
     /// `evict` also drops the node, which leaves the job at a step boundary while the others
     /// regroup in place, never below --nnodes MIN.
-    #[arg(long, env = "TRAINCTL_STRAGGLERS", value_enum, default_value_t = Stragglers::Warn)]
+    #[arg(long, env = "TRAINCTL_STRAGGLERS", default_value_t, value_parser = choice::<Stragglers>())]
     pub(crate) stragglers: Stragglers,
     /// Elastic jobs: before it joins, a node measures a CPU matrix multiply and a loopback TCP
     /// stream (about 0.15 s) and compares them with the nodes already in the job; one under
     /// half their median on either is far below them: `warn` (the default) lets it join,
     /// saying the figures; `refuse` keeps it out (exit 75: try again later); `off` does not
     /// measure. (Nodes sharing a machine with the job measure low while it trains.)
-    #[arg(long, env = "TRAINCTL_HEALTH_CHECK", value_enum, default_value_t = HealthCheck::Warn)]
+    #[arg(long, env = "TRAINCTL_HEALTH_CHECK", default_value_t, value_parser = choice::<HealthCheck>())]
     pub(crate) health_check: HealthCheck,
     /// Also write each rank's output to LOG_DIR/RUN_ID/attempt_0/RANK/{stdout,stderr}.log.
     #[arg(long, env = "PET_LOG_DIR")]
@@ -484,11 +472,7 @@ fn worker_spec(
         regroup: args.regroup == Regroup::InProcess,
         warm_start: args.warm_start == WarmStart::Auto,
         evict_stragglers: args.stragglers == Stragglers::Evict,
-        health_check: match args.health_check {
-            HealthCheck::Refuse => launcher::HealthCheck::Refuse,
-            HealthCheck::Warn => launcher::HealthCheck::Warn,
-            HealthCheck::Off => launcher::HealthCheck::Off,
-        },
+        health_check: args.health_check,
         // A worker answers after the step under way, then after its new group's ranks have
         // all joined, each bounded by the collective timeout.
         regroup_timeout: 2 * collective_timeout
