@@ -44,6 +44,33 @@ pub struct Condition {
     pub message: String,
 }
 
+/// The status of a Kubeflow operator's job (PyTorchJob, TrainJob, MPIJob): the part read.
+#[derive(Debug, Default, serde::Deserialize)]
+struct OperatorStatus {
+    conditions: Option<Vec<OperatorCondition>>,
+}
+
+/// A condition as the operators write it; a field left out (or null) reads as empty.
+#[derive(Debug, serde::Deserialize)]
+struct OperatorCondition {
+    #[serde(rename = "type")]
+    type_: Option<String>,
+    status: Option<String>,
+    reason: Option<String>,
+    message: Option<String>,
+}
+
+impl From<OperatorCondition> for Condition {
+    fn from(c: OperatorCondition) -> Condition {
+        Condition {
+            type_: c.type_.unwrap_or_default(),
+            status: c.status.unwrap_or_default(),
+            reason: c.reason.unwrap_or_default(),
+            message: c.message.unwrap_or_default(),
+        }
+    }
+}
+
 /// A job and its pods.
 #[derive(Debug, Clone)]
 pub struct JobStatus {
@@ -152,22 +179,13 @@ impl JobStatus {
         succeeded: &str,
         operator: Option<Operator>,
     ) -> JobStatus {
-        let conditions: Vec<Condition> = job.data["status"]["conditions"]
-            .as_array()
-            .map(|cs| {
-                cs.iter()
-                    .map(|c| {
-                        let s = |k: &str| c[k].as_str().unwrap_or("").to_string();
-                        Condition {
-                            type_: s("type"),
-                            status: s("status"),
-                            reason: s("reason"),
-                            message: s("message"),
-                        }
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let conditions: Vec<Condition> =
+            serde_json::from_value::<OperatorStatus>(job.data["status"].clone())
+                .map(|s| {
+                    let conditions = s.conditions.unwrap_or_default();
+                    conditions.into_iter().map(Condition::from).collect()
+                })
+                .unwrap_or_default();
         let phase = phase_from_conditions(&conditions, &[succeeded], &["Failed"]).unwrap_or(
             if conditions
                 .iter()

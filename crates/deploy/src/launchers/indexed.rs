@@ -84,11 +84,7 @@ impl Kind for Indexed {
     }
 
     fn status(&self, object: &DynamicObject) -> JobStatus {
-        // The server's Job read back into its type; a Job always reads (every field optional).
-        let job: Job = serde_json::to_value(object)
-            .and_then(serde_json::from_value)
-            .unwrap_or_default();
-        JobStatus::from_job(&job)
+        JobStatus::from_job(&read_job(object))
     }
 
     fn pod_job_label(&self) -> &'static str {
@@ -100,13 +96,17 @@ impl Kind for Indexed {
     }
 
     fn size(&self, object: &DynamicObject) -> Option<u32> {
-        object.data["spec"]["completions"]
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
+        let completions = read_job(object).spec?.completions?;
+        u32::try_from(completions).ok()
     }
 
     fn size_patch(&self, nodes: u32) -> Option<serde_json::Value> {
         // Kubernetes takes a new completions only with the same parallelism.
         Some(serde_json::json!({ "spec": { "completions": nodes, "parallelism": nodes } }))
     }
+}
+
+/// The server's Job read back into its type; a Job always reads (every field optional).
+fn read_job(object: &DynamicObject) -> Job {
+    object.clone().try_parse().unwrap_or_default()
 }

@@ -71,6 +71,9 @@ custom_resource!(
     "pytorchjobs"
 );
 
+/// The replica type of the job's pods.
+const WORKER: &str = "Worker";
+
 pub struct PyTorchJob;
 
 impl Kind for PyTorchJob {
@@ -110,7 +113,7 @@ impl Kind for PyTorchJob {
                 },
                 elastic_policy,
                 pytorch_replica_specs: BTreeMap::from([(
-                    "Worker".into(),
+                    WORKER.into(),
                     ReplicaSpec {
                         replicas: j.max_nodes,
                         // Signals (128+) are retried; trainctl's own failures (1, 2) are final.
@@ -168,14 +171,15 @@ impl Kind for PyTorchJob {
     }
 
     fn size(&self, object: &DynamicObject) -> Option<u32> {
-        object.data["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
+        let job: PyTorchJobObject = object.clone().try_parse().ok()?;
+        Some(job.spec.pytorch_replica_specs.get(WORKER)?.replicas)
     }
 
+    /// A JSON merge patch of the replicas alone (the unit test in `launchers` reads it back
+    /// through [`Kind::size`], typed).
     fn size_patch(&self, nodes: u32) -> Option<serde_json::Value> {
         Some(serde_json::json!({
-            "spec": { "pytorchReplicaSpecs": { "Worker": { "replicas": nodes } } }
+            "spec": { "pytorchReplicaSpecs": { (WORKER): { "replicas": nodes } } }
         }))
     }
 }
