@@ -94,79 +94,144 @@ fn check(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What one `trainctl bench` times, read from its flags in one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `--gemm`: the GEMM alone against the core's peak.
+    Gemm,
+    /// `--loader DIR`: the data loader alone.
+    Loader,
+    /// `--layers` with the seed CNN: each convolution alone by each algorithm, one thread.
+    SeedCnnLayers,
+    /// `--step-only T` (a child of [`Mode::Steps`]): one thread count's step in this process,
+    /// or its layer profile with `--layers`.
+    StepHere(usize),
+    /// The default: each `--threads` count's step in a child (a process sizes its thread
+    /// pool once), then the all-reduce and the loopback copy; with `--layers` (a ResNet),
+    /// each child's layer profile and then each convolution alone.
+    Steps,
+}
+
+impl Mode {
+    fn of(args: &Args, model: trainer::model::Architecture) -> Mode {
+        if args.gemm {
+            Mode::Gemm
+        } else if args.loader.is_some() {
+            Mode::Loader
+        } else if let Some(threads) = args.step_only {
+            Mode::StepHere(threads)
+        } else if args.layers && model == trainer::model::Architecture::SeedCnn {
+            Mode::SeedCnnLayers
+        } else {
+            Mode::Steps
+        }
+    }
+}
+
 pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     check(&args).map_err(super::usage)?;
     trainer::device::set_precision(args.precision).map_err(|e| super::usage(anyhow::anyhow!(e)))?;
-    if args.gemm {
-        for line in kernels::bench::gemm_report(args.steps) {
-            println!("{}", serde_json::to_string(&line)?);
-        }
-        return Ok(0);
-    }
-    if let Some(dir) = &args.loader {
-        let Some(augment) = trainer::data::Augment::parse(&args.augment) else {
-            bail!(
-                "--augment {:?}: choose {}",
-                args.augment,
-                trainer::data::Augment::CHOICES
-            );
-        };
-        for threads in &args.threads {
-            let t = trainer::bench::loader(
-                dir,
-                args.image_size,
-                augment,
-                *threads,
-                args.batch_size,
-                args.batches,
-            )?;
-            println!("{}", serde_json::to_string(&t)?);
-        }
-        return Ok(0);
-    }
     let model = trainer::model::Architecture::from(args.model);
-    if let Err(problem) = model.check_image_size(args.image_size) {
+    let mode = Mode::of(&args, model);
+    if !matches!(mode, Mode::Gemm | Mode::Loader)
+        && let Err(problem) = model.check_image_size(args.image_size)
+    {
         bail!("--image-size {}: {problem}", args.image_size);
     }
-    if args.layers && args.step_only.is_none() && model == trainer::model::Architecture::SeedCnn {
-        let layers = kernels::bench::seed_cnn_layers(args.batch_size);
-        for t in kernels::bench::conv_layers(1, &layers, args.steps, args.precision) {
-            println!("{}", serde_json::to_string(&t)?);
-        }
-        return Ok(0);
-    }
-    if let Some(threads) = args.step_only {
-        if args.layers {
-            let (step, rows, phases) = trainer::bench::layer_profile(
-                model,
-                args.image_size,
-                threads,
-                args.batch_size,
+    match mode {
+        Mode::Gemm => print_lines(kernels::bench::gemm_report(args.steps))?,
+        Mode::Loader => loader(&args)?,
+        Mode::SeedCnnLayers => {
+            let layers = kernels::bench::seed_cnn_layers(args.batch_size);
+            print_lines(kernels::bench::conv_layers(
+                1,
+                &layers,
                 args.steps,
-                args.warmup,
-            );
-            println!("{}", serde_json::to_string(&step)?);
-            for row in rows {
-                println!("{}", serde_json::to_string(&row)?);
-            }
-            for phase in phases {
-                println!("{}", serde_json::to_string(&phase)?);
-            }
-            return Ok(0);
+                args.precision,
+            ))?;
         }
-        let t = trainer::bench::training_step(
-            model,
-            args.image_size,
-            threads,
-            args.batch_size,
-            args.steps,
-            args.warmup,
-        );
-        println!("{}", serde_json::to_string(&t)?);
-        return Ok(0);
+        Mode::StepHere(threads) => step_here(&args, model, threads)?,
+        Mode::Steps => {
+            let layers = steps_in_children(&args, model)?;
+            if args.layers {
+                // Each convolution of the step alone, by each algorithm: what the choice
+                // rests on.
+                print_lines(kernels::bench::conv_layers(
+                    1,
+                    &layers,
+                    args.steps,
+                    args.precision,
+                ))?;
+            } else {
+                collective(&args)?;
+            }
+        }
     }
+    Ok(0)
+}
+
+/// Each item as a line of JSON.
+fn print_lines<T: serde::Serialize>(items: impl IntoIterator<Item = T>) -> anyhow::Result<()> {
+    for item in items {
+        println!("{}", serde_json::to_string(&item)?);
+    }
+    Ok(())
+}
+
+/// The data loader alone, at each `--threads` count of decoding threads.
+fn loader(args: &Args) -> anyhow::Result<()> {
+    let Some(dir) = &args.loader else {
+        return Ok(());
+    };
+    let Some(augment) = trainer::data::Augment::parse(&args.augment) else {
+        bail!(
+            "--augment {:?}: choose {}",
+            args.augment,
+            trainer::data::Augment::CHOICES
+        );
+    };
+    for threads in &args.threads {
+        let t = trainer::bench::loader(
+            dir,
+            args.image_size,
+            augment,
+            *threads,
+            args.batch_size,
+            args.batches,
+        )?;
+        print_lines([t])?;
+    }
+    Ok(())
+}
+
+/// One thread count's training step in this process: its time, or with `--layers` its
+/// operations' and passes' times.
+fn step_here(
+    args: &Args,
+    model: trainer::model::Architecture,
+    threads: usize,
+) -> anyhow::Result<()> {
+    let (size, batch, steps, warmup) = (args.image_size, args.batch_size, args.steps, args.warmup);
+    if args.layers {
+        let (step, rows, phases) =
+            trainer::bench::layer_profile(model, size, threads, batch, steps, warmup);
+        print_lines([step])?;
+        print_lines(rows)?;
+        print_lines(phases)
+    } else {
+        let t = trainer::bench::training_step(model, size, threads, batch, steps, warmup);
+        print_lines([t])
+    }
+}
+
+/// Each `--threads` count's step in a child `trainctl bench --step-only T`, its lines passed
+/// on; with `--layers`, the convolutions the first child's profile names.
+fn steps_in_children(
+    args: &Args,
+    model: trainer::model::Architecture,
+) -> anyhow::Result<Vec<(String, kernels::conv::ConvShape)>> {
     let exe = std::env::current_exe().context("cannot find the trainctl executable")?;
-    let mut layers: Vec<(String, kernels::conv::ConvShape)> = Vec::new();
+    let mut layers = Vec::new();
     for threads in &args.threads {
         let out = Command::new(&exe)
             .args([
@@ -200,13 +265,12 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
             layers = conv_shapes(&stdout);
         }
     }
-    if args.layers {
-        // Each convolution of the step alone, by each algorithm: what the choice rests on.
-        for t in kernels::bench::conv_layers(1, &layers, args.steps, args.precision) {
-            println!("{}", serde_json::to_string(&t)?);
-        }
-        return Ok(0);
-    }
+    Ok(layers)
+}
+
+/// The seed CNN's gradients all-reduced at each `--ranks` world size, a joiner's state stream
+/// (`--state-mb`), and a loopback copy of the same bytes.
+fn collective(args: &Args) -> anyhow::Result<()> {
     let floats = trainer::model::snapshot(&trainer::model::SeedCnn::new(
         10,
         &trainer::device::inference_device(),
@@ -214,21 +278,18 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
     .params
     .len();
     for ranks in &args.ranks {
-        let t = collective::bench::all_reduce(*ranks, floats, args.repeats)?;
-        println!("{}", serde_json::to_string(&t)?);
+        print_lines([collective::bench::all_reduce(*ranks, floats, args.repeats)?])?;
     }
     if args.state_mb > 0 {
         for ranks in &args.ranks {
             let t = collective::bench::broadcast(*ranks, args.state_mb << 20, args.repeats)?;
-            println!("{}", serde_json::to_string(&t)?);
+            print_lines([t])?;
         }
     }
     let copy = collective::bench::loopback_copy(floats * 4, args.repeats)?;
-    println!(
-        "{}",
-        serde_json::json!({ "loopback_tcp_copy_bytes": floats * 4, "gbytes_per_s": copy })
-    );
-    Ok(0)
+    print_lines([
+        serde_json::json!({ "loopback_tcp_copy_bytes": floats * 4, "gbytes_per_s": copy }),
+    ])
 }
 
 /// The convolutions in a layer profile's lines (`trainer::bench::OpRow`), named by the profile.

@@ -447,48 +447,12 @@ pub fn backward(
                         });
                         let dm = &*dm;
                         phases::timed(phase("weight gradient products"), || {
-                            let vt = |xi: usize| {
-                                Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t()
-                            };
-                            let dm = |xi: usize| {
-                                Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co)
-                            };
-                            if i > 0 {
-                                du.par_chunks_mut(ci * co).enumerate().for_each(|(xi, du)| {
-                                    matmul(du, co, vt(xi), dm(xi), true, u.precision)
-                                });
-                                return;
-                            }
-                            du.spare_capacity_mut()[..np * ci * co]
-                                .par_chunks_mut(ci * co)
-                                .enumerate()
-                                .for_each(|(xi, du)| {
-                                    matmul_uninit(du, co, vt(xi), dm(xi), u.precision)
-                                });
-                            // SAFETY: each plane's product wrote its whole `c_in × c_out`
-                            // block, and the planes tile du.
-                            unsafe { du.set_len(np * ci * co) };
+                            weight_grad_products(&mut du, i == 0, v, dm, tiles, (ci, co), u)
                         });
                         if let Some(dx_chunk) = dx_chunk {
                             // V is not needed any more: dV goes in its place.
                             phases::timed(phase("input gradient products"), || {
-                                v.par_chunks_mut(tiles * ci)
-                                    .enumerate()
-                                    .for_each(|(xi, dv)| {
-                                        matmul_packed(
-                                            dv,
-                                            ci,
-                                            Mat::rows(
-                                                &dm[xi * tiles * co..][..tiles * co],
-                                                tiles,
-                                                co,
-                                            ),
-                                            u.plane(xi, ci, co).t(),
-                                            planes.get(xi).and_then(|p| p.view(0..co, 0..ci)),
-                                            false,
-                                            u.precision,
-                                        );
-                                    })
+                                input_grad_products(v, dm, tiles, (ci, co), u, &planes)
                             });
                             phases::timed(phase("input gradient transform"), || {
                                 input_grad_transform(s, &t, v, tiles, dx_chunk)
@@ -512,6 +476,59 @@ pub fn backward(
         weight: weight_grad(s, u.tile, &dw, u.layout),
         bias: wanted.bias.then_some(db),
     }
+}
+
+/// `dU = Vᵀ dM` per plane, into the group's weight gradients `du`: written by the group's
+/// `first` chunk, added to by the others (no zeroing pass first).
+fn weight_grad_products(
+    du: &mut Vec<f32>,
+    first: bool,
+    v: &[f32],
+    dm: &[f32],
+    tiles: usize,
+    (ci, co): (usize, usize),
+    u: &WinogradWeight,
+) {
+    let np = u.tile.planes();
+    let vt = |xi: usize| Mat::rows(&v[xi * tiles * ci..][..tiles * ci], tiles, ci).t();
+    let dm = |xi: usize| Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co);
+    if !first {
+        du.par_chunks_mut(ci * co)
+            .enumerate()
+            .for_each(|(xi, du)| matmul(du, co, vt(xi), dm(xi), true, u.precision));
+        return;
+    }
+    du.spare_capacity_mut()[..np * ci * co]
+        .par_chunks_mut(ci * co)
+        .enumerate()
+        .for_each(|(xi, du)| matmul_uninit(du, co, vt(xi), dm(xi), u.precision));
+    // SAFETY: each plane's product wrote its whole `c_in × c_out` block, and the planes tile du.
+    unsafe { du.set_len(np * ci * co) };
+}
+
+/// `dV = dM Uᵀ` per plane, in `v`'s place (V is not needed any more), with the planes packed
+/// for the transposed product (`planes`, empty when not packed).
+fn input_grad_products(
+    v: &mut [f32],
+    dm: &[f32],
+    tiles: usize,
+    (ci, co): (usize, usize),
+    u: &WinogradWeight,
+    planes: &[PackedRhs],
+) {
+    v.par_chunks_mut(tiles * ci)
+        .enumerate()
+        .for_each(|(xi, dv)| {
+            matmul_packed(
+                dv,
+                ci,
+                Mat::rows(&dm[xi * tiles * co..][..tiles * co], tiles, co),
+                u.plane(xi, ci, co).t(),
+                planes.get(xi).and_then(|p| p.view(0..co, 0..ci)),
+                false,
+                u.precision,
+            );
+        });
 }
 
 /// `dM = A dy Aᵀ` per tile (`dy` of the chunk's images, zero past the output's edge), each
