@@ -124,33 +124,8 @@ impl RunData {
                 Record::Start(s) => {
                     if let Some(prev) = attempts.iter().rev().find_map(|a| a.start.as_ref()) {
                         let finished = epochs_done > 0 && epochs_done >= s.config.epochs;
-                        if s.restart > prev.restart {
-                            markers.push(Marker {
-                                step: s.step,
-                                kind: MarkerKind::Restart,
-                                label: format!("restart {}", s.restart),
-                            });
-                        } else if s.world_size == prev.world_size {
-                            // Started again by hand (a membership change restarts at another
-                            // world size, marked below): the time in between is nobody's.
-                            idle_s += previous_time.map_or(0.0, |t| (s.time - t).max(0.0));
-                            // A finished run started again only evaluates (or is refused):
-                            // nothing to mark.
-                            if !finished {
-                                markers.push(Marker {
-                                    step: s.step,
-                                    kind: MarkerKind::Resumed,
-                                    label: "resumed".into(),
-                                });
-                            }
-                        }
-                        if s.world_size != prev.world_size {
-                            markers.push(Marker {
-                                step: s.step,
-                                kind: MarkerKind::WorldSize,
-                                label: format!("world size {} → {}", prev.world_size, s.world_size),
-                            });
-                        }
+                        let since = previous_time.map_or(0.0, |t| (s.time - t).max(0.0));
+                        idle_s += mark_start(prev, s, finished, since, &mut markers);
                     }
                     config = Some(s.config.clone());
                     attempts.push(Attempt {
@@ -274,6 +249,46 @@ fn timing(rank: u32, records: &[Record]) -> Option<Timing> {
         compute_s: mean(|s| s.compute_s),
         allreduce_s: mean(|s| s.allreduce_s),
     })
+}
+
+/// The markers of an attempt `s` that started after `prev`: a restart, a resume (started again
+/// by hand), a world-size change. Returns the seconds since the `previous` record that are
+/// nobody's (a resume by hand: the run was not running).
+fn mark_start(
+    prev: &Start,
+    s: &Start,
+    finished: bool,
+    since_previous: f64,
+    markers: &mut Vec<Marker>,
+) -> f64 {
+    let mut idle_s = 0.0;
+    if s.restart > prev.restart {
+        markers.push(Marker {
+            step: s.step,
+            kind: MarkerKind::Restart,
+            label: format!("restart {}", s.restart),
+        });
+    } else if s.world_size == prev.world_size {
+        // Started again by hand (a membership change restarts at another world size, marked
+        // below): the time in between is nobody's.
+        idle_s = since_previous;
+        // A finished run started again only evaluates (or is refused): nothing to mark.
+        if !finished {
+            markers.push(Marker {
+                step: s.step,
+                kind: MarkerKind::Resumed,
+                label: "resumed".into(),
+            });
+        }
+    }
+    if s.world_size != prev.world_size {
+        markers.push(Marker {
+            step: s.step,
+            kind: MarkerKind::WorldSize,
+            label: format!("world size {} → {}", prev.world_size, s.world_size),
+        });
+    }
+    idle_s
 }
 
 #[cfg(test)]

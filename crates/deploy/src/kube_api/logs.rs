@@ -177,26 +177,12 @@ impl Kube {
                         ));
                         pending.insert(pod.uid.clone(), pod.why.clone());
                     }
-                    continue;
+                } else if !streaming.0.contains_key(&pod.uid) {
+                    let follower = self.follower(&api, &pod, &tx, &done);
+                    streaming
+                        .0
+                        .insert(pod.uid.clone(), tokio::spawn(follower.run()));
                 }
-                if streaming.0.contains_key(&pod.uid) {
-                    continue;
-                }
-                let follower = Follower {
-                    api: api.clone(),
-                    pod: pod.name.clone(),
-                    container: pod.container.clone(),
-                    node: pod.node.clone(),
-                    prefix: pod.prefix(),
-                    namespace: self.namespace.clone(),
-                    lines: tx.clone(),
-                    job_done: done.clone(),
-                    first_wait: self.poll,
-                    max_wait: self.poll * REATTACH_MAX_POLLS,
-                };
-                streaming
-                    .0
-                    .insert(pod.uid.clone(), tokio::spawn(follower.run()));
             }
             let finished = status.as_ref().is_some_and(|s| s.phase.is_finished());
             if finished {
@@ -237,6 +223,28 @@ impl Kube {
             }
         }
     }
+
+    /// The follower of `pod`'s logs, sending its lines on `lines` until `job_done`.
+    fn follower(
+        &self,
+        api: &Api<Pod>,
+        pod: &PodStatus,
+        lines: &mpsc::Sender<String>,
+        job_done: &watch::Receiver<bool>,
+    ) -> Follower {
+        Follower {
+            api: api.clone(),
+            pod: pod.name.clone(),
+            container: pod.container.clone(),
+            node: pod.node.clone(),
+            prefix: pod.prefix(),
+            namespace: self.namespace.clone(),
+            lines: lines.clone(),
+            job_done: job_done.clone(),
+            first_wait: self.poll,
+            max_wait: self.poll * REATTACH_MAX_POLLS,
+        }
+    }
 }
 
 /// The followers of a job's pods, by pod uid; those still running when `--follow` returns
@@ -268,6 +276,9 @@ struct Follower {
     max_wait: Duration,
 }
 
+/// Nobody reads a follower's lines any more: it stops.
+struct Hangup;
+
 impl Follower {
     async fn run(mut self) {
         let mut resume = Resume::default();
@@ -297,32 +308,10 @@ impl Follower {
                     }
                     wait = self.first_wait;
                     resume.reopened();
-                    let mut lines = stream.lines();
-                    let mut cause = None;
-                    loop {
-                        match lines.next().await {
-                            Some(Ok(line)) => {
-                                let said = match resume.admit(&line) {
-                                    Admit::Line(text) => format!("{}{text}", self.prefix),
-                                    // The kubelet's or API server's word in the stream (a log
-                                    // file already gone): not the pod's output.
-                                    Admit::Foreign(text) => {
-                                        format!("{}(not from the pod: {text})", self.prefix)
-                                    }
-                                    Admit::Repeat => continue,
-                                };
-                                if self.lines.send(said).await.is_err() {
-                                    return;
-                                }
-                            }
-                            Some(Err(e)) => {
-                                cause = Some(format!("the log stream broke ({e})"));
-                                break;
-                            }
-                            None => break,
-                        }
+                    match self.relay(stream, &mut resume).await {
+                        Ok(cause) => cause,
+                        Err(Hangup) => return,
                     }
-                    cause
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => return,
                 Err(e) => Some(match pod_logs_problem(self.node.as_deref(), e) {
@@ -376,6 +365,31 @@ impl Follower {
             }
             wait = (wait * 2).min(self.max_wait);
         }
+    }
+
+    /// Sends the stream's lines on, prefixed, repeats left out, until it ends: why it broke,
+    /// if it did; [`Hangup`] when nobody reads the lines any more.
+    async fn relay(
+        &self,
+        stream: impl futures::AsyncBufRead + Unpin,
+        resume: &mut Resume,
+    ) -> Result<Option<String>, Hangup> {
+        let mut lines = stream.lines();
+        while let Some(line) = lines.next().await {
+            let line = match line {
+                Ok(line) => line,
+                Err(e) => return Ok(Some(format!("the log stream broke ({e})"))),
+            };
+            let said = match resume.admit(&line) {
+                Admit::Line(text) => format!("{}{text}", self.prefix),
+                // The kubelet's or API server's word in the stream (a log file already gone):
+                // not the pod's output.
+                Admit::Foreign(text) => format!("{}(not from the pod: {text})", self.prefix),
+                Admit::Repeat => continue,
+            };
+            self.lines.send(said).await.map_err(|_| Hangup)?;
+        }
+        Ok(None)
     }
 
     /// Whether the container has ended, by its pod. After a stream that ended `clean` (no

@@ -87,108 +87,118 @@ pub fn conv_layers(
     pool.install(|| {
         layers
             .iter()
-            .map(|(name, shape)| {
-                let shape = *shape;
-                let (c_in, c_out) = (shape.c_in, shape.c_out);
-                let x = random(shape.input_len(), 1);
-                let w: Vec<f32> = random(shape.weight_len(), 2)
-                    .iter()
-                    .map(|v| v / (shape.k() as f32).sqrt())
-                    .collect();
-                let bias = random(c_out, 3);
-                let dy = random(shape.output_len(), 4);
-                let flops = 2.0 * (shape.output_len() * shape.k()) as f64;
-                let time = |prepared: &Prepared| {
-                    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-                    for i in 0..repeats + 1 {
-                        let t0 = Instant::now();
-                        let y = conv::forward(&shape, &x, prepared, Some(&bias), true);
-                        let t1 = Instant::now();
-                        let g = conv::backward(&shape, &x, prepared, Some(&y), &dy, Wanted::ALL);
-                        let t2 = Instant::now();
-                        assert!(g.weight.iter().all(|v| v.is_finite()));
-                        if i > 0 {
-                            fwd.push((t1 - t0).as_secs_f64());
-                            bwd.push((t2 - t1).as_secs_f64());
-                        }
-                    }
-                    let (forward_s, backward_s) = (median(fwd), median(bwd));
-                    AlgorithmTimes {
-                        forward_s,
-                        backward_s,
-                        gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
-                    }
-                };
-                // Each algorithm in the precision it would run in (F(4×4) in fp32 always).
-                let prepare = |algorithm: Algorithm| {
-                    Prepared::with(algorithm, &shape, Weight::torch(&w))
-                        .in_precision(algorithm.precision(precision))
-                };
-                let im2col = prepare(Algorithm::Im2col);
-                let winograd = |algorithm| winograd::applies(&shape, 1).then(|| prepare(algorithm));
-                let (winograd, winograd4) = (
-                    winograd(Algorithm::Winograd),
-                    winograd(Algorithm::Winograd4),
-                );
-                let [oh, ow] = shape.out_size();
-                let direct =
-                    (oh * ow <= direct::MAX_OUTPUT_PIXELS).then(|| prepare(Algorithm::Direct));
-                // The error without the ReLU: through it, an output of ±1e-7 either side of zero
-                // passes the whole upstream gradient or none of it, in either algorithm.
-                let plain = |prepared: &Prepared| {
-                    let y = conv::forward(&shape, &x, prepared, Some(&bias), false);
-                    let g = conv::backward(&shape, &x, prepared, None, &dy, Wanted::ALL);
-                    (y, g)
-                };
-                let (y1, g1) = plain(&im2col);
-                let error = |other: &Prepared| {
-                    let (y2, g2) = plain(other);
-                    let relative = |a: &[f32], b: &[f32]| {
-                        let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
-                        a.iter()
-                            .zip(b)
-                            .map(|(p, q)| (p - q).abs())
-                            .fold(0.0f32, f32::max)
-                            / scale
-                    };
-                    [
-                        relative(&y2, &y1),
-                        relative(
-                            g2.input.as_deref().unwrap_or(&[]),
-                            g1.input.as_deref().unwrap_or(&[]),
-                        ),
-                        relative(&g2.weight, &g1.weight),
-                        relative(
-                            g2.bias.as_deref().unwrap_or(&[]),
-                            g1.bias.as_deref().unwrap_or(&[]),
-                        ),
-                    ]
-                    .into_iter()
-                    .fold(0.0f32, f32::max) as f64
-                };
-                let (winograd_error, winograd4_error, direct_error) = (
-                    winograd.as_ref().map(error),
-                    winograd4.as_ref().map(error),
-                    direct.as_ref().map(error),
-                );
-                LayerTimes {
-                    layer: name.clone(),
-                    input: [shape.batch, c_in, shape.height, shape.width],
-                    c_out,
-                    kernel: shape.kernel[0],
-                    stride: shape.stride[0],
-                    chosen: Algorithm::of(&shape).name(),
-                    im2col: time(&im2col),
-                    winograd: winograd.as_ref().map(time),
-                    winograd4: winograd4.as_ref().map(time),
-                    direct: direct.as_ref().map(time),
-                    winograd_error,
-                    winograd4_error,
-                    direct_error,
-                }
-            })
+            .map(|(name, shape)| layer_times(name, *shape, repeats, precision))
             .collect()
     })
+}
+
+/// One convolution timed by each algorithm that applies, and each one's largest error against
+/// im2col's.
+fn layer_times(name: &str, shape: ConvShape, repeats: usize, precision: Precision) -> LayerTimes {
+    let (c_in, c_out) = (shape.c_in, shape.c_out);
+    let x = random(shape.input_len(), 1);
+    let w: Vec<f32> = random(shape.weight_len(), 2)
+        .iter()
+        .map(|v| v / (shape.k() as f32).sqrt())
+        .collect();
+    let bias = random(c_out, 3);
+    let dy = random(shape.output_len(), 4);
+    let flops = 2.0 * (shape.output_len() * shape.k()) as f64;
+    let time = |prepared: &Prepared| {
+        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        for i in 0..repeats + 1 {
+            let t0 = Instant::now();
+            let y = conv::forward(&shape, &x, prepared, Some(&bias), true);
+            let t1 = Instant::now();
+            let g = conv::backward(&shape, &x, prepared, Some(&y), &dy, Wanted::ALL);
+            let t2 = Instant::now();
+            assert!(g.weight.iter().all(|v| v.is_finite()));
+            if i > 0 {
+                fwd.push((t1 - t0).as_secs_f64());
+                bwd.push((t2 - t1).as_secs_f64());
+            }
+        }
+        let (forward_s, backward_s) = (median(fwd), median(bwd));
+        AlgorithmTimes {
+            forward_s,
+            backward_s,
+            gflops_per_s: 3.0 * flops / (forward_s + backward_s) / 1e9,
+        }
+    };
+    // Each algorithm in the precision it would run in (F(4×4) in fp32 always).
+    let prepare = |algorithm: Algorithm| {
+        Prepared::with(algorithm, &shape, Weight::torch(&w))
+            .in_precision(algorithm.precision(precision))
+    };
+    let im2col = prepare(Algorithm::Im2col);
+    let winograd = |algorithm| winograd::applies(&shape, 1).then(|| prepare(algorithm));
+    let (winograd, winograd4) = (
+        winograd(Algorithm::Winograd),
+        winograd(Algorithm::Winograd4),
+    );
+    let [oh, ow] = shape.out_size();
+    let direct = (oh * ow <= direct::MAX_OUTPUT_PIXELS).then(|| prepare(Algorithm::Direct));
+    // The error without the ReLU: through it, an output of ±1e-7 either side of zero
+    // passes the whole upstream gradient or none of it, in either algorithm.
+    let plain = |prepared: &Prepared| {
+        let y = conv::forward(&shape, &x, prepared, Some(&bias), false);
+        let g = conv::backward(&shape, &x, prepared, None, &dy, Wanted::ALL);
+        (y, g)
+    };
+    let (y1, g1) = plain(&im2col);
+    let error = |other: &Prepared| {
+        let (y2, g2) = plain(other);
+        largest_error((&y2, &g2), (&y1, &g1))
+    };
+    let (winograd_error, winograd4_error, direct_error) = (
+        winograd.as_ref().map(error),
+        winograd4.as_ref().map(error),
+        direct.as_ref().map(error),
+    );
+    LayerTimes {
+        layer: name.to_string(),
+        input: [shape.batch, c_in, shape.height, shape.width],
+        c_out,
+        kernel: shape.kernel[0],
+        stride: shape.stride[0],
+        chosen: Algorithm::of(&shape).name(),
+        im2col: time(&im2col),
+        winograd: winograd.as_ref().map(time),
+        winograd4: winograd4.as_ref().map(time),
+        direct: direct.as_ref().map(time),
+        winograd_error,
+        winograd4_error,
+        direct_error,
+    }
+}
+
+/// The largest difference between `other`'s output and gradients and `reference`'s, relative
+/// to the largest value of the reference's.
+fn largest_error(other: (&[f32], &conv::ConvGrads), reference: (&[f32], &conv::ConvGrads)) -> f64 {
+    let relative = |a: &[f32], b: &[f32]| {
+        let scale = b.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+        a.iter()
+            .zip(b)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0.0f32, f32::max)
+            / scale
+    };
+    let (y2, g2) = other;
+    let (y1, g1) = reference;
+    [
+        relative(y2, y1),
+        relative(
+            g2.input.as_deref().unwrap_or(&[]),
+            g1.input.as_deref().unwrap_or(&[]),
+        ),
+        relative(&g2.weight, &g1.weight),
+        relative(
+            g2.bias.as_deref().unwrap_or(&[]),
+            g1.bias.as_deref().unwrap_or(&[]),
+        ),
+    ]
+    .into_iter()
+    .fold(0.0f32, f32::max) as f64
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -245,30 +245,7 @@ pub fn backward(
                     });
                     if let Some(dx_chunk) = dx_chunk {
                         let g = Mat::rows(g, rows, co);
-                        let panels = packed_w.view(0..co, 0..k);
-                        if s.is_pointwise() {
-                            // col2im of a pointwise layer is the identity: dX = G · W straight
-                            // into the chunk, all of it (`rows × c_in`).
-                            phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
-                                par_matmul_uninit(dx_chunk, k, g, w, panels, weight.precision)
-                            });
-                            return;
-                        }
-                        // The im2col matrix is not needed any more: dcol goes in its place,
-                        // then into each image's zeros.
-                        phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
-                            par_matmul_packed(col, k, g, w, panels, false, weight.precision)
-                        });
-                        phases::timed(ALGORITHM.phase(s, "input gradient (col2im)"), || {
-                            dx_chunk
-                                .par_chunks_mut(image_len)
-                                .zip(col.par_chunks(rows_img * k))
-                                .for_each(|(dx, dcol)| {
-                                    dx.fill(MaybeUninit::new(0.0));
-                                    // SAFETY: every element was set on the line above.
-                                    col2im(s, dcol, 1, unsafe { dx.assume_init_mut() })
-                                })
-                        });
+                        input_gradient(s, g, w, &packed_w, weight.precision, col, dx_chunk);
                     }
                 });
             }
@@ -292,4 +269,40 @@ pub fn backward(
         }),
         bias: wanted.bias.then_some(db),
     }
+}
+
+/// dX of one chunk from its output gradient `g`: `G · W`, straight into the chunk for a
+/// pointwise layer (col2im is the identity), else into `col` (the im2col matrix is not needed
+/// any more) and then into each image's zeros. Writes the whole chunk.
+fn input_gradient(
+    s: &ConvShape,
+    g: Mat<'_>,
+    w: Mat<'_>,
+    packed_w: &PackedRhs,
+    precision: crate::Precision,
+    col: &mut [f32],
+    dx_chunk: &mut [MaybeUninit<f32>],
+) {
+    let (k, co) = (s.k(), s.c_out);
+    let panels = packed_w.view(0..co, 0..k);
+    if s.is_pointwise() {
+        phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
+            par_matmul_uninit(dx_chunk, k, g, w, panels, precision)
+        });
+        return;
+    }
+    phases::timed(ALGORITHM.phase(s, "input gradient products"), || {
+        par_matmul_packed(col, k, g, w, panels, false, precision)
+    });
+    let image_len = s.height * s.width * s.c_in;
+    phases::timed(ALGORITHM.phase(s, "input gradient (col2im)"), || {
+        dx_chunk
+            .par_chunks_mut(image_len)
+            .zip(col.par_chunks(s.rows_per_image() * k))
+            .for_each(|(dx, dcol)| {
+                dx.fill(MaybeUninit::new(0.0));
+                // SAFETY: every element was set on the line above.
+                col2im(s, dcol, 1, unsafe { dx.assume_init_mut() })
+            })
+    });
 }

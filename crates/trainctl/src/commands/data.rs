@@ -106,34 +106,7 @@ pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
             dir,
             concurrency,
             no_extract,
-        } => {
-            let from = super::s3::parse_uri("data stage", &from)?;
-            let client = objects::Client::from_env(objects::Settings {
-                concurrency: concurrency.max(1),
-                ..Default::default()
-            })?;
-            let summary = super::s3::stage(&client, &from, &dir)?;
-            crate::output::staged(&from, &dir, &summary, false);
-            // The data set's official archive, as the seed tutorials keep it in S3: extracted
-            // once here rather than by every worker that finds it.
-            let archive = data::DatasetName::ALL
-                .into_iter()
-                .find(|d| dir.join(d.archive_file()).is_file());
-            if let (Some(dataset), None, false) = (archive, data::Layout::locate(&dir), no_extract)
-            {
-                // Its archive is there: nothing to download.
-                let opts = data::DownloadOptions {
-                    enabled: false,
-                    ..dataset.official()
-                };
-                let mut progress =
-                    crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
-                let layout = data::ensure(&dir, dataset, &opts, &mut |p| progress.data(p))
-                    .context("the staged archive was not extracted (pass --no-extract to keep it as it is)")?;
-                progress.finish();
-                println!("{} ready", data::describe(&layout));
-            }
-        }
+        } => stage(&from, &dir, concurrency, no_extract)?,
         Command::Job {
             project,
             dry_run,
@@ -191,4 +164,40 @@ pub(crate) fn run(cmd: Command) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// `data stage`: an S3 prefix copied to `dir`, and a data set's official archive among what
+/// came extracted once here rather than by every worker that finds it.
+fn stage(
+    from: &str,
+    dir: &std::path::Path,
+    concurrency: usize,
+    no_extract: bool,
+) -> anyhow::Result<()> {
+    let from = super::s3::parse_uri("data stage", from)?;
+    let client = objects::Client::from_env(objects::Settings {
+        concurrency: concurrency.max(1),
+        ..Default::default()
+    })?;
+    let summary = super::s3::stage(&client, &from, dir)?;
+    crate::output::staged(&from, dir, &summary, false);
+    // The data set's official archive, as the seed tutorials keep it in S3: extracted
+    // once here rather than by every worker that finds it.
+    let archive = data::DatasetName::ALL
+        .into_iter()
+        .find(|d| dir.join(d.archive_file()).is_file());
+    if let (Some(dataset), None, false) = (archive, data::Layout::locate(dir), no_extract) {
+        // Its archive is there: nothing to download.
+        let opts = data::DownloadOptions {
+            enabled: false,
+            ..dataset.official()
+        };
+        let mut progress = crate::output::ProgressDisplay::new(std::io::stderr().is_terminal());
+        let layout = data::ensure(dir, dataset, &opts, &mut |p| progress.data(p)).context(
+            "the staged archive was not extracted (pass --no-extract to keep it as it is)",
+        )?;
+        progress.finish();
+        println!("{} ready", data::describe(&layout));
+    }
+    Ok(())
 }

@@ -134,20 +134,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
         .context("cannot install the SIGTERM handler")?;
     let run_dir = args.out.join(&world.run_id);
     let dataset = parse_dataset(&args.dataset)?;
-    // Checked before training, not hours later: the URI, and that there are credentials.
-    let upload = match (&args.upload, world.rank) {
-        (Some(text), 0) => {
-            let to = super::s3::parse_uri("--upload", text)?;
-            let client = super::s3::client()?;
-            client.preflight(&to)?;
-            Some((client, to))
-        }
-        (Some(text), _) => {
-            super::s3::parse_uri("--upload", text)?;
-            None
-        }
-        (None, _) => None,
-    };
+    let upload = upload_target(args.upload.as_deref(), world.rank)?;
     // Checked before training, not after an epoch: the run's folder takes its files. (After
     // the checks above, which must leave nothing behind.)
     check_writable(&run_dir, world.rank)?;
@@ -210,13 +197,39 @@ pub(crate) fn run(args: Args) -> anyhow::Result<i32> {
         crate::output::train_event(event)
     });
     progress.finish();
-    match result {
-        Ok(()) => {
-            if let Some((client, to)) = upload {
-                upload_run(&client, &cfg, &to);
-            }
-            Ok(0)
+    if result.is_ok()
+        && let Some((client, to)) = upload
+    {
+        upload_run(&client, &cfg, &to);
+    }
+    exit_code(result, rank)
+}
+
+/// Where rank 0 uploads the run (`--upload`), checked before training, not hours later: the
+/// URI, and that there are credentials. The other ranks check the URI alone.
+fn upload_target(
+    upload: Option<&str>,
+    rank: u32,
+) -> anyhow::Result<Option<(objects::Client, objects::S3Uri)>> {
+    match (upload, rank) {
+        (Some(text), 0) => {
+            let to = super::s3::parse_uri("--upload", text)?;
+            let client = super::s3::client()?;
+            client.preflight(&to)?;
+            Ok(Some((client, to)))
         }
+        (Some(text), _) => {
+            super::s3::parse_uri("--upload", text)?;
+            Ok(None)
+        }
+        (None, _) => Ok(None),
+    }
+}
+
+/// The worker's exit code for how training ended.
+fn exit_code(result: Result<(), TrainError>, rank: u32) -> anyhow::Result<i32> {
+    match result {
+        Ok(()) => Ok(0),
         // A vanished peer is that peer's failure: say so with the exit code, so an elastic
         // agent restarts without counting it against --max-restarts.
         Err(e @ TrainError::Collective(CollectiveError::PeerLost(_))) => {
