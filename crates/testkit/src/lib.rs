@@ -94,6 +94,14 @@ pub fn python_with_torch() -> Option<PathBuf> {
     })
 }
 
+/// Whether `python` imports `modules` (`"transformers, accelerate"`).
+pub fn python_imports(python: &Path, modules: &str) -> bool {
+    Command::new(python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 /// The checkout's Python package (`python/`), for `PYTHONPATH`: the tests run the code they
 /// were built with, whatever copy is installed.
 pub fn python_package() -> PathBuf {

@@ -44,21 +44,46 @@ class Micro(NamedTuple):
         return self.part == self.parts - 1
 
 
+INTERLEAVED, BLOCKS = "interleaved", "blocks"
+"""How a step's samples are split over the ranks. Either way a step trains the same slice of
+the epoch's order (``batch_size * accumulate * world_size`` samples from its position), so
+positions, digests and re-sharding are the same: ``interleaved`` is DistributedSampler's
+(rank ``r`` takes every world-size-th sample), ``blocks`` is accelerate's (micro-batch ``p``
+of a step: rank ``r`` takes the ``p * world_size + r``-th block of ``batch_size``), which the
+Hugging Face Trainer's loop trains. A step short of samples at the epoch's end is split as
+``interleaved`` in both (with its padding)."""
+
+
 def plan(
-    order: list[int], position: int, world_size: int, rank: int, batch_size: int, accumulate: int, generation: int
+    order: list[int],
+    position: int,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    accumulate: int,
+    generation: int,
+    layout: str = INTERLEAVED,
 ) -> list[Micro]:
     """The rest of the epoch for ``rank`` of ``world_size``: each step's batch
     (``batch_size * accumulate`` samples, the last one maybe fewer) cut into micro-batches of
     ``batch_size``. Every rank's step has as many micro-batches: the sampler pads each rank's
     share to the same length."""
     shard = Shard(order, position, world_size, rank, batch_size * accumulate)
+    step_len = batch_size * accumulate * world_size
     out = []
     for s in range(shard.steps):
         batch = shard.batch(s)
         own = len(shard.unpadded_batch(s))
         parts = -(-len(batch) // batch_size)
         after = shard.position_after(s + 1)
+        first = shard.start + s * step_len
+        whole = first + step_len <= shard.epoch_len
         for p in range(parts):
+            if layout == BLOCKS and whole:
+                lo = first + (p * world_size + rank) * batch_size
+                block = list(order[lo : lo + batch_size])
+                out.append(Micro(generation, p, parts, block, block, after))
+                continue
             lo, hi = p * batch_size, min((p + 1) * batch_size, len(batch))
             out.append(Micro(generation, p, parts, batch[lo:hi], batch[lo : min(hi, max(own, lo))], after))
     return out
@@ -68,11 +93,14 @@ class Plan:
     """The epochs' order (``torch.randperm`` seeded by seed + epoch, as DistributedSampler's)
     and the rest of an epoch's micro-batches for a rank, from where the run stands."""
 
-    def __init__(self, dataset_size: int, seed: int, batch_size: int, accumulate: int):
+    def __init__(self, dataset_size: int, seed: int, batch_size: int, accumulate: int, layout: str = INTERLEAVED):
+        if layout not in (INTERLEAVED, BLOCKS):
+            raise ValueError(f"layout {layout!r}: choose {INTERLEAVED!r} or {BLOCKS!r}")
         self.dataset_size = dataset_size
         self.seed = seed
         self.batch_size = batch_size
         self.accumulate = accumulate
+        self.layout = layout
         self._order: tuple[int, list[int]] | None = None
 
     def order(self, epoch: int) -> list[int]:
@@ -91,6 +119,7 @@ class Plan:
             self.batch_size,
             self.accumulate,
             generation,
+            self.layout,
         )
 
     def steps_done(self, progress: Progress, world_size: int) -> int:

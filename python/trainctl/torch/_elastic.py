@@ -97,6 +97,9 @@ class Elastic:
       new one at every launch (``--standalone``: a UUID, which a relaunch would not find).
     - ``print_freq``, ``config``, ``backend``, ``ddp`` (more arguments of
       ``DistributedDataParallel``), ``straggler_factor``, ``straggler_window``.
+    - ``shard``: how a step's samples are split over the ranks: ``"interleaved"``
+      (DistributedSampler's, the default) or ``"blocks"`` (accelerate's, as the Hugging Face
+      Trainer trains them). Either way a step trains the same samples.
 
     ``job.rank`` and ``job.world_size`` are this rank's place now (they change at a regroup).
     SIGTERM (the whole job stopped) finishes the step under way on every rank, checkpoints it
@@ -126,6 +129,7 @@ class Elastic:
         config: dict[str, Any] | None = None,
         straggler_factor: float = 1.5,
         straggler_window: int = 5,
+        shard: str = _data.INTERLEAVED,
     ):
         if dataset_size <= 0 or batch_size <= 0 or accumulate <= 0:
             raise ValueError(
@@ -157,7 +161,9 @@ class Elastic:
             node=int(os.environ.get("GROUP_RANK", "0")),
         )
         self._flow = Flow()
-        self._plan = _data.Plan(self.shape.dataset_size, self.seed, self.shape.batch_size, self.shape.accumulate)
+        self._plan = _data.Plan(
+            self.shape.dataset_size, self.seed, self.shape.batch_size, self.shape.accumulate, shard
+        )
         self._records = Records(self.run_dir, print_freq, self.shape)
         self._strays = Strays(model)
         self.group = Group(self.backend, self.device, launched)
@@ -242,6 +248,16 @@ class Elastic:
         changes, what its workers read ahead is dropped and loading goes on as the new group
         shards the epoch."""
         return _data.Loader(self._epoch, dataset, kwargs)
+
+    def step_batches(self) -> list[list[int]]:
+        """This rank's sample indices for each micro-batch of the step whose batch the loop
+        holds now (all of them, the ones not loaded yet included: what a loss normalised over
+        the step's samples counts); empty between steps."""
+        handed = self._stepper.handed
+        if handed is None:
+            return []
+        # The plan runs from the position every rank holds at the step's start.
+        return [m.indices for m in self._epoch.planned()[: handed.parts]]
 
     def step(self) -> Step:
         """One micro-batch: the optimizer steps at the end of a step's last one, once every

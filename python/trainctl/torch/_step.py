@@ -36,7 +36,7 @@ class Step:
     """One ``with job.step() as step:`` block: one micro-batch. Set ``step.loss`` (and
     ``step.correct``, the right predictions of this rank's batch) for the records and the loss
     lines. ``step.sync`` is True on the micro-batch whose end applies the update (always, unless
-    ``accumulate`` > 1). After the block, ``step.applied`` says whether it applied the update:
+    ``accumulate`` > 1), ``step.first`` on its step's first one. After the block, ``step.applied`` says whether it applied the update:
     code that changes state after an update (an EMA of your own, a counter) runs only ``if
     step.applied:``."""
 
@@ -45,6 +45,7 @@ class Step:
         self.loss: Any = None
         self.correct: Any = None
         self.sync = True
+        self.first = True
         # When its step's first micro-batch began, and how long the loop took to bring it.
         self.started = 0.0
         self.data_s = 0.0
@@ -155,6 +156,7 @@ class Stepper:
         self._trained += micro.trained
         self._samples += len(micro.indices)
         step.sync = micro.last
+        step.first = micro.part == 0
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = micro.last
         if micro.last:

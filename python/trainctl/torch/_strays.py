@@ -33,7 +33,7 @@ class Copy:
         self.ref = obj
         self.kind = type(obj).__name__
         self.size = len(tensors)
-        self.keys = [str(k) for k in list(obj)[:3]] if isinstance(obj, dict) else []
+        self.keys = [str(k) for k in list(dict.keys(obj))[:3]] if isinstance(obj, dict) else []
         self.fingerprint = _crc(tensors)
 
     def describe(self) -> str:
@@ -140,7 +140,7 @@ def _parts(obj: Any) -> set[int]:
     out = {id(obj)}
     if isinstance(obj, torch.nn.Module):
         out.update(id(m) for m in obj.modules())
-    values = list(obj.values()) if isinstance(obj, dict) else list(getattr(obj, "__dict__", {}).values())
+    values = list(dict.values(obj)) if isinstance(obj, dict) else list(getattr(obj, "__dict__", {}).values())
     if hasattr(obj, "__dict__"):
         out.add(id(obj.__dict__))
     for v in values:
@@ -153,12 +153,14 @@ def _parts(obj: Any) -> set[int]:
 
 def _tensors_of(obj: Any, at_least: int) -> list[torch.Tensor] | None:
     """A module's parameters and buffers, or a dict's tensor values; None for anything else
-    (or fewer than ``at_least`` tensors)."""
+    (or fewer than ``at_least`` tensors). A dict is read as stored (``dict.values``), never
+    through a subclass's own methods: some compute their values on demand (transformers' lazy
+    model mappings import every model)."""
     t = type(obj)
     if issubclass(t, torch.nn.Module):
         return list(obj.parameters()) + list(obj.buffers())
-    if issubclass(t, dict) and len(obj) >= at_least:
-        values = [v for v in obj.values() if isinstance(v, torch.Tensor)]
+    if issubclass(t, dict) and dict.__len__(obj) >= at_least:
+        values = [v for v in dict.values(obj) if isinstance(v, torch.Tensor)]
         return values if len(values) >= at_least and values else None
     return None
 

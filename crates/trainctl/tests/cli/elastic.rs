@@ -14,6 +14,7 @@ use testkit::{EtcdServer, Network};
 use crate::support::*;
 
 mod chaos;
+mod hugging_face;
 mod patterns;
 mod stragglers;
 mod warm;
@@ -36,10 +37,12 @@ enum Program {
     Builtin,
     /// A PyTorch program under this Python (with torch), `trainctl.torch` from the checkout:
     /// examples/pytorch/elastic_cifar.py, or with `patterns` the loop of
-    /// fixtures/loop_patterns.py with those flags.
+    /// fixtures/loop_patterns.py with those flags, or with `hugging_face` the Hugging Face
+    /// Trainer script of fixtures/hf_trainer.py through `trainctl.hf`.
     PyTorch {
         python: PathBuf,
         patterns: Option<Vec<&'static str>>,
+        hugging_face: bool,
     },
 }
 
@@ -168,13 +171,21 @@ impl Cluster {
                 .args(["--checkpoint-every", &self.checkpoint_every.to_string()])
                 .args(&self.train_args)
                 .arg("--no-eval"),
-            Program::PyTorch { python, patterns } => {
-                let (program, flags) = match patterns {
-                    None => (
+            Program::PyTorch {
+                python,
+                patterns,
+                hugging_face,
+            } => {
+                let (program, flags) = match (patterns, hugging_face) {
+                    (_, true) => (
+                        "tests/cli/fixtures/hf_trainer.py",
+                        vec!["--samples", "320", "--batch-size", "16"],
+                    ),
+                    (None, false) => (
                         "../../examples/pytorch/elastic_cifar.py",
                         vec!["--batch-size", "16", "--threads", "1", "--print-freq", "2"],
                     ),
-                    Some(flags) => ("tests/cli/fixtures/loop_patterns.py", flags.clone()),
+                    (Some(flags), false) => ("tests/cli/fixtures/loop_patterns.py", flags.clone()),
                 };
                 let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures");
                 let mut path = testkit::python_package().into_os_string();
@@ -209,8 +220,34 @@ impl Cluster {
         c.program = Program::PyTorch {
             python,
             patterns: None,
+            hugging_face: false,
         };
         c.epochs = 12;
+        Some(c)
+    }
+
+    /// The same cluster running the Hugging Face Trainer script (fixtures/hf_trainer.py)
+    /// through `trainctl.hf`: `None`, after a loud message, where the Python has no
+    /// transformers.
+    fn hugging_face(store: Store, name: &str) -> Option<Cluster> {
+        let mut c = Cluster::pytorch(store, name)?;
+        let Program::PyTorch {
+            python,
+            hugging_face,
+            ..
+        } = &mut c.program
+        else {
+            return None;
+        };
+        if !testkit::python_imports(python, "transformers, accelerate") {
+            eprintln!(
+                "SKIPPED {name}: no transformers in {} (scripts/test installs it)",
+                python.display()
+            );
+            return None;
+        }
+        *hugging_face = true;
+        c.epochs = 6;
         Some(c)
     }
 
@@ -228,10 +265,17 @@ impl Cluster {
     fn verify_end(&self, outputs: &[String], world_size: usize) {
         match &self.program {
             Program::Builtin => self.verify_finished(outputs, world_size),
-            Program::PyTorch { patterns, .. } => {
+            Program::PyTorch {
+                patterns,
+                hugging_face,
+                ..
+            } => {
                 self.verify_pytorch_finished(outputs, world_size);
                 if let Some(flags) = patterns {
                     patterns::verify(outputs, world_size, flags);
+                }
+                if *hugging_face {
+                    hugging_face::verify(outputs, world_size);
                 }
             }
         }
@@ -267,7 +311,14 @@ impl Cluster {
             )),
             "{all}"
         );
-        let example = matches!(self.program, Program::PyTorch { patterns: None, .. });
+        let example = matches!(
+            self.program,
+            Program::PyTorch {
+                patterns: None,
+                hugging_face: false,
+                ..
+            }
+        );
         assert!(
             !example || all.contains("Accuracy of the network on the 64 test images"),
             "{all}"

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use crate::support::*;
 
+mod hugging_face;
 mod patterns;
 
 fn python_with_torch() -> Option<PathBuf> {

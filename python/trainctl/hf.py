@@ -1,0 +1,344 @@
+"""The Hugging Face ``Trainer``, elastic under ``trainctl run``: change one import::
+
+    from trainctl.hf import Trainer          # instead of: from transformers import Trainer
+
+and a lost node costs the survivors the step in flight, a joining node takes the model, the
+optimizer, the LR scheduler and the trainer's place from a peer, no worker restarts, and each
+epoch's sample digest proves every sample was trained once, at any world size. Under plain
+``torchrun`` or alone it trains as the Trainer does, and resumes from its checkpoint at the
+exact sample.
+
+How: ``Trainer.train()`` keeps everything of the Trainer's but its inner loop (model set-up,
+optimizer and scheduler creation, ``compute_loss``, ``training_step``, callbacks, logging,
+evaluation and saving are the Trainer's), which is ``trainctl.torch.Elastic``'s: the epoch's
+order is the Trainer's own (``torch.randperm`` seeded by ``data_seed`` or ``seed`` + epoch,
+split over the ranks in blocks as accelerate splits it), re-sharded from where the ranks stand
+after a regroup. With nothing failing it trains what the stock Trainer trains.
+
+accelerate is kept to one process's view (``import trainctl.hf`` before ``TrainingArguments``
+does it): the process group is the job's, started again at each regroup, which accelerate's
+fixed world cannot follow. So an evaluation runs whole on every rank (the same metrics
+everywhere), and only rank 0 saves.
+
+Refused, with what to do: DeepSpeed, FSDP, an ``IterableDataset``, ``resume_from_checkpoint``
+(the job resumes from its own checkpoint), ``max_steps`` with a world size that changes the
+schedule's length is fine; see docs/HUGGINGFACE.md in the trainctl repository.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from .torch import Elastic, UsageError
+
+# The names a launcher gives a worker its place by; hidden from accelerate (see above).
+_PLACE = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` whose accelerate state is one process's: the process
+    group is the job's (``trainctl.torch.Elastic`` starts it, again at every regroup), which
+    accelerate's fixed world cannot follow. The process's rank (``process_index``: only rank 0
+    saves and logs) and its device (``cuda:LOCAL_RANK``) are its own."""
+
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        hidden = {k: os.environ.pop(k) for k in _PLACE if k in os.environ}
+        try:
+            device = transformers.TrainingArguments._setup_devices.func(self)  # type: ignore[attr-defined]
+        finally:
+            os.environ.update(hidden)
+        from accelerate.state import PartialState  # type: ignore[import-untyped]
+
+        state = PartialState._shared_state
+        local = int(hidden.get("LOCAL_RANK", "0"))
+        state["process_index"] = int(hidden.get("RANK", "0"))
+        state["local_process_index"] = local
+        if device.type == "cuda":
+            device = torch.device("cuda", local)
+            state["device"] = device
+            torch.cuda.set_device(device)
+            self._n_gpu = 1
+        return device
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` whose training loop regroups in place (see the module's doc).
+    Its arguments are the Trainer's; ``trainctl_options`` (a dict) goes to ``Elastic``
+    (``checkpoint_every``, ``out``: the job's files, by default ``TrainingArguments.output_dir``)."""
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        *rest: Any,
+        trainctl_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        if not isinstance(args, TrainingArguments):
+            raise UsageError(
+                f"Trainer was given {type(args).__module__}.{type(args).__name__}: use "
+                "trainctl.hf.TrainingArguments (the same arguments), whose accelerate state leaves "
+                "the process group to the job, which starts it again at every regroup"
+            )
+        super().__init__(model, args, *rest, **kwargs)
+        self.trainctl_options = dict(trainctl_options or {})
+        _refuse_unsupported(self)
+        self.job: Elastic | None = None
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _inner_training_loop(
+        self,
+        batch_size: int | None = None,
+        args: Any = None,
+        resume_from_checkpoint: str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        args = args or self.args
+        if resume_from_checkpoint is not None:
+            raise UsageError(
+                f"train(resume_from_checkpoint={resume_from_checkpoint!r}): the job resumes from "
+                "its own checkpoint (OUTPUT_DIR/RUN_ID/checkpoint.pt) at the exact sample, at any "
+                "world size; the Trainer's checkpoints resume by a count of batches, which loses or "
+                "repeats samples when the world size changed. Drop resume_from_checkpoint"
+            )
+        dataset, collate = self._training_data()
+        per_device, accumulate = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        schedule = _Schedule(self, len(dataset), max(world, 1))
+        # The Trainer's mixed precision is accelerate's autocast around the model's forward.
+        self.model_wrapped = self.accelerator.prepare_model(self.model)
+        optimizer = self.create_optimizer()
+        self.create_scheduler(num_training_steps=schedule.max_steps, optimizer=optimizer)
+        assert self.model is not None
+        options = {"out": args.output_dir, **self.trainctl_options}
+        job = self.job = Elastic(
+            self.model,
+            optimizer,
+            dataset_size=len(dataset),
+            batch_size=per_device,
+            accumulate=accumulate,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            scheduler=self.lr_scheduler,
+            scaler=getattr(self.accelerator, "scaler", None),
+            state=schedule,
+            shard="blocks",
+            **options,
+        )
+        loader = job.loader(dataset, collate_fn=collate, **self._loader_options(args))
+        self._start_state(job, schedule, trial)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        start = time.time()
+        for epoch in job.epochs(schedule.epochs):
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            for inputs in loader:
+                self._micro_batch(job, inputs, (dataset, collate), epoch, trial, ignore_keys_for_eval, start)
+                if self.control.should_training_stop or self.state.global_step >= schedule.max_steps:
+                    break
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._maybe_log_save_evaluate(
+                self._tr_loss, None, job.model, trial, epoch, ignore_keys_for_eval, start,
+                learning_rate=self._get_learning_rate(),
+            )
+            if self.control.should_training_stop or self.state.global_step >= schedule.max_steps:
+                break
+        job.finish()
+        return self._finalize_training(trial, len(dataset) * schedule.epochs, start)
+
+    def _micro_batch(
+        self, job: Elastic, inputs: Any, data: tuple[Any, Any], epoch: int, trial: Any, ignore: Any, start: float
+    ) -> None:
+        """One micro-batch as the Trainer's ``_run_epoch`` trains it, inside ``job.step()``."""
+        args = self.args
+        with job.step() as step:
+            batches = job.step_batches()
+            if step.first:
+                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                self._items = self._count_items(job, batches, data)
+            self.current_gradient_accumulation_steps = len(batches)
+            with _world(self, job.world_size):
+                loss = self.training_step(job.model, inputs, self._items)
+            self._tr_loss = self._tr_loss + loss.detach()
+            self.current_flos += self.floating_point_ops(inputs)
+            if step.sync:
+                self._grad_norm = None
+                if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                    self._grad_norm = self.accelerator.clip_grad_norm_(job.module.parameters(), args.max_grad_norm)
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+        if not step.sync:
+            self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+            return
+        if not step.applied:
+            return
+        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        learning_rate = self._get_learning_rate()
+        scheduler = self.lr_scheduler
+        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step()
+        self.state.global_step = job.progress.global_step
+        self.state.epoch = epoch + job.progress.position / len(data[0])
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        self._maybe_log_save_evaluate(
+            self._tr_loss, self._grad_norm, job.model, trial, epoch, ignore, start, learning_rate=learning_rate
+        )
+
+    # --- its parts -------------------------------------------------------------------------
+
+    def _count_items(self, job: Elastic, batches: list[list[int]], data: tuple[Any, Any]) -> Any:
+        """``num_items_in_batch`` as the Trainer counts it (the step's label tokens, over every
+        rank's micro-batches when ``average_tokens_across_devices``), or None where the Trainer
+        counts none: the step's micro-batches are collated again to count (the loader has only
+        the first one yet)."""
+        dataset, collate = data
+        samples = [collate([dataset[i] for i in indices]) for indices in batches]
+        items = self._get_num_items_in_batch(samples, self.args.device)
+        if items is None or not self.args.average_tokens_across_devices or job.world_size == 1:
+            return items
+        # The Trainer gathers and sums it over its processes: the job's group is the world.
+        total = torch.as_tensor(items, device=job.device).clone()
+        dist.all_reduce(total)
+        return total
+
+    def _training_data(self) -> tuple[Any, Any]:
+        """The training set and its collator, the model's unused columns removed as the
+        Trainer's own DataLoader removes them."""
+        dataset = self.train_dataset
+        # A datasets.Dataset's module is imported already (never imported here).
+        datasets = sys.modules.get("datasets")
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            return self._remove_unused_columns(dataset, description="training"), self.data_collator
+        return dataset, self._get_collator_with_removed_columns(self.data_collator, description="training")
+
+    def _loader_options(self, args: Any) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory and torch.cuda.is_available(),
+        }
+        if args.dataloader_num_workers > 0:
+            options["persistent_workers"] = args.dataloader_persistent_workers
+            if args.dataloader_prefetch_factor is not None:
+                options["prefetch_factor"] = args.dataloader_prefetch_factor
+        return options
+
+    def _start_state(self, job: Elastic, schedule: _Schedule, trial: Any) -> None:
+        """The Trainer's bookkeeping for a loop that starts at the job's place (a resume, a
+        joiner's first step): its state (logging, evaluation and saving intervals) as its own
+        loop makes it, at the job's step."""
+        self._init_training_state(schedule.max_steps, schedule.steps_per_epoch, schedule.epochs, None, trial)
+        self.state.global_step = job.progress.global_step
+        self.state.train_batch_size = self.args.per_device_train_batch_size
+        self._tr_loss = torch.tensor(0.0, device=self.args.device)
+        self._total_loss_scalar = 0.0
+        self._globalstep_last_logged = self.state.global_step
+        self._initial_global_step = self.state.global_step
+        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
+        self._grad_norm = None
+        self._items = None
+
+
+class _Schedule:
+    """How long training runs, counted as the Trainer counts it at the world size it started
+    at: every rank holds the same, and a joiner takes it (with the scheduler's step) from a
+    peer, so that the LR schedule's length never depends on when a rank came in. Given to
+    ``Elastic`` as ``state=``."""
+
+    def __init__(self, trainer: Trainer, dataset_size: int, world_size: int):
+        self.trainer = trainer
+        args = trainer.args
+        per_rank = -(-dataset_size // (args.per_device_train_batch_size * world_size))
+        self.steps_per_epoch = max(-(-per_rank // args.gradient_accumulation_steps), 1)
+        if args.max_steps > 0:
+            self.max_steps = int(args.max_steps)
+            self.epochs = -(-self.max_steps // self.steps_per_epoch)
+        else:
+            self.max_steps = math.ceil(args.num_train_epochs * self.steps_per_epoch)
+            self.epochs = math.ceil(args.num_train_epochs)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"max_steps": self.max_steps, "epochs": self.epochs, "steps_per_epoch": self.steps_per_epoch}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.max_steps, self.epochs = int(saved["max_steps"]), int(saved["epochs"])
+        self.steps_per_epoch = int(saved["steps_per_epoch"])
+        _retarget(self.trainer.lr_scheduler, self.max_steps)
+
+
+def _retarget(scheduler: Any, max_steps: int) -> None:
+    """The Trainer's schedules (``get_scheduler``'s) are a LambdaLR over a partial function of
+    ``num_training_steps``: pointed at ``max_steps``, the length every rank holds."""
+    for i, fn in enumerate(getattr(scheduler, "lr_lambdas", [])):
+        if isinstance(fn, functools.partial) and "num_training_steps" in fn.keywords:
+            keywords = {**fn.keywords, "num_training_steps": max_steps}
+            scheduler.lr_lambdas[i] = functools.partial(fn.func, *fn.args, **keywords)
+
+
+class _world:
+    """accelerate's count of processes set to the job's world size while a training step
+    runs: the Trainer's loss normalised over every rank's tokens multiplies by it."""
+
+    def __init__(self, trainer: Trainer, world_size: int):
+        self.states = [trainer.accelerator.state._shared_state, _partial_state()]
+        self.world_size = world_size
+        self.saved: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.saved = [s.get("num_processes") for s in self.states]
+        for s in self.states:
+            s["num_processes"] = self.world_size
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, saved in zip(self.states, self.saved):
+            s["num_processes"] = saved
+
+
+def _partial_state() -> Any:
+    from accelerate.state import PartialState
+
+    return PartialState._shared_state
+
+
+def _refuse_unsupported(trainer: Trainer) -> None:
+    """What the elastic loop cannot make exact, refused before training, saying what to do."""
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False) or args.deepspeed:
+        raise UsageError(
+            "DeepSpeed shards the optimizer's state over a fixed world, which a regroup cannot "
+            "re-shard: drop deepspeed= (trainctl.hf trains data-parallel, a whole model per rank)"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or args.fsdp:
+        raise UsageError(
+            "FSDP shards the model over a fixed world, which a regroup cannot re-shard: drop fsdp= "
+            "(trainctl.hf trains data-parallel, a whole model per rank)"
+        )
+    if args.dataloader_drop_last:
+        raise UsageError(
+            "dataloader_drop_last=True leaves an epoch's last samples out, which the job counts as "
+            "samples every epoch trains once: drop it"
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy != "random":
+        raise UsageError(
+            f"train_sampling_strategy={strategy!r} orders the epoch its own way, and the job's order "
+            "is the Trainer's random one, which it re-shards after a regroup: drop it"
+        )
+    dataset = trainer.train_dataset
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise UsageError(
+            f"train_dataset is an IterableDataset ({type(dataset).__name__}): the job decides which "
+            "samples each rank trains by their index, to re-shard an epoch when the group changes "
+            "and prove every sample was trained once. Give a map-style dataset (a datasets.Dataset, "
+            "or __getitem__ and __len__), not a stream"
+        )
