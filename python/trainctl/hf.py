@@ -1,6 +1,6 @@
 """The Hugging Face ``Trainer``, elastic under ``trainctl run``: change one import::
 
-    from trainctl.hf import Trainer          # instead of: from transformers import Trainer
+    from trainctl.hf import Trainer, TrainingArguments   # instead of: from transformers import ...
 
 and a lost node costs the survivors the step in flight, a joining node takes the model, the
 optimizer, the LR scheduler and the trainer's place from a peer, no worker restarts, and each
@@ -15,14 +15,14 @@ order is the Trainer's own (``torch.randperm`` seeded by ``data_seed`` or ``seed
 split over the ranks in blocks as accelerate splits it), re-sharded from where the ranks stand
 after a regroup. With nothing failing it trains what the stock Trainer trains.
 
-accelerate is kept to one process's view (``import trainctl.hf`` before ``TrainingArguments``
-does it): the process group is the job's, started again at each regroup, which accelerate's
-fixed world cannot follow. So an evaluation runs whole on every rank (the same metrics
-everywhere), and only rank 0 saves.
+``TrainingArguments`` keeps accelerate to one process's view: the process group is the job's,
+started again at each regroup, which accelerate's fixed world cannot follow. So an evaluation
+runs whole on every rank (the same metrics everywhere), and only rank 0 saves and logs.
 
-Refused, with what to do: DeepSpeed, FSDP, an ``IterableDataset``, ``resume_from_checkpoint``
-(the job resumes from its own checkpoint), ``max_steps`` with a world size that changes the
-schedule's length is fine; see docs/HUGGINGFACE.md in the trainctl repository.
+Refused, with what to do: DeepSpeed, FSDP, an ``IterableDataset``, ``dataloader_drop_last``,
+an ordering ``train_sampling_strategy``, ``resume_from_checkpoint`` (the job resumes from its
+own checkpoint) and the stock ``TrainingArguments``; see docs/HUGGINGFACE.md in the trainctl
+repository.
 """
 
 from __future__ import annotations
@@ -92,10 +92,24 @@ class Trainer(transformers.Trainer):
                 "trainctl.hf.TrainingArguments (the same arguments), whose accelerate state leaves "
                 "the process group to the job, which starts it again at every regroup"
             )
+        # Before the Trainer's own checks, which ask a stream for max_steps.
+        _refuse_a_stream(kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None))
         super().__init__(model, args, *rest, **kwargs)
         self.trainctl_options = dict(trainctl_options or {})
         _refuse_unsupported(self)
         self.job: Elastic | None = None
+
+    def train(self, resume_from_checkpoint: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train()``, its inner loop the job's; ``resume_from_checkpoint`` is
+        refused (the job resumes from its own checkpoint)."""
+        if resume_from_checkpoint not in (None, False):
+            raise UsageError(
+                f"train(resume_from_checkpoint={resume_from_checkpoint!r}): the job resumes from "
+                "its own checkpoint (OUTPUT_DIR/RUN_ID/checkpoint.pt) at the exact sample, at any "
+                "world size; the Trainer's checkpoints resume by a count of batches, which loses or "
+                "repeats samples when the world size changed. Drop resume_from_checkpoint"
+            )
+        return super().train(None, *rest, **kwargs)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -108,13 +122,6 @@ class Trainer(transformers.Trainer):
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
         args = args or self.args
-        if resume_from_checkpoint is not None:
-            raise UsageError(
-                f"train(resume_from_checkpoint={resume_from_checkpoint!r}): the job resumes from "
-                "its own checkpoint (OUTPUT_DIR/RUN_ID/checkpoint.pt) at the exact sample, at any "
-                "world size; the Trainer's checkpoints resume by a count of batches, which loses or "
-                "repeats samples when the world size changed. Drop resume_from_checkpoint"
-            )
         dataset, collate = self._training_data()
         per_device, accumulate = args.per_device_train_batch_size, args.gradient_accumulation_steps
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -135,6 +142,7 @@ class Trainer(transformers.Trainer):
             scheduler=self.lr_scheduler,
             scaler=getattr(self.accelerator, "scaler", None),
             state=schedule,
+            on_resize=lambda old, new: schedule.resized(new),
             shard="blocks",
             **options,
         )
@@ -145,15 +153,16 @@ class Trainer(transformers.Trainer):
         for epoch in job.epochs(schedule.epochs):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             for inputs in loader:
+                schedule.apply(job)
                 self._micro_batch(job, inputs, (dataset, collate), epoch, trial, ignore_keys_for_eval, start)
-                if self.control.should_training_stop or self.state.global_step >= schedule.max_steps:
+                if self.control.should_training_stop or schedule.done(self.state.global_step):
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(
                 self._tr_loss, None, job.model, trial, epoch, ignore_keys_for_eval, start,
                 learning_rate=self._get_learning_rate(),
             )
-            if self.control.should_training_stop or self.state.global_step >= schedule.max_steps:
+            if self.control.should_training_stop or schedule.done(self.state.global_step):
                 break
         job.finish()
         return self._finalize_training(trial, len(dataset) * schedule.epochs, start)
@@ -196,6 +205,7 @@ class Trainer(transformers.Trainer):
         )
 
     # --- its parts -------------------------------------------------------------------------
+
 
     def _count_items(self, job: Elastic, batches: list[list[int]], data: tuple[Any, Any]) -> Any:
         """``num_items_in_batch`` as the Trainer counts it (the step's label tokens, over every
@@ -250,29 +260,68 @@ class Trainer(transformers.Trainer):
 
 
 class _Schedule:
-    """How long training runs, counted as the Trainer counts it at the world size it started
-    at: every rank holds the same, and a joiner takes it (with the scheduler's step) from a
-    peer, so that the LR schedule's length never depends on when a rank came in. Given to
-    ``Elastic`` as ``state=``."""
+    """How long training runs, counted as the Trainer counts it: its ``max_steps`` when given
+    (the updates the user asked for, whatever the world size), else the epochs' steps at the
+    world size the job started with, counted again for the steps left when the world size
+    changes (``resized``), so that the LR schedule ends with the last epoch. Every rank holds
+    the same (given to ``Elastic`` as ``state=``: a joiner takes it from a peer), so the
+    schedule's length never depends on when a rank came in."""
 
     def __init__(self, trainer: Trainer, dataset_size: int, world_size: int):
         self.trainer = trainer
+        self.dataset_size = dataset_size
         args = trainer.args
-        per_rank = -(-dataset_size // (args.per_device_train_batch_size * world_size))
-        self.steps_per_epoch = max(-(-per_rank // args.gradient_accumulation_steps), 1)
-        if args.max_steps > 0:
+        self.by_steps = args.max_steps > 0
+        # A world size the schedule is to be counted again at, before the next step (0: none).
+        self.resize_to = 0
+        self.steps_per_epoch = self.per_epoch(world_size)
+        if self.by_steps:
             self.max_steps = int(args.max_steps)
             self.epochs = -(-self.max_steps // self.steps_per_epoch)
         else:
             self.max_steps = math.ceil(args.num_train_epochs * self.steps_per_epoch)
             self.epochs = math.ceil(args.num_train_epochs)
 
+    def per_epoch(self, world_size: int, position: int = 0) -> int:
+        """Updates in an epoch (from ``position``) at ``world_size``, as the Trainer counts
+        them: its DataLoader's batches per rank, in steps of ``gradient_accumulation_steps``."""
+        args = self.trainer.args
+        batches = -(-(self.dataset_size - position) // (args.per_device_train_batch_size * world_size))
+        return max(-(-batches // args.gradient_accumulation_steps), 1)
+
+    def done(self, global_step: int) -> bool:
+        return self.by_steps and global_step >= self.max_steps
+
+    def resized(self, new: int) -> None:
+        """The world size changed (``on_resize``, on every rank, a joiner's first group
+        included): an epoch-counted schedule is counted again at ``new`` before the next step
+        (``apply``); a step-counted one keeps its length."""
+        if not self.by_steps:
+            self.resize_to = new
+
+    def apply(self, job: Elastic) -> None:
+        """Before a step: a resize pending, the schedule ends after the steps left, counted at
+        the new world size from where the run stands (every rank at the same step)."""
+        if not self.resize_to:
+            return
+        p, new = job.progress, self.resize_to
+        left = self.per_epoch(new, p.position) if p.position < self.dataset_size else 0
+        left += max(self.epochs - p.epoch - 1, 0) * self.per_epoch(new)
+        self.max_steps, self.resize_to = p.global_step + left, 0
+        self.trainer.state.max_steps = self.max_steps
+        _retarget(self.trainer.lr_scheduler, self.max_steps)
+
     def state_dict(self) -> dict[str, int]:
-        return {"max_steps": self.max_steps, "epochs": self.epochs, "steps_per_epoch": self.steps_per_epoch}
+        return {
+            "max_steps": self.max_steps,
+            "epochs": self.epochs,
+            "steps_per_epoch": self.steps_per_epoch,
+            "resize_to": self.resize_to,
+        }
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
         self.max_steps, self.epochs = int(saved["max_steps"]), int(saved["epochs"])
-        self.steps_per_epoch = int(saved["steps_per_epoch"])
+        self.steps_per_epoch, self.resize_to = int(saved["steps_per_epoch"]), int(saved["resize_to"])
         _retarget(self.trainer.lr_scheduler, self.max_steps)
 
 
@@ -334,7 +383,10 @@ def _refuse_unsupported(trainer: Trainer) -> None:
             f"train_sampling_strategy={strategy!r} orders the epoch its own way, and the job's order "
             "is the Trainer's random one, which it re-shards after a regroup: drop it"
         )
-    dataset = trainer.train_dataset
+    _refuse_a_stream(trainer.train_dataset)
+
+
+def _refuse_a_stream(dataset: Any) -> None:
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise UsageError(
             f"train_dataset is an IterableDataset ({type(dataset).__name__}): the job decides which "
