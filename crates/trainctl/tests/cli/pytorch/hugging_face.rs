@@ -1,6 +1,7 @@
 //! A Hugging Face Trainer script (fixtures/hf_trainer.py: a GPT-2 made from a config, random
-//! tokens, some labels masked) converted to `trainctl.hf` as docs/HUGGINGFACE.md says, against
-//! the same script on the stock `transformers.Trainer`: with nothing failing the two end with
+//! tokens, some labels masked) converted to `trainctl.hf` as docs/HUGGINGFACE.md says, under
+//! `trainctl run`, against the same script on the stock `transformers.Trainer` under plain
+//! torchrun: with nothing failing the two end with
 //! bit-identical weights, steps and learning rate, and what the integration cannot make exact is
 //! refused at once, saying what to do. (The script through kills and leaves:
 //! `elastic::hugging_face`.)
@@ -44,14 +45,31 @@ fn two_workers(python: &Path, dir: &Path, flags: &[&str]) -> Command {
     cmd
 }
 
-/// Every rank's `HF rank R world W steps G lr L weights CRC` line, sorted by rank.
+/// The stock script under plain torchrun (torch's own launcher), two workers, in `dir`.
+fn torchrun(python: &Path, dir: &Path, flags: &[&str]) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.current_dir(dir)
+        .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+        .arg(fixture())
+        .arg("--stock")
+        .args(flags);
+    cmd
+}
+
+/// Every rank's `HF rank R world W steps G lr L weights CRC`, sorted by rank. (torchrun's
+/// workers share one pipe, and their lines may run into each other.)
 fn ends(stdout: &[u8]) -> Vec<String> {
-    let mut lines: Vec<String> = text(stdout)
-        .lines()
-        .filter_map(|l| l.split_once("]:").map_or(l, |(_, r)| r).strip_prefix("HF ").map(String::from))
+    let all = text(stdout);
+    let mut ends: Vec<String> = all
+        .split("HF rank ")
+        .skip(1)
+        .filter_map(|rest| {
+            let (head, crc) = rest.split_once(" weights ")?;
+            Some(format!("rank {head} weights {}", crc.get(..8)?))
+        })
         .collect();
-    lines.sort();
-    lines
+    ends.sort();
+    ends
 }
 
 /// With nothing failing, the converted script trains what the stock Trainer trains, bit for
@@ -74,10 +92,10 @@ fn the_converted_script_trains_as_the_stock_trainer_does() {
         let stock_out = format!("stock-{run}");
         let elastic_out = format!("elastic-{run}");
         let mut stock_args = flags.to_vec();
-        stock_args.extend(["--stock", "--out", &stock_out]);
+        stock_args.extend(["--out", &stock_out]);
         let mut elastic_args = flags.to_vec();
         elastic_args.extend(["--out", &elastic_out]);
-        let stock = run_ok(&mut two_workers(&python, dir.path(), &stock_args));
+        let stock = run_ok(&mut torchrun(&python, dir.path(), &stock_args));
         let elastic = run_ok(&mut two_workers(&python, dir.path(), &elastic_args));
         let (stock, elastic) = (ends(&stock.stdout), ends(&elastic.stdout));
         assert_eq!(stock.len(), 2, "{flags:?}: {stock:?}");
