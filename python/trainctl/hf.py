@@ -259,6 +259,16 @@ class Trainer(transformers.Trainer):
         self._items = None
 
 
+class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
+    """``transformers.Seq2SeqTrainingArguments`` (generation in evaluation), with
+    ``TrainingArguments``' accelerate state."""
+
+
+class Seq2SeqTrainer(Trainer, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` (an evaluation that generates) whose training loop
+    regroups in place, as ``Trainer``'s."""
+
+
 class _Schedule:
     """How long training runs, counted as the Trainer counts it: its ``max_steps`` when given
     (the updates the user asked for, whatever the world size), else the epochs' steps at the

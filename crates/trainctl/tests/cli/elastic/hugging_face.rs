@@ -20,7 +20,8 @@ pub(super) fn verify(outputs: &[String], world_size: usize) {
         .collect();
     assert_eq!(ends.len(), world_size, "an HF line per rank:\n{all}");
     assert!(
-        ends.iter().all(|e| e == &ends[0] && e.starts_with(&format!("world {world_size} "))),
+        ends.iter()
+            .all(|e| e == &ends[0] && e.starts_with(&format!("world {world_size} "))),
         "every rank ends with the same weights, step and learning rate: {ends:#?}\n{all}"
     );
     assert!(
@@ -37,4 +38,38 @@ fn c10d_hugging_face_node_lost_and_another_added_every_sample_once() {
 #[test]
 fn c10d_hugging_face_node_told_to_go_leaves_and_the_others_go_on() {
     agent_told_to_go(Cluster::hugging_face(Store::C10d, "c10d-hf-leave"), 3);
+}
+
+/// The whole job stopped (SIGTERM to every agent, as a deleted job): every rank stops at one
+/// step boundary and exits 143, rank 0's checkpoint holds the last step trained, and the same
+/// command resumes there, at the exact sample: every epoch trains each sample once, no step
+/// twice, and every rank ends with the same weights.
+#[test]
+fn c10d_hugging_face_job_stopped_checkpoints_and_resumes_at_the_exact_sample() {
+    let Some(mut c) = Cluster::hugging_face(Store::C10d, "c10d-hf-stop") else {
+        return;
+    };
+    let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
+    c.wait_for_progress(3);
+    for &a in &agents {
+        sigterm(&c.agents[a]);
+    }
+    for &a in &agents {
+        let status = c.agents[a].wait(JOB_TIMEOUT);
+        assert_eq!(
+            status.code(),
+            Some(143),
+            "agent {a} exits 143:\n{}",
+            c.agents[a].output()
+        );
+    }
+    assert_eq!(
+        c.torch_checkpoint_step(),
+        Some(c.last_recorded_step()),
+        "the checkpoint holds the last step trained"
+    );
+    c.nnodes = "3:3";
+    let outputs = c.run_again_from_the_checkpoint();
+    c.verify_end(&outputs, 3);
+    c.verify_exactly_once();
 }

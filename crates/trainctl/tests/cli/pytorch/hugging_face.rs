@@ -49,7 +49,13 @@ fn two_workers(python: &Path, dir: &Path, flags: &[&str]) -> Command {
 fn torchrun(python: &Path, dir: &Path, flags: &[&str]) -> Command {
     let mut cmd = Command::new(python);
     cmd.current_dir(dir)
-        .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ])
         .arg(fixture())
         .arg("--stock")
         .args(flags);
@@ -76,7 +82,7 @@ fn ends(stdout: &[u8]) -> Vec<String> {
 /// bit: the Trainer's own order (randperm seeded by its seed + epoch, each micro-batch split
 /// over the ranks in blocks as accelerate splits it), its loss normalised over every rank's
 /// label tokens, its clipping, its linear schedule with warmup; with gradient accumulation and
-/// DataLoader workers, and with `max_steps` ending mid-epoch.
+/// DataLoader workers, with `max_steps` ending mid-epoch, and a T5 on the Seq2SeqTrainer.
 #[test]
 fn the_converted_script_trains_as_the_stock_trainer_does() {
     let python = python_or_skip!("the_converted_script_trains_as_the_stock_trainer_does");
@@ -85,6 +91,7 @@ fn the_converted_script_trains_as_the_stock_trainer_does() {
         &["--epochs", "2"][..],
         &["--epochs", "2", "--accumulate", "2", "--workers", "1"][..],
         &["--max-steps", "5", "--average-tokens", "no"][..],
+        &["--epochs", "1", "--seq2seq"][..],
     ]
     .into_iter()
     .enumerate()
@@ -99,10 +106,16 @@ fn the_converted_script_trains_as_the_stock_trainer_does() {
         let elastic = run_ok(&mut two_workers(&python, dir.path(), &elastic_args));
         let (stock, elastic) = (ends(&stock.stdout), ends(&elastic.stdout));
         assert_eq!(stock.len(), 2, "{flags:?}: {stock:?}");
-        assert_eq!(elastic, stock, "{flags:?}: trainctl.hf against the stock Trainer");
+        assert_eq!(
+            elastic, stock,
+            "{flags:?}: trainctl.hf against the stock Trainer"
+        );
         // The job's own records: every step, and the epoch's sample digest.
         assert!(
-            dir.path().join(&elastic_out).join("local/metrics/rank-0.jsonl").is_file(),
+            dir.path()
+                .join(&elastic_out)
+                .join("local/metrics/rank-0.jsonl")
+                .is_file(),
             "{flags:?}: the job's records in OUTPUT_DIR/RUN_ID"
         );
     }
@@ -118,14 +131,26 @@ fn what_cannot_be_made_exact_is_refused_saying_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     for (flags, says) in [
         (&["--iterable"][..], "Give a map-style dataset"),
-        (&["--stock-arguments"][..], "use trainctl.hf.TrainingArguments"),
+        (
+            &["--stock-arguments"][..],
+            "use trainctl.hf.TrainingArguments",
+        ),
         (&["--drop-last"][..], "dataloader_drop_last=True"),
-        (&["--resume-from", "checkpoint-4"][..], "Drop resume_from_checkpoint"),
+        (
+            &["--resume-from", "checkpoint-4"][..],
+            "Drop resume_from_checkpoint",
+        ),
     ] {
         let out = two_workers(&python, dir.path(), flags).output().unwrap();
         let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
         assert_eq!(out.status.code(), Some(1), "{flags:?}:\n{all}");
-        assert!(all.contains("UsageError") && all.contains(says), "{flags:?}:\n{all}");
-        assert!(!all.contains("restarting"), "a refusal is never retried:\n{all}");
+        assert!(
+            all.contains("UsageError") && all.contains(says),
+            "{flags:?}:\n{all}"
+        );
+        assert!(
+            !all.contains("restarting"),
+            "a refusal is never retried:\n{all}"
+        );
     }
 }
