@@ -271,6 +271,13 @@ pub const DATASETS: [Dataset; 2] = [CIFAR10, TINY_IMAGENET];
 /// For messages.
 pub const DATASET_CHOICES: &str = "cifar10 or tiny-imagenet";
 
+/// CIFAR-10: the reference job's, every command's default.
+impl Default for Dataset {
+    fn default() -> Dataset {
+        CIFAR10
+    }
+}
+
 impl Dataset {
     /// By name or alias.
     pub fn parse(name: &str) -> Option<Dataset> {

@@ -120,7 +120,7 @@ pub struct Storage {
 #[derive(Debug, Clone, Default)]
 pub struct Data {
     /// `cifar10` or `tiny-imagenet`.
-    pub dataset: String,
+    pub dataset: contract::Dataset,
     pub dir: String,
     pub url: String,
     pub md5: String,

@@ -62,6 +62,17 @@ macro_rules! choices {
 }
 choices!(Model, Precision, Stragglers, HealthCheck);
 
+/// A data set by its name (`cifar10`), as the trainer's `--dataset` takes it.
+impl FromSetting for contract::Dataset {
+    fn read(v: &Values, key: &'static str) -> Result<Self, ConfigError> {
+        let name = v.str(key)?;
+        contract::DATASETS
+            .into_iter()
+            .find(|d| d.name == name)
+            .ok_or_else(|| v.invalid(key, format!("choose {}", contract::DATASET_CHOICES)))
+    }
+}
+
 impl FromSetting for &'static InstanceType {
     fn read(v: &Values, key: &'static str) -> Result<Self, ConfigError> {
         v.instance(key)

@@ -21,8 +21,8 @@ pub fn data_job(project: &Project, synthetic: Option<u32>) -> Manifest {
         ],
         (None, None) => {
             let mut args = vec!["data".into(), "fetch".into()];
-            if project.data.dataset != contract::CIFAR10.name {
-                args.extend(["--dataset".into(), project.data.dataset.clone()]);
+            if project.data.dataset != contract::CIFAR10 {
+                args.extend(["--dataset".into(), project.data.dataset.name.to_string()]);
             }
             args.extend([
                 "--data".into(),

@@ -196,6 +196,19 @@ impl Running {
         }
     }
 
+    /// A line satisfying `pred` among those already read, else the next one that does
+    /// ([`Self::wait_for_line`]): for lines of several processes, whose order is theirs.
+    pub(crate) fn seen_or_wait_for_line(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> String {
+        match self.seen.iter().find(|l| pred(l)) {
+            Some(line) => line.clone(),
+            None => self.wait_for_line(timeout, pred),
+        }
+    }
+
     /// Waits until the launcher has reported `n` started workers; returns `(rank, pid)`s.
     /// (stdout and stderr arrive on separate threads, so their lines may come in any order.)
     pub(crate) fn wait_for_workers(&mut self, n: usize, timeout: Duration) -> Vec<(u32, i32)> {

@@ -82,13 +82,14 @@ fn ends(stdout: &[u8]) -> Vec<String> {
 /// bit: the Trainer's own order (randperm seeded by its seed + epoch, each micro-batch split
 /// over the ranks in blocks as accelerate splits it), its loss normalised over every rank's
 /// label tokens, its clipping, its linear schedule with warmup; with gradient accumulation and
-/// DataLoader workers, with `max_steps` ending mid-epoch, and a T5 on the Seq2SeqTrainer.
+/// DataLoader workers, with `max_steps` ending mid-epoch, and a T5 on the Seq2SeqTrainer; an
+/// evaluation every epoch gives the same loss (each rank evaluates the whole set).
 #[test]
 fn the_converted_script_trains_as_the_stock_trainer_does() {
     let python = python_or_skip!("the_converted_script_trains_as_the_stock_trainer_does");
     let dir = tempfile::tempdir().unwrap();
     for (run, flags) in [
-        &["--epochs", "2"][..],
+        &["--epochs", "2", "--evaluate"][..],
         &["--epochs", "2", "--accumulate", "2", "--workers", "1"][..],
         &["--max-steps", "5", "--average-tokens", "no"][..],
         &["--epochs", "1", "--seq2seq"][..],
