@@ -153,6 +153,7 @@ class Trainer(transformers.Trainer):
         for epoch in job.epochs(schedule.epochs):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             for inputs in loader:
+                _follow_rank(self, job.rank)
                 schedule.apply(job)
                 self._micro_batch(job, inputs, (dataset, collate), epoch, trial, ignore_keys_for_eval, start)
                 if self.control.should_training_stop or schedule.done(self.state.global_step):
@@ -165,6 +166,7 @@ class Trainer(transformers.Trainer):
             if self.control.should_training_stop or schedule.done(self.state.global_step):
                 break
         job.finish()
+        _follow_rank(self, job.rank)
         return self._finalize_training(trial, len(dataset) * schedule.epochs, start)
 
     def _micro_batch(
@@ -361,6 +363,13 @@ class _world:
     def __exit__(self, *exc: Any) -> None:
         for s, saved in zip(self.states, self.saved):
             s["num_processes"] = saved
+
+
+def _follow_rank(trainer: Trainer, rank: int) -> None:
+    """accelerate's process index follows the job's rank: rank 0 saves and logs, and after its
+    node is lost another rank is 0."""
+    for state in (trainer.accelerator.state._shared_state, _partial_state()):
+        state["process_index"] = rank
 
 
 def _partial_state() -> Any:
