@@ -175,11 +175,11 @@ class Trainer(transformers.Trainer):
         """One micro-batch as the Trainer's ``_run_epoch`` trains it, inside ``job.step()``."""
         args = self.args
         with job.step() as step:
-            batches = job.step_batches()
             if step.first:
+                batches = job.step_batches()
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                self._items = self._count_items(job, batches, data)
-            self.current_gradient_accumulation_steps = len(batches)
+                self._items = self._count_items(job, inputs, batches, data)
+                self.current_gradient_accumulation_steps = len(batches)
             with _world(self, job.world_size):
                 loss = self.training_step(job.model, inputs, self._items)
             self._tr_loss = self._tr_loss + loss.detach()
@@ -209,13 +209,15 @@ class Trainer(transformers.Trainer):
     # --- its parts -------------------------------------------------------------------------
 
 
-    def _count_items(self, job: Elastic, batches: list[list[int]], data: tuple[Any, Any]) -> Any:
+    def _count_items(self, job: Elastic, first: Any, batches: list[list[int]], data: tuple[Any, Any]) -> Any:
         """``num_items_in_batch`` as the Trainer counts it (the step's label tokens, over every
         rank's micro-batches when ``average_tokens_across_devices``), or None where the Trainer
-        counts none: the step's micro-batches are collated again to count (the loader has only
-        the first one yet)."""
+        counts none. The step's first micro-batch is the loader's; the others are read and
+        collated again to count, only where the Trainer counts (it has them all at once)."""
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            return None
         dataset, collate = data
-        samples = [collate([dataset[i] for i in indices]) for indices in batches]
+        samples = [first] + [collate([dataset[i] for i in indices]) for indices in batches[1:]]
         items = self._get_num_items_in_batch(samples, self.args.device)
         if items is None or not self.args.average_tokens_across_devices or job.world_size == 1:
             return items
@@ -351,7 +353,7 @@ class _world:
     runs: the Trainer's loss normalised over every rank's tokens multiplies by it."""
 
     def __init__(self, trainer: Trainer, world_size: int):
-        self.states = [trainer.accelerator.state._shared_state, _partial_state()]
+        self.states = _accelerate_states(trainer)
         self.world_size = world_size
         self.saved: list[Any] = []
 
@@ -368,14 +370,15 @@ class _world:
 def _follow_rank(trainer: Trainer, rank: int) -> None:
     """accelerate's process index follows the job's rank: rank 0 saves and logs, and after its
     node is lost another rank is 0."""
-    for state in (trainer.accelerator.state._shared_state, _partial_state()):
+    for state in _accelerate_states(trainer):
         state["process_index"] = rank
 
 
-def _partial_state() -> Any:
+def _accelerate_states(trainer: Trainer) -> list[Any]:
+    """accelerate's shared states: the Accelerator's and the processes' (``PartialState``)."""
     from accelerate.state import PartialState
 
-    return PartialState._shared_state
+    return [trainer.accelerator.state._shared_state, PartialState._shared_state]
 
 
 def _refuse_unsupported(trainer: Trainer) -> None:

@@ -256,8 +256,9 @@ class Elastic:
         handed = self._stepper.handed
         if handed is None:
             return []
-        # The plan runs from the position every rank holds at the step's start.
-        return [m.indices for m in self._epoch.planned()[: handed.parts]]
+        planned, i = self._epoch.current
+        first = i - handed.part
+        return [m.indices for m in planned[first : first + handed.parts]]
 
     def step(self) -> Step:
         """One micro-batch: the optimizer steps at the end of a step's last one, once every

@@ -32,6 +32,8 @@ class Epoch:
         self.plan, self.state, self.place, self.stepper = plan, state, place, stepper
         self.flow, self.records, self.boundary = flow, records, boundary
         self.total = 0
+        # The plan being trained and the place in it of the micro-batch handed to the loop.
+        self.current: tuple[list[_data.Micro], int] = ([], 0)
         # The epoch under way and when it began.
         self._mark: tuple[int, float] | None = None
 
@@ -55,8 +57,9 @@ class Epoch:
             if on_plan is not None:
                 on_plan(planned)
             generation = self.place.generation
-            for micro in planned:
+            for i, micro in enumerate(planned):
                 stepper.handed = micro
+                self.current = (planned, i)
                 yield micro
                 if stepper.handed is not None:
                     raise UsageError(
