@@ -15,6 +15,7 @@ use crate::support::*;
 
 mod chaos;
 mod hugging_face;
+mod lightning;
 mod patterns;
 mod stragglers;
 mod warm;
@@ -35,15 +36,23 @@ enum Store {
 enum Program {
     /// `trainctl train`.
     Builtin,
-    /// A PyTorch program under this Python (with torch), `trainctl.torch` from the checkout:
-    /// examples/pytorch/elastic_cifar.py, or with `patterns` the loop of
-    /// fixtures/loop_patterns.py with those flags, or with `hugging_face` the Hugging Face
-    /// Trainer script of fixtures/hf_trainer.py through `trainctl.hf`.
-    PyTorch {
-        python: PathBuf,
-        patterns: Option<Vec<&'static str>>,
-        hugging_face: bool,
-    },
+    /// A PyTorch program under this Python (with torch), the package (`trainctl.torch`, `.hf`,
+    /// `.lightning`) from the checkout.
+    PyTorch { python: PathBuf, script: Script },
+}
+
+/// Which PyTorch program.
+#[derive(Clone)]
+enum Script {
+    /// examples/pytorch/elastic_cifar.py.
+    Example,
+    /// The loop of fixtures/loop_patterns.py with these flags.
+    Patterns(Vec<&'static str>),
+    /// The Hugging Face Trainer script of fixtures/hf_trainer.py through `trainctl.hf`.
+    HuggingFace,
+    /// The Lightning script of fixtures/lightning_trainer.py through `trainctl.lightning`,
+    /// with these flags.
+    Lightning(Vec<&'static str>),
 }
 
 struct Cluster {
@@ -171,21 +180,22 @@ impl Cluster {
                 .args(["--checkpoint-every", &self.checkpoint_every.to_string()])
                 .args(&self.train_args)
                 .arg("--no-eval"),
-            Program::PyTorch {
-                python,
-                patterns,
-                hugging_face,
-            } => {
-                let (program, flags) = match (patterns, hugging_face) {
-                    (_, true) => (
+            Program::PyTorch { python, script } => {
+                let (program, flags) = match script {
+                    Script::HuggingFace => (
                         "tests/cli/fixtures/hf_trainer.py",
                         vec!["--samples", "320", "--batch-size", "16"],
                     ),
-                    (None, false) => (
+                    Script::Example => (
                         "../../examples/pytorch/elastic_cifar.py",
                         vec!["--batch-size", "16", "--threads", "1", "--print-freq", "2"],
                     ),
-                    (Some(flags), false) => ("tests/cli/fixtures/loop_patterns.py", flags.clone()),
+                    Script::Patterns(flags) => {
+                        ("tests/cli/fixtures/loop_patterns.py", flags.clone())
+                    }
+                    Script::Lightning(flags) => {
+                        ("tests/cli/fixtures/lightning_trainer.py", flags.clone())
+                    }
                 };
                 let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures");
                 let mut path = testkit::python_package().into_os_string();
@@ -219,8 +229,7 @@ impl Cluster {
         let mut c = Cluster::new(store, name)?;
         c.program = Program::PyTorch {
             python,
-            patterns: None,
-            hugging_face: false,
+            script: Script::Example,
         };
         c.epochs = 12;
         Some(c)
@@ -230,24 +239,27 @@ impl Cluster {
     /// through `trainctl.hf`: `None`, after a loud message, where the Python has no
     /// transformers.
     fn hugging_face(store: Store, name: &str) -> Option<Cluster> {
+        let mut c =
+            Cluster::pytorch_script(store, name, Script::HuggingFace, "transformers, accelerate")?;
+        c.epochs = 6;
+        Some(c)
+    }
+
+    /// The PyTorch cluster running `script`: `None`, after a loud message, where the Python
+    /// cannot import `modules`.
+    fn pytorch_script(store: Store, name: &str, script: Script, modules: &str) -> Option<Cluster> {
         let mut c = Cluster::pytorch(store, name)?;
-        let Program::PyTorch {
-            python,
-            hugging_face,
-            ..
-        } = &mut c.program
-        else {
+        let Program::PyTorch { python, script: s } = &mut c.program else {
             return None;
         };
-        if !testkit::python_imports(python, "transformers, accelerate") {
+        if !testkit::python_imports(python, modules) {
             eprintln!(
-                "SKIPPED {name}: no transformers in {} (scripts/test installs it)",
+                "SKIPPED {name}: no {modules} in {} (scripts/test installs it)",
                 python.display()
             );
             return None;
         }
-        *hugging_face = true;
-        c.epochs = 6;
+        *s = script;
         Some(c)
     }
 
@@ -265,17 +277,15 @@ impl Cluster {
     fn verify_end(&self, outputs: &[String], world_size: usize) {
         match &self.program {
             Program::Builtin => self.verify_finished(outputs, world_size),
-            Program::PyTorch {
-                patterns,
-                hugging_face,
-                ..
-            } => {
-                self.verify_pytorch_finished(outputs, world_size);
-                if let Some(flags) = patterns {
-                    patterns::verify(outputs, world_size, flags);
+            Program::PyTorch { script, .. } => {
+                if let Script::Lightning(_) = script {
+                    return lightning::verify(outputs, world_size);
                 }
-                if *hugging_face {
-                    hugging_face::verify(outputs, world_size);
+                self.verify_pytorch_finished(outputs, world_size);
+                match script {
+                    Script::Patterns(flags) => patterns::verify(outputs, world_size, flags),
+                    Script::HuggingFace => hugging_face::verify(outputs, world_size),
+                    Script::Example | Script::Lightning(_) => {}
                 }
             }
         }
@@ -314,8 +324,7 @@ impl Cluster {
         let example = matches!(
             self.program,
             Program::PyTorch {
-                patterns: None,
-                hugging_face: false,
+                script: Script::Example,
                 ..
             }
         );
@@ -1503,8 +1512,8 @@ fn c10d_pytorch_agent_told_to_go_while_its_workers_start_leaves() {
     let Some(mut c) = Cluster::pytorch(Store::C10d, "c10d-py-leave-starting") else {
         return;
     };
-    if let Program::PyTorch { patterns, .. } = &mut c.program {
-        *patterns = Some(vec!["--slow-start", "20"]);
+    if let Program::PyTorch { script, .. } = &mut c.program {
+        *script = Script::Patterns(vec!["--slow-start", "20"]);
     }
     let agents: Vec<usize> = (1..=3).map(|h| c.start(h, 1)).collect();
     for &a in &agents {

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use crate::support::*;
 
 mod hugging_face;
+mod lightning;
 mod patterns;
 
 fn python_with_torch() -> Option<PathBuf> {

@@ -11,8 +11,8 @@ use super::*;
 /// The three-agent cluster running the patterns loop with `flags`.
 fn cluster(store: Store, name: &str, flags: Vec<&'static str>) -> Option<Cluster> {
     let mut c = Cluster::pytorch(store, name)?;
-    if let Program::PyTorch { patterns, .. } = &mut c.program {
-        *patterns = Some(flags);
+    if let Program::PyTorch { script, .. } = &mut c.program {
+        *script = Script::Patterns(flags);
     }
     Some(c)
 }

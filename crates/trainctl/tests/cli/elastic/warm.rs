@@ -28,9 +28,9 @@ fn joined_warm(out: &str) -> &str {
 /// `Elastic(...)`, as torch's imports and a model load): it starts warm, and the two regroup
 /// 2 → 3 in place once its workers are ready, never restarted, every image once an epoch.
 fn a_warm_joiner(mut c: Cluster, slow: Option<&'static str>) {
-    if let (Program::PyTorch { patterns, .. }, Some(slow)) = (&mut c.program, slow) {
+    if let (Program::PyTorch { script, .. }, Some(slow)) = (&mut c.program, slow) {
         // Long enough for the joiner's slow start to end while the others still train.
-        *patterns = Some(vec!["--slow-start", slow, "--step-sleep", "0.05"]);
+        *script = Script::Patterns(vec!["--slow-start", slow, "--step-sleep", "0.05"]);
         c.epochs = 30;
     }
     let first = [c.start(1, 1), c.start(2, 1)];
