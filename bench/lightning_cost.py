@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What trainctl.lightning costs a step when nothing fails: the same Lightning script (a small
 CNN on generated 32x32 images, SGD with momentum) on the stock ``lightning.pytorch.Trainer``
-and on ``trainctl.lightning``'s, each under ``trainctl run --standalone --nproc-per-node 2``,
-alternated round by round (which runs first swapping every round). A callback times the steps
-after the first few (the job's start and the first steps' allocations left out); the
-integration's scheduled checkpoint (every 100 steps, its default) falls inside the timed steps.
-Prints each round's steps/s and the medians.
+under plain torchrun and on ``trainctl.lightning``'s under ``trainctl run``, two workers each
+(``--standalone --nproc-per-node 2``), alternated round by round (which runs first swapping
+every round). A callback times the steps after the first few (the job's start and the first
+steps' allocations left out); the integration's scheduled checkpoint (every 100 steps, its
+default) falls inside the timed steps. Prints each round's steps/s and the medians.
 
 Usage: bench/lightning_cost.py [--rounds 4] [--steps 150] [--batch-size 32]
                                [--python target/pyenv/bin/python]
@@ -103,11 +103,13 @@ def main():
     with tempfile.TemporaryDirectory() as out:
         for r in range(args.rounds):
             for kind in ("stock", "elastic") if r % 2 == 0 else ("elastic", "stock"):
-                cmd = [
-                    args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--",
-                    args.python, os.path.abspath(__file__), "--worker", kind,
-                    "--out", os.path.join(out, f"{kind}-{r}"), *shape,
-                ]
+                launcher = (
+                    [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+                    if kind == "stock"
+                    else [args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--", args.python]
+                )
+                cmd = [*launcher, os.path.abspath(__file__), "--worker", kind,
+                       "--out", os.path.join(out, f"{kind}-{r}"), *shape]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if done.returncode != 0 or "STEPS_PER_S " not in done.stdout:
                     sys.exit(f"{kind} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -31,7 +31,8 @@ Refused, with what to do (``UsageError``, exit 76, never retried): a strategy ot
 (DeepSpeed, FSDP: their state is split by world size), manual optimization (several
 optimizers, or steps of your own: the boundary between steps is yours), an ``IterableDataset``,
 a custom sampler, ``drop_last``, several training dataloaders, ``limit_train_batches`` and
-``overfit_batches`` (a part of an epoch), ``use_distributed_sampler=False``. See
+``overfit_batches`` (a part of an epoch), ``use_distributed_sampler=False``, a module of the
+older ``pytorch_lightning`` package. See
 docs/LIGHTNING.md in the trainctl repository.
 """
 
@@ -107,6 +108,11 @@ class Trainer(_LightningTrainer):
 
     def fit(self, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: Any = None, ckpt_path: Any = None, weights_only: bool | None = None) -> None:
+        if any(c.__module__.startswith("pytorch_lightning") for c in type(model).__mro__):
+            raise UsageError(
+                f"{type(model).__name__} is a pytorch_lightning module: trainctl.lightning is "
+                "Lightning's unified package; import LightningModule from lightning.pytorch"
+            )
         if not model.automatic_optimization:
             raise UsageError(
                 "automatic_optimization=False: trainctl.lightning resumes at a step boundary that "
@@ -115,10 +121,9 @@ class Trainer(_LightningTrainer):
             )
         own = self._exact.folder(self.default_root_dir).newest()
         if own is not None:
-            if ckpt_path is not None:
-                say(f"resuming from the job's own checkpoint {own}, not ckpt_path={ckpt_path} (it is older)")
+            instead = f", not ckpt_path={ckpt_path} (the job trained on from there)" if ckpt_path is not None else ""
+            say(f"resuming from {own}{instead}")
             ckpt_path = own
-            say(f"resuming from {own}")
         try:
             super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
         except BaseException as e:
