@@ -14,11 +14,9 @@ The worker side of a round: lightning_cost.py --worker stock|elastic ...
 """
 import argparse
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
+
+import alternated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -97,29 +95,18 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    results = {"stock": [], "elastic": []}
     shape = ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-    with tempfile.TemporaryDirectory() as out:
-        for r in range(args.rounds):
-            for kind in ("stock", "elastic") if r % 2 == 0 else ("elastic", "stock"):
-                launcher = (
-                    [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-                    if kind == "stock"
-                    else [args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--", args.python]
-                )
-                cmd = [*launcher, os.path.abspath(__file__), "--worker", kind,
-                       "--out", os.path.join(out, f"{kind}-{r}"), *shape]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if done.returncode != 0 or "STEPS_PER_S " not in done.stdout:
-                    sys.exit(f"{kind} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-                rate = float(done.stdout.split("STEPS_PER_S ")[1].split()[0])
-                results[kind].append(rate)
-                print(f"round {r + 1} {kind:8} {rate:7.2f} steps/s", flush=True)
-    stock, elastic = statistics.median(results["stock"]), statistics.median(results["elastic"])
-    print(f"median: stock Trainer {stock:.2f} steps/s, trainctl.lightning {elastic:.2f} steps/s, "
-          f"ratio {elastic / stock:.3f}")
 
+    def command(kind, out):
+        launcher = (
+            [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            if kind == "stock"
+            else [args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--", args.python]
+        )
+        return [*launcher, os.path.abspath(__file__), "--worker", kind, "--out", out, *shape]
+
+    alternated.compare(args.rounds, ("stock", "elastic"), command,
+                       {"stock": "stock Trainer", "elastic": "trainctl.lightning"})
 
 if __name__ == "__main__":
     main()

@@ -11,11 +11,10 @@ The worker side of a round: pytorch_elastic_cost.py --worker plain|elastic ...
 """
 import argparse
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+import alternated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -85,27 +84,13 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    results = {"plain": [], "elastic": []}
-    with tempfile.TemporaryDirectory() as out:
-        for r in range(args.rounds):
-            # ABBA: each kind runs first in every other round, so that what the order costs
-            # (the second run of a pair came out slower here either way) cancels.
-            for kind in ("plain", "elastic") if r % 2 == 0 else ("elastic", "plain"):
-                cmd = [
-                    args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--",
-                    args.python, os.path.abspath(__file__), "--worker", kind,
-                    "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                    "--out", os.path.join(out, f"{kind}-{r}"),
-                ]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                rate = float(done.stdout.split("STEPS_PER_S ")[1].split()[0])
-                results[kind].append(rate)
-                print(f"round {r + 1} {kind:8} {rate:7.2f} steps/s", flush=True)
-    plain, elastic = statistics.median(results["plain"]), statistics.median(results["elastic"])
-    print(f"median: plain DDP {plain:.2f} steps/s, trainctl.torch {elastic:.2f} steps/s, "
-          f"ratio {elastic / plain:.3f}")
+    def command(kind, out):
+        return [args.trainctl, "run", "--standalone", "--nproc-per-node", "2", "--",
+                args.python, os.path.abspath(__file__), "--worker", kind,
+                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--out", out]
 
+    alternated.compare(args.rounds, ("plain", "elastic"), command,
+                       {"plain": "plain DDP", "elastic": "trainctl.torch"})
 
 if __name__ == "__main__":
     main()

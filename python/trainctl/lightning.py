@@ -43,7 +43,6 @@ import fcntl
 import os
 import re
 import sys
-import zlib
 from typing import Any, Iterator
 
 import torch
@@ -52,12 +51,13 @@ from lightning.pytorch import Trainer as _LightningTrainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .sampler import Shard, digest
 from .torch import DivergedError, UsageError
+from .torch._check import fingerprint
 from .torch._group import _route_interface
+from .torch._state import write_atomically
 
 EXIT_STOPPED = 143
 """A worker stopped by SIGTERM, its step checkpointed: what ``trainctl run`` expects of one."""
@@ -333,9 +333,7 @@ class _Exact(Callback):
                 f"{trainer.global_rank}, with training not over; the job stops"
             )
         mine = digest(s.trained(self.batches))
-        crc = 0
-        for p in pl_module.parameters():
-            crc = zlib.crc32(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+        crc = fingerprint(pl_module)
         row = torch.tensor([mine & 0xFFFFFFFF, mine >> 32, crc], dtype=torch.int64)
         rows = [row]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -363,9 +361,8 @@ def _max_steps_reached(trainer: Any) -> bool:
 
 
 class _Folder:
-    """The job's checkpoints: ``step-SSSSSSSSSS-rank-R.ckpt``, each written atomically (a
-    temporary file, synced, renamed, the folder synced; torch's zip format checksums each
-    record), the newest step kept. Two ranks may write a step: rank 0's copy (its BatchNorm
+    """The job's checkpoints: ``step-SSSSSSSSSS-rank-R.ckpt``, each written atomically
+    (``write_atomically``), the newest step kept. Two ranks may write a step: rank 0's copy (its BatchNorm
     statistics are the ones DDP spreads) is read first."""
 
     NAME = re.compile(r"^step-(\d{10})-rank-(\d+)\.ckpt$")
@@ -397,18 +394,7 @@ class _Folder:
             held = self.held()
             if held and held[-1] >= (step, -rank):
                 return False
-            final = self.name(step, rank)
-            tmp = f"{final}.tmp.{os.getpid()}"
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_atomically(self.name(step, rank), checkpoint)
             for old_step, old_rank in held:
                 if old_step < step:
                     os.remove(self.name(old_step, -old_rank))

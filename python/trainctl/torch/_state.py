@@ -173,17 +173,7 @@ class TrainingState:
             return True
 
     def _write(self, path: str) -> None:
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            torch.save(self.saved(False), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dirfd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        write_atomically(path, self.saved(False))
 
     def read_checkpoint(self, path: str) -> bool:
         """Loads ``path`` when it exists; a file that is not the package's is refused, saying
@@ -206,6 +196,22 @@ class TrainingState:
         p = self.progress
         say(f"resuming from {path}: epoch {p.epoch + 1}, step {p.global_step}")
         return True
+
+
+def write_atomically(path: str, saved: Any) -> None:
+    """``torch.save(saved)`` to ``path``, whole or not at all: a temporary file beside it,
+    synced, renamed over it, the folder synced (torch's zip format checksums each record)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(saved, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dirfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
 
 
 def saved_step(path: str) -> int | None:

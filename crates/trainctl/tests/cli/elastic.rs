@@ -771,6 +771,31 @@ fn etcd_a_rank_0_node_cut_off_as_the_job_ends_does_not_save_over_the_job() {
 }
 
 /// SIGTERM, as Kubernetes sends a pod it deletes (drain, eviction, spot interruption).
+/// A framework script's end lines (`MARKER R world W ...`, cut before `stop` where given):
+/// one a rank, every one alike past the rank, at `world_size`, and no refusal or divergence.
+fn verify_rank_ends(outputs: &[String], world_size: usize, marker: &str, stop: Option<&str>) {
+    let all = outputs.join("\n");
+    let ends: Vec<&str> = all
+        .lines()
+        .filter_map(|l| {
+            let end = l.split(marker).nth(1)?;
+            // Past the rank.
+            let (_, rest) = end.split_once(' ')?;
+            Some(stop.map_or(rest, |s| rest.split(s).next().unwrap_or(rest)))
+        })
+        .collect();
+    assert_eq!(ends.len(), world_size, "an end line per rank:\n{all}");
+    assert!(
+        ends.iter()
+            .all(|e| e == &ends[0] && e.starts_with(&format!("world {world_size} "))),
+        "every rank ends with the same weights, step and learning rate: {ends:#?}\n{all}"
+    );
+    assert!(
+        !all.contains("DivergedError") && !all.contains("UsageError"),
+        "{all}"
+    );
+}
+
 fn sigterm(agent: &Running) {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(agent.pid()),

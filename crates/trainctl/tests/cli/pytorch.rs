@@ -4,7 +4,8 @@
 //! Without one the test says so loudly and passes, since PyTorch is a multi-GB download that the
 //! default suite does not make.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::support::*;
 
@@ -14,6 +15,91 @@ mod patterns;
 
 fn python_with_torch() -> Option<PathBuf> {
     testkit::python_with_torch()
+}
+
+// What the framework integrations' tests (`hugging_face`, `lightning`) share: each runs a
+// fixture script stock under plain torchrun and converted under `trainctl run`.
+
+/// A Python with torch that imports `modules` (a framework's), or `None` after a loud skip
+/// naming `test`.
+fn python_importing(modules: &str, test: &str) -> Option<PathBuf> {
+    let python = testkit::python_with_torch().filter(|p| testkit::python_imports(p, modules));
+    if python.is_none() {
+        eprintln!(
+            "SKIPPED {test}: no Python with torch and {modules} (scripts/test installs them; or set TRAINCTL_TEST_PYTHON)"
+        );
+    }
+    python
+}
+
+fn fixture(script: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/cli/fixtures")
+        .join(script)
+}
+
+/// The fixture `script` on two local workers under `trainctl run` (one restart allowed), in
+/// `dir`, the package from the checkout.
+fn on_two_workers(python: &Path, dir: &Path, script: &str, flags: &[&str]) -> Command {
+    let mut cmd = trainctl();
+    cmd.current_dir(dir)
+        .env("PYTHONPATH", testkit::python_package())
+        .args(["run", "--standalone", "--nproc-per-node", "2"])
+        .args(["--max-restarts", "1", "--"])
+        .arg(python)
+        .arg(fixture(script))
+        .args(flags);
+    cmd
+}
+
+/// The fixture `script`, `--stock`, under plain torchrun (torch's own launcher), two workers,
+/// in `dir`.
+fn under_torchrun(python: &Path, dir: &Path, script: &str, flags: &[&str]) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.current_dir(dir)
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ])
+        .arg(fixture(script))
+        .arg("--stock")
+        .args(flags);
+    cmd
+}
+
+/// Every rank's end line, `rank R ...` after `marker` up to `last` and the 8 hex digits after
+/// it, sorted by rank. (torchrun's workers share one pipe, and their lines may run into each
+/// other.)
+fn rank_ends(output: &str, marker: &str, last: &str) -> Vec<String> {
+    let mut ends: Vec<String> = output
+        .split(marker)
+        .skip(1)
+        .filter_map(|rest| {
+            let (head, crc) = rest.split_once(last)?;
+            Some(format!("rank {head}{last}{}", crc.get(..8)?))
+        })
+        .collect();
+    ends.sort();
+    ends
+}
+
+/// `cmd` (a fixture with `flags`) is refused before it trains: exit 1, a UsageError saying
+/// `says`, never restarted.
+fn assert_refused(cmd: &mut Command, flags: &[&str], says: &str) {
+    let out = cmd.output().unwrap();
+    let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{flags:?}:\n{all}");
+    assert!(
+        all.contains("UsageError") && all.contains(says),
+        "{flags:?}:\n{all}"
+    );
+    assert!(
+        !all.contains("restarting"),
+        "a refusal is never retried:\n{all}"
+    );
 }
 
 #[test]

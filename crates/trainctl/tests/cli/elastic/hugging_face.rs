@@ -9,25 +9,7 @@ use super::*;
 
 /// Every rank's `HF rank R world W steps G lr L weights CRC` alike, at `world_size`.
 pub(super) fn verify(outputs: &[String], world_size: usize) {
-    let all = outputs.join("\n");
-    let ends: Vec<String> = all
-        .lines()
-        .filter_map(|l| {
-            let end = l.split("HF rank ").nth(1)?;
-            // Past the rank: `world W steps G lr L weights CRC`.
-            end.split_once(' ').map(|(_, rest)| rest.to_string())
-        })
-        .collect();
-    assert_eq!(ends.len(), world_size, "an HF line per rank:\n{all}");
-    assert!(
-        ends.iter()
-            .all(|e| e == &ends[0] && e.starts_with(&format!("world {world_size} "))),
-        "every rank ends with the same weights, step and learning rate: {ends:#?}\n{all}"
-    );
-    assert!(
-        !all.contains("DivergedError") && !all.contains("UsageError"),
-        "{all}"
-    );
+    verify_rank_ends(outputs, world_size, "HF rank ", None);
 }
 
 #[test]

@@ -13,25 +13,7 @@ use super::*;
 /// world, step, learning rate and weights (the buffers, BatchNorm's statistics, are each
 /// rank's own).
 pub(super) fn verify(outputs: &[String], world_size: usize) {
-    let all = outputs.join("\n");
-    let ends: Vec<&str> = all
-        .lines()
-        .filter_map(|l| {
-            let end = l.split("LIGHTNING rank ").nth(1)?;
-            let (_, rest) = end.split_once(' ')?;
-            rest.split(" buffers ").next()
-        })
-        .collect();
-    assert_eq!(ends.len(), world_size, "a LIGHTNING line per rank:\n{all}");
-    assert!(
-        ends.iter()
-            .all(|e| e == &ends[0] && e.starts_with(&format!("world {world_size} "))),
-        "every rank ends with the same weights, step and learning rate: {ends:#?}\n{all}"
-    );
-    assert!(
-        !all.contains("DivergedError") && !all.contains("UsageError"),
-        "{all}"
-    );
+    verify_rank_ends(outputs, world_size, "LIGHTNING rank ", Some(" buffers "));
 }
 
 const SAMPLES: u64 = 192;

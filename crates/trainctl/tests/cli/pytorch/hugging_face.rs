@@ -6,76 +6,13 @@
 //! refused at once, saying what to do. (The script through kills and leaves:
 //! `elastic::hugging_face`.)
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use super::*;
 
-use crate::support::*;
+const SCRIPT: &str = "hf_trainer.py";
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/cli/fixtures/hf_trainer.py")
-}
-
-/// A Python with torch and transformers, or a loud skip.
-macro_rules! python_or_skip {
-    ($name:expr) => {
-        match testkit::python_with_torch()
-            .filter(|p| testkit::python_imports(p, "transformers, accelerate"))
-        {
-            Some(p) => p,
-            None => {
-                eprintln!(
-                    "SKIPPED {}: no Python with torch and transformers (scripts/test installs them; or set TRAINCTL_TEST_PYTHON)",
-                    $name
-                );
-                return;
-            }
-        }
-    };
-}
-
-/// The script on two local workers under `trainctl run`, in `dir`.
-fn two_workers(python: &Path, dir: &Path, flags: &[&str]) -> Command {
-    let mut cmd = trainctl();
-    cmd.current_dir(dir)
-        .env("PYTHONPATH", testkit::python_package())
-        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
-        .arg(python)
-        .arg(fixture())
-        .args(flags);
-    cmd
-}
-
-/// The stock script under plain torchrun (torch's own launcher), two workers, in `dir`.
-fn torchrun(python: &Path, dir: &Path, flags: &[&str]) -> Command {
-    let mut cmd = Command::new(python);
-    cmd.current_dir(dir)
-        .args([
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-        ])
-        .arg(fixture())
-        .arg("--stock")
-        .args(flags);
-    cmd
-}
-
-/// Every rank's `HF rank R world W steps G lr L weights CRC`, sorted by rank. (torchrun's
-/// workers share one pipe, and their lines may run into each other.)
+/// Every rank's `HF rank R world W steps G lr L weights CRC`, sorted by rank.
 fn ends(stdout: &[u8]) -> Vec<String> {
-    let all = text(stdout);
-    let mut ends: Vec<String> = all
-        .split("HF rank ")
-        .skip(1)
-        .filter_map(|rest| {
-            let (head, crc) = rest.split_once(" weights ")?;
-            Some(format!("rank {head} weights {}", crc.get(..8)?))
-        })
-        .collect();
-    ends.sort();
-    ends
+    rank_ends(&text(stdout), "HF rank ", " weights ")
 }
 
 /// With nothing failing, the converted script trains what the stock Trainer trains, bit for
@@ -86,7 +23,12 @@ fn ends(stdout: &[u8]) -> Vec<String> {
 /// evaluation every epoch gives the same loss (each rank evaluates the whole set).
 #[test]
 fn the_converted_script_trains_as_the_stock_trainer_does() {
-    let python = python_or_skip!("the_converted_script_trains_as_the_stock_trainer_does");
+    let Some(python) = python_importing(
+        "transformers, accelerate",
+        "the_converted_script_trains_as_the_stock_trainer_does",
+    ) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     for (run, flags) in [
         &["--epochs", "2", "--evaluate"][..],
@@ -103,8 +45,18 @@ fn the_converted_script_trains_as_the_stock_trainer_does() {
         stock_args.extend(["--out", &stock_out]);
         let mut elastic_args = flags.to_vec();
         elastic_args.extend(["--out", &elastic_out]);
-        let stock = run_ok(&mut torchrun(&python, dir.path(), &stock_args));
-        let elastic = run_ok(&mut two_workers(&python, dir.path(), &elastic_args));
+        let stock = run_ok(&mut under_torchrun(
+            &python,
+            dir.path(),
+            SCRIPT,
+            &stock_args,
+        ));
+        let elastic = run_ok(&mut on_two_workers(
+            &python,
+            dir.path(),
+            SCRIPT,
+            &elastic_args,
+        ));
         let (stock, elastic) = (ends(&stock.stdout), ends(&elastic.stdout));
         assert_eq!(stock.len(), 2, "{flags:?}: {stock:?}");
         assert_eq!(
@@ -128,7 +80,12 @@ fn the_converted_script_trains_as_the_stock_trainer_does() {
 /// dropped last batch; and the Trainer's own checkpoints, which resume by a count of batches.
 #[test]
 fn what_cannot_be_made_exact_is_refused_saying_what_to_do() {
-    let python = python_or_skip!("what_cannot_be_made_exact_is_refused_saying_what_to_do");
+    let Some(python) = python_importing(
+        "transformers, accelerate",
+        "what_cannot_be_made_exact_is_refused_saying_what_to_do",
+    ) else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     for (flags, says) in [
         (&["--iterable"][..], "Give a map-style dataset"),
@@ -142,16 +99,10 @@ fn what_cannot_be_made_exact_is_refused_saying_what_to_do() {
             "Drop resume_from_checkpoint",
         ),
     ] {
-        let out = two_workers(&python, dir.path(), flags).output().unwrap();
-        let all = format!("{}{}", text(&out.stdout), text(&out.stderr));
-        assert_eq!(out.status.code(), Some(1), "{flags:?}:\n{all}");
-        assert!(
-            all.contains("UsageError") && all.contains(says),
-            "{flags:?}:\n{all}"
-        );
-        assert!(
-            !all.contains("restarting"),
-            "a refusal is never retried:\n{all}"
+        assert_refused(
+            &mut on_two_workers(&python, dir.path(), SCRIPT, flags),
+            flags,
+            says,
         );
     }
 }
