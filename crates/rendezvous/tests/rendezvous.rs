@@ -122,6 +122,55 @@ fn a_join_that_cannot_complete_times_out_with_what_to_do() {
     assert!(err.contains("--rdzv-endpoint"), "{err}");
 }
 
+/// A store that closes the connection before answering (a job's store as its host shuts
+/// down) is waited on like a store not there yet, not named a foreign program: here the
+/// endpoint's first two connections are dropped unanswered, then a store is hosted there and
+/// the agent joins it.
+#[test]
+fn a_store_that_closes_before_answering_is_waited_for_not_called_foreign() {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut cfg = config("closing");
+    cfg.is_host = Some(false);
+    cfg.token = "t".into();
+    let (run_id, token) = (cfg.run_id.clone(), cfg.token.clone());
+    let kind = BackendKind::C10d {
+        host: "127.0.0.1".into(),
+        port: addr.port(),
+    };
+    let agent = std::thread::spawn(move || Rendezvous::open(cfg, &kind, 1, None).map(|_| ()));
+    // The next connection within 10 s; none when the agent gave up.
+    let accept = || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => break Some(stream),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(_) => break None,
+            }
+        }
+    };
+    // One closed after its hello is read (end of stream), one reset (its hello unread).
+    if let Some(mut first) = accept() {
+        first.set_nonblocking(false).unwrap();
+        let _ = first.read(&mut [0u8; 64]);
+        drop(first);
+        if let Some(second) = accept() {
+            std::thread::sleep(Duration::from_millis(100));
+            drop(second);
+        }
+    }
+    drop(listener);
+    let _server = collective::store::StoreServer::bind(addr, &run_id, &token).unwrap();
+    if let Err(e) = agent.join().unwrap() {
+        panic!("the agent gave up on a store that was closing: {e}");
+    }
+}
+
 #[test]
 fn a_garbage_record_is_refused_not_trusted() {
     let etcd = testkit::EtcdServer::start();

@@ -76,6 +76,12 @@ impl C10d {
                     collective::CollectiveError::Connect { last_error, .. } => self.error(format!(
                         "no store answers ({last_error}): start the agent on the endpoint's host, which hosts the c10d store, or check --rdzv-endpoint"
                     )),
+                    // Closed during the handshake: what a trainctl store does as its job
+                    // ends (its host's listener goes with the connections it had not yet
+                    // served). Worth waiting on, as for a store not there yet.
+                    e if closed_by_peer(&e) => self.error(format!(
+                        "the store closed the connection before answering ({e}): it may be shutting down as its job ends, or restarting"
+                    )),
                     // Connected, but the handshake failed without a trainctl store's refusal:
                     // another program holds the port.
                     e @ (collective::CollectiveError::Wire(_)
@@ -116,6 +122,25 @@ impl C10d {
             self.alive.clear();
             self.error(e)
         })
+    }
+}
+
+/// Whether a handshake failed because the peer closed or reset the connection: a store that
+/// goes away does this; a foreign program answers with bytes that are not ours, or not at all.
+fn closed_by_peer(e: &collective::CollectiveError) -> bool {
+    use collective::CollectiveError as C;
+    use collective::wire::WireError as W;
+    use std::io::ErrorKind as K;
+    let closed = |io: &std::io::Error| {
+        matches!(
+            io.kind(),
+            K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::UnexpectedEof
+        )
+    };
+    match e {
+        C::Wire(W::Truncated) | C::PeerLost(_) => true,
+        C::Wire(W::Io(io)) | C::Io(io) => closed(io),
+        _ => false,
     }
 }
 
