@@ -138,7 +138,7 @@ fn closed_by_peer(e: &collective::CollectiveError) -> bool {
         )
     };
     match e {
-        C::Wire(W::Truncated) | C::PeerLost(_) => true,
+        C::Wire(W::Truncated) => true,
         C::Wire(W::Io(io)) | C::Io(io) => closed(io),
         _ => false,
     }
