@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
+use collective::regroup::Failure;
 use collective::store::{StoreClient, StoreServer};
 use collective::wire::{Hello, Role};
 
@@ -76,11 +77,13 @@ impl C10d {
                     collective::CollectiveError::Connect { last_error, .. } => self.error(format!(
                         "no store answers ({last_error}): start the agent on the endpoint's host, which hosts the c10d store, or check --rdzv-endpoint"
                     )),
-                    // Closed during the handshake: what a trainctl store does as its job
-                    // ends (its host's listener goes with the connections it had not yet
-                    // served). Worth waiting on, as for a store not there yet.
-                    e if closed_by_peer(&e) => self.error(format!(
-                        "the store closed the connection before answering ({e}): it may be shutting down as its job ends, or restarting"
+                    e @ collective::CollectiveError::Refused(_) => self.error(e),
+                    // Closed or reset during the handshake: what a trainctl store does as its
+                    // job ends (its host's listener goes with the connections it had not yet
+                    // served). Worth waiting on, as for a store not there yet; a foreign
+                    // program answers with bytes that are not ours, or not at all.
+                    e if Failure::of(&e) == Failure::PeerLost => self.error(format!(
+                        "the store closed the connection before answering ({e}): it may be shutting down as its job ends, or restarting; if the job is over there is nothing to join, else check --rdzv-endpoint"
                     )),
                     // Connected, but the handshake failed without a trainctl store's refusal:
                     // another program holds the port.
@@ -122,25 +125,6 @@ impl C10d {
             self.alive.clear();
             self.error(e)
         })
-    }
-}
-
-/// Whether a handshake failed because the peer closed or reset the connection: a store that
-/// goes away does this; a foreign program answers with bytes that are not ours, or not at all.
-fn closed_by_peer(e: &collective::CollectiveError) -> bool {
-    use collective::CollectiveError as C;
-    use collective::wire::WireError as W;
-    use std::io::ErrorKind as K;
-    let closed = |io: &std::io::Error| {
-        matches!(
-            io.kind(),
-            K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe | K::UnexpectedEof
-        )
-    };
-    match e {
-        C::Wire(W::Truncated) => true,
-        C::Wire(W::Io(io)) | C::Io(io) => closed(io),
-        _ => false,
     }
 }
 
